@@ -1,0 +1,104 @@
+"""The small protocol every runtime implements.
+
+A *runtime* builds an engine folder for a target from a model and loads it back as an
+*engine*. An engine knows its inputs, runs feeds, times one run, and (where the
+runtime can) times each node. ``onnxruntime``, ``torch`` (AOTInductor) and
+``tensorrt`` live in their own modules and are imported only there, so the package
+imports without them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from edgekit.errors import BadInputError
+from edgekit.sources.handle import InputSpec
+
+
+@dataclass
+class NodeTiming:
+    """Time of one node (ONNX node, TensorRT layer, or compiled kernel) per inference."""
+
+    name: str
+    op_type: str
+    time_ms: float
+    share: float = 0.0  # of the summed node time
+    precision: str = "fp32"  # "int8", "int4", "fp16", "bf16", "fp32", ...
+    quantized: bool = False  # runs in integer arithmetic (or reads integer weights)
+    calls: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BuildOptions:
+    """Settings common to engine builds; runtimes read the ones they understand."""
+
+    precision: str = "fp32"
+    threads: int | None = None  # intra-op threads; None = all cores
+    optimization_level: str = "all"  # onnxruntime: disable|basic|extended|all
+    runtime: str | None = None  # None: the target's first available runtime
+    batch: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    runtime: str
+    inputs: list[InputSpec]
+    outputs: list[str]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+    def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
+        """Latency of one inference in milliseconds (device time where it applies)."""
+        ...
+
+    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]: ...
+
+    def close(self) -> None: ...
+
+
+class Runtime(Protocol):
+    name: str
+
+    def available(self) -> tuple[bool, str]:
+        """(usable here, why not)."""
+        ...
+
+    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+        """Write the engine's files into ``out_dir`` (a staged folder); return the
+        manifest fields: ``files``, ``config`` (settings to record), ``metrics``."""
+        ...
+
+    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> Engine: ...
+
+
+def host_timed_run(engine: Engine, feeds: dict[str, np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    engine.run(feeds)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def check_feeds(inputs: list[InputSpec], feeds: dict[str, np.ndarray]) -> None:
+    """Polygraphy-style feed check: names, dtypes and static dims, expected versus got."""
+    want = {s.name: s for s in inputs}
+    missing = sorted(set(want) - set(feeds))
+    extra = sorted(set(feeds) - set(want))
+    if missing or extra:
+        raise BadInputError(f"input names {sorted(feeds)} do not match the model's {sorted(want)}"
+                            + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else ""))
+    for name, spec in want.items():
+        arr = feeds[name]
+        if str(arr.dtype) != spec.dtype:
+            raise BadInputError(f"input {name!r} has dtype {arr.dtype}; the model expects {spec.dtype}")
+        if len(arr.shape) != len(spec.shape) or any(
+            isinstance(d, int) and d != a for d, a in zip(spec.shape, arr.shape)
+        ):
+            raise BadInputError(f"input {name!r} has shape {tuple(arr.shape)}; the model expects "
+                                f"{tuple(spec.shape)}")

@@ -1,0 +1,130 @@
+"""The model record that flows between steps: ``ModelHandle``.
+
+Every model source (zoo name, entry point, Hugging Face folder, GGUF, ``.pt2``,
+``.onnx``, a previous step's output folder) yields a ``ModelHandle``. Its ``module``
+is always a plain ``nn.Module`` whose ``forward`` takes the tensors named in
+``inputs`` positionally, in that order, and returns one tensor or a tuple of tensors
+named by ``outputs``. Wrappers (e.g. around Hugging Face models) make that so, so
+export, parity, compression and runtimes never special-case a model family.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Task kinds: decide default data, evaluation and how compression steps find layers.
+KINDS = ("image-classifier", "causal-lm", "text-encoder", "generic")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input. ``shape`` entries are ints or names of dynamic axes ("batch")."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str = "float32"  # numpy dtype name
+
+    def concrete_shape(self, batch: int = 1, **dims: int) -> tuple[int, ...]:
+        out = []
+        for d in self.shape:
+            if isinstance(d, int):
+                out.append(d)
+            elif d == "batch":
+                out.append(batch)
+            elif d in dims:
+                out.append(dims[d])
+            else:
+                out.append(1)
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InputSpec:
+        return cls(d["name"], tuple(d["shape"]), d.get("dtype", "float32"))
+
+
+@dataclass
+class StepRecord:
+    """One applied compression step: registry name, config (as a dict) and what it
+    learned that is needed to rebuild or export the model (kept layers, layouts...)."""
+
+    name: str
+    config: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelHandle:
+    """A loaded model and everything edgekit knows about it.
+
+    Attributes:
+        name: display name ("efficientnet-lite0").
+        source: the spec that reloads the *base* model (zoo name, path, "pkg.mod:fn").
+        kind: one of KINDS.
+        module: the PyTorch model (None for an ONNX-only source).
+        onnx_path: set when the model is an ONNX file (external, or exported).
+        inputs / outputs: the I/O contract of ``module`` and of the ONNX graph.
+        make_inputs: ``make_inputs(batch, **dims) -> dict[name, np.ndarray]`` real or
+            realistic sample inputs (a real image, a real sentence), used for export
+            tracing, parity and profiling.
+        prepare: maps raw samples from a data source (list of HWC uint8 images, or a
+            text string) to model inputs ``dict[name, np.ndarray]`` with a leading
+            sample axis. None when the model takes arrays as they come.
+        default_calib / default_eval / default_train: data specs (see sources.data).
+        evaluator: the name of the evaluation in ``edgekit.evaluate`` that fits it.
+        tokenizer: for text models.
+        dynamic_axes: input/output name -> {axis index: axis name}, for export.
+        steps: compression steps applied so far (the chain the artifact records).
+        extra: free-form facts (e.g. "num_classes", "labels", "hf_config").
+    """
+
+    name: str
+    source: str
+    kind: str = "generic"
+    module: Any = None  # torch.nn.Module; typed Any so the package imports without torch
+    onnx_path: Path | None = None
+    inputs: list[InputSpec] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=lambda: ["output"])
+    make_inputs: Callable[..., dict[str, np.ndarray]] | None = None
+    prepare: Callable[[Any], dict[str, np.ndarray]] | None = None
+    default_calib: str | None = None
+    default_eval: str | None = None
+    default_train: str | None = None
+    evaluator: str | None = None
+    tokenizer: Any = None
+    dynamic_axes: dict[str, dict[int, str]] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def sample_inputs(self, batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
+        """Inputs for tracing, parity and timing: the model's own realistic ones when it
+        has them, else deterministic random values of the declared shapes and dtypes."""
+        if self.make_inputs is not None:
+            return self.make_inputs(batch, **dims)
+        return random_inputs(self.inputs, batch, **dims)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "kind": self.kind,
+                "inputs": [i.to_dict() for i in self.inputs], "outputs": list(self.outputs),
+                "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in self.dynamic_axes.items()}}
+
+
+def random_inputs(specs: list[InputSpec], batch: int = 1, seed: int = 0, **dims: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for s in specs:
+        shape = s.concrete_shape(batch, **dims)
+        dt = np.dtype(s.dtype)
+        if dt.kind in "iu":
+            out[s.name] = rng.integers(0, 100, size=shape).astype(dt)
+        elif dt.kind == "b":
+            out[s.name] = np.ones(shape, dtype=dt)
+        else:
+            out[s.name] = rng.standard_normal(shape).astype(dt)
+    return out

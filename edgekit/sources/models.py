@@ -1,0 +1,199 @@
+"""Model sources: turn a spec string into a ``ModelHandle``, all offline.
+
+A spec is, in the order tried:
+  * a previous step's output folder (has ``manifest.json``): a compressed model is
+    rebuilt from its base model and its step chain; an ONNX artifact loads its graph;
+  * a ``.onnx`` file (goes straight to build);
+  * a ``.pt2`` file from ``torch.export.save``;
+  * a ``.gguf`` file, or a local Hugging Face folder (``config.json``), via transformers
+    with ``HF_HUB_OFFLINE=1``;
+  * a Python entry point ``package.module:factory``;
+  * a built-in name (``edgekit zoo`` lists them).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.handle import InputSpec, ModelHandle
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
+    """Load a model from any supported source.
+
+    >>> handle = load_model("efficientnet-lite0")  # doctest: +SKIP
+    >>> handle.inputs[0].shape
+    ('batch', 3, 224, 224)
+    """
+    if isinstance(spec, ModelHandle):
+        return spec
+    text = str(spec)
+    path = Path(text)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        return _load_artifact(path)
+    if text.endswith(".onnx"):
+        return load_onnx_file(path)
+    if text.endswith(".pt2"):
+        return _load_pt2(path)
+    if text.endswith(".gguf"):
+        from edgekit.sources import hf
+
+        _require_file(path)
+        return hf.load_hf(path.parent, gguf_file=path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            from edgekit.sources import hf
+
+            return hf.load_hf(path)
+        raise BadInputError(f"{text} is a folder but neither an edgekit output (manifest.json) "
+                            "nor a Hugging Face model (config.json)")
+    if _ENTRY_POINT.match(text):
+        return _load_entry_point(text)
+    from edgekit.sources.zoo import ZOO, load_zoo_model
+
+    if text in ZOO:
+        return load_zoo_model(text)
+    if "/" in text or "\\" in text or "." in Path(text).name:
+        raise BadInputError(f"model file {text!r} does not exist")
+    raise bad_choice("model", text, ZOO)
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise BadInputError(f"model file {str(path)!r} does not exist")
+
+
+def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> ModelHandle:
+    """An ONNX file as a handle: checked, its inputs and outputs read from the graph."""
+    import onnx
+
+    path = Path(path)
+    _require_file(path)
+    try:
+        # Load without external data: the checker and I/O reading need only the graph.
+        model = onnx.load(str(path), load_external_data=False)
+        onnx.checker.check_model(model if path.stat().st_size < 2**31 else str(path))
+    except Exception as e:  # onnx raises DecodeError, ValidationError, ...; all mean "corrupt"
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInputError(f"{path} is not a valid ONNX model: {msg}") from None
+    init_names = {i.name for i in model.graph.initializer}
+    inputs, dyn = [], {}
+    for vi in model.graph.input:
+        if vi.name in init_names:
+            continue
+        tt = vi.type.tensor_type
+        shape: list[int | str] = []
+        for ax, d in enumerate(tt.shape.dim):
+            if d.HasField("dim_value"):
+                shape.append(int(d.dim_value))
+            else:
+                axis_name = d.dim_param or f"dim{ax}"
+                if ax == 0 and axis_name not in ("batch",):
+                    axis_name = "batch" if axis_name in ("N", "batch_size", "unk__0", "dim0") else axis_name
+                shape.append(axis_name)
+                dyn.setdefault(vi.name, {})[ax] = axis_name
+        inputs.append(InputSpec(vi.name, tuple(shape), _onnx_dtype(tt.elem_type)))
+    outputs = [o.name for o in model.graph.output]
+    return ModelHandle(name=name or path.stem, source=str(path), kind="generic", onnx_path=path,
+                       inputs=inputs, outputs=outputs, dynamic_axes=dyn)
+
+
+def _onnx_dtype(elem_type: int) -> str:
+    import onnx
+
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except Exception:
+        return "float32"
+
+
+def _load_pt2(path: Path) -> ModelHandle:
+    import torch
+
+    _require_file(path)
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as e:
+        raise BadInputError(f"{path} is not a loadable torch.export program: {str(e).splitlines()[0]}") from None
+    args, kwargs = ep.example_inputs if ep.example_inputs is not None else ((), {})
+    if kwargs or not args:
+        raise BadInputError(f"{path} has no positional example inputs saved; re-export with example args")
+    names = [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
+    specs = [InputSpec(n, ("batch", *tuple(a.shape[1:])), str(a.numpy().dtype)) for n, a in zip(names, args)]
+    example = {n: a.detach().numpy() for n, a in zip(names, args)}
+
+    def make_inputs(batch: int = 1, **_: int) -> dict[str, Any]:
+        import numpy as np
+
+        return {k: np.repeat(v[:1], batch, axis=0) for k, v in example.items()}
+
+    return ModelHandle(name=path.stem, source=str(path), module=ep.module(), inputs=specs,
+                       make_inputs=make_inputs, dynamic_axes={n: {0: "batch"} for n in names})
+
+
+def _load_entry_point(spec: str) -> ModelHandle:
+    """``package.module:factory``; the factory returns a ModelHandle, or an nn.Module with
+    an ``example_inputs`` attribute (tuple of tensors), or ``(module, example_inputs)``."""
+    import torch
+
+    mod_name, fn_name = spec.split(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise BadInputError(f"cannot load entry point {spec!r}: {e}") from None
+    obj = fn()
+    if isinstance(obj, ModelHandle):
+        if not obj.source:
+            obj.source = spec
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], torch.nn.Module):
+        module, example = obj
+    elif isinstance(obj, torch.nn.Module) and hasattr(obj, "example_inputs"):
+        module = obj
+        example = obj.example_inputs() if callable(obj.example_inputs) else obj.example_inputs
+    else:
+        raise BadInputError(f"entry point {spec!r} returned {type(obj).__name__}; expected a ModelHandle, "
+                            "an nn.Module with example_inputs, or (module, example_inputs)")
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    example = tuple(example)
+    names = ["input"] if len(example) == 1 else [f"input_{i}" for i in range(len(example))]
+    specs = [InputSpec(n, ("batch", *tuple(t.shape[1:])), str(t.numpy().dtype)) for n, t in zip(names, example)]
+    arrays = {n: t.detach().numpy() for n, t in zip(names, example)}
+
+    def make_inputs(batch: int = 1, **_: int) -> dict[str, Any]:
+        import numpy as np
+
+        return {k: np.repeat(v[:1], batch, axis=0) for k, v in arrays.items()}
+
+    module.eval()
+    return ModelHandle(name=fn_name, source=spec, module=module, inputs=specs, make_inputs=make_inputs,
+                       dynamic_axes={n: {0: "batch"} for n in names})
+
+
+def _load_artifact(folder: Path) -> ModelHandle:
+    from edgekit.artifact import read_manifest
+
+    manifest = read_manifest(folder)
+    if manifest.kind == "model":
+        from edgekit.compress import load_compressed
+
+        return load_compressed(folder)
+    if manifest.kind == "onnx":
+        handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
+        base = manifest.model
+        handle.kind = base.get("kind", handle.kind)
+        handle.source = manifest.source or handle.source
+        handle.extra["artifact"] = str(folder)
+        return handle
+    raise BadInputError(f"{folder} holds a {manifest.kind!r} artifact; this command takes a model, "
+                        "a compressed model folder or an ONNX file")

@@ -1,0 +1,133 @@
+"""Targets as data: one YAML file per device in this folder, loaded into ``Target``.
+
+A target names the runtimes it prefers, the precisions it supports and the hardware
+numbers the roofline estimator needs. Unknown keys are errors. Users pass their own
+YAML file with ``--target ./my-board.yaml``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgekit.errors import BadInputError, bad_choice
+
+TARGETS_DIR = Path(__file__).parent
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One device. Throughput figures are dense peaks (sparse are twice)."""
+
+    name: str
+    description: str
+    kind: str  # "cpu" | "gpu" | "jetson"
+    runtimes: tuple[str, ...]  # in order of preference: "onnxruntime", "tensorrt", "torch"
+    precisions: tuple[str, ...]
+    peak_tops: dict[str, float] = field(default_factory=dict)  # precision -> TFLOPS/TOPS (GPU or CPU)
+    dla_peak_tops: dict[str, float] = field(default_factory=dict)  # precision -> TOPS, all DLA cores
+    dla_cores: int = 0
+    memory_bandwidth_gbs: float = 0.0
+    memory_gb: float = 0.0
+    sm: str | None = None  # e.g. "sm_87"
+    gpu: str | None = None
+    power_modes: tuple[str, ...] = ()
+    tensorrt_versions: str | None = None  # e.g. ">=10.3,<10.4" where JetPack pins it
+    jetpack: str | None = None
+    execution_providers: tuple[str, ...] = ()  # onnxruntime EPs, in order
+    cores: int | None = None
+    isa: tuple[str, ...] = ()
+    kernel_overhead_us: float = 5.0  # per-node launch/dispatch overhead for the estimator
+    efficiency: dict[str, float] = field(default_factory=dict)  # op class -> fraction of peak (fitted)
+    remote: str | None = None  # user@host for remote build/profile
+    sources: tuple[str, ...] = ()  # where the numbers come from
+    path: str | None = None  # the YAML file it was read from
+
+    def supports(self, precision: str) -> bool:
+        return precision in self.precisions
+
+    def require_precision(self, precision: str) -> None:
+        if precision not in self.precisions:
+            raise BadInputError(f"target {self.name!r} does not support precision {precision!r} "
+                                f"(choose from {', '.join(self.precisions)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TUPLE_FIELDS = {f.name for f in dataclasses.fields(Target) if "tuple" in str(f.type)}
+
+
+def target_from_dict(data: dict[str, Any], path: str | None = None) -> Target:
+    known = {f.name for f in dataclasses.fields(Target)} - {"path"}
+    if not isinstance(data, dict):
+        raise BadInputError(f"target file {path} must hold a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise BadInputError(f"target {data.get('name', path)!r} has unknown keys {unknown} "
+                            f"(known: {', '.join(sorted(known))})")
+    missing = [k for k in ("name", "description", "kind", "runtimes", "precisions") if k not in data]
+    if missing:
+        raise BadInputError(f"target {path or data.get('name')!r} lacks required keys {missing}")
+    values = {k: tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v for k, v in data.items()}
+    bad = [p for p in values["precisions"] if p not in PRECISIONS]
+    if bad:
+        raise BadInputError(f"target {data['name']!r} lists unknown precisions {bad} (known: {', '.join(PRECISIONS)})")
+    return Target(**values, path=path)
+
+
+def target_files() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(TARGETS_DIR.glob("*.yaml"))}
+
+
+def list_targets() -> list[str]:
+    return list(target_files())
+
+
+def load_target(name_or_path: str | os.PathLike[str] | Target) -> Target:
+    """A built-in target by name, or a user's YAML file.
+
+    >>> load_target("cpu").kind
+    'cpu'
+    """
+    import yaml
+
+    if isinstance(name_or_path, Target):
+        return name_or_path
+    text = str(name_or_path)
+    files = target_files()
+    if text in files:
+        path = files[text]
+    elif text.endswith((".yaml", ".yml")) or os.sep in text:
+        path = Path(text)
+        if not path.is_file():
+            raise BadInputError(f"target file {text!r} does not exist")
+    else:
+        raise bad_choice("target", text, files)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise BadInputError(f"target file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    target = target_from_dict(data, str(path))
+    if target.kind == "cpu" and target.name == "cpu":
+        target = _detect_host(target)
+    return target
+
+
+def _detect_host(target: Target) -> Target:
+    """The ``cpu`` target is this host: fill in cores and ISA extensions from /proc/cpuinfo."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [name for flag, name in (("avx2", "avx2"), ("avx512f", "avx512"), ("avx512_vnni", "avx512-vnni"),
+                                   ("avx_vnni", "avx-vnni"), ("amx_int8", "amx-int8"), ("amx_bf16", "amx-bf16"),
+                                   ("asimd", "neon")) if flag in flags]
+    return dataclasses.replace(target, cores=os.cpu_count(), isa=tuple(isa) or target.isa)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The main job on the built-in default model: set up, export EfficientNet-Lite0 to ONNX
+# (checked against PyTorch), build an ONNX Runtime engine for this CPU, profile it with
+# the trtexec method, check it against a 33 ms p99 budget and write a report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+OUT=${OUT:-out/demo}
+rm -rf "$OUT"
+edgekit export efficientnet-lite0 -o "$OUT/onnx"
+edgekit build "$OUT/onnx" --target cpu -o "$OUT/engine"
+edgekit profile "$OUT/engine" --json "$OUT/profile.json"
+edgekit report "$OUT" -o "$OUT/report.md"
+edgekit check "$OUT/profile.json" --budget-ms 33 --percentile p99
