@@ -190,3 +190,150 @@ def peak_rss_mb() -> float | None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     except Exception:  # pragma: no cover - non-Unix
         return None
+
+
+def measure(engine: Any, feeds: dict[str, np.ndarray], config: ProfileConfig, *, engine_name: str,
+            runtime: str, target: str | None, model: str | None, model_size_mb: float | None = None,
+            progress: Any = None) -> ProfileResult:
+    """Profile a loaded engine (any object with ``timed_run`` and ``node_profile``): the
+    timing loop, then a separate per-node run, summarized into a ``ProfileResult``.
+    ``profile_engine`` loads an engine folder and calls this; pipelines call it for
+    in-process stages (Python callables) so every stage is timed the same way."""
+    from edgekit.artifact import machine_info, now_iso
+
+    samples = time_engine(engine, feeds, config, progress=progress)
+    stats = LatencyStats.from_samples(samples)
+    warnings: list[str] = []
+    if stats.cv > CV_WARNING:
+        warnings.append(f"coefficient of variation {stats.cv:.1%} exceeds {CV_WARNING:.1%} "
+                        "(trtexec's threshold): the machine may be busy or clocks unstable")
+    nodes: list[NodeTiming] = []
+    if config.node_profile:
+        nodes = list(engine.node_profile(feeds, config.node_iterations) or [])
+    total_nodes = len(nodes)
+    top, op_types, float_share, quantized = summarize_nodes(nodes, config.top_k)
+    batch = config.batch
+    return ProfileResult(
+        engine=engine_name, runtime=runtime, target=target, model=model,
+        settings={"warmup_ms": config.warmup_ms, "duration_s": config.duration_s, "iterations": config.iterations,
+                  "threads": config.threads, "batch": batch, "node_iterations": config.node_iterations},
+        latency_ms=stats, throughput_per_s=1e3 * batch / stats.mean if stats.mean > 0 else 0.0,
+        nodes=top, op_types=op_types, float_share=float_share, quantized_nodes=quantized, total_nodes=total_nodes,
+        peak_memory_mb=peak_rss_mb(), model_size_mb=model_size_mb, machine=machine_info(), warnings=warnings,
+        created=now_iso())
+
+
+def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
+                   out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
+    """Profile an engine folder with the trtexec method; the same for every runtime.
+
+    Loads the engine (threads from ``config``), feeds it the real inputs stored at build
+    time (``inputs.npz``, at ``config.batch``), times it (``time_engine``), then profiles
+    nodes in a separate run. Records the settings, peak memory (RSS) and model size;
+    warns when the coefficient of variation exceeds 2.5%. Writes ``out_json`` atomically.
+
+    >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
+    >>> result.latency_ms.p99  # doctest: +SKIP
+    """
+    from edgekit.artifact import read_manifest
+    from edgekit.build import load_engine, load_engine_inputs
+    from edgekit.runtimes.base import check_feeds
+
+    config = config or ProfileConfig()
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    if manifest.config.get("runtime") == "tensorrt":  # trtexec's JSON results (issue 7)
+        from edgekit.runtimes.tensorrt import RUNTIME as _tensorrt
+
+        trt_result = _tensorrt.profile(engine_dir, manifest, top_k=config.top_k)
+        if trt_result is not None:
+            if out_json is not None:
+                trt_result.save(out_json)
+            return trt_result
+    if manifest.kind != "engine":
+        raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact; profile takes an engine folder "
+                            "(build one with `edgekit build`)")
+    rss_before = _current_rss_mb()
+    t0 = time.perf_counter()
+    engine = load_engine(engine_dir, threads=config.threads)
+    load_s = time.perf_counter() - t0
+    try:
+        feeds = load_engine_inputs(engine_dir, batch=config.batch)
+        check_feeds(engine.inputs, feeds)
+        with _timing_progress(config) as progress:
+            result = measure(engine, feeds, config, engine_name=str(engine_dir), runtime=manifest.config.get(
+                "runtime", getattr(engine, "runtime", "?")), target=manifest.target,
+                model=manifest.model.get("name"), model_size_mb=_engine_size_mb(engine_dir, manifest),
+                progress=progress)
+        rss_after = _current_rss_mb()
+    finally:
+        engine.close()
+    result.settings.update({
+        "method": "trtexec: warm-up by time, then >= iterations and >= duration; separate node-profiling run",
+        "cv_warning_threshold": CV_WARNING, "precision": manifest.config.get("precision"),
+        "engine_settings": getattr(engine, "settings", manifest.config.get("session", {})),
+        "load_seconds": round(load_s, 3),
+        "input_shapes": {k: list(v.shape) for k, v in feeds.items()},
+        "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,
+    })
+    if out_json is not None:
+        result.save(out_json)
+    return result
+
+
+def _engine_size_mb(engine_dir: Path, manifest: Any) -> float | None:
+    """Size of what the runtime loads: the engine model file(s), not the kept ONNX source or inputs."""
+    roles = [r for r in manifest.files if r.startswith("model")] or [r for r in manifest.files if r != "inputs"]
+    total = 0
+    for role in roles:
+        p = engine_dir / manifest.files[role]
+        if p.is_file():
+            total += p.stat().st_size
+            data = p.with_name(p.name + ".data")
+            if data.is_file() and not any(engine_dir / manifest.files[r] == data for r in roles):
+                total += data.stat().st_size
+        elif p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return round(total / 2**20, 3) if total else None
+
+
+def _current_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+class _timing_progress:
+    """A rich progress bar over the timed iterations (a no-op off a terminal); updated every
+    16 samples so drawing it never shows up in the latencies."""
+
+    def __init__(self, config: ProfileConfig) -> None:
+        self.config = config
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> Any:
+        from edgekit.progress import progress_enabled
+
+        if not progress_enabled():
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("[bold]timing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("timing", total=self.config.iterations)
+
+        def update(n: int) -> None:
+            if n % 16 == 0:
+                self.bar.update(self.task, completed=n, total=max(n, self.config.iterations))
+
+        return update
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()

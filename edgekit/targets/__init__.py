@@ -44,18 +44,73 @@ class Target:
     efficiency: dict[str, float] = field(default_factory=dict)  # op class -> fraction of peak (fitted)
     remote: str | None = None  # user@host for remote build/profile
     sources: tuple[str, ...] = ()  # where the numbers come from
+    # GPU detail (issue 7): SM count, core counts, DLA precisions, board power.
+    sm_count: int | None = None
+    cuda_cores: int | None = None
+    tensor_cores: int | None = None
+    dla_precisions: tuple[str, ...] = ()
+    tdp_w: float | None = None
+    # field (or "field.key") -> where its number comes from: "facts: ...", "recalled: ...", "derived: ...".
+    provenance: dict[str, str] = field(default_factory=dict)
     path: str | None = None  # the YAML file it was read from
 
     def supports(self, precision: str) -> bool:
         return precision in self.precisions
 
     def require_precision(self, precision: str) -> None:
+        if precision == "best" and "fp16" in self.precisions and "int8" in self.precisions:
+            return  # TensorRT's "best": every precision the GPU has, chosen per layer
         if precision not in self.precisions:
             raise BadInputError(f"target {self.name!r} does not support precision {precision!r} "
                                 f"(choose from {', '.join(self.precisions)})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.kind in ("gpu", "jetson")
+
+    def tensorrt_version_ok(self, version: str) -> bool:
+        """Whether a TensorRT version falls in ``tensorrt_versions`` (always True when unpinned).
+
+        >>> load_target("jetson-agx-orin-64").tensorrt_version_ok("10.3.0.30")
+        True
+        """
+        return version_in_range(version, self.tensorrt_versions)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for p in str(v).strip().split("."):
+        digits = "".join(ch for ch in p if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def version_in_range(version: str, spec: str | None) -> bool:
+    """A small subset of PEP 440 specifiers: comma-separated ``>=``, ``>``, ``<=``, ``<``, ``==``
+    (``==10.3`` matches 10.3.x). ``None`` or empty matches everything."""
+    if not spec:
+        return True
+    v = _version_tuple(version)
+    for clause in spec.split(","):
+        clause = clause.strip()
+        for op in (">=", "<=", "==", ">", "<"):
+            if clause.startswith(op):
+                ref = _version_tuple(clause[len(op):])
+                break
+        else:
+            raise BadInputError(f"bad version range {spec!r} (use e.g. '>=10.3,<10.4')")
+        head = v[:len(ref)] if op == "==" else v
+        pad = lambda t: t + (0,) * (max(len(v), len(ref)) - len(t))  # noqa: E731
+        a, b = pad(head), pad(ref)
+        ok = {">=": a >= b, "<=": a <= b, "==": a == b, ">": a > b, "<": a < b}[op]
+        if not ok:
+            return False
+    return True
 
 
 _TUPLE_FIELDS = {f.name for f in dataclasses.fields(Target) if "tuple" in str(f.type)}

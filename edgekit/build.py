@@ -1,0 +1,212 @@
+"""Build an engine folder for a target, and load it back.
+
+``build_engine`` takes any model source (spec, ModelHandle, compress or onnx artifact
+folder, ``.onnx`` file), picks the runtime (``BuildOptions.runtime`` or the target's
+first available one), exports to ONNX when the runtime needs it (into the engine
+folder's ``onnx/``), lets the runtime write its files, and records everything in an
+"engine" manifest. The engine folder also keeps the model's sample inputs
+(``inputs.npz``: real inputs, for realistic timing), so profiling never reloads PyTorch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError, UnavailableError
+from edgekit.runtimes import RUNTIMES, get_runtime
+from edgekit.runtimes.base import BuildOptions, Engine
+from edgekit.sources.handle import ModelHandle
+
+INPUTS_FILE = "inputs.npz"
+ONNX_DIR = "onnx"
+
+
+def choose_runtime(target: Any, requested: str | None = None) -> Any:
+    """The requested runtime (must be available), or the target's first available one."""
+    if requested:
+        rt = _try_runtime(requested)
+        if rt is None:
+            raise UnavailableError(f"runtime {requested!r} is not implemented in this edgekit installation")
+        ok, why = rt.available()
+        if not ok:
+            raise UnavailableError(f"runtime {requested!r} is not available here: {why}")
+        return rt
+    reasons = []
+    for name in target.runtimes:
+        if name not in RUNTIMES:
+            reasons.append(f"{name}: unknown runtime")
+            continue
+        rt = _try_runtime(name)
+        if rt is None:
+            reasons.append(f"{name}: not installed")
+            continue
+        ok, why = rt.available()
+        if ok:
+            return rt
+        reasons.append(f"{name}: {why}")
+    raise UnavailableError(f"no runtime of target {target.name!r} is available here ({'; '.join(reasons)})")
+
+
+def _try_runtime(name: str) -> Any:
+    try:
+        return get_runtime(name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_dir: str | os.PathLike[str],
+                 options: BuildOptions | None = None) -> Path:
+    """Build an engine folder for ``target`` (a name, YAML path or Target).
+
+    >>> build_engine("efficientnet-lite0", "cpu", "out/engine")  # doctest: +SKIP
+    PosixPath('out/engine')
+    """
+    from edgekit.artifact import Manifest, input_record, read_manifest, staged_dir, write_manifest
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.sources.models import load_model
+    from edgekit.targets import load_target
+
+    options = options or BuildOptions()
+    target = load_target(target)
+    target.require_precision(options.precision)
+    if options.batch < 1:
+        raise BadInputError(f"batch must be >= 1, got {options.batch}")
+    if options.threads is not None and options.threads < 1:
+        raise BadInputError(f"threads must be >= 1, got {options.threads}")
+    runtime = choose_runtime(target, options.runtime)
+    out_dir = Path(out_dir)
+    src = None if isinstance(model, ModelHandle) else Path(str(model))
+    onnx_artifact = src if src is not None and src.is_dir() and _kind(src) == "onnx" else None
+    handle = load_model(model)
+    inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
+    t0 = time.perf_counter()
+    with staged_dir(out_dir) as tmp:
+        files: dict[str, str] = {}
+        metrics: dict[str, Any] = {}
+        feeds = handle.sample_inputs(options.batch)
+        _save_inputs(tmp / INPUTS_FILE, feeds)
+        files["inputs"] = INPUTS_FILE
+        if getattr(runtime, "input_format", "onnx") == "onnx":
+            if onnx_artifact is not None:
+                shutil.copytree(onnx_artifact, tmp / ONNX_DIR)
+            else:
+                export_cfg = options.extra.get("export")
+                if isinstance(export_cfg, dict):
+                    export_cfg = ExportConfig(**export_cfg)
+                export_onnx(handle, tmp / ONNX_DIR, export_cfg)
+            onnx_manifest = read_manifest(tmp / ONNX_DIR)
+            files["onnx"] = f"{ONNX_DIR}/{onnx_manifest.files['onnx']}"
+            if "parity" in onnx_manifest.metrics:
+                metrics["parity"] = onnx_manifest.metrics["parity"]
+            if not inputs:
+                inputs = {"model": dict(onnx_manifest.inputs.get("model", {}))} if onnx_manifest.inputs else {}
+            built_from: Any = tmp / files["onnx"]
+            opts = dataclasses.replace(options, extra={**options.extra, "feeds": _fit_feeds(feeds, tmp / files["onnx"])})
+        else:
+            built_from = handle
+            opts = options
+        result = runtime.build(built_from, target, tmp, opts)
+        files.update(result.get("files", {}))
+        metrics.update(result.get("metrics", {}))
+        metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
+        config = {"runtime": runtime.name, "target": target.name, "precision": _precision(handle, options),
+                  "batch": options.batch, "threads": options.threads,
+                  "optimization_level": options.optimization_level, **result.get("config", {})}
+        config.setdefault("session", {})
+        write_manifest(tmp, Manifest(
+            kind=result.get("kind", "engine"), files=files, config=config, metrics=metrics, inputs=inputs, source=handle.source,
+            model=handle.describe(), steps=[dataclasses.asdict(s) for s in handle.steps], target=target.name))
+    return out_dir
+
+
+def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) -> Engine:
+    """Load an engine folder with the runtime that built it.
+
+    >>> engine = load_engine("out/engine", threads=1)  # doctest: +SKIP
+    >>> engine.run(load_engine_inputs("out/engine"))  # doctest: +SKIP
+    """
+    from edgekit.artifact import read_manifest
+
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    if manifest.kind != "engine":
+        raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact, not an engine (build one with "
+                            "`edgekit build`)")
+    name = manifest.config.get("runtime")
+    if name not in RUNTIMES:
+        from edgekit.errors import bad_choice
+
+        raise bad_choice("runtime", name, RUNTIMES)
+    runtime = _try_runtime(name)
+    if runtime is None:
+        raise UnavailableError(f"{engine_dir} was built for runtime {name!r}, which is not installed here")
+    ok, why = runtime.available()
+    if not ok:
+        raise UnavailableError(f"{engine_dir} needs runtime {name!r}, not available here: {why}")
+    return runtime.load(engine_dir, manifest, threads)
+
+
+def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = None) -> dict[str, np.ndarray]:
+    """The sample inputs stored at build time, repeated or cut along axis 0 to ``batch``."""
+    from edgekit.artifact import read_manifest
+
+    engine_dir = Path(engine_dir)
+    manifest = read_manifest(engine_dir)
+    path = manifest.path_of(engine_dir, "inputs")
+    with np.load(path, allow_pickle=False) as data:
+        feeds = {k: data[k] for k in data.files}
+    if batch is None:
+        return feeds
+    dynamic = {s["name"] for s in manifest.model.get("inputs", []) if s.get("shape") and s["shape"][0] == "batch"}
+    out = {}
+    for k, v in feeds.items():
+        if k in dynamic and v.ndim and v.shape[0] != batch:
+            reps = -(-batch // v.shape[0])
+            v = np.concatenate([v] * reps, axis=0)[:batch]
+        out[k] = np.ascontiguousarray(v)
+    return out
+
+
+def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
+    import io
+
+    from edgekit.artifact import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in feeds.items()})
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.ndarray]:
+    """Only the feeds the graph takes (an ONNX graph may drop an unused input)."""
+    import onnx
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    init = {i.name for i in m.graph.initializer}
+    names = [i.name for i in m.graph.input if i.name not in init]
+    return {n: feeds[n] for n in names if n in feeds} if all(n in feeds for n in names) else {}
+
+
+def _precision(handle: ModelHandle, options: BuildOptions) -> str:
+    """What the engine computes in: the quantization step's bits, else the requested precision."""
+    for rec in reversed(handle.steps):
+        if rec.name == "int8":
+            return "int8"
+        if rec.name == "int4":
+            return "int4"
+    return options.precision
+
+
+def _kind(folder: Path) -> str | None:
+    from edgekit.artifact import read_manifest
+
+    try:
+        return read_manifest(folder).kind
+    except BadInputError:
+        return None

@@ -1,0 +1,78 @@
+"""The latency budget gate: ``edgekit check`` exits 0 when met, 1 when missed."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgekit.errors import BadInputError
+from edgekit.profiling import ProfileResult, normalize_percentile
+
+
+@dataclass(frozen=True)
+class BudgetVerdict:
+    passed: bool
+    percentile: str
+    latency_ms: float
+    budget_ms: float
+    margin_ms: float  # budget - latency (negative when missed)
+    jitter: float  # p99 / p50
+    max_jitter: float | None
+    jitter_passed: bool
+    model: str | None
+    target: str | None
+
+    def message(self) -> str:
+        head = "PASS" if self.passed else "FAIL"
+        lat = (f"{self.percentile} {self.latency_ms:.3f} ms vs budget {self.budget_ms:g} ms: "
+               + (f"met with {self.margin_ms:.3f} ms to spare ({self.margin_ms / self.budget_ms:.1%})"
+                  if self.margin_ms >= 0 else
+                  f"missed by {-self.margin_ms:.3f} ms ({-self.margin_ms / self.budget_ms:.1%} over)"))
+        parts = [f"{head}: {lat}"]
+        if self.max_jitter is not None:
+            parts.append(f"jitter p99/p50 {self.jitter:.3f} {'<=' if self.jitter_passed else '>'} {self.max_jitter:g}")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResult:
+    """A profile JSON file, a folder holding ``profile.json``, or an engine folder (profiled now)."""
+    if isinstance(source, ProfileResult):
+        return source
+    p = Path(source)
+    if p.is_file():
+        return ProfileResult.load(p)
+    if p.is_dir():
+        if (p / "profile.json").is_file():
+            return ProfileResult.load(p / "profile.json")
+        from edgekit.profiling import profile_engine
+
+        return profile_engine(p)
+    raise BadInputError(f"profile {str(p)!r} does not exist (give a profile JSON or an engine folder)")
+
+
+def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: float, percentile: str = "p99",
+                 max_jitter: float | None = None) -> BudgetVerdict:
+    """Compare a profile's latency at ``percentile`` with ``budget_ms``.
+
+    >>> v = check_budget("out/profile.json", budget_ms=33, percentile="p99")  # doctest: +SKIP
+    >>> v.passed
+    True
+    """
+    if not isinstance(budget_ms, (int, float)) or not math.isfinite(budget_ms) or budget_ms <= 0:
+        raise BadInputError(f"budget must be a positive number of milliseconds, got {budget_ms!r}")
+    if max_jitter is not None and (not math.isfinite(max_jitter) or max_jitter < 1.0):
+        raise BadInputError(f"max jitter is a p99/p50 ratio and must be >= 1, got {max_jitter!r}")
+    key = normalize_percentile(percentile)
+    result = load_profile(profile)
+    latency = result.latency_ms.get(key)
+    jitter = result.latency_ms.p99 / result.latency_ms.p50 if result.latency_ms.p50 > 0 else float("inf")
+    jitter_ok = max_jitter is None or jitter <= max_jitter
+    met = latency <= budget_ms
+    return BudgetVerdict(passed=met and jitter_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
+                         margin_ms=float(budget_ms) - latency, jitter=jitter, max_jitter=max_jitter,
+                         jitter_passed=jitter_ok, model=result.model, target=result.target)

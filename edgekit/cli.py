@@ -1,0 +1,503 @@
+"""The ``edgekit`` command line. Each command parses, calls one API function, prints.
+
+Exit codes: 0 ok; 1 a check failed (budget, parity, accuracy); 2 bad input or a missing
+capability. Errors are one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from edgekit import __version__
+from edgekit.errors import EdgekitError
+
+
+class EdgekitGroup(click.Group):
+    """Turns edgekit errors and click usage errors into one line and an exit code."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except EdgekitError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("error: interrupted; outputs were left as they were before this command", err=True)
+            sys.exit(130)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted; outputs were left as they were before this command", err=True)
+            sys.exit(130)
+        if isinstance(rv, int) and rv:
+            sys.exit(rv)
+        sys.exit(0)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console()
+
+
+def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    return t
+
+
+@click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="edgekit")
+def cli() -> None:
+    """edgekit: compress a PyTorch model, export it to ONNX, build an engine for a target,
+    profile it and check it against a latency budget."""
+
+
+# --- spine (issue 2) ---
+
+@cli.command()
+def zoo() -> None:
+    """List the built-in models."""
+    from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
+
+    for name, e in ZOO.items():
+        click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
+                   f"weights from {e.package}")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (an ONNX artifact).")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default: the exporter's choice).")
+@click.option("--legacy", is_flag=True, help="Use the TorchScript exporter instead of dynamo.")
+@click.option("--atol", type=float, default=None, help="Parity: absolute tolerance.")
+@click.option("--rtol", type=float, default=None, help="Parity: relative tolerance.")
+@click.option("--no-parity", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
+def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
+           no_parity: bool) -> None:
+    """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
+    from edgekit.export.onnx import ExportConfig, export_onnx
+
+    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
+    if opset is not None:
+        fields["opset"] = opset
+    if atol is not None:
+        fields["atol"] = atol
+    if rtol is not None:
+        fields["rtol"] = rtol
+    folder = export_onnx(model, out, ExportConfig(**fields))
+    _print_parity(folder)
+
+
+def _print_parity(folder: Path) -> None:
+    from edgekit.artifact import read_manifest
+
+    m = read_manifest(folder)
+    parity = m.metrics.get("parity") or {}
+    outputs = parity.get("outputs") or {}
+    if outputs:
+        rows = [[name, f"{r.get('max_abs_error', 0):.3e}", f"{r.get('max_rel_error', 0):.3e}",
+                 f"{r.get('atol', '-')}", f"{r.get('rtol', '-')}"] for name, r in outputs.items()]
+        _console().print(_table("parity: ONNX Runtime vs PyTorch", ["output", "max abs err", "max rel err", "atol", "rtol"], rows))
+    click.echo(f"wrote {m.path_of(folder, 'onnx')}")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
+@click.option("--runtime", default=None, help="onnxruntime | torch | tensorrt (default: the target's first available).")
+@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
+def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
+          opt_level: str) -> None:
+    """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
+    from edgekit.build import build_engine
+    from edgekit.runtimes.base import BuildOptions
+
+    options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime)
+    folder = build_engine(model, target, out, options)
+    from edgekit.artifact import read_manifest
+
+    m = read_manifest(folder)
+    click.echo(f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
+
+
+@cli.command()
+@click.argument("engine_dir", type=click.Path())
+@click.option("--warmup-ms", type=float, default=200.0, show_default=True)
+@click.option("--duration-s", type=float, default=3.0, show_default=True)
+@click.option("--iterations", type=int, default=100, show_default=True, help="Minimum timed inferences.")
+@click.option("--threads", type=int, default=None)
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--top-k", type=int, default=15, show_default=True)
+@click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
+            top_k: int, no_nodes: bool, json_out: str | None) -> None:
+    """Measure latency percentiles and per-node times of an engine (the trtexec method)."""
+    from edgekit.profiling import ProfileConfig, profile_engine
+
+    config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
+                           batch=batch, node_profile=not no_nodes, top_k=top_k)
+    result = profile_engine(engine_dir, config, out_json=json_out)
+    _print_profile(result, top_k)
+    if json_out:
+        click.echo(f"wrote {json_out}")
+
+
+def _print_profile(result: Any, top_k: int) -> None:
+    s = result.latency_ms
+    con = _console()
+    con.print(_table(f"latency (ms): {result.model} on {result.target} [{result.runtime}]",
+                     ["min", "mean", "p50", "p90", "p95", "p99", "max", "std", "CV", "throughput"],
+                     [[f"{s.min:.3f}", f"{s.mean:.3f}", f"{s.p50:.3f}", f"{s.p90:.3f}", f"{s.p95:.3f}", f"{s.p99:.3f}",
+                       f"{s.max:.3f}", f"{s.std:.3f}", f"{s.cv:.1%}", f"{result.throughput_per_s:.1f}/s"]]))
+    if result.nodes:
+        con.print(_table(f"top {min(top_k, len(result.nodes))} nodes", ["node", "op", "ms", "share", "precision"],
+                         [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
+                          for n in result.nodes[:top_k]]))
+    if result.float_share is not None:
+        con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
+                  f"time in float nodes: {result.float_share:.1%}")
+    for w in result.warnings:
+        con.print(f"[yellow]warning:[/] {w}")
+
+
+@cli.command()
+@click.argument("profile", type=click.Path())
+@click.option("--budget-ms", type=float, required=True, help="Latency budget in milliseconds.")
+@click.option("--percentile", default="p99", show_default=True, help="min|mean|p50|p90|p95|p99|max")
+@click.option("--max-jitter", type=float, default=None, help="Gate on p99/p50 (e.g. 1.2).")
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the verdict JSON here.")
+def check(profile: str, budget_ms: float, percentile: str, max_jitter: float | None, json_out: str | None) -> int:
+    """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
+    from edgekit.check import check_budget
+
+    verdict = check_budget(profile, budget_ms, percentile, max_jitter)
+    if json_out:
+        from edgekit.artifact import atomic_write_json
+
+        atomic_write_json(json_out, {**verdict.to_dict(), "message": verdict.message()})
+    click.echo(verdict.message())
+    return 0 if verdict.passed else 1
+
+
+@cli.command()
+@click.argument("folder", type=click.Path())
+@click.option("-o", "--out", type=click.Path(), default=None, help="Markdown file (default FOLDER/report.md).")
+@click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
+@click.option("--percentile", default="p99", show_default=True)
+@click.option("--top-k", type=int, default=10, show_default=True)
+def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int) -> None:
+    """Render a Markdown and JSON report of a run folder."""
+    from edgekit.report import render_report
+
+    path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    click.echo(path.read_text())
+    click.echo(f"wrote {path} and {path.with_suffix('.json')}")
+
+
+# --- compress (issues 3, 4, 5) ---
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
+@click.option("--bits", type=int, default=None, help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn).")
+@click.option("--method", default=None, help="ptq | qat (8-bit), gptq | awq | rtn (weight-only).")
+@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
+@click.option("--calib-method", default=None, help="INT8: minmax | percentile | entropy | mse.")
+@click.option("--calib-samples", type=int, default=None)
+@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
+@click.option("--max-accuracy-drop", type=float, default=None, help="INT8: keep sensitive layers float within this drop.")
+@click.option("--group-size", type=int, default=None, help="Weight-only: group size (-1 = per channel).")
+@click.option("--sym/--asym", default=None, help="Weight-only: symmetric or asymmetric grid.")
+@click.option("--act-order", is_flag=True, default=None, help="GPTQ: quantize columns by decreasing Hessian diagonal.")
+@click.option("--seqlen", type=int, default=None, help="Calibration sequence length for language models.")
+@click.option("--device", default=None, help="cpu | cuda (GPTQ/AWQ).")
+@click.option("--prune", type=float, default=None, help="Structured pruning ratio in (0, 1).")
+@click.option("--importance", default=None, help="Pruning: l1 | l2 | taylor | bn-scale.")
+@click.option("--global/--uniform", "global_pruning", default=None, help="Pruning: global or per-layer ratio.")
+@click.option("--round-to", type=int, default=None, help="Pruning: round channel counts to a multiple.")
+@click.option("--ignore", multiple=True, help="Pruning: a layer to protect (repeatable).")
+@click.option("--iterative-steps", type=int, default=None)
+@click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
+@click.option("--epochs", type=int, default=None, help="Distillation / QAT epochs.")
+@click.option("--temperature", type=float, default=None, help="Distillation temperature.")
+@click.option("--alpha", type=float, default=None, help="Distillation: weight of the soft loss.")
+@click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
+             calib_samples: int | None, target: str | None, max_accuracy_drop: float | None, group_size: int | None,
+             sym: bool | None, act_order: bool | None, seqlen: int | None, device: str | None, prune: float | None,
+             importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
+             iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
+             alpha: float | None, train_data: str | None, seed: int) -> None:
+    """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation."""
+    from edgekit.compress import StepContext
+    from edgekit.compress import compress as run_compress
+    from edgekit.compress.plan import plan_steps
+    from edgekit.targets import load_target
+
+    steps = plan_steps(
+        bits=bits, method=method, prune=prune, distill=distill,
+        int8={"calib_method": calib_method, "calib_samples": calib_samples, "max_accuracy_drop": max_accuracy_drop,
+              "qat_epochs": epochs if method == "qat" else None},
+        int4={"group_size": group_size, "sym": sym, "act_order": act_order, "calib_samples": calib_samples,
+              "seqlen": seqlen, "device": device},
+        prune_options={"importance": importance, "global_pruning": global_pruning, "round_to": round_to,
+                       "ignore": tuple(ignore), "iterative_steps": iterative_steps},
+        distill_options={"epochs": epochs, "temperature": temperature, "alpha": alpha},
+    )
+    ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train_data, seed=seed,
+                      device=device or "cpu")
+    folder = run_compress(model, steps, out, ctx)
+    from edgekit.artifact import read_manifest
+
+    m = read_manifest(folder)
+    rows = [[k, json.dumps(v) if not isinstance(v, (int, float, str)) else v] for k, v in m.metrics.items()]
+    if rows:
+        _console().print(_table("compression metrics", ["metric", "value"], rows))
+    click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
+
+
+# --- pipelines (issue 9) ---
+
+@cli.command("run")
+@click.argument("recipe", type=click.Path())
+@click.option("-o", "--out", "run_dir", type=click.Path(), default=None, help="Run folder (default runs/<recipe name>).")
+@click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
+@click.option("--force", is_flag=True, help="Rebuild every cached step.")
+@click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
+def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_dir: str | None) -> int:
+    """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
+    from edgekit.pipelines.recipe import load_recipe
+    from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table
+
+    parsed = load_recipe(recipe)
+    if dry_run:
+        for row in plan(parsed):
+            budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
+            par = f" (parallel with {', '.join(row['parallel_with'])})" if row["parallel_with"] else ""
+            click.echo(f"{row['target']} / {row['stage']}{budget}{par}: " + " -> ".join(row["actions"]))
+        click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
+                   f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
+        return 0
+    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force)
+    _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
+    for name, t in result.targets.items():
+        est = " (estimate)" if t["estimated"] else ""
+        if t["budget_ms"] is None:
+            click.echo(f"{name}: total {t['total_ms']:.3f} ms{est}")
+        else:
+            click.echo(f"{name}: total {t['total_ms']:.3f} ms{est} vs budget {t['budget_ms']:g} ms: "
+                       f"{'PASS' if t['passed'] else 'FAIL'} (margin {t['margin_ms']:+.3f} ms)")
+    for r in result.stages:
+        for g in r.gates:
+            click.echo(f"{r.target}/{r.stage}: {g['metric']} {g['value']:.4f} "
+                       f"{'>=' if 'min' in g else '<='} {g.get('min', g.get('max'))}: {'PASS' if g['passed'] else 'FAIL'}")
+    click.echo(f"{'PASS' if result.passed else 'FAIL'}; wrote {result.run_dir}/results.json, junit.xml, summary.md, report.html")
+    return 0 if result.passed else 1
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path())
+@click.option("--grid", multiple=True, help="STEP.FIELD=v1,v2 (repeatable); every combination runs.")
+@click.option("--list", "combo_list", multiple=True, help="One combination 'k=v,k2=v2' (repeatable), instead of a grid.")
+@click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes.")
+@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
+@click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
+@click.option("--force", is_flag=True)
+def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int, executor: str,
+          address: str | None, force: bool) -> None:
+    """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
+    from edgekit.pipelines.sweep import SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
+
+    combos = None
+    if combo_list:
+        combos = []
+        for item in combo_list:
+            pairs = [p.split("=", 1) for p in item.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                from edgekit.errors import BadInputError
+
+                raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
+            combos.append({k.strip(): parse_value(v) for k, v in pairs})
+    folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
+    rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
+                     force=force)
+    _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
+    click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
+
+
+# --- targets, TensorRT and remote devices (issue 7) ---
+
+@cli.group("targets", invoke_without_command=True)
+@click.pass_context
+def targets_group(ctx: click.Context) -> None:
+    """List the built-in targets (`edgekit targets`), or show one (`edgekit targets show NAME`)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from edgekit.targets import list_targets, load_target
+
+    header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
+    rows = [header]
+    for name in list_targets():
+        t = load_target(name)
+        rows.append((name, t.kind, t.sm or "-", f"{t.peak_tops.get('int8', 0):g}", f"{t.peak_tops.get('fp16', 0):g}",
+                     f"{t.memory_bandwidth_gbs:g}", f"{t.memory_gb:g}", str(t.dla_cores or "-"),
+                     t.tensorrt_versions or "-", ",".join(t.runtimes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    click.echo("targets: dense peaks (INT8 TOPS, FP16 TFLOPS), memory bandwidth GB/s and size GB")
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@targets_group.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the target as JSON.")
+def targets_show(name: str, as_json: bool) -> None:
+    """Print one target (a built-in name or a YAML file) with the source of its numbers."""
+    from edgekit.targets import load_target
+
+    t = load_target(name)
+    d = t.to_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+        return
+    rows = [[k, json.dumps(v) if isinstance(v, (dict, list, tuple)) else v]
+            for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})]
+    _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
+    if t.provenance:
+        _console().print(_table("where the numbers come from", ["field", "source"], [[k, v] for k, v in t.provenance.items()]))
+    for s in t.sources:
+        click.echo(f"source: {s}")
+
+
+def _remote_host(host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
+                 remote_edgekit: str | None, timeout: float) -> Any:
+    from edgekit.remote import RemoteHost
+
+    return RemoteHost.from_options(host, {"ssh_port": port, "ssh_identity": identity, "ssh_options": list(ssh_option),
+                                          "remote_edgekit": remote_edgekit, "build_timeout": timeout,
+                                          "remote_timeout": timeout})
+
+
+_remote_options = [
+    click.option("--host", required=True, help="user@host[:port] of the device."),
+    click.option("--port", type=int, default=None, help="SSH port."),
+    click.option("-i", "--identity", default=None, help="SSH private key."),
+    click.option("--ssh-option", multiple=True, help="Extra ssh -o Key=Value (repeatable)."),
+    click.option("--remote-edgekit", default=None, help="The edgekit command on the device (default: edgekit)."),
+    click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds for the remote command."),
+]
+
+
+def _with_remote_options(f: Any) -> Any:
+    for opt in reversed(_remote_options):
+        f = opt(f)
+    return f
+
+
+@cli.group("remote")
+def remote_group() -> None:
+    """Build or profile on another machine over SSH (edgekit must be installed there)."""
+
+
+@remote_group.command("build")
+@click.argument("model")
+@click.option("--target", required=True, help="Target name or YAML file.")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
+@click.option("--precision", default=None)
+@click.option("--runtime", default=None)
+@click.option("--threads", type=int, default=None)
+@_with_remote_options
+def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
+                     threads: int | None, host: str, port: int | None, identity: str | None,
+                     ssh_option: tuple[str, ...], remote_edgekit: str | None, timeout: float) -> None:
+    """Run `edgekit build` on the device and fetch the engine folder (sha256-verified)."""
+    from edgekit.remote import remote_build
+
+    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
+    folder = remote_build(model, target, out, h, precision=precision, runtime=runtime, threads=threads)
+    click.echo(f"built on {host}; fetched into {folder}")
+
+
+@remote_group.command("profile")
+@click.argument("engine_dir", type=click.Path())
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@click.option("--duration-s", type=float, default=None)
+@click.option("--iterations", type=int, default=None)
+@_with_remote_options
+def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
+                       host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
+                       remote_edgekit: str | None, timeout: float) -> None:
+    """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile."""
+    from edgekit.remote import remote_profile
+
+    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
+    args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
+        (["--iterations", str(iterations)] if iterations is not None else [])
+    result = remote_profile(engine_dir, h, json_out=json_out, extra_args=args)
+    _print_profile(result, 10)
+    if json_out:
+        click.echo(f"wrote {json_out}")
+
+
+# --- estimate (issue 8) ---
+
+@cli.command("estimate")
+@click.argument("model")
+@click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
+@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
+@click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
+@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the estimate JSON here.")
+def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...], calibrate: bool,
+                 top_k: int, json_out: str | None) -> None:
+    """Roofline latency ESTIMATE of a model on a target, per node and in total (not a measurement)."""
+    from edgekit.errors import BadInputError
+    from edgekit.estimate.calibrate import estimate_with_calibration
+
+    bound: dict[str, int] = {}
+    for d in dims:
+        name, _, value = d.partition("=")
+        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 1:
+            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
+        bound[name] = int(value)
+    est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
+                                            calibrate=calibrate)
+    if report is not None:
+        click.echo(report.render())
+        click.echo("")
+    click.echo(est.render(top_k))
+    if json_out:
+        from edgekit.artifact import atomic_write_json
+
+        atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None})
+        click.echo(f"wrote {json_out}")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""AWQ (Lin et al., 2023): activation-aware per-channel scaling, then round-to-nearest.
+
+For a group of linears sharing one input ``x`` (q/k/v after the attention norm, gate/up
+after the MLP norm, down after up), the salient input channels are those with large mean
+activation magnitude. AWQ scales weight columns by ``s = mean|x| ** alpha`` (normalised),
+quantizes ``W · diag(s)`` and divides the input by ``s``, choosing ``alpha`` on a grid in
+``[0, 1)`` to minimise the group's output error ``||W x - Q(W s)(x / s)||²`` on calibration
+tokens. ``1 / s`` is folded into the op producing ``x`` (the RMSNorm weight, or the rows of
+``up_proj`` for ``down_proj``; ``v_proj`` rows for ``o_proj`` when heads are not grouped),
+so the deployed graph has no extra op; groups with no foldable producer get ``s = 1``.
+An optional clipping search then shrinks each (row, group) range by the ratio in
+``[0.5, 1]`` that minimises that group's output error, and RTN packs the result.
+
+Pure pieces (``search_scale``, ``search_clip``) take tensors and are unit-tested on tiny
+layers; ``awq_visit`` is the ``BlockWalker`` callback.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
+
+MAX_TOKENS = 4096  # calibration tokens kept per group for the searches
+
+
+def _fake_quant(W: torch.Tensor, bits: int, group_size: int, sym: bool,
+                clip: torch.Tensor | None = None) -> torch.Tensor:
+    return dequantize_groups(*rtn_quantize(W, bits, group_size, sym, clip), group_size)
+
+
+@torch.no_grad()
+def search_scale(W: torch.Tensor, X: torch.Tensor, x_mean: torch.Tensor, bits: int, group_size: int, sym: bool,
+                 grid: int = 20) -> tuple[torch.Tensor, float, float]:
+    """Best per-input-channel scale for ``W`` (rows, cols) given tokens ``X`` (tokens, cols)
+    and mean |x| per channel. Returns (s (cols,), best alpha, relative error at it)."""
+    W, X = W.float(), X.float()
+    ref = X @ W.t()
+    denom = ref.pow(2).mean().clamp_min(1e-20)
+    best = (torch.ones_like(x_mean), 0.0, float("inf"))
+    for k in range(grid):
+        alpha = k / grid
+        s = x_mean.float().clamp_min(1e-4).pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        Wq = _fake_quant(W * s, bits, group_size, sym) / s
+        err = float(((X @ Wq.t()) - ref).pow(2).mean() / denom)
+        if err < best[2]:
+            best = (s, alpha, err)
+    return best
+
+
+@torch.no_grad()
+def search_clip(W: torch.Tensor, X: torch.Tensor, bits: int, group_size: int, sym: bool,
+                grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 1024) -> torch.Tensor:
+    """Per (row, group) range shrink ratio minimising ``||(W_g - Q(W_g)) x_g||²``: (rows, G)."""
+    W = W.float()
+    X = X[:: max(1, X.shape[0] // max_tokens)].float()
+    rows, cols = W.shape
+    g = group_width(cols, group_size)
+    ng = num_groups(cols, group_size)
+    best_err = torch.full((rows, ng), float("inf"), device=W.device)
+    best = torch.ones(rows, ng, device=W.device)
+    for k in range(int(grid * max_shrink) + 1):
+        ratio = 1 - k / grid
+        clip = torch.full((rows, ng), ratio, device=W.device)
+        D = _fake_quant(W, bits, group_size, sym, clip) - W  # (rows, cols)
+        err = torch.empty(rows, ng, device=W.device)
+        for j in range(ng):
+            sl = slice(j * g, min(cols, (j + 1) * g))
+            err[:, j] = (X[:, sl] @ D[:, sl].t()).pow(2).mean(0)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best
+
+
+def _producer(module: nn.Module, block: nn.Module, names: list[str]) -> tuple[str, nn.Module] | None:
+    """The op whose output is the group's input, when ``1/s`` can be folded into it."""
+    first = names[0].rsplit(".", 1)[-1]
+    parent = module.get_submodule(names[0].rsplit(".", 1)[0])
+    if first in ("q_proj", "k_proj", "v_proj", "query", "key", "value"):
+        cand = ("input_layernorm", "ln_1", "attention_norm")
+    elif first in ("gate_proj", "up_proj", "w1", "w3"):
+        cand = ("post_attention_layernorm", "ln_2", "ffn_norm")
+    elif first == "down_proj" and isinstance(getattr(parent, "up_proj", None), nn.Linear):
+        return "up_proj", parent.up_proj
+    elif first == "o_proj" and isinstance(getattr(parent, "v_proj", None), nn.Linear):
+        v, o = parent.v_proj, parent.get_submodule("o_proj")
+        return ("v_proj", v) if v.out_features == o.in_features else None
+    else:
+        return None
+    for c in cand:
+        m = getattr(block, c, None)
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 1 and getattr(m, "bias", None) is None:
+            return c, m
+    return None
+
+
+def awq_visit(module: nn.Module, config: Any, results: dict):
+    """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN)."""
+    from edgekit.compress.weight_only import find_blocks
+
+    _, blocks = find_blocks(module)
+
+    def visit(block_index: int, names: list[str], inputs) -> None:
+        linears = [module.get_submodule(n) for n in names]
+        cols = linears[0].in_features
+        total = torch.zeros(cols, dtype=torch.float64)
+        count = 0
+        batches = []
+        for x in inputs():
+            x = x.reshape(-1, cols)
+            total += x.abs().sum(0).double().cpu()
+            count += x.shape[0]
+            batches.append(x)
+        step = max(1, count // MAX_TOKENS)
+        X = torch.cat(batches)[::step]
+        del batches
+        x_mean = (total / max(count, 1)).float().to(X.device)
+        W = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
+        prod = _producer(module, blocks[block_index], names)
+        if prod is not None:
+            s, _, _ = search_scale(W, X, x_mean, config.bits, config.group_size, config.sym, config.awq_grid)
+            _fold(prod[1], s)
+            if prod[1].weight.dim() == 2:  # an already-quantized linear: its row scales absorb 1/s
+                pname = names[0].rsplit(".", 1)[0] + "." + prod[0]
+                if pname in results:
+                    q0, sc0, z0 = results[pname]
+                    results[pname] = (q0, sc0 / s.cpu()[:, None], z0)
+            W = W * s
+            X = X / s
+            for lin in linears:
+                lin.weight.data.mul_(s.to(lin.weight.dtype))
+        clip = None
+        if config.awq_clip and not any(n.endswith(("q_proj", "k_proj")) for n in names):
+            clip = search_clip(W, X, config.bits, config.group_size, config.sym, grid=config.awq_grid)
+        row = 0
+        for name, lin in zip(names, linears):
+            r = slice(row, row + lin.out_features)
+            row += lin.out_features
+            q, sc, z = rtn_quantize(W[r], config.bits, config.group_size, config.sym, None if clip is None else clip[r])
+            lin.weight.data.copy_(dequantize_groups(q, sc, z, config.group_size).to(lin.weight.dtype))
+            results[name] = (q.cpu(), sc.cpu(), z.cpu())
+
+    return visit
+
+
+def _fold(producer: nn.Module, s: torch.Tensor) -> None:
+    """Divide the producer's output channels by ``s``."""
+    w = producer.weight
+    if w.dim() == 1:  # a norm's elementwise weight
+        w.data.div_(s.to(w.dtype))
+    else:  # a linear's output rows
+        w.data.div_(s.to(w.dtype)[:, None])
+        if getattr(producer, "bias", None) is not None:
+            producer.bias.data.div_(s.to(w.dtype))

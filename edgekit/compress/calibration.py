@@ -1,0 +1,193 @@
+"""Streaming activation statistics and the four range-selection methods.
+
+An observer accumulates a histogram of one tensor over any number of batches in bounded
+memory: ``BINS`` bins over a symmetric range ``[-R, R]`` that doubles (merging bins
+pairwise) whenever a batch exceeds it, so memory never grows with the number of samples.
+``choose_range(hist, method, ...)`` turns the histogram into a clipping range:
+
+  minmax      the observed extremes.
+  percentile  the ``p``-th percentile of |x| on each side (99.99 by default; NVIDIA's recipe).
+  entropy     TensorRT's KL-divergence threshold on |x| (2048 bins, 128 quantized levels).
+  mse         the clip that minimises the expected quantize-dequantize squared error.
+
+``qparams(lo, hi, qmin, qmax, symmetric)`` maps a range to (scale, zero_point).
+
+>>> obs = HistogramObserver("relu1")
+>>> obs.update(torch.randn(64, 16))
+>>> lo, hi = choose_range(obs, "minmax")
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edgekit.errors import BadInputError, bad_choice
+
+METHODS = ("minmax", "percentile", "entropy", "mse")
+BINS = 4096  # over [-R, R]; 2048 bins per side, as TensorRT's entropy calibrator uses
+
+
+class HistogramObserver:
+    """Bounded-memory streaming statistics of one activation tensor."""
+
+    def __init__(self, name: str, bins: int = BINS) -> None:
+        self.name = name
+        self.bins = bins
+        self.hist = torch.zeros(bins, dtype=torch.float64)
+        self.R = 0.0  # histogram covers [-R, R]
+        self.min = math.inf
+        self.max = -math.inf
+        self.count = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1)
+        if x.numel() == 0:
+            return
+        if not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise BadInputError(f"non-finite activations ({bad} NaN/Inf values) at layer {self.name!r} "
+                                "during calibration; check the calibration data and the model's preprocessing")
+        lo, hi = float(x.min()), float(x.max())
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        need = max(abs(lo), abs(hi), 1e-8)
+        if self.R == 0.0:
+            self.R = need
+        elif need > self.R:
+            # Grow by powers of two: merge 2^k adjacent bins so the old counts stay exact.
+            k = math.ceil(math.log2(need / self.R))
+            f = 2 ** k
+            half = self.bins // 2
+            if f >= half:
+                merged = torch.zeros_like(self.hist)
+                merged[half - 1] = self.hist[:half].sum()
+                merged[half] = self.hist[half:].sum()
+            else:
+                neg = self.hist[:half].flip(0).reshape(-1, f).sum(1)  # from 0 outwards
+                pos = self.hist[half:].reshape(-1, f).sum(1)
+                merged = torch.zeros_like(self.hist)
+                merged[half - len(neg):half] = neg.flip(0)
+                merged[half:half + len(pos)] = pos
+            self.hist = merged
+            self.R *= f
+        self.hist += torch.histc(x, bins=self.bins, min=-self.R, max=self.R).double()
+        self.count += x.numel()
+
+    @property
+    def edges(self) -> np.ndarray:
+        return np.linspace(-self.R, self.R, self.bins + 1)
+
+    def state(self) -> dict[str, float]:
+        return {"min": self.min, "max": self.max, "count": self.count}
+
+
+def _abs_hist(obs: HistogramObserver) -> tuple[np.ndarray, float]:
+    """Histogram of |x| with bins//2 bins over [0, R]."""
+    h = obs.hist.numpy()
+    half = obs.bins // 2
+    return h[half:] + h[:half][::-1], obs.R
+
+
+def _percentile_abs(obs: HistogramObserver, p: float) -> float:
+    h, R = _abs_hist(obs)
+    c = np.cumsum(h)
+    if c[-1] <= 0:
+        return 0.0
+    i = int(np.searchsorted(c, c[-1] * p / 100.0))
+    return float((min(i, len(h) - 1) + 1) * R / len(h))
+
+
+def _entropy_threshold(obs: HistogramObserver, levels: int = 128) -> float:
+    """TensorRT's KL calibration on the |x| histogram (2048 bins, 128 levels)."""
+    h, R = _abs_hist(obs)
+    nb = len(h)
+    if h.sum() <= 0:
+        return 0.0
+    best, best_i = math.inf, nb
+    for i in range(levels, nb + 1, 16):
+        ref = h[:i].copy()
+        ref[i - 1] += h[i:].sum()
+        # quantize the first i bins into `levels` bins, then expand back, keeping zero bins zero
+        idx = (np.arange(i) * levels) // i
+        qsum = np.bincount(idx, weights=h[:i], minlength=levels)
+        nz = (h[:i] > 0).astype(np.float64)
+        qcnt = np.bincount(idx, weights=nz, minlength=levels)
+        expanded = np.where(nz > 0, qsum[idx] / np.maximum(qcnt[idx], 1), 0.0)
+        p = ref / ref.sum()
+        q = expanded / max(expanded.sum(), 1e-12)
+        mask = p > 0
+        kl = float(np.sum(p[mask] * np.log(p[mask] / np.maximum(q[mask], 1e-12))))
+        if kl < best:
+            best, best_i = kl, i
+    return float(best_i * R / nb)
+
+
+def _mse_range(obs: HistogramObserver, qmin: int, qmax: int, symmetric: bool) -> tuple[float, float]:
+    h = obs.hist.numpy()
+    e = obs.edges
+    centers = (e[:-1] + e[1:]) / 2
+    keep = h > 0
+    c, w = centers[keep], h[keep]
+    lo0, hi0 = min(obs.min, 0.0), max(obs.max, 0.0)
+    best, best_r = math.inf, (lo0, hi0)
+    for a in np.linspace(0.05, 1.0, 96):
+        lo, hi = lo0 * a, hi0 * a
+        if symmetric:
+            m = max(-lo, hi)
+            lo, hi = -m, m
+        s, zp = qparams(lo, hi, qmin, qmax, symmetric)
+        q = np.clip(np.round(c / s) + zp, qmin, qmax)
+        err = float(np.sum(w * (c - (q - zp) * s) ** 2))
+        if err < best:
+            best, best_r = err, (lo, hi)
+    return best_r
+
+
+def choose_range(obs: HistogramObserver, method: str, percentile: float = 99.99,
+                 qmin: int = 0, qmax: int = 255, symmetric: bool = False) -> tuple[float, float]:
+    """Clipping range (lo <= 0 <= hi) of one observed tensor by ``method``."""
+    if method not in METHODS:
+        raise bad_choice("calibration method", method, METHODS)
+    if obs.count == 0:
+        raise BadInputError(f"layer {obs.name!r} saw no data during calibration")
+    lo, hi = min(obs.min, 0.0), max(obs.max, 0.0)
+    if method == "minmax":
+        pass
+    elif method == "percentile":
+        t = _percentile_abs(obs, percentile)
+        lo, hi = max(lo, -t), min(hi, t)
+    elif method == "entropy":
+        t = _entropy_threshold(obs)
+        lo, hi = max(lo, -t), min(hi, t)
+    else:
+        lo, hi = _mse_range(obs, qmin, qmax, symmetric)
+    if symmetric:
+        m = max(-lo, hi)
+        lo, hi = -m, m
+    if hi - lo < 1e-8:
+        hi = lo + 1e-8
+    return float(lo), float(hi)
+
+
+def qparams(lo: float, hi: float, qmin: int, qmax: int, symmetric: bool) -> tuple[float, int]:
+    """Scale and zero point mapping [lo, hi] onto [qmin, qmax] (zero exactly representable)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if symmetric:
+        m = max(-lo, hi, 1e-8)
+        half = (qmax - qmin) // 2  # 127 for int8
+        return m / half, 0
+    scale = max((hi - lo) / (qmax - qmin), 1e-8)
+    zp = int(round(qmin - lo / scale))
+    return scale, int(min(max(zp, qmin), qmax))
+
+
+@dataclass(frozen=True)
+class QRange:
+    """A chosen range and its quantization parameters."""
+
+    lo: float
+    hi: float
+    scale: float
+    zero_point: int

@@ -1,0 +1,578 @@
+"""The fake-quantized PyTorch model and its QDQ ONNX form.
+
+``prepare_qdq(module, scheme)`` traces a float model with ``torch.fx``, folds batch
+norms into the convolutions before them, and inserts quantizers where an INT8 engine
+quantizes tensors:
+
+* weights of every convolution and linear layer: ``WeightQuant``, per output channel,
+  symmetric int8 in [-127, 127];
+* activations, per tensor (``ActQuant``), *on the tensor* so that every consumer reads
+  the same quantized value (what ONNX Runtime needs to fuse ``DQ -> Conv -> Q`` into
+  ``QLinearConv`` and TensorRT to fuse residual adds): the output of each conv/linear
+  (after its ReLU/ReLU6 when that is its only consumer), and every activation input of a
+  conv, linear, matmul, add or pooling node that is not already quantized.
+
+Exported to ONNX, ``ActQuant`` and ``WeightQuant`` become QuantizeLinear/DequantizeLinear
+pairs (uint8 activations for "u8s8", int8 for "s8s8" and "trt"); ``rewrite_qdq``
+then stores weights as int8 initializers (DQ only), biases as int32 on the
+``input_scale * weight_scale`` grid (as ONNX Runtime's and TensorRT's integer convs use
+them), and folds weight transposes into the initializers, so the graph is the one the
+fake-quant model computes and the engines fuse.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from edgekit.compress.calibration import HistogramObserver, choose_range, qparams
+from edgekit.errors import BadInputError, bad_choice
+
+SCHEMES = ("u8s8", "s8s8", "trt")
+
+
+@dataclass(frozen=True)
+class ActFormat:
+    qmin: int
+    qmax: int
+    symmetric: bool
+
+
+ACT_FORMATS = {
+    "u8s8": ActFormat(0, 255, False),   # ONNX Runtime x86: uint8 activations (VNNI u8 x s8)
+    "s8s8": ActFormat(-128, 127, False),
+    "trt": ActFormat(-128, 127, True),  # TensorRT explicit quantization: symmetric int8
+}
+WEIGHT_QMIN, WEIGHT_QMAX = -127, 127
+
+
+class ActQuant(nn.Module):
+    """Per-tensor fake quantizer of one activation. ``mode``: "observe" (collect a
+    histogram, pass through), "quant" (fake-quantize; the default so a rebuilt model
+    exports quantized) or "float" (pass through)."""
+
+    def __init__(self, name: str, qmin: int, qmax: int, symmetric: bool) -> None:
+        super().__init__()
+        self.qname = name
+        self.qmin, self.qmax, self.symmetric = qmin, qmax, symmetric
+        self.register_buffer("scale", torch.tensor(1.0))
+        self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int32))
+        self.mode = "quant"
+        self.observer: HistogramObserver | None = None
+        self.learnable = False
+
+    def set_range(self, lo: float, hi: float) -> None:
+        s, zp = qparams(lo, hi, self.qmin, self.qmax, self.symmetric)
+        with torch.no_grad():
+            self.scale.copy_(torch.tensor(s))
+            self.zero_point.copy_(torch.tensor(zp, dtype=torch.int32))
+
+    def make_learnable(self) -> None:
+        """LSQ-style learnable scale for QAT (the zero point stays fixed)."""
+        if not self.learnable:
+            s = self.scale.detach().clone()
+            del self.scale
+            self.scale = nn.Parameter(s)
+            self.learnable = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "observe":
+            if self.observer is None:
+                self.observer = HistogramObserver(self.qname)
+            self.observer.update(x)
+            return x
+        if self.mode == "float":
+            return x
+        if self.learnable and self.training:
+            scale = self.scale.abs() + 1e-8
+            grad_factor = 1.0 / float(max(x.numel() // max(x.shape[0], 1), 1) * self.qmax) ** 0.5
+            return torch._fake_quantize_learnable_per_tensor_affine(
+                x, scale, self.zero_point.float(), self.qmin, self.qmax, grad_factor)
+        return torch.fake_quantize_per_tensor_affine(x, self.scale.detach() if self.learnable else self.scale,
+                                                     self.zero_point, self.qmin, self.qmax)
+
+
+class WeightQuant(nn.Module):
+    """Per-output-channel symmetric int8 fake quantizer of one weight (axis 0).
+    The scale follows the weight (max |w| per channel); in training (QAT) it is
+    recomputed each step. ``enabled=False`` keeps the layer in floating point."""
+
+    def __init__(self, name: str, channels: int) -> None:
+        super().__init__()
+        self.qname = name
+        self.register_buffer("scale", torch.ones(channels))
+        self.enabled = True
+
+    def update_scale(self, w: torch.Tensor) -> None:
+        with torch.no_grad():
+            amax = w.detach().abs().reshape(w.shape[0], -1).amax(1).clamp_min(1e-8)
+            self.scale.copy_(amax / WEIGHT_QMAX)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return w
+        if self.training:
+            self.update_scale(w)
+        zp = torch.zeros(w.shape[0], dtype=torch.int32, device=w.device)
+        return torch.fake_quantize_per_channel_affine(w, self.scale, zp, 0, WEIGHT_QMIN, WEIGHT_QMAX)
+
+
+# ------------------------------------------------------------------------------------------
+# Graph classification
+
+_CONV_FNS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
+_LINEAR_FNS = {F.linear}
+_MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
+_ACT_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
+_ACT_FNS = {F.relu, torch.relu, F.relu6, F.hardtanh, torch.nn.functional.relu_}
+_ADD_FNS = {operator.add, torch.add, operator.iadd}
+_POOL_MODULES = (nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.AvgPool1d, nn.MaxPool1d, nn.AdaptiveAvgPool1d)
+_POOL_FNS = {F.avg_pool2d, F.adaptive_avg_pool2d, F.max_pool2d, F.avg_pool1d, F.max_pool1d, F.adaptive_avg_pool1d}
+# Ops that only move data: a quantized tensor stays quantized through them.
+_PASS_MODULES = (nn.ZeroPad2d, nn.ConstantPad2d, nn.Identity, nn.Flatten, nn.Dropout)
+_PASS_FNS = {torch.flatten, F.pad, F.dropout}
+_PASS_METHODS = {"view", "reshape", "flatten", "contiguous"}
+
+
+def _mod(gm: fx.GraphModule, n: fx.Node) -> nn.Module | None:
+    return gm.get_submodule(n.target) if n.op == "call_module" else None  # type: ignore[arg-type]
+
+
+def is_conv(gm: fx.GraphModule, n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _CONV_FNS) or isinstance(_mod(gm, n), nn.modules.conv._ConvNd)
+
+
+def is_linear(gm: fx.GraphModule, n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _LINEAR_FNS) or isinstance(_mod(gm, n), nn.Linear)
+
+
+def is_act(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target in _ACT_FNS:
+        return True
+    if n.op == "call_method" and n.target in ("relu", "relu_"):
+        return True
+    return isinstance(_mod(gm, n), _ACT_MODULES)
+
+
+def is_add(n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target in _ADD_FNS or n.op == "call_method" and n.target == "add":
+        return len(n.args) >= 2 and all(isinstance(a, fx.Node) for a in n.args[:2])
+    return False
+
+
+def is_pool(gm: fx.GraphModule, n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _POOL_FNS) or isinstance(_mod(gm, n), _POOL_MODULES)
+
+
+def is_passthrough(gm: fx.GraphModule, n: fx.Node) -> bool:
+    if n.op == "call_function" and n.target in _PASS_FNS:
+        return True
+    if n.op == "call_method" and n.target in _PASS_METHODS:
+        return True
+    return isinstance(_mod(gm, n), _PASS_MODULES)
+
+
+def _weight_source(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
+    """(weight attribute path, bias attribute path) of a functional conv/linear node."""
+    w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+    b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        raise _NotQuantizable
+    bias = b.target if isinstance(b, fx.Node) and b.op == "get_attr" else None
+    return str(w.target), (str(bias) if bias is not None else None)
+
+
+class _NotQuantizable(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------
+# Preparation
+
+
+def _get_attr(gm: fx.GraphModule, path: str) -> Any:
+    obj: Any = gm
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_param(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = gm.get_submodule(parent_path) if parent_path else gm
+    setattr(parent, name, nn.Parameter(value.detach().clone()))
+
+
+def _functionalize_layers(gm: fx.GraphModule) -> None:
+    """call_module Conv/Linear -> F.conv/F.linear on get_attr weights, so weight
+    quantizers and batch-norm folding work on one form."""
+    g = gm.graph
+    for n in list(g.nodes):
+        m = _mod(gm, n)
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.padding_mode == "zeros" and type(m).forward in (
+                nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward):
+            fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(m.kernel_size)]
+            padding = m.padding if isinstance(m.padding, str) else tuple(m.padding)
+            with g.inserting_before(n):
+                w = g.get_attr(f"{n.target}.weight")
+                b = g.get_attr(f"{n.target}.bias") if m.bias is not None else None
+                new = g.call_function(fn, (n.args[0], w, b, tuple(m.stride), padding, tuple(m.dilation), m.groups))
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+        elif isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+            with g.inserting_before(n):
+                w = g.get_attr(f"{n.target}.weight")
+                b = g.get_attr(f"{n.target}.bias") if m.bias is not None else None
+                new = g.call_function(F.linear, (n.args[0], w, b))
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+    g.lint()
+    gm.recompile()
+
+
+def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
+    """Fold eval-mode BatchNorm modules into the convolution before them."""
+    g = gm.graph
+    folded = []
+    for n in list(g.nodes):
+        bn = _mod(gm, n)
+        if not isinstance(bn, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            continue
+        conv = n.args[0]
+        if not (isinstance(conv, fx.Node) and is_conv(gm, conv) and conv.op == "call_function"
+                and len(conv.users) == 1 and bn.track_running_stats and bn.running_var is not None):
+            continue
+        try:
+            wpath, bpath = _weight_source(gm, conv)
+        except _NotQuantizable:
+            continue
+        w = _get_attr(gm, wpath).detach()
+        b = _get_attr(gm, bpath).detach() if bpath else torch.zeros(w.shape[0])
+        inv = (bn.running_var + bn.eps).rsqrt()
+        gamma = bn.weight.detach() if bn.weight is not None else torch.ones_like(inv)
+        beta = bn.bias.detach() if bn.bias is not None else torch.zeros_like(inv)
+        factor = gamma * inv
+        _set_param(gm, wpath, w * factor.reshape(-1, *([1] * (w.dim() - 1))))
+        new_bpath = bpath or (wpath.rpartition(".")[0] + ".bias" if "." in wpath else "bias")
+        _set_param(gm, new_bpath, (b - bn.running_mean) * factor + beta)
+        if bpath is None:
+            with g.inserting_before(conv):
+                bnode = g.get_attr(new_bpath)
+            args = list(conv.args)
+            while len(args) < 3:
+                args.append(None)
+            args[2] = bnode
+            conv.args = tuple(args)
+            conv.kwargs = {k: v for k, v in conv.kwargs.items() if k != "bias"}
+        n.replace_all_uses_with(conv)
+        g.erase_node(n)
+        folded.append(str(n.target))
+    g.lint()
+    gm.recompile()
+    return folded
+
+
+def _producer(gm: fx.GraphModule, n: fx.Node) -> fx.Node:
+    """Walk back through data-movement ops to the node that computed a tensor."""
+    while is_passthrough(gm, n) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _layer_name(wpath: str) -> str:
+    return wpath[:-len(".weight")] if wpath.endswith(".weight") else wpath
+
+
+@dataclass
+class QuantPlan:
+    """What ``prepare_qdq`` inserted: layer name -> weight quantizer name, and the
+    activation quantizers in graph order (name -> the node they follow)."""
+
+    scheme: str
+    layers: dict[str, str]
+    activations: dict[str, str]
+    folded_bn: list[str]
+
+
+def _trace(module: nn.Module) -> fx.GraphModule:
+    try:
+        return fx.symbolic_trace(module)
+    except Exception as e:
+        raise _TraceError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+class _TraceError(Exception):
+    pass
+
+
+def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
+    """Trace ``module`` and return (fake-quant GraphModule, plan). Raises BadInputError
+    when the model has no convolution or linear layer to quantize."""
+    if scheme not in SCHEMES:
+        raise bad_choice("quantization scheme", scheme, SCHEMES)
+    fmt = ACT_FORMATS[scheme]
+    module = module.eval()
+    gm = _trace(module)
+    _functionalize_layers(gm)
+    folded = _fold_batchnorms(gm)
+    g = gm.graph
+
+    layers: dict[str, str] = {}
+    quant_nodes: list[fx.Node] = []  # tensors to quantize, in graph order
+    seen: set[fx.Node] = set()
+
+    def want(n: fx.Node) -> None:
+        if n not in seen and n.op != "get_attr":
+            seen.add(n)
+            quant_nodes.append(n)
+
+    outputs = {a for n in g.nodes if n.op == "output" for a in _flatten_args(n.args)}
+    # 1. weights, and the outputs of conv/linear layers (after a sole ReLU/ReLU6)
+    for n in list(g.nodes):
+        if not (is_conv(gm, n) or is_linear(gm, n)):
+            continue
+        try:
+            wpath, _ = _weight_source(gm, n)
+        except _NotQuantizable:
+            continue
+        w = _get_attr(gm, wpath)
+        name = _layer_name(wpath)
+        qname = "wq_" + name.replace(".", "_")
+        gm.add_submodule(qname, WeightQuant(name, w.shape[0]))
+        wnode = n.args[1]
+        with g.inserting_after(wnode):
+            qw = g.call_module(qname, (wnode,))
+        n.replace_input_with(wnode, qw)
+        layers[name] = qname
+        out = n
+        users = list(out.users)
+        if len(users) == 1 and is_act(gm, users[0]):
+            out = users[0]
+        if out not in outputs:
+            want(out)
+    if not layers:
+        raise BadInputError("model has no quantizable layers (no convolution or linear layer with constant "
+                            "weights was found); INT8 quantization needs at least one")
+    # 2. activation inputs of conv / linear / matmul / add / pool nodes
+    quantized_producers = {_producer(gm, q) for q in quant_nodes}
+    for n in list(g.nodes):
+        if is_conv(gm, n) or is_linear(gm, n):
+            ins = [n.args[0]]
+        elif (n.op == "call_function" and n.target in _MATMUL_FNS) or is_add(n):
+            ins = list(n.args[:2])
+        elif is_pool(gm, n):
+            ins = [n.args[0]]
+        else:
+            continue
+        for a in ins:
+            if not isinstance(a, fx.Node) or a.op == "get_attr":
+                continue
+            if a in seen:
+                continue
+            p = _producer(gm, a)
+            if p in quantized_producers and not (is_conv(gm, n) or is_linear(gm, n) or n.target in _MATMUL_FNS):
+                continue  # a quantized tensor reshaped on the way: adds and pools read it as is
+            if p in quantized_producers and p is not a and _only_passthrough_path(gm, p, a):
+                # conv/linear reading a padded/flattened quantized tensor: quantize right at its input so the
+                # engine sees DQ -> Conv (the same grid, so no extra error)
+                want(a)
+                continue
+            want(a)
+    activations: dict[str, str] = {}
+    for i, q in enumerate(quant_nodes):
+        qname = f"aq_{i}_{q.name}"
+        gm.add_submodule(qname, ActQuant(q.name, fmt.qmin, fmt.qmax, fmt.symmetric))
+        with g.inserting_after(q):
+            qn = g.call_module(qname, (q,))
+        q.replace_all_uses_with(qn, delete_user_cb=lambda u, qn=qn: u is not qn)
+        activations[qname] = q.name
+    g.lint()
+    gm.recompile()
+    gm.delete_all_unused_submodules()
+    for name in float_layers:
+        if name in layers:
+            gm.get_submodule(layers[name]).enabled = False
+    return gm, QuantPlan(scheme, layers, activations, folded)
+
+
+def _only_passthrough_path(gm: fx.GraphModule, p: fx.Node, a: fx.Node) -> bool:
+    n = a
+    while n is not p:
+        if not is_passthrough(gm, n):
+            return False
+        n = n.args[0]  # type: ignore[assignment]
+    return True
+
+
+def _flatten_args(args: Any) -> list[Any]:
+    out: list[Any] = []
+    if isinstance(args, (tuple, list)):
+        for a in args:
+            out.extend(_flatten_args(a))
+    elif isinstance(args, dict):
+        for a in args.values():
+            out.extend(_flatten_args(a))
+    else:
+        out.append(args)
+    return out
+
+
+def act_quants(gm: nn.Module) -> list[ActQuant]:
+    return [m for m in gm.modules() if isinstance(m, ActQuant)]
+
+
+def weight_quants(gm: nn.Module) -> list[WeightQuant]:
+    return [m for m in gm.modules() if isinstance(m, WeightQuant)]
+
+
+def set_mode(gm: nn.Module, mode: str) -> None:
+    for m in act_quants(gm):
+        m.mode = mode
+
+
+def finish_calibration(gm: nn.Module, method: str, percentile: float) -> dict[str, tuple[float, float]]:
+    """Turn every observer's histogram into a range; quantizers go to "quant" mode."""
+    ranges = {}
+    for m in act_quants(gm):
+        if m.observer is None or m.observer.count == 0:
+            raise BadInputError(f"activation {m.qname!r} saw no calibration data")
+        lo, hi = choose_range(m.observer, method, percentile, m.qmin, m.qmax, m.symmetric)
+        m.set_range(lo, hi)
+        ranges[m.qname] = (lo, hi)
+        m.mode = "quant"
+    return ranges
+
+
+def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan) -> None:
+    for name, qname in plan.layers.items():
+        gm.get_submodule(qname).update_scale(_get_attr(gm, name + ".weight"))
+
+
+# ------------------------------------------------------------------------------------------
+# ONNX rewrite
+
+
+def rewrite_qdq(model: Any) -> Any:
+    """Make an exported fake-quant graph deployable: int8 weights behind DequantizeLinear,
+    int32 biases, weight transposes folded. Returns the same ModelProto, changed."""
+    import onnx
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consts: dict[str, np.ndarray] = {}
+    for n in g.node:  # Constant nodes hold scalars (scales, zero points)
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+
+    def value(name: str) -> np.ndarray | None:
+        if name in inits:
+            return numpy_helper.to_array(inits[name])
+        return consts.get(name)
+
+    producers = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def add_init(arr: np.ndarray, name: str) -> str:
+        t = numpy_helper.from_array(arr, name)
+        g.initializer.append(t)
+        inits[name] = t
+        return name
+
+    remove: list[Any] = []
+    # 1. Q(const float weight) -> DQ  ==>  const int8 -> DQ
+    for q in list(g.node):
+        if q.op_type != "QuantizeLinear":
+            continue
+        w = value(q.input[0])
+        if w is None or w.dtype.kind != "f":
+            continue
+        scale = value(q.input[1])
+        zp = value(q.input[2]) if len(q.input) > 2 else np.zeros((), np.uint8)
+        if scale is None or zp is None:
+            continue
+        axis = next((a.i for a in q.attribute if a.name == "axis"), 1)
+        if scale.ndim == 1 and scale.size > 1:
+            shape = [1] * w.ndim
+            shape[axis] = -1
+            s, z = scale.reshape(shape), zp.astype(np.int64).reshape(shape)
+        else:
+            s, z = scale, zp.astype(np.int64)
+        info = np.iinfo(zp.dtype)
+        qw = np.clip(np.round(w / s) + z, info.min, info.max).astype(zp.dtype)
+        qname = add_init(qw, q.output[0] + "_int")
+        for c in consumers.get(q.output[0], []):
+            for k, inp in enumerate(c.input):
+                if inp == q.output[0]:
+                    c.input[k] = qname
+        remove.append(q)
+    for n in remove:
+        g.node.remove(n)
+    producers = {o: n for n in g.node for o in n.output}
+    consumers = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    # 2. DQ(int8 const, axis) -> Transpose  ==>  DQ(transposed const, new axis)
+    for t in list(g.node):
+        if t.op_type != "Transpose":
+            continue
+        dq = producers.get(t.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        if len(consumers.get(dq.output[0], [])) != 1:
+            continue
+        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None)
+        qw = numpy_helper.to_array(inits[dq.input[0]])
+        perm = perm or list(range(qw.ndim))[::-1]
+        new = add_init(np.ascontiguousarray(qw.transpose(perm)), dq.input[0] + "_t")
+        dq.input[0] = new
+        axis = next((a for a in dq.attribute if a.name == "axis"), None)
+        if axis is not None:
+            axis.i = perm.index(axis.i if axis.i >= 0 else axis.i + qw.ndim)
+        dq.output[0], old_out = t.output[0], dq.output[0]
+        g.node.remove(t)
+    producers = {o: n for n in g.node for o in n.output}
+
+    # 3. float bias of Conv / Gemm (and MatMul + Add) -> int32 bias behind DQ
+    for n in list(g.node):
+        if n.op_type in ("Conv", "Gemm") and len(n.input) > 2 and n.input[2]:
+            bias_in, x_in, w_in = n.input[2], n.input[0], n.input[1]
+            set_input = (n, 2)
+        else:
+            continue
+        b = value(bias_in)
+        xdq, wdq = producers.get(x_in), producers.get(w_in)
+        if b is None or xdq is None or wdq is None or xdq.op_type != "DequantizeLinear" or wdq.op_type != "DequantizeLinear":
+            continue
+        sx, sw = value(xdq.input[1]), value(wdq.input[1])
+        if sx is None or sw is None:
+            continue
+        sb = (np.float32(sx) * sw.astype(np.float32)).reshape(-1).astype(np.float32)
+        if sb.size == 1 and b.size > 1:
+            sb = np.full(b.shape, sb[0], np.float32)
+        qb = np.clip(np.round(b / sb), -2**31, 2**31 - 1).astype(np.int32)
+        qb_name = add_init(qb, bias_in + "_int32")
+        sb_name = add_init(sb, bias_in + "_scale")
+        dq_out = bias_in + "_dq"
+        node = onnx.helper.make_node("DequantizeLinear", [qb_name, sb_name], [dq_out], axis=0,
+                                     name=bias_in + "_DequantizeLinear")
+        g.node.insert(list(g.node).index(n), node)
+        set_input[0].input[set_input[1]] = dq_out
+
+    # 4. drop initializers nobody reads any more
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    keep = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return model

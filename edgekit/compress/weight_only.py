@@ -1,0 +1,506 @@
+"""Weight-only low-bit quantization (the ``int4`` step): GPTQ, AWQ or RTN, then real packing.
+
+``apply`` quantizes every ``nn.Linear`` inside the model's transformer blocks (or of the
+whole model when it has none) to ``bits`` with per-group scales and zero points, replaces
+them by packed ``QuantLinear`` modules (``packing.py`` documents the layout) and, for a
+causal LM, quantizes the LM head and its tied embedding table (``head``, 8 bits by default).
+
+Calibrated methods walk the model **block by block** (``BlockWalker``): the inputs of
+block 0 are captured once for all calibration windows; then, for each block, its linear
+layers are visited in execution order, grouped by shared input (q/k/v, o, gate/up, down
+for a Llama block), each group seeing inputs produced by the already-quantized groups
+before it (the forward stops right after the group's input is seen); finally the
+quantized block is re-run to produce the next block's inputs. Memory holds one block's
+activations for all windows, never the whole model's.
+
+>>> from edgekit.compress import compress
+>>> compress("smollm2-135m", [("int4", WeightOnlyConfig())], "out/w4")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
+from edgekit.compress.rtn import rtn_quantize
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.handle import ModelHandle, StepRecord
+
+METHODS = ("gptq", "awq", "rtn")
+HEAD_CHOICES = ("int8", "int4", "none")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    """Options of the ``int4`` step (the CLI's ``compress --bits``).
+
+    method: "gptq" | "awq" | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
+    scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
+    shorter group is allowed when it does not divide a layer's width (SmolLM2's 576 at 128).
+    sym: symmetric grid (zero point 2**(bits-1)). act_order / static_groups / damp /
+    block_size: GPTQ's options (act-order with groups always uses static groups).
+    true_sequential: each linear group sees inputs from the already-quantized groups of
+    its block. calib_samples / seqlen: calibration windows (seqlen None: the model's).
+    awq_grid / awq_clip: AWQ's scale-exponent grid points and clipping search.
+    head: the LM head and tied embedding: "int8" (default; 4 bits there cost ~6 PPL on
+    SmolLM2), "int4" or "none" (kept float). device: where the solver runs.
+    """
+
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+    true_sequential: bool = True
+    calib_samples: int = 128
+    seqlen: int | None = 512
+    awq_grid: int = 20
+    awq_clip: bool = True
+    head: str = "int8"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise bad_choice("weight-only method", self.method, METHODS)
+        if self.bits not in SUPPORTED_BITS:
+            raise BadInputError(f"unsupported bit width {self.bits!r} (choose from {', '.join(map(str, SUPPORTED_BITS))})")
+        gs = self.group_size
+        if not (gs == -1 or (isinstance(gs, int) and gs >= 16 and gs & (gs - 1) == 0)):
+            raise BadInputError(f"unsupported group size {gs!r} (choose -1 for per-channel, or a power of two "
+                                "from 16: 16, 32, 64, 128, 256, ...)")
+        if not 0 <= self.damp < 1:
+            raise BadInputError(f"damp must be in [0, 1), got {self.damp!r}")
+        if self.block_size < 1:
+            raise BadInputError(f"block_size must be positive, got {self.block_size!r}")
+        if self.calib_samples < 1:
+            raise BadInputError(f"calib_samples must be at least 1, got {self.calib_samples!r}")
+        if self.seqlen is not None and self.seqlen < 2:
+            raise BadInputError(f"seqlen must be at least 2, got {self.seqlen!r}")
+        if self.awq_grid < 1:
+            raise BadInputError(f"awq_grid must be at least 1, got {self.awq_grid!r}")
+        if self.head not in HEAD_CHOICES:
+            raise bad_choice("head quantization", self.head, HEAD_CHOICES)
+        if self.device not in DEVICES:
+            raise bad_choice("device", self.device, DEVICES)
+
+
+# --- finding the layers -------------------------------------------------------------------------
+
+
+def _get(module: nn.Module, name: str) -> nn.Module:
+    return module.get_submodule(name) if name else module
+
+
+def _set(module: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(_get(module, parent), child, new)
+
+
+def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The repeated blocks to walk: the ``nn.ModuleList`` holding the most linear layers
+    (a transformer's layers); else the whole model as one block. Returns (prefix, blocks)."""
+    best, best_n = None, 0
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            n = sum(isinstance(x, nn.Linear) for x in m.modules())
+            if n > best_n:
+                best, best_n = name, n
+    if best is None:
+        return "", [module]
+    return best, list(_get(module, best))
+
+
+def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
+    """(LM head name, input embedding name) of a Hugging Face causal LM inside ``module``."""
+    for name, m in module.named_modules():
+        if hasattr(m, "get_output_embeddings") and hasattr(m, "get_input_embeddings"):
+            try:
+                out, inp = m.get_output_embeddings(), m.get_input_embeddings()
+            except (NotImplementedError, AttributeError):
+                continue
+            if isinstance(out, nn.Linear):
+                names = {id(x): n for n, x in module.named_modules()}
+                return names.get(id(out)), names.get(id(inp)) if isinstance(inp, nn.Embedding) else None
+    return None, None
+
+
+def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
+    prefix, blocks = find_blocks(module)
+    head, _ = head_layers(module)
+    names = {id(m): n for n, m in module.named_modules()}
+    linears: dict[str, nn.Linear] = {}
+    for b in blocks:
+        for m in b.modules():
+            if isinstance(m, nn.Linear) and names[id(m)] != head:
+                linears[names[id(m)]] = m
+    return prefix, blocks, linears
+
+
+# --- calibration data -----------------------------------------------------------------------------
+
+
+def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> list[torch.Tensor]:
+    """Calibration samples as one tensor per model input (axis 0 = sample)."""
+    from edgekit.sources.data import load_samples
+
+    spec = ctx.calib or handle.default_calib
+    samples = load_samples(spec, handle, split="calib", seqlen=config.seqlen, seed=ctx.seed)
+    names = [s.name for s in handle.inputs]
+    if not len(samples) or any(n not in samples.inputs for n in names):
+        raise BadInputError(f"calibration data {spec!r} gives no complete sample for {handle.name} "
+                            f"(inputs {names}); for a causal LM the text must hold at least one "
+                            f"{config.seqlen}-token window")
+    n = min(config.calib_samples, len(samples))
+    return [torch.from_numpy(samples.inputs[k][:n]) for k in names]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class BlockWalker:
+    """Runs the calibration set through the model one block at a time.
+
+    ``walk(visit_group)`` calls ``visit_group(block_index, names, inputs)`` for each group of
+    linears sharing one input, in execution order; ``inputs`` is an iterator factory
+    yielding that group's input activations batch by batch (computed on demand through the
+    block's already-quantized layers). ``visit_group`` quantizes the group in place (float
+    weights on the quantized grid) before the walk moves on.
+    """
+
+    def __init__(self, module: nn.Module, calib: list[torch.Tensor], device: str = "cpu",
+                 batch_size: int = 8, progress: bool = True) -> None:
+        self.module = module
+        self.calib = calib
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.progress = progress
+        self.prefix, self.blocks = find_blocks(module)
+        self.names = {id(m): n for n, m in module.named_modules()}
+
+    def _capture_block0(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        if not self.prefix:  # the whole model is the block: its inputs are the samples
+            n = self.calib[0].shape[0]
+            return [(tuple(t[i:i + self.batch_size].to(self.device) for t in self.calib), {})
+                    for i in range(0, n, self.batch_size)]
+        captured: list[tuple[Any, dict[str, Any]]] = []
+
+        def grab(_m, args, kwargs):
+            kw = dict(kwargs)
+            if "past_key_values" in kw:
+                kw["past_key_values"] = None
+            if "past_key_value" in kw:
+                kw["past_key_value"] = None
+            if "use_cache" in kw:
+                kw["use_cache"] = False
+            captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw))
+            raise _Stop
+
+        h = self.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            n = self.calib[0].shape[0]
+            for i in range(0, n, self.batch_size):
+                try:
+                    self.module(*[t[i:i + self.batch_size].to(self.device) for t in self.calib])
+                except _Stop:
+                    pass
+        finally:
+            h.remove()
+        return captured
+
+    def _input_groups(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> list[list[str]]:
+        """Linears of ``block`` in execution order, grouped by identical input tensor."""
+        order: list[tuple[str, int]] = []
+        hooks = []
+        for m in block.modules():
+            if isinstance(m, nn.Linear) and self.names[id(m)] in self.linears:
+                name = self.names[id(m)]
+                hooks.append(m.register_forward_pre_hook(
+                    lambda _m, args, name=name: order.append((name, args[0]))))
+        try:
+            args, kw = batch
+            block(*tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), **_slice_kwargs(kw, 1))
+        finally:
+            for h in hooks:
+                h.remove()
+        groups: list[list[str]] = []
+        last = None
+        for name, x in order:  # tensors kept alive here, so identity is reliable
+            if any(name in g for g in groups):
+                continue
+            if groups and x is last:
+                groups[-1].append(name)
+            else:
+                groups.append([name])
+            last = x
+        return groups
+
+    @torch.no_grad()
+    def walk(self, linears: dict[str, nn.Linear],
+             visit_group: Callable[[int, list[str], Callable[[], Any]], None]) -> None:
+        from edgekit.progress import progress_bar
+
+        self.linears = linears
+        data = self._capture_block0()
+        for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
+            block = self.blocks[bi]
+            if not any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
+                data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+                continue
+            groups = self._input_groups(block, data[0])
+            for names in groups:
+                first = _get(self.module, names[0])
+
+                def inputs(first: nn.Module = first, block: nn.Module = block):
+                    box: list[torch.Tensor] = []
+
+                    def grab(_m, args):
+                        box.append(args[0].detach())
+                        raise _Stop
+
+                    h = first.register_forward_pre_hook(grab)
+                    try:
+                        for args, kw in data:
+                            box.clear()
+                            try:
+                                block(*args, **kw)
+                            except _Stop:
+                                pass
+                            if box:
+                                yield box[0]
+                    finally:
+                        h.remove()
+
+                visit_group(bi, names, inputs)
+            data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+
+    def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
+        args, kw = batch
+        return _first(block(*args, **kw)).detach()
+
+
+def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
+    out = {}
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 and k != "cache_position":
+            out[k] = v[:n]
+        elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
+            out[k] = tuple(t[:n] if t.dim() > 0 and t.shape[0] > 1 else t for t in v)
+        else:
+            out[k] = v
+    return out
+
+
+# --- apply / rebuild ------------------------------------------------------------------------------
+
+Quantized = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # name -> (q, scales, zeros)
+
+
+def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> None:
+    for name, lin in linears.items():
+        if config.group_size != -1 and config.group_size > lin.in_features:
+            raise BadInputError(f"group size {config.group_size} is larger than layer {name!r}'s {lin.in_features} "
+                                "input features (choose a smaller group size or -1 for per-channel)")
+
+
+def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
+                    progress: bool = False) -> tuple[Quantized, dict[str, Any]]:
+    """Quantize the block linears of ``module`` in place (weights set to their dequantized
+    values) and return their codes. ``calib`` is needed by GPTQ and AWQ."""
+    prefix, blocks, linears = quantizable_linears(module)
+    if not linears:
+        raise BadInputError("the model has no linear layers to quantize (weight-only quantization "
+                            "acts on nn.Linear layers)")
+    _check_layers(linears, config)
+    device = config.device
+    if device == "cuda" and not torch.cuda.is_available():
+        from edgekit.errors import UnavailableError
+
+        raise UnavailableError("device 'cuda' asked for but CUDA is not available here (use --device cpu)")
+    results: Quantized = {}
+    info: dict[str, Any] = {"blocks": len(blocks), "block_prefix": prefix}
+    t0 = time.perf_counter()
+    if config.method == "rtn":
+        for name, lin in linears.items():
+            q, s, z = rtn_quantize(lin.weight.detach().to(device), config.bits, config.group_size, config.sym)
+            results[name] = (q.cpu(), s.cpu(), z.cpu())
+            _set_weight(lin, q, s, z, config.group_size)
+    else:
+        if calib is None:
+            raise BadInputError(f"method {config.method!r} needs calibration data")
+        module.to(device)
+        walker = BlockWalker(module, calib, device=device, progress=progress)
+        if config.method == "gptq":
+            from edgekit.compress.gptq import gptq_visit
+
+            visit = gptq_visit(module, config, results)
+        else:
+            from edgekit.compress.awq import awq_visit
+
+            visit = awq_visit(module, config, results)
+        walker.walk(linears, visit)
+        module.to("cpu")
+        info["calib_windows"] = int(calib[0].shape[0])
+        info["calib_tokens"] = int(calib[0].numel())
+    info["seconds"] = round(time.perf_counter() - t0, 2)
+    return results, info
+
+
+def _set_weight(lin: nn.Linear, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int) -> None:
+    from edgekit.compress.rtn import dequantize_groups
+
+    lin.weight.data.copy_(dequantize_groups(q, s, z, group_size).to(lin.weight.device, lin.weight.dtype))
+
+
+def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig) -> dict[str, Any]:
+    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` and quantize the head."""
+    layers: dict[str, Any] = {}
+    for name, (q, s, z) in results.items():
+        lin = _get(module, name)
+        _set(module, name, QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias))
+        layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": config.bits,
+                        "group_size": config.group_size, "bias": lin.bias is not None}
+    meta: dict[str, Any] = {"layers": layers, "head": None, "embedding": None, "tied": False}
+    head, emb = head_layers(module)
+    if head is not None and config.head != "none":
+        hbits = 8 if config.head == "int8" else 4
+        hgroup = config.group_size
+        lin = _get(module, head)
+        tied = emb is not None and _get(module, emb).weight.data_ptr() == lin.weight.data_ptr()
+        q, s, z = rtn_quantize(lin.weight.detach(), hbits, hgroup, config.sym)
+        qhead = QuantLinear.from_quantized(q, s, z, hbits, hgroup, lin.bias)
+        _set(module, head, qhead)
+        meta["head"] = {"name": head, "in": lin.in_features, "out": lin.out_features, "bits": hbits,
+                        "group_size": hgroup, "bias": lin.bias is not None}
+        if emb is not None:
+            e = _get(module, emb)
+            qemb = QuantEmbedding(e.num_embeddings, e.embedding_dim, hbits, hgroup, e.padding_idx)
+            if tied:
+                qemb.tie_to(qhead)
+            else:
+                qemb.set_quantized(*rtn_quantize(e.weight.detach(), hbits, hgroup, config.sym))
+            _set(module, emb, qemb)
+            meta["embedding"] = {"name": emb, "rows": e.num_embeddings, "dim": e.embedding_dim, "bits": hbits,
+                                 "group_size": hgroup, "padding_idx": e.padding_idx}
+            meta["tied"] = tied
+        _untie_config(module)
+    return meta
+
+
+def _untie_config(module: nn.Module) -> None:
+    """Stop transformers from re-tying (replacing) the packed head and embedding."""
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+
+
+def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> ModelHandle:
+    """Quantize ``handle.module`` (in place) and pack it; records the layers in the step meta."""
+    if handle.module is None:
+        raise BadInputError(f"{handle.name} is an ONNX-only model; weight-only quantization needs the PyTorch model")
+    module = handle.module
+    module.eval()
+    device = config.device if config.device != "cpu" else (ctx.device if ctx.device in DEVICES else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu" if config.device == "cpu" else device
+    if device != config.device:
+        from dataclasses import replace
+
+        config = replace(config, device=device)
+    calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
+    results, info = quantize_module(module, config, calib, progress=ctx.progress)
+    meta = pack_module(module, results, config)
+    meta.update(info)
+    meta["packed_bytes"] = packed_bytes(module)
+    ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
+                           "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
+                           **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
+    handle.steps.append(StepRecord("int4", config_to_dict(config), meta))
+    return handle
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the model's tensors as stored (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -> ModelHandle:
+    """Recreate the packed modules named in ``record.meta`` (placeholders; weights load next)."""
+    module = handle.module
+    meta = record.meta or {}
+    try:
+        for name, spec in meta.get("layers", {}).items():
+            _set(module, name, QuantLinear(int(spec["in"]), int(spec["out"]), int(spec["bits"]),
+                                           int(spec["group_size"]), bool(spec["bias"])))
+        head = meta.get("head")
+        if head:
+            qhead = QuantLinear(int(head["in"]), int(head["out"]), int(head["bits"]), int(head["group_size"]),
+                                bool(head["bias"]))
+            _set(module, head["name"], qhead)
+            emb = meta.get("embedding")
+            if emb:
+                qemb = QuantEmbedding(int(emb["rows"]), int(emb["dim"]), int(emb["bits"]), int(emb["group_size"]),
+                                      emb.get("padding_idx"))
+                if meta.get("tied"):
+                    qemb.tie_to(qhead)
+                _set(module, emb["name"], qemb)
+            _untie_config(module)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise BadInputError(f"the int4 step record does not fit model {handle.name}: {e}") from None
+    return handle
+
+
+def validate_packed(module: nn.Module) -> None:
+    """Raise BadInputError when a loaded packed layer's buffers are inconsistent."""
+    for name, m in module.named_modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            try:
+                m.check(name)
+                if int(m.zeros().max()) > 2**m.bits - 1:
+                    raise ValueError(f"{name}.qzeros holds codes beyond {m.bits} bits")
+            except ValueError as e:
+                raise BadInputError(f"corrupt packed checkpoint: {e}") from None
+
+
+def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
+    """Replace the exported dequantize-then-matmul of each packed layer by ``MatMulNBits``
+    (and the packed embedding lookup by ``GatherBlockQuantized``); see ``export/lm.py``."""
+    from edgekit.export.lm import rewrite_packed_graph
+
+    return rewrite_packed_graph(model, handle.module, fmt="matmulnbits")
+
+
+STEP = Step(
+    name="int4",
+    config=WeightOnlyConfig,
+    apply=apply,
+    description="weight-only low-bit quantization (GPTQ, AWQ or RTN) with real int4 packing",
+    rebuild=rebuild,
+    rewrite_onnx=rewrite_onnx,
+    needs_float=True,
+    output="packed",
+)
+
+__all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",
+           "find_blocks", "BlockWalker"]

@@ -1,0 +1,332 @@
+"""Evaluate a model, or an engine, on samples: ``evaluate`` and ``perplexity``.
+
+The model is a ``ModelHandle`` (its torch ``module`` runs; an ONNX-only handle runs in
+ONNX Runtime on the CPU), a plain ``nn.Module`` (inputs passed positionally in the
+samples' order), or any engine with ``run(feeds) -> list[np.ndarray]``. The first
+output is the one evaluated (logits or embedding).
+
+Evaluators (``EVALUATORS``):
+
+* ``accuracy``: labelled classifiers; top-1 (and top-5) accuracy against the labels.
+  With a reference, the agreement metrics are added.
+* ``agreement``: unlabelled classifiers against a reference model: top-1 agreement,
+  top-5 agreement (the reference's top-1 class is in the model's top 5), mean
+  KL(reference || model) of the softmax outputs.
+* ``cosine``: encoders against a reference: mean and minimum cosine similarity of the
+  outputs (sentence embeddings), per sample.
+* ``perplexity``: causal LMs on non-overlapping token windows (the GPTQ protocol):
+  PPL = exp(mean next-token NLL over every predicted token of every window); the
+  result names the window size (``seqlen``) and the number of windows and tokens.
+
+>>> from edgekit.sources.models import load_model        # doctest: +SKIP
+>>> from edgekit.sources.data import load_samples        # doctest: +SKIP
+>>> h = load_model("fmnist-cnn")                           # doctest: +SKIP
+>>> evaluate(h, load_samples(None, h, split="eval"))["accuracy"]  # doctest: +SKIP
+0.92
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.progress import progress_bar
+from edgekit.sources.data import Samples
+from edgekit.sources.handle import ModelHandle
+
+EVALUATORS = ("accuracy", "agreement", "cosine", "perplexity")
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+_DEFAULT_BATCH = {"causal-lm": 1, "text-encoder": 32, "image-classifier": 32}
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a model, a module or an engine on a batch of feeds.
+
+
+def make_runner(model: Any, input_names: list[str] | None = None) -> Runner:
+    """A function ``feeds -> [outputs as numpy]`` for a handle, an nn.Module or an engine."""
+    if isinstance(model, ModelHandle):
+        if model.module is not None:
+            return _torch_runner(model.module, [s.name for s in model.inputs] or input_names)
+        if model.onnx_path is not None:
+            return _onnx_runner(str(model.onnx_path))
+        raise BadInputError(f"model {model.name!r} has neither a PyTorch module nor an ONNX file to run")
+    if hasattr(model, "run") and callable(model.run):
+        engine = model
+
+        def run_engine(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return [np.asarray(o) for o in engine.run(feeds)]
+
+        return run_engine
+    try:
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            return _torch_runner(model, input_names)
+    except ImportError:  # pragma: no cover
+        pass
+    raise BadInputError(f"cannot evaluate a {type(model).__name__}: expected a ModelHandle, an nn.Module, "
+                        "or an engine with run(feeds)")
+
+
+def _torch_runner(module: Any, names: list[str] | None) -> Runner:
+    import torch
+
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        order = names or list(feeds)
+        try:
+            device = next(module.parameters()).device
+        except StopIteration:
+            device = torch.device("cpu")
+        args = [torch.from_numpy(np.ascontiguousarray(feeds[n])).to(device) for n in order]
+        with torch.inference_mode():
+            out = module(*args)
+        if isinstance(out, dict):
+            out = list(out.values())
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        if hasattr(out, "logits"):  # a raw Hugging Face output
+            out = (out.logits,)
+        return [o.detach().float().cpu().numpy() if o.dtype in (torch.float16, torch.bfloat16)
+                else o.detach().cpu().numpy() for o in out]
+
+    return run
+
+
+def _onnx_runner(path: str) -> Runner:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return list(sess.run(None, {n: feeds[n] for n in names if n in feeds}))
+
+    return run
+
+
+def _fixed_batch(model: Any) -> int | None:
+    """The static batch size of an engine (None if its batch axis is dynamic)."""
+    inputs = getattr(model, "inputs", None)
+    if isinstance(model, ModelHandle) and model.module is not None:
+        return None
+    if inputs:
+        first = inputs[0]
+        shape = getattr(first, "shape", None)
+        if shape and isinstance(shape[0], int) and shape[0] > 0:
+            return int(shape[0])
+    return None
+
+
+def run_batches(model: Any, samples: Samples, batch_size: int | None = None, *, description: str = "evaluate",
+                progress: bool | None = None) -> list[np.ndarray]:
+    """Run ``model`` over all samples; return the first output for every sample, stacked
+    (axis 0 = sample). Engines with a static batch size get padded batches."""
+    if len(samples) == 0:
+        raise BadInputError(f"no samples to evaluate in {samples.source!r} ({samples.split} split)")
+    runner = make_runner(model, list(samples.inputs))
+    fixed = _fixed_batch(model)
+    bs = fixed or batch_size or _default_batch(model)
+    n = len(samples)
+    outs: list[np.ndarray] = []
+    total = (n + bs - 1) // bs
+    enabled = progress if progress is not None else (None if total > 4 else False)  # None: on a terminal
+    for feeds in progress_bar(samples.batches(bs), description, total=total, enabled=enabled):
+        k = len(next(iter(feeds.values())))
+        if fixed and k < fixed:  # pad the last batch of a static-batch engine
+            feeds = {name: np.concatenate([v, np.repeat(v[-1:], fixed - k, axis=0)]) for name, v in feeds.items()}
+        out = runner(feeds)[0]
+        outs.append(np.asarray(out)[:k])
+    return outs
+
+
+def _default_batch(model: Any) -> int:
+    if isinstance(model, ModelHandle):
+        return int(model.extra.get("eval_batch", _DEFAULT_BATCH.get(model.kind, 16)))
+    return 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics (pure numpy: unit-testable on hand-made logits).
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries along the last axis (unordered)."""
+    k = min(k, x.shape[-1])
+    return np.argpartition(-x, k - 1, axis=-1)[..., :k]
+
+
+def accuracy_metrics(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    logits = logits.reshape(len(logits), -1)
+    out = {"accuracy": float((logits.argmax(-1) == labels).mean())}
+    if logits.shape[-1] > 5:
+        out["top5_accuracy"] = float((topk(logits, 5) == labels[:, None]).any(-1).mean())
+    return out
+
+
+def agreement_metrics(logits: np.ndarray, ref_logits: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement, top-5 agreement (reference top-1 within the model's top 5),
+    mean KL(reference || model) in nats, and the largest absolute logit difference."""
+    logits = logits.reshape(len(logits), -1)
+    ref_logits = ref_logits.reshape(len(ref_logits), -1)
+    if logits.shape != ref_logits.shape:
+        raise BadInputError(f"model outputs {logits.shape} and reference outputs {ref_logits.shape} differ in shape")
+    ref_top1 = ref_logits.argmax(-1)
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    return {"top1_agreement": float((logits.argmax(-1) == ref_top1).mean()),
+            "top5_agreement": float((topk(logits, 5) == ref_top1[:, None]).any(-1).mean()),
+            "mean_kl": float(kl.mean()),
+            "max_abs_diff": float(np.abs(logits.astype(np.float64) - ref_logits).max())}
+
+
+def cosine_metrics(out: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+    a = out.reshape(len(out), -1).astype(np.float64)
+    b = ref.reshape(len(ref), -1).astype(np.float64)
+    if a.shape != b.shape:
+        raise BadInputError(f"model outputs {a.shape} and reference outputs {b.shape} differ in shape")
+    cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-12)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min())}
+
+
+def token_nll(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> tuple[float, int]:
+    """Summed next-token NLL and the number of predicted tokens of one batch of windows.
+    logits (b, t, vocab), input_ids (b, t): position i predicts token i + 1."""
+    import torch
+
+    lg = torch.from_numpy(np.ascontiguousarray(logits[:, :-1])).float()
+    target = torch.from_numpy(np.ascontiguousarray(input_ids[:, 1:])).long()
+    nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), target.reshape(-1), reduction="none")
+    if attention_mask is not None:
+        mask = torch.from_numpy(np.ascontiguousarray(attention_mask[:, 1:])).reshape(-1).bool()
+        nll = nll[mask]
+    return float(nll.double().sum()), int(nll.numel())
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def perplexity(model: Any, token_windows: np.ndarray | Samples, *, batch_size: int = 1,
+               progress: bool | None = None) -> float:
+    """Perplexity of a causal LM on non-overlapping token windows: exp(mean token NLL).
+
+    ``model``: a ModelHandle, an nn.Module taking ``(input_ids, attention_mask)`` and
+    returning logits, or an engine. ``token_windows``: (n, seqlen) int64, or Samples.
+
+    >>> perplexity(handle, load_samples("wikipedia", handle, split="eval", limit=16))  # doctest: +SKIP
+    """
+    return _perplexity(model, token_windows, batch_size=batch_size, progress=progress)["perplexity"]
+
+
+def _perplexity(model: Any, windows: np.ndarray | Samples, *, batch_size: int = 1,
+                progress: bool | None = None) -> dict[str, Any]:
+    if isinstance(windows, Samples):
+        samples = windows
+    else:
+        ids = np.asarray(windows)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise BadInputError(f"token windows must be a 2-D integer array (windows, seqlen); got {ids.shape} {ids.dtype}")
+        ids = ids.astype(np.int64)
+        samples = Samples("windows", "eval", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    if "input_ids" not in samples.inputs:
+        raise BadInputError(f"perplexity needs token windows (input_ids); {samples.source!r} has {sorted(samples.inputs)}")
+    runner = make_runner(model, list(samples.inputs))
+    fixed = _fixed_batch(model)
+    bs = fixed or batch_size
+    total_nll, total_tok = 0.0, 0
+    n = len(samples)
+    for feeds in progress_bar(samples.batches(bs), "perplexity", total=(n + bs - 1) // bs, enabled=progress):
+        k = len(feeds["input_ids"])
+        run_feeds = feeds
+        if fixed and k < fixed:
+            run_feeds = {name: np.concatenate([v, np.repeat(v[-1:], fixed - k, axis=0)]) for name, v in feeds.items()}
+        logits = np.asarray(runner(run_feeds)[0])[:k]
+        s, c = token_nll(logits, feeds["input_ids"], feeds.get("attention_mask"))
+        total_nll += s
+        total_tok += c
+    mean = total_nll / max(total_tok, 1)
+    return {"evaluator": "perplexity", "perplexity": float(math.exp(mean)), "nll": float(mean),
+            "windows": n, "seqlen": int(samples.inputs["input_ids"].shape[1]), "tokens": total_tok,
+            "protocol": "non-overlapping windows, PPL = exp(mean next-token NLL)"}
+
+
+def _pick_evaluator(model: Any, samples: Samples, reference: Any, evaluator: str | None) -> str:
+    if evaluator is not None:
+        if evaluator not in EVALUATORS:
+            raise bad_choice("evaluator", evaluator, EVALUATORS)
+        return evaluator
+    for obj in (model, reference):
+        if isinstance(obj, ModelHandle) and obj.evaluator:
+            return obj.evaluator
+    if samples.meta.get("kind") == "token-windows":
+        return "perplexity"
+    if samples.labels is not None:
+        return "accuracy"
+    if reference is not None:
+        return "agreement"
+    raise BadInputError(f"cannot tell how to evaluate on {samples.source!r}: the samples have no labels and no "
+                        f"reference was given (evaluators: {', '.join(EVALUATORS)})")
+
+
+def reference_outputs(reference: Any, samples: Samples, batch_size: int | None = None,
+                      progress: bool | None = None) -> np.ndarray:
+    """The reference's first output on every sample (pass it back as ``reference=`` to
+    evaluate several variants without rerunning the reference)."""
+    if isinstance(reference, np.ndarray):
+        return reference
+    if isinstance(reference, list | tuple) and reference and isinstance(reference[0], np.ndarray):
+        return np.concatenate(list(reference))
+    return np.concatenate(run_batches(reference, samples, batch_size, description="reference", progress=progress))
+
+
+def evaluate(model: Any, samples: Samples, reference: Any = None, *, evaluator: str | None = None,
+             batch_size: int | None = None, progress: bool | None = None) -> dict[str, Any]:
+    """Evaluate ``model`` on ``samples``; returns a metrics dict (always with "evaluator"
+    and "n").
+
+    ``reference``: a model, module or engine to compare against, or its precomputed
+    outputs (``reference_outputs``). The evaluator defaults to the handle's, else is
+    inferred from the samples (token windows: perplexity; labels: accuracy; a
+    reference: agreement).
+
+    >>> evaluate(engine, samples, reference=handle)  # doctest: +SKIP
+    {'evaluator': 'agreement', 'n': 363, 'top1_agreement': 0.99, ...}
+    """
+    if not isinstance(samples, Samples):
+        raise BadInputError(f"evaluate() takes Samples (from load_samples), got {type(samples).__name__}")
+    name = _pick_evaluator(model, samples, reference, evaluator)
+    n = len(samples)
+    if n == 0:
+        raise BadInputError(f"no samples to evaluate in {samples.source!r} ({samples.split} split)")
+    if name == "perplexity":
+        out = _perplexity(model, samples, batch_size=batch_size or 1, progress=progress)
+        out["n"] = n
+        out["source"] = samples.source
+        return out
+    if name in ("agreement", "cosine") and reference is None:
+        raise BadInputError(f"the {name} evaluation compares against a reference model; pass reference=")
+    if name == "accuracy" and samples.labels is None:
+        raise BadInputError(f"accuracy needs labelled samples; {samples.source!r} has no labels "
+                            "(use a labelled data set, or evaluator 'agreement' with a reference)")
+    outputs = np.concatenate(run_batches(model, samples, batch_size, progress=progress))
+    result: dict[str, Any] = {"evaluator": name, "n": n, "source": samples.source, "split": samples.split}
+    if name == "accuracy":
+        assert samples.labels is not None
+        result.update(accuracy_metrics(outputs, samples.labels))
+    if reference is not None:
+        ref = reference_outputs(reference, samples, batch_size, progress)
+        if len(ref) != n:
+            raise BadInputError(f"reference outputs cover {len(ref)} samples; the samples are {n}")
+        result.update(cosine_metrics(outputs, ref) if name == "cosine" else agreement_metrics(outputs, ref))
+    return result
+

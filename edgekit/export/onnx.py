@@ -1,0 +1,407 @@
+"""Export a model to an ONNX artifact folder, with a parity check against PyTorch.
+
+Steps: ``torch.onnx.export`` with the dynamo exporter (the legacy TorchScript exporter
+as a fallback, with a warning) tracing ``handle.module`` itself, so custom modules of
+the compression steps export as they are; each compression step's ``rewrite_onnx``
+in chain order (fake-quant -> QDQ, packed int4 linears -> MatMulNBits); the ONNX
+checker and shape inference; one file below 2 GB, external data above; then parity:
+ONNX Runtime against PyTorch on the model's own sample inputs at batch 1 and 2. The
+artifact is written only when parity passes; a failing graph is kept beside the
+output as ``<out>.failed.onnx`` for debugging.
+
+An ONNX model (``handle.module is None``: an external file, an ONNX artifact, or a
+compress artifact of an ONNX-only model) is validated and copied, without parity.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.sources.handle import ModelHandle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPSET = 18
+MIN_OPSET, MAX_OPSET = 13, 23
+# Above this many bytes of weights the graph is saved with external data (protobuf's 2 GB limit).
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
+ONNX_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """How to export.
+
+    opset: ONNX opset ({MIN_OPSET}..{MAX_OPSET}; the dynamo exporter emits 18+ and converts down).
+    dynamo: use the dynamo exporter (legacy TorchScript exporter as the fallback).
+    dynamic_batch: keep the batch axis (from ``handle.dynamic_axes``) symbolic.
+    batch: batch size of the tracing inputs (2 keeps the exporter from specialising on 1).
+    atol / rtol: parity tolerances for every output; ``tolerances`` overrides per output
+        name with ``(atol, rtol)``.
+    skip_parity: write the artifact without the parity check.
+    """
+
+    opset: int = DEFAULT_OPSET
+    dynamo: bool = True
+    dynamic_batch: bool = True
+    batch: int = 2
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
+    skip_parity: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.opset, int) or not MIN_OPSET <= self.opset <= MAX_OPSET:
+            raise BadInputError(f"opset {self.opset!r} is not supported (choose {MIN_OPSET} to {MAX_OPSET})")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise BadInputError(f"export batch must be an integer >= 1, got {self.batch!r}")
+        for what, v in (("atol", self.atol), ("rtol", self.rtol)):
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise BadInputError(f"parity {what} must be >= 0, got {v!r}")
+        for name, tol in self.tolerances.items():
+            if not (isinstance(tol, (tuple, list)) and len(tol) == 2 and all(
+                    isinstance(t, (int, float)) and t >= 0 for t in tol)):
+                raise BadInputError(f"tolerance for output {name!r} must be (atol, rtol) >= 0, got {tol!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tolerances"] = {k: list(v) for k, v in self.tolerances.items()}
+        return d
+
+
+def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
+                config: ExportConfig | None = None) -> Path:
+    """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
+
+    >>> out = export_onnx("efficientnet-lite0", "out/onnx")  # doctest: +SKIP
+    >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
+    True
+    """
+    from edgekit.artifact import Manifest, staged_dir, write_manifest
+    from edgekit.sources.models import load_model
+
+    config = config or ExportConfig()
+    out_dir = Path(out_dir)
+    handle = load_model(model)
+    inputs = _input_records(model, handle)
+    t0 = time.perf_counter()
+    steps = [dataclasses.asdict(s) for s in handle.steps]
+    if handle.module is None:
+        if handle.onnx_path is None:
+            raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX file to export")
+        with staged_dir(out_dir) as tmp:
+            files = _copy_onnx(Path(handle.onnx_path), tmp)
+            write_manifest(tmp, Manifest(
+                kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
+                inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
+                metrics={"parity": {"skipped": True, "reason": "ONNX input: nothing to compare against"},
+                         "export_seconds": round(time.perf_counter() - t0, 3)}))
+        return out_dir
+
+    proto, exporter = _trace(handle, config)
+    proto = _apply_rewrites(proto, handle)
+    trace_s = time.perf_counter() - t0
+    failed = Path(f"{out_dir}.failed.onnx")
+    with staged_dir(out_dir) as tmp:
+        files = _save_checked(proto, tmp)
+        onnx_path = tmp / files["onnx"]
+        parity: dict[str, Any] = {"skipped": True}
+        if not config.skip_parity:
+            from edgekit.export.parity import check_parity
+
+            try:
+                report = check_parity(onnx_path, handle, config.atol, config.rtol,
+                                      {k: tuple(v) for k, v in config.tolerances.items()},
+                                      batches=(1, 2) if config.dynamic_batch else (1,))
+            except EdgekitError:
+                raise
+            except Exception as e:  # ONNX Runtime cannot even run the graph
+                _keep_failed(onnx_path, failed)
+                raise CheckFailedError(f"parity failed: ONNX Runtime could not run the exported graph "
+                                       f"({type(e).__name__}: {_first_line(e)}); kept it at {failed}") from None
+            if not report.passed:
+                _keep_failed(onnx_path, failed)
+                raise CheckFailedError(f"{report.message()}; the failing graph is kept at {failed}")
+            parity = report.to_dict()
+            log.info(report.message())
+        with contextlib.suppress(FileNotFoundError):
+            failed.unlink()
+        write_manifest(tmp, Manifest(
+            kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps, inputs=inputs,
+            config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
+            metrics={"parity": parity, "export_seconds": round(trace_s, 3),
+                     "total_seconds": round(time.perf_counter() - t0, 3),
+                     "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
+    return out_dir
+
+
+# --- tracing -------------------------------------------------------------------------------
+
+
+def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
+    """(onnx.ModelProto, "dynamo" | "legacy")."""
+    import torch
+
+    module = handle.module
+    module.eval()
+    names = [s.name for s in handle.inputs]
+    batch = config.batch if config.dynamic_batch and _batch_dynamic(handle) else 1
+    feeds = handle.sample_inputs(batch)
+    args = tuple(torch.from_numpy(feeds[n].copy()) for n in names)
+    if config.dynamo:
+        try:
+            return _trace_dynamo(module, args, handle, config), "dynamo"
+        except EdgekitError:
+            raise
+        except Exception as e:
+            log.warning("the dynamo ONNX exporter failed on %s (%s: %s); falling back to the legacy "
+                        "TorchScript exporter", handle.name, type(e).__name__, _first_line(e))
+    try:
+        return _trace_legacy(module, args, handle, config), "legacy"
+    except Exception as e:
+        raise BadInputError(f"cannot export {handle.name!r} to ONNX: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _batch_dynamic(handle: ModelHandle) -> bool:
+    return any(0 in axes and axes[0] == "batch" for axes in handle.dynamic_axes.values()) or any(
+        s.shape and s.shape[0] == "batch" for s in handle.inputs)
+
+
+def _dynamic_axes(handle: ModelHandle, config: ExportConfig) -> dict[str, dict[int, str]]:
+    if not config.dynamic_batch:
+        return {}
+    axes = {k: dict(v) for k, v in handle.dynamic_axes.items()}
+    for s in handle.inputs:  # the InputSpec's named axes are dynamic too
+        for i, d in enumerate(s.shape):
+            if isinstance(d, str):
+                axes.setdefault(s.name, {})[i] = d
+    return axes
+
+
+def _trace_dynamo(module: Any, args: tuple[Any, ...], handle: ModelHandle, config: ExportConfig) -> Any:
+    import torch
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    axes = _dynamic_axes(handle, config)
+    dims: dict[str, Any] = {}
+    dynamic_shapes = []
+    for s in handle.inputs:
+        spec = {}
+        for ax, name in axes.get(s.name, {}).items():
+            if name not in dims:
+                dims[name] = torch.export.Dim(_dim_name(name), min=1, max=1 << 20) if name == "batch" \
+                    else torch.export.Dim(_dim_name(name))
+            spec[int(ax)] = dims[name]
+        dynamic_shapes.append(spec or None)
+    with _quiet():
+        # Output names are set afterwards: the exporter's own renaming can clash with the
+        # names it gave intermediate values (an output "embedding" after an aten.embedding).
+        prog = torch.onnx.export(
+            module, args, dynamo=True, input_names=[s.name for s in handle.inputs],
+            opset_version=config.opset, dynamic_shapes=tuple(dynamic_shapes) if dims else None,
+            verbose=False, optimize=True)
+    proto = prog.model_proto
+    rename_outputs(proto, list(handle.outputs))
+    return proto
+
+
+def rename_outputs(proto: Any, names: list[str]) -> None:
+    """Give the graph outputs ``names`` (in order), moving any other value of that name aside."""
+    outs = [o.name for o in proto.graph.output]
+    if len(names) != len(outs):
+        if len(outs) == 1 and names:
+            names = names[:1]
+        else:
+            log.warning("the model declares %d outputs %s but the graph has %d; keeping the graph's names",
+                        len(names), names, len(outs))
+            return
+    taken = _value_names(proto.graph)
+    for old, new in zip(outs, names):
+        if old == new:
+            continue
+        if new in taken:  # an intermediate value already has this name: rename it first
+            alt, k = f"{new}_0", 0
+            while alt in taken:
+                k += 1
+                alt = f"{new}_{k}"
+            _rename_value(proto.graph, new, alt)
+            taken.add(alt)
+        _rename_value(proto.graph, old, new)
+        taken.add(new)
+
+
+def _value_names(graph: Any) -> set[str]:
+    names = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.output)
+        names.update(node.input)
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                names |= _value_names(g)
+    return names
+
+
+def _rename_value(graph: Any, old: str, new: str) -> None:
+    for coll in (graph.input, graph.output, graph.value_info):
+        for v in coll:
+            if v.name == old:
+                v.name = new
+    for init in graph.initializer:
+        if init.name == old:
+            init.name = new
+    for node in graph.node:
+        for i, n in enumerate(node.input):
+            if n == old:
+                node.input[i] = new
+        for i, n in enumerate(node.output):
+            if n == old:
+                node.output[i] = new
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                _rename_value(g, old, new)
+
+
+def _trace_legacy(module: Any, args: tuple[Any, ...], handle: ModelHandle, config: ExportConfig) -> Any:
+    import onnx
+    import torch
+
+    axes = _dynamic_axes(handle, config)
+    with tempfile.TemporaryDirectory(prefix="edgekit-export-") as tmp, _quiet():
+        path = Path(tmp) / ONNX_FILE
+        torch.onnx.export(module, args, str(path), dynamo=False, input_names=[s.name for s in handle.inputs],
+                          output_names=list(handle.outputs), opset_version=min(config.opset, 20),
+                          dynamic_axes={k: {int(a): n for a, n in v.items()} for k, v in axes.items()} or None,
+                          do_constant_folding=True)
+        return onnx.load(str(path))  # loads external data, if the exporter wrote any
+
+
+def _dim_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "dim"
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """The exporters print progress lines to stdout; keep the CLI's output clean."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    for line in buf.getvalue().splitlines():
+        log.debug(line)
+
+
+def _apply_rewrites(proto: Any, handle: ModelHandle) -> Any:
+    if not handle.steps:
+        return proto
+    from edgekit.compress import get_step
+
+    for record in handle.steps:
+        step = get_step(record.name)
+        if step.rewrite_onnx is not None:
+            out = step.rewrite_onnx(proto, handle, record)
+            proto = out if out is not None else proto
+    return proto
+
+
+# --- saving and checking -------------------------------------------------------------------
+
+
+def weights_bytes(proto: Any) -> int:
+    """Bytes of the initializers and constants, without serializing the whole graph."""
+    total = 0
+    for init in proto.graph.initializer:
+        total += len(init.raw_data) if init.raw_data else init.ByteSize()
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            total += node.ByteSize()
+    return total
+
+
+def _save_checked(proto: Any, folder: Path) -> dict[str, str]:
+    """Check, infer shapes and save ``proto`` into ``folder``; external data above the threshold."""
+    import onnx
+
+    path = folder / ONNX_FILE
+    if weights_bytes(proto) > EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=DATA_FILE, size_threshold=1024)
+        try:
+            onnx.checker.check_model(str(path))
+            onnx.shape_inference.infer_shapes_path(str(path), str(path))
+        except Exception as e:
+            raise BadInputError(f"the exported graph is not valid ONNX: {_first_line(e)}") from None
+        return {"onnx": ONNX_FILE, "onnx_data": DATA_FILE} if (folder / DATA_FILE).exists() else {"onnx": ONNX_FILE}
+    try:
+        onnx.checker.check_model(proto)
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception as e:
+        raise BadInputError(f"the exported graph is not valid ONNX: {_first_line(e)}") from None
+    onnx.save_model(proto, str(path))
+    return {"onnx": ONNX_FILE}
+
+
+def _copy_onnx(src: Path, folder: Path) -> dict[str, str]:
+    """Copy a (validated) ONNX file; one with external data is re-saved with its data beside it."""
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=False)
+    has_external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+    if not has_external:
+        shutil.copyfile(src, folder / ONNX_FILE)
+        return {"onnx": ONNX_FILE}
+    return _save_checked(onnx.load(str(src)), folder)
+
+
+def _keep_failed(path: Path, failed: Path) -> None:
+    with contextlib.suppress(OSError):
+        shutil.copyfile(path, failed)
+        data = path.parent / DATA_FILE
+        if data.exists():  # the graph refers to its data file by this name
+            shutil.copyfile(data, failed.parent / DATA_FILE)
+    log.warning("parity failed; the exported graph is kept at %s", failed)
+
+
+def _opset(proto: Any) -> int | None:
+    for o in proto.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+def _input_records(spec: Any, handle: ModelHandle) -> dict[str, dict[str, str]]:
+    """What went in, with hashes: a file or folder is hashed; a zoo model or entry point by
+    its weights (the state dict's bytes), so caches key on the actual model."""
+    from edgekit.artifact import input_record
+
+    if not isinstance(spec, ModelHandle):
+        p = Path(str(spec))
+        if p.exists():
+            return {"model": input_record(p)}
+    if handle.onnx_path is not None and handle.module is None:
+        return {"model": input_record(handle.onnx_path)}
+    if handle.module is not None:
+        h = hashlib.sha256()
+        for k, v in handle.module.state_dict().items():
+            h.update(k.encode())
+            with contextlib.suppress(Exception):
+                h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return {"model": {"path": handle.source, "sha256": h.hexdigest()}}
+    return {}

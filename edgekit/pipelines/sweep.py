@@ -1,0 +1,340 @@
+"""Trade-off sweeps: run a recipe over a grid of settings and find the Pareto frontier.
+
+``--grid 'int4.group_size=32,128' --grid 'prune.ratio=0,0.3,0.5'`` runs every
+combination (``--list`` gives explicit combinations instead), each as a cached run
+sharing one cache, so unchanged sub-steps are computed once across the whole sweep.
+
+Grid keys:
+  * ``STEP.FIELD`` sets a field of that step in every stage that has the step;
+  * ``STAGE.STEP.FIELD`` in one stage only;
+  * ``bits`` / ``STAGE.bits``: 32 removes quantization, 8 means INT8 PTQ, 2/3/4 weight-only;
+  * ``prune.ratio=0`` removes the prune step (the unpruned baseline).
+A key that matches no step in the recipe is an error listing the valid keys.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgekit.artifact import atomic_write_json, atomic_write_text, sha256_json
+from edgekit.errors import BadInputError, bad_choice
+
+EXECUTORS = ("local", "process", "ray")
+
+
+@dataclass
+class SweepRow:
+    params: dict[str, Any]
+    run_dir: str
+    passed: bool
+    metric: str | None
+    value: float | None
+    higher_is_better: bool
+    size_mb: float | None
+    latency_ms: dict[str, float]  # target -> total (measured, or estimated where it cannot be measured)
+    estimated_ms: dict[str, float] = field(default_factory=dict)  # target -> roofline estimate
+    pareto: bool = False
+    seconds: float = 0.0
+
+
+def parse_value(text: str) -> Any:
+    t = text.strip()
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return t
+
+
+def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
+    grid: dict[str, list[Any]] = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise BadInputError(f"grid {spec!r} must look like 'step.field=v1,v2'")
+        key, values = spec.split("=", 1)
+        vals = [parse_value(v) for v in values.split(",") if v.strip() != ""]
+        if not key.strip() or not vals:
+            raise BadInputError(f"grid {spec!r} needs a key and at least one value")
+        grid[key.strip()] = vals
+    return grid
+
+
+def combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]]:
+    steps = stage.get("steps") or []
+    out = []
+    for s in steps:
+        out.append({s: {}} if isinstance(s, str) else {k: dict(v or {}) for k, v in s.items()})
+    return out
+
+
+def valid_keys(data: dict[str, Any]) -> list[str]:
+    from edgekit.compress import get_step
+
+    keys: set[str] = {"bits"}
+    for stage in data.get("stages") or []:
+        if stage.get("callable"):
+            continue
+        keys.add(f"{stage.get('name')}.bits")
+        for s in _step_list(stage):
+            name = next(iter(s))
+            try:
+                fields = [f.name for f in dataclasses.fields(get_step(name).config)]
+            except BadInputError:
+                continue
+            for f in fields:
+                keys.add(f"{name}.{f}")
+                keys.add(f"{stage.get('name')}.{name}.{f}")
+    return sorted(keys)
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the raw recipe with the overrides applied (see module doc for keys)."""
+    data = copy.deepcopy(data)
+    stages = [s for s in data.get("stages") or [] if isinstance(s, dict)]
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if parts[-1] == "bits" and len(parts) <= 2:
+            targets = [s for s in stages if not s.get("callable") and (len(parts) == 1 or s.get("name") == parts[0])]
+            if not targets:
+                raise bad_choice("grid key", key, valid_keys(data))
+            for s in targets:
+                s["steps"] = _with_bits(_step_list(s), value, key)
+            continue
+        if len(parts) == 2:
+            step_name, fld = parts
+            chosen = [s for s in stages if any(step_name in st for st in _step_list(s))]
+        elif len(parts) == 3:
+            stage_name, step_name, fld = parts
+            chosen = [s for s in stages if s.get("name") == stage_name and any(step_name in st for st in _step_list(s))]
+        else:
+            chosen = []
+        if not chosen or key not in valid_keys(data):
+            raise bad_choice("grid key (no step has it)", key, valid_keys(data))
+        for s in chosen:
+            steps = _step_list(s)
+            new_steps = []
+            for st in steps:
+                name = next(iter(st))
+                if name == step_name:
+                    if name == "prune" and fld == "ratio" and value in (0, 0.0):
+                        continue  # ratio 0: the unpruned baseline
+                    st[name][fld] = value
+                new_steps.append(st)
+            s["steps"] = new_steps
+    return data
+
+
+def _with_bits(steps: list[dict[str, Any]], bits: Any, key: str) -> list[dict[str, Any]]:
+    kept = [s for s in steps if next(iter(s)) not in ("int8", "int4")]
+    old = {next(iter(s)): s[next(iter(s))] for s in steps if next(iter(s)) in ("int8", "int4")}
+    if bits in (32, 16, None, "fp32", "none"):
+        return kept
+    if bits == 8 and "int4" not in old:
+        return kept + [{"int8": {"method": "ptq", **old.get("int8", {})}}]
+    if bits in (2, 3, 4, 8):
+        cfg = {"method": "rtn", **old.get("int4", {}), "bits": bits}
+        return kept + [{"int4": cfg}]
+    raise BadInputError(f"grid {key}={bits!r}: bits must be 32 (float), 8, 4, 3 or 2")
+
+
+def _pareto(rows: list[SweepRow], target: str) -> None:
+    """Mark rows not dominated in (metric, latency on ``target``, size)."""
+    def vec(r: SweepRow) -> tuple[float, float, float] | None:
+        if r.value is None or target not in r.latency_ms:
+            return None
+        q = -r.value if r.higher_is_better else r.value
+        return (q, r.latency_ms[target], r.size_mb if r.size_mb is not None else 0.0)
+
+    pts = [(r, vec(r)) for r in rows]
+    for r, v in pts:
+        if v is None:
+            continue
+        dominated = any(w is not None and all(a <= b for a, b in zip(w, v)) and any(a < b for a, b in zip(w, v))
+                        for o, w in pts if o is not r)
+        r.pareto = not dominated
+
+
+_LOWER_IS_BETTER = ("perplexity", "ppl", "kl", "mean_kl", "loss", "error")
+
+
+def _row_from_result(params: dict[str, Any], result: Any, seconds: float) -> SweepRow:
+    metric, value = None, None
+    for r in reversed(result.stages):  # the last model stage's evaluation
+        if r.gates:
+            metric, value = r.gates[0]["metric"], float(r.gates[0]["value"])
+            break
+        nums = {k: v for k, v in r.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if nums:
+            metric = next(iter(nums))
+            value = float(nums[metric])
+            break
+    sizes = [r.size_mb for r in result.stages if r.size_mb is not None]
+    latency = {t: v["total_ms"] for t, v in result.targets.items()}
+    estimated = {}
+    for t, v in result.targets.items():
+        if v.get("estimated"):
+            estimated[t] = v["total_ms"]
+    for r in result.stages:
+        if r.metrics.get("estimated_ms") is not None:
+            estimated[r.target] = estimated.get(r.target, 0.0) + float(r.metrics["estimated_ms"])
+    return SweepRow(params=params, run_dir=result.run_dir, passed=result.passed, metric=metric, value=value,
+                    higher_is_better=not (metric or "").lower().startswith(_LOWER_IS_BETTER),
+                    size_mb=sum(sizes) if sizes else None, latency_ms=latency, estimated_ms=estimated,
+                    seconds=result.seconds)
+
+
+def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One configuration (a top-level function so process pools and Ray can ship it)."""
+    import time
+
+    from edgekit.pipelines.recipe import parse_recipe
+    from edgekit.pipelines.run import run_recipe
+
+    data, run_dir, cache_dir, path, force = args
+    t0 = time.perf_counter()
+    recipe = parse_recipe(data, path)
+    result = run_recipe(recipe, run_dir, cache_dir=cache_dir, force=force, progress=False)
+    return data, result.to_dict(), time.perf_counter() - t0
+
+
+def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, list[Any]], out_dir: str | os.PathLike[str],
+              *, combos: list[dict[str, Any]] | None = None, jobs: int = 1, executor: str = "local",
+              address: str | None = None, force: bool = False) -> list[SweepRow]:
+    """Run every grid combination of a recipe; write sweep.json, sweep.md, plots and HTML.
+
+    >>> rows = run_sweep("examples/fmnist-sweep.yaml", ["bits=32,8", "prune.ratio=0,0.5"], "runs/sweep")  # doctest: +SKIP
+    """
+    import yaml
+
+    from edgekit.pipelines.recipe import parse_recipe
+    from edgekit.pipelines.run import RunResult, StageResult
+
+    if executor not in EXECUTORS:
+        raise bad_choice("executor", executor, EXECUTORS)
+    if jobs < 1:
+        raise BadInputError(f"--jobs must be >= 1, got {jobs}")
+    path = Path(recipe_path)
+    if not path.is_file():
+        raise BadInputError(f"recipe file {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise BadInputError(f"recipe {path} must be a mapping at the top level")
+    grid_map = parse_grid(grid) if isinstance(grid, list) else grid
+    combos = combos if combos is not None else combinations(grid_map)
+    if not combos:
+        raise BadInputError("the sweep has no combinations (give --grid)")
+    out = Path(out_dir)
+    cache = out / "cache"
+    tasks = []
+    # Validate every configuration before any work starts.
+    for params in combos:
+        data = apply_overrides(raw, params)
+        parse_recipe(data, str(path))
+        run_dir = out / "runs" / sha256_json(params)[:12]
+        tasks.append((data, str(run_dir), str(cache), str(path), force))
+    results = _execute(tasks, jobs, executor, address, _resources(raw))
+    rows = []
+    for params, (data, result_dict, seconds) in zip(combos, results):
+        result_dict["stages"] = [StageResult(**s) for s in result_dict["stages"]]
+        rows.append(_row_from_result(params, RunResult(**result_dict), seconds))
+    targets = sorted({t for r in rows for t in r.latency_ms})
+    for t in targets[:1]:
+        _pareto(rows, t)
+    write_sweep_outputs(rows, out, grid_map, str(path))
+    return rows
+
+
+def _resources(raw: dict[str, Any]) -> dict[str, float]:
+    targets = raw.get("targets", raw.get("target", "cpu"))
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    return {ray_resource(Path(str(t)).stem): 1.0 for t in targets}
+
+
+def ray_resource(target: str) -> str:
+    """The custom Ray resource a node advertises for a device: ``edgekit_target_<name>``."""
+    return "edgekit_target_" + "".join(c if c.isalnum() else "_" for c in target)
+
+
+def _execute(tasks: list[tuple[Any, ...]], jobs: int, executor: str, address: str | None,
+             resources: dict[str, float]) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
+    if executor == "ray":
+        return _execute_ray(tasks, address, resources)
+    if executor == "process" or jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(_run_one, tasks))
+    from edgekit.progress import progress_bar
+
+    return [_run_one(t) for t in progress_bar(tasks, "sweep")]
+
+
+def _execute_ray(tasks: list[tuple[Any, ...]], address: str | None,
+                 resources: dict[str, float]) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
+    try:
+        import ray
+    except ImportError:
+        from edgekit.errors import UnavailableError
+
+        raise UnavailableError("the ray executor needs ray (pip install 'edgekit[ray]')") from None
+    started = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise BadInputError(f"cannot connect to the Ray cluster at {address!r}: {e}") from None
+        started = True
+    try:
+        available = ray.cluster_resources()
+        missing = [r for r in resources if r not in available]
+        if missing:
+            raise BadInputError(f"no Ray node advertises {', '.join(missing)}; start the device's node with "
+                                f"--resources='{{\"{missing[0]}\": 1}}' (cluster has: {', '.join(sorted(available))})")
+        # Each configuration asks for a sliver of its targets' resources, so it lands on a node that has them.
+        remote = ray.remote(num_cpus=1, resources={r: 0.01 for r in resources})(_run_one)
+        return ray.get([remote.remote(t) for t in tasks])
+    finally:
+        if started and address is None:
+            ray.shutdown()
+
+
+SWEEP_COLUMNS = ["params", "metric", "value", "size MB", "latency ms", "estimated ms", "pareto", "pass"]
+
+
+def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        out.append([", ".join(f"{k}={v}" for k, v in r.params.items()), r.metric or "-",
+                    "-" if r.value is None else f"{r.value:.4f}",
+                    "-" if r.size_mb is None else f"{r.size_mb:.2f}",
+                    "; ".join(f"{t} {v:.3f}" for t, v in r.latency_ms.items()),
+                    "; ".join(f"{t} {v:.3f}" for t, v in r.estimated_ms.items()) or "-",
+                    "*" if r.pareto else "", "PASS" if r.passed else "FAIL"])
+    return out
+
+
+def write_sweep_outputs(rows: list[SweepRow], out: Path, grid: dict[str, list[Any]], recipe: str) -> None:
+    atomic_write_json(out / "sweep.json", {"recipe": recipe, "grid": grid, "rows": [dataclasses.asdict(r) for r in rows]})
+    lines = [f"# edgekit sweep: {recipe}", "", "Pareto frontier marked *: not dominated in metric, latency and size.", "",
+             "| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in sweep_table(rows)]
+    atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
+    from edgekit.pipelines.html import render_sweep_html, sweep_plots
+
+    plots = sweep_plots(rows, out)
+    render_sweep_html(rows, out / "sweep.html", plots, recipe)

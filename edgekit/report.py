@@ -1,0 +1,176 @@
+"""``edgekit report DIR``: a Markdown (and JSON) report of what a run folder holds.
+
+It walks the folder for edgekit artifacts (``manifest.json``) and profiles
+(``profile.json`` or any ``*.json`` that is a ProfileResult), and renders: the model,
+the compression chain, the target, the latency table, the top-k nodes with their
+precision, the share of time in float nodes, and the budget verdict (from a saved
+``check.json`` or from ``budget_ms`` given here).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgekit.artifact import MANIFEST, Manifest, atomic_write_json, atomic_write_text, read_manifest
+from edgekit.errors import BadInputError, EdgekitError
+from edgekit.profiling import ProfileResult
+
+
+@dataclass
+class ReportData:
+    folder: Path
+    artifacts: list[tuple[Path, Manifest]] = field(default_factory=list)
+    profiles: list[tuple[Path, ProfileResult]] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def collect(folder: str | os.PathLike[str]) -> ReportData:
+    root = Path(folder)
+    if not root.exists():
+        raise BadInputError(f"report folder {str(root)!r} does not exist")
+    if root.is_file():
+        paths = [root]
+        root = root.parent
+    else:
+        paths = sorted(p for p in root.rglob("*.json") if not any(part.startswith(".") for part in p.relative_to(root).parts))
+    data = ReportData(folder=root)
+    for p in paths:
+        if p.name == MANIFEST:
+            try:
+                data.artifacts.append((p.parent, read_manifest(p.parent)))
+            except EdgekitError:
+                continue
+            continue
+        try:
+            obj = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and "latency_ms" in obj and "runtime" in obj:
+            try:
+                data.profiles.append((p, ProfileResult.from_dict(obj)))
+            except (KeyError, TypeError):
+                continue
+        elif isinstance(obj, dict) and "budget_ms" in obj and "passed" in obj:
+            data.verdicts.append(obj)
+    if not data.artifacts and not data.profiles:
+        raise BadInputError(f"{root} holds no edgekit outputs (no manifest.json and no profile JSON)")
+    return data
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def render_markdown(data: ReportData, budget_ms: float | None = None, percentile: str = "p99",
+                    top_k: int = 10) -> tuple[str, dict[str, Any]]:
+    from edgekit.check import check_budget
+
+    lines = [f"# edgekit report: {data.folder}", ""]
+    summary: dict[str, Any] = {"folder": str(data.folder), "artifacts": [], "profiles": [], "verdicts": []}
+    if data.artifacts:
+        lines += ["## Artifacts", "", "| folder | kind | model | target | steps | key metrics |", "|---|---|---|---|---|---|"]
+        for folder, m in data.artifacts:
+            steps = " → ".join(s["name"] for s in m.steps) or "-"
+            metrics = _short_metrics(m.metrics)
+            name = m.model.get("name") or m.source or "-"
+            lines.append(f"| {_rel(folder, data.folder)} | {m.kind} | {name} | {m.target or '-'} | {steps} | {metrics} |")
+            summary["artifacts"].append({"folder": str(folder), "kind": m.kind, "model": name, "target": m.target,
+                                         "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+        lines.append("")
+    for path, prof in data.profiles:
+        s = prof.latency_ms
+        lines += [f"## Latency: {prof.model or '-'} on {prof.target or '-'} ({prof.runtime}, {prof.source})", "",
+                  f"Profile `{_rel(path, data.folder)}`; settings: "
+                  + ", ".join(f"{k}={v}" for k, v in prof.settings.items()), "",
+                  "| min | mean | p50 | p90 | p95 | p99 | max | std | CV | throughput |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
+                  f"| {_fmt(s.min)} | {_fmt(s.mean)} | {_fmt(s.p50)} | {_fmt(s.p90)} | {_fmt(s.p95)} | {_fmt(s.p99)} "
+                  f"| {_fmt(s.max)} | {_fmt(s.std)} | {s.cv:.1%} | {prof.throughput_per_s:.1f}/s |",
+                  "", f"All times in ms over {s.count} timed inferences."]
+        if prof.model_size_mb is not None or prof.peak_memory_mb is not None:
+            lines.append(f"Model size {_fmt(prof.model_size_mb, 2)} MB; peak memory {_fmt(prof.peak_memory_mb, 1)} MB.")
+        if prof.float_share is not None:
+            lines.append(f"Quantized nodes: {prof.quantized_nodes} of {prof.total_nodes}; "
+                         f"share of node time in float nodes: {prof.float_share:.1%}.")
+        for w in prof.warnings:
+            lines.append(f"> warning: {w}")
+        lines.append("")
+        if prof.nodes:
+            lines += [f"### Top {min(top_k, len(prof.nodes))} nodes", "",
+                      "| node | op type | ms | share | precision |", "|---|---|---|---|---|"]
+            for n in prof.nodes[:top_k]:
+                lines.append(f"| {n.name} | {n.op_type} | {n.time_ms:.4f} | {n.share:.1%} | {n.precision} |")
+            lines.append("")
+        if prof.op_types:
+            lines += ["### By op type", "", "| op type | count | ms | share | quantized |", "|---|---|---|---|---|"]
+            for t in prof.op_types[:top_k]:
+                lines.append(f"| {t['op_type']} | {t['count']} | {t['time_ms']:.4f} | {t['share']:.1%} | {t['quantized']} |")
+            lines.append("")
+        entry = {"path": str(path), "model": prof.model, "target": prof.target, "runtime": prof.runtime,
+                 "latency_ms": s.__dict__, "float_share": prof.float_share}
+        summary["profiles"].append(entry)
+        if budget_ms is not None:
+            v = check_budget(prof, budget_ms, percentile)
+            data.verdicts.append({**v.to_dict(), "message": v.message()})
+    if data.verdicts:
+        lines += ["## Budget verdict", ""]
+        for v in data.verdicts:
+            msg = v.get("message") or f"{'PASS' if v['passed'] else 'FAIL'}: {v['percentile']} {v['latency_ms']:.3f} ms vs {v['budget_ms']} ms"
+            lines.append(f"- **{'PASS' if v['passed'] else 'FAIL'}** {msg.split(': ', 1)[-1]}")
+        lines.append("")
+        summary["verdicts"] = data.verdicts
+    return "\n".join(lines) + "\n", summary
+
+
+def _short_metrics(metrics: dict[str, Any], limit: int = 4) -> str:
+    flat = []
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            flat.append(f"{k}={v:.4g}")
+        elif isinstance(v, dict) and "max_abs_error" in v:
+            flat.append(f"{k}: max abs err {v['max_abs_error']:.2e}")
+        if len(flat) >= limit:
+            break
+    return ", ".join(flat) or "-"
+
+
+def _rel(p: Path, root: Path) -> str:
+    try:
+        return str(p.relative_to(root)) or "."
+    except ValueError:
+        return str(p)
+
+
+def render_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+                  budget_ms: float | None = None, percentile: str = "p99", top_k: int = 10) -> Path:
+    """Write ``report.md`` and ``report.json`` for a run folder; returns the Markdown path.
+
+    >>> render_report("out/demo", budget_ms=33)  # doctest: +SKIP
+    PosixPath('out/demo/report.md')
+    """
+    run = Path(folder) / "results.json"
+    if run.is_file():  # a pipeline run folder: its summary, and the HTML report with plots
+        return _render_run(Path(folder), out)
+    data = collect(folder)
+    md, summary = render_markdown(data, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    out_md = Path(out) if out else data.folder / "report.md"
+    atomic_write_text(out_md, md)
+    atomic_write_json(out_md.with_suffix(".json"), summary)
+    return out_md
+
+
+def _render_run(folder: Path, out: str | os.PathLike[str] | None) -> Path:
+    from edgekit.pipelines.html import render_run_html
+    from edgekit.pipelines.run import RunResult, StageResult, markdown_summary
+
+    data = json.loads((folder / "results.json").read_text())
+    data["stages"] = [StageResult(**s) for s in data["stages"]]
+    result = RunResult(**data)
+    out_md = Path(out) if out else folder / "report.md"
+    atomic_write_text(out_md, markdown_summary(result))
+    atomic_write_json(out_md.with_suffix(".json"), result.to_dict())
+    render_run_html(result, out_md.with_suffix(".html"))
+    return out_md

@@ -1,0 +1,420 @@
+"""ONNX Runtime engines (CPU, CUDA and TensorRT execution providers).
+
+build: open the ONNX graph with the target's execution providers and graph
+optimizations, and save the optimized graph (ORT's offline optimization) as the
+engine's ``model.opt.onnx``. ORT warns that a graph optimized at the highest levels
+may hold hardware-specific fused or layout nodes; the engine is built for one target,
+and the saved graph is re-opened and run once at build time and compared with the
+online-optimized session. When it does not load or does not agree, the engine falls
+back to the original graph optimized at load time (recorded in the manifest).
+
+load: an ``OrtEngine`` (run, timed_run, node_profile, close). ``node_profile`` uses
+ORT's own profiler: per node time, op type, execution provider, and whether the
+node computes in integers (QLinearConv, MatMulInteger, MatMulNBits, ... or a fused
+node fed int8/uint8 tensors).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds
+from edgekit.sources.handle import InputSpec
+
+OPT_FILE = "model.opt.onnx"
+OPT_DATA_FILE = "model.opt.onnx.data"
+LEVELS = ("disable", "basic", "extended", "layout", "all")
+
+# Ops that compute in integer arithmetic or read packed integer weights.
+INTEGER_OPS = {
+    "QLinearConv": "int8", "QLinearMatMul": "int8", "ConvInteger": "int8", "MatMulInteger": "int8",
+    "MatMulIntegerToFloat": "int8", "DynamicQuantizeMatMul": "int8", "DynamicQuantizeLSTM": "int8",
+    "QGemm": "int8", "QAttention": "int8", "QOrderedMatMul": "int8", "QOrderedAttention": "int8",
+    "QLinearAdd": "int8", "QLinearMul": "int8", "QLinearAveragePool": "int8", "QLinearGlobalAveragePool": "int8",
+    "QLinearConcat": "int8", "QLinearLeakyRelu": "int8", "QLinearSigmoid": "int8", "QLinearSoftmax": "int8",
+    "QLinearReduceMean": "int8", "QLinearWhere": "int8", "QEmbedLayerNormalization": "int8",
+    "MatMulNBits": "int4", "GatherBlockQuantized": "int4", "MatMulBnb4": "int4",
+}
+_INT8_TYPES = {"int8", "uint8"}
+_INT4_TYPES = {"int4", "uint4"}
+_FP16_TYPES = {"float16"}
+_BF16_TYPES = {"bfloat16"}
+# ORT's profiler type names -> numpy-ish names.
+_ORT_TYPES = {"float": "float32", "double": "float64", "int8_t": "int8", "uint8_t": "uint8", "int8": "int8",
+              "uint8": "uint8", "MLFloat16": "float16", "float16": "float16", "BFloat16": "bfloat16",
+              "int32_t": "int32", "int64_t": "int64", "Int4x2": "int4", "UInt4x2": "uint4", "bool": "bool"}
+
+
+def _ort() -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover - a hard dependency
+        raise UnavailableError(f"onnxruntime is not installed: {e}") from None
+    return ort
+
+
+def _level(name: str) -> Any:
+    ort = _ort()
+    if name not in LEVELS:
+        raise bad_choice("optimization level", name, LEVELS)
+    attr = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+            "layout": "ORT_ENABLE_LAYOUT", "all": "ORT_ENABLE_ALL"}[name]
+    return getattr(ort.GraphOptimizationLevel, attr, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+
+
+def select_providers(requested: tuple[str, ...] | list[str], target_name: str = "target") -> list[str]:
+    """The target's execution providers that exist here; a missing GPU provider is an error."""
+    available = list(_ort().get_available_providers())
+    requested = list(requested) or ["CPUExecutionProvider"]
+    missing = [p for p in requested if p not in available and p != "CPUExecutionProvider"]
+    if missing:
+        raise UnavailableError(f"execution provider {missing[0]!r} requested by target {target_name!r} is not "
+                               f"available in this onnxruntime build (available: {', '.join(available)})")
+    chosen = [p for p in requested if p in available]
+    if "CPUExecutionProvider" not in chosen:
+        chosen.append("CPUExecutionProvider")  # ORT's own fallback for nodes other EPs do not take
+    return chosen
+
+
+def session_options(level: str, threads: int | None, profile_prefix: str | None = None,
+                    optimized_path: str | None = None, large: bool = False) -> Any:
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    so.intra_op_num_threads = int(threads or 0)  # 0: ORT picks (all physical cores)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    if optimized_path:
+        so.optimized_model_filepath = optimized_path
+        if large:
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA_FILE)
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+def _session(path: Path, so: Any, providers: list[str]) -> Any:
+    ort = _ort()
+    try:
+        return ort.InferenceSession(str(path), so, providers=providers)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInputError(f"onnxruntime cannot load {path}: {msg}") from None
+
+
+def _resolve_onnx(model: Any) -> Path:
+    p = Path(str(getattr(model, "onnx_path", None) or model))
+    if p.is_dir():
+        from edgekit.artifact import read_manifest
+
+        return read_manifest(p).path_of(p, "onnx")
+    if not p.is_file():
+        raise BadInputError(f"ONNX file {str(p)!r} does not exist")
+    return p
+
+
+def _inputs_of(sess: Any) -> list[InputSpec]:
+    out = []
+    for i in sess.get_inputs():
+        dtype = _type_to_numpy(i.type)
+        shape = tuple(d if isinstance(d, int) else (d or f"dim{k}") for k, d in enumerate(i.shape))
+        if shape and isinstance(shape[0], str):
+            shape = ("batch", *shape[1:]) if shape[0] in ("batch", "N", "batch_size", "unk__0", "dim0") else shape
+        out.append(InputSpec(i.name, shape, dtype))
+    return out
+
+
+def _type_to_numpy(t: str) -> str:
+    inner = t[len("tensor("):-1] if t.startswith("tensor(") else t
+    return {"float": "float32", "double": "float64", "float16": "float16"}.get(inner, inner)
+
+
+def _sample_feeds(inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    from edgekit.sources.handle import random_inputs
+
+    return random_inputs(inputs, 1)
+
+
+class OnnxRuntime:
+    """The ``onnxruntime`` runtime (the Runtime protocol)."""
+
+    name = "onnxruntime"
+    input_format = "onnx"
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as e:  # pragma: no cover
+            return False, f"onnxruntime is not installed ({e})"
+        return True, ""
+
+    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+        """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""
+        import onnx
+
+        src = _resolve_onnx(model)
+        out_dir = Path(out_dir)
+        providers = select_providers(tuple(getattr(target, "execution_providers", ()) or ()),
+                                     getattr(target, "name", "target"))
+        level = options.optimization_level
+        _level(level)  # validate
+        large = _has_external_data(src)
+        opt_path = out_dir / OPT_FILE
+        t0 = time.perf_counter()
+        so = session_options(level, options.threads, optimized_path=str(opt_path), large=large)
+        sess = _session(src, so, providers)
+        build_s = time.perf_counter() - t0
+        inputs = _inputs_of(sess)
+        feeds = options.extra.get("feeds") or _sample_feeds(inputs)
+        notes: list[str] = []
+        offline = opt_path.is_file()
+        ref = sess.run(None, feeds)
+        if offline:  # the saved graph must load and agree with the online-optimized session
+            try:
+                check = _session(opt_path, session_options("disable", options.threads), providers)
+                got = check.run(None, feeds)
+                bad = [i for i, (a, b) in enumerate(zip(ref, got))
+                       if a.shape != b.shape or not np.allclose(a, b, atol=1e-4, rtol=1e-3, equal_nan=True)]
+                if bad:
+                    offline = False
+                    notes.append(f"the saved optimized graph disagrees with the online one on output {bad[0]}; "
+                                 "using the original graph optimized at load time")
+                del check
+            except Exception as e:  # ORT's caveat: some optimized graphs do not reload
+                offline = False
+                notes.append(f"the saved optimized graph does not reload ({str(e).splitlines()[0][:200]}); "
+                             "using the original graph optimized at load time")
+        if offline:
+            files = {"model": OPT_FILE}
+            if (out_dir / OPT_DATA_FILE).exists():
+                files["model_data"] = OPT_DATA_FILE
+        else:
+            for f in (opt_path, out_dir / OPT_DATA_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+            files = {"model": os.path.relpath(src, out_dir) if _inside(src, out_dir) else _copy_model(src, out_dir)}
+        graph = onnx.load(str(out_dir / files["model"]), load_external_data=False)
+        op_counts: dict[str, int] = {}
+        for node in graph.graph.node:
+            op_counts[node.op_type] = op_counts.get(node.op_type, 0) + 1
+        quantized_ops = sum(c for op, c in op_counts.items() if op in INTEGER_OPS)
+        session = {
+            "graph_optimization_level": level, "intra_op_num_threads": options.threads or 0,
+            "inter_op_num_threads": 1, "execution_mode": "sequential", "providers": providers,
+            "provider_options": {}, "offline_optimized": offline,
+            "load_optimization_level": "disable" if offline else level,
+        }
+        return {
+            "files": files,
+            "config": {"session": session, "notes": notes,
+                       "hardware_specific": level in ("layout", "all") and offline},
+            "metrics": {"build_seconds": round(build_s, 3), "nodes": len(graph.graph.node),
+                        "integer_nodes": quantized_ops, "op_counts": op_counts,
+                        "model_size_mb": round(_size_mb(out_dir, files), 3)},
+        }
+
+    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> OrtEngine:
+        engine_dir = Path(engine_dir)
+        session = dict(manifest.config.get("session", {}))
+        providers = select_providers(tuple(session.get("providers", ["CPUExecutionProvider"])),
+                                     manifest.target or "engine")
+        level = session.get("load_optimization_level", "disable")
+        threads = threads if threads is not None else (session.get("intra_op_num_threads") or None)
+        path = manifest.path_of(engine_dir, "model")
+        return OrtEngine(path, providers, level, threads)
+
+
+class OrtEngine:
+    """One ONNX Runtime session with edgekit's engine interface."""
+
+    runtime = "onnxruntime"
+
+    def __init__(self, path: Path, providers: list[str], level: str, threads: int | None) -> None:
+        self.path = Path(path)
+        self.providers = providers
+        self.level = level
+        self.threads = threads
+        self.session = _session(self.path, session_options(level, threads), providers)
+        self.inputs = _inputs_of(self.session)
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "providers": self.providers, "optimization_level": self.level,
+                "intra_op_num_threads": self.threads or 0, "model": self.path.name}
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        check_feeds(self.inputs, feeds)
+        return list(self.session.run(None, feeds))
+
+    def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
+        run = self.session.run
+        t0 = time.perf_counter()
+        run(None, feeds)
+        return (time.perf_counter() - t0) * 1e3
+
+    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+        """Per-node times from ORT's profiler (a separate session, so end-to-end timing never
+        pays for profiling), averaged over ``iterations`` runs after two warm-up runs."""
+        check_feeds(self.inputs, feeds)
+        tmp = tempfile.mkdtemp(prefix="edgekit-ortprof-")
+        try:
+            so = session_options(self.level, self.threads, profile_prefix=str(Path(tmp) / "ort"))
+            sess = _session(self.path, so, self.providers)
+            warm = 2
+            for _ in range(warm):
+                sess.run(None, feeds)
+            for _ in range(max(1, iterations)):
+                sess.run(None, feeds)
+            trace = sess.end_profiling()
+            events = json.loads(Path(trace).read_text())
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return parse_profile(events, runs=warm + max(1, iterations), skip_runs=warm,
+                             graph_types=graph_dtypes(self.path))
+
+    def close(self) -> None:
+        self.session = None
+
+
+def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
+                  graph_types: dict[str, tuple[str, str, list[str]]] | None = None) -> list[NodeTiming]:
+    """ORT's profiler JSON (Chrome trace events) -> one NodeTiming per node, ms per inference.
+
+    Node events are ``{"cat": "Node", "name": "<node>_kernel_time", "dur": us, "args":
+    {"op_name", "provider", "input_type_shape": [{dtype: shape}, ...]}}``. The first
+    ``skip_runs`` occurrences of each node (warm-up) are dropped.
+    """
+    graph_types = graph_types or {}
+    per_node: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("cat") != "Node":
+            continue
+        name = str(ev.get("name", ""))
+        if not name.endswith("_kernel_time"):
+            continue
+        node = name[: -len("_kernel_time")]
+        args = ev.get("args", {}) or {}
+        rec = per_node.setdefault(node, {"durs": [], "op": args.get("op_name", ""),
+                                         "provider": args.get("provider", ""), "types": []})
+        rec["durs"].append(float(ev.get("dur", 0.0)))
+        if not rec["types"]:
+            for item in args.get("input_type_shape", []) or []:
+                if isinstance(item, dict):
+                    rec["types"].extend(_ORT_TYPES.get(k, k) for k in item)
+    measured = max(1, runs - skip_runs)
+    out = []
+    for node, rec in per_node.items():
+        durs = rec["durs"]
+        calls_per_run = max(1, round(len(durs) / max(1, runs)))
+        kept = durs[skip_runs * calls_per_run:] or durs
+        op = rec["op"] or graph_types.get(node, ("", "", []))[0]
+        types = rec["types"] or graph_types.get(node, ("", "", []))[2]
+        precision, quantized = node_precision(op, types)
+        out.append(NodeTiming(name=node, op_type=op, time_ms=sum(kept) / measured / 1e3, precision=precision,
+                              quantized=quantized, calls=calls_per_run))
+    for n in out:  # the provider is useful in reports; NodeTiming has no field for it, so keep it in the name
+        prov = per_node[n.name]["provider"]
+        if prov and prov != "CPUExecutionProvider":
+            n.op_type = f"{n.op_type}@{prov.replace('ExecutionProvider', '')}"
+    return out
+
+
+def node_precision(op_type: str, input_types: list[str]) -> tuple[str, bool]:
+    """(precision, quantized) of one node from its op type and its input dtypes."""
+    base = op_type.split("@")[0]
+    if base in INTEGER_OPS:
+        return INTEGER_OPS[base], True
+    if base in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
+        return "fp32", False  # conversions, not integer compute
+    types = set(input_types)
+    if types & _INT4_TYPES:
+        return "int4", True
+    if types & _INT8_TYPES and base not in ("Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Cast"):
+        return "int8", True  # a fused node fed int8/uint8 (e.g. a fused QDQ conv)
+    if types & _FP16_TYPES:
+        return "fp16", False
+    if types & _BF16_TYPES:
+        return "bf16", False
+    return "fp32", False
+
+
+def graph_dtypes(path: Path) -> dict[str, tuple[str, str, list[str]]]:
+    """node name -> (op_type, domain, input dtypes) from the (optimized) graph, as far as known."""
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return {}
+    types: dict[str, str] = {}
+    g = model.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        et = vi.type.tensor_type.elem_type
+        if et:
+            types[vi.name] = _elem_name(et)
+    for init in g.initializer:
+        types[init.name] = _elem_name(init.data_type)
+    return {n.name: (n.op_type, n.domain, [types.get(i, "") for i in n.input if i]) for n in g.node}
+
+
+def _elem_name(et: int) -> str:
+    import onnx
+
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(et))
+    except Exception:
+        return onnx.TensorProto.DataType.Name(et).lower()
+
+
+def _has_external_data(path: Path) -> bool:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    return any(i.data_location == onnx.TensorProto.EXTERNAL for i in m.graph.initializer)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(folder).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _copy_model(src: Path, out_dir: Path) -> str:
+    import onnx
+
+    if _has_external_data(src):
+        m = onnx.load(str(src))
+        onnx.save_model(m, str(out_dir / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    else:
+        shutil.copyfile(src, out_dir / "model.onnx")
+    return "model.onnx"
+
+
+def _size_mb(folder: Path, files: dict[str, str]) -> float:
+    total = 0
+    for rel in files.values():
+        p = Path(folder) / rel
+        if p.is_file():
+            total += p.stat().st_size
+            data = p.with_name(p.name + ".data")
+            if data.is_file() and data.name not in files.values():
+                total += data.stat().st_size
+    return total / 2**20
+
+
+RUNTIME = OnnxRuntime()

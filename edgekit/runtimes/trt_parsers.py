@@ -1,0 +1,329 @@
+"""Parsers for trtexec's JSON outputs, into edgekit's ``ProfileResult``.
+
+trtexec writes three JSON files when asked (formats as documented by TensorRT's
+``samples/common/sampleReporting.cpp`` and read by its ``trt-engine-explorer``):
+
+``--exportTimes=times.json``
+    one record per timed inference: ``startEnqMs endEnqMs startH2dMs endH2dMs
+    startComputeMs endComputeMs startD2hMs endD2hMs h2dMs computeMs d2hMs latencyMs``
+    (TensorRT 8.x also writes ``endToEndMs`` and keeps the warm-up records; 10.x drops
+    them). ``latencyMs = h2dMs + computeMs + d2hMs``.
+``--exportProfile=profile.json``
+    ``[{"count": N}, {"name", "timeMs", "averageMs", "medianMs", "percentage"}, ...]``:
+    per-layer time summed over N profiled iterations (``medianMs`` since TensorRT 10).
+``--exportLayerInfo=layers.json`` (with ``--profilingVerbosity=detailed``)
+    ``{"Layers": [{"Name", "LayerType", "ParameterType", "Inputs": [...], "Outputs": [...],
+    "Weights": {"Type", "Count"}, "Origin", "TacticName", ...}], "Bindings": [...]}``;
+    each input/output has ``"Format/Datatype"`` such as ``"Thirty-two wide channel
+    vectorized row major Int8 format"`` or ``"Row major linear FP32"``.
+
+A layer's precision is the data type of its first input (as trt-engine-explorer
+does), or its weights' type when that is 8-bit or narrower; it is *quantized* when that
+precision is an integer or FP8 type. These parsers were tested on hand-written
+fixtures in the documented format, not on files written by a real trtexec.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError
+from edgekit.profiling import CV_WARNING, LatencyStats, ProfileResult, summarize_nodes
+from edgekit.runtimes.base import NodeTiming
+
+# The file names edgekit asks trtexec to write (build bundles and the trtexec path).
+TIMES_JSON = "trtexec_times.json"
+PROFILE_JSON = "trtexec_profile.json"
+LAYERS_JSON = "trtexec_layers.json"
+QUANTIZED_PRECISIONS = ("int8", "uint8", "int4", "fp8", "fp4")
+
+# Ordered: more specific names first ("BFloat16" before "Float", "UInt8" before "Int8").
+_DTYPE_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"bfloat16|\bbf16\b", "bf16"),
+    (r"\bfp8\b|e4m3|e5m2", "fp8"),
+    (r"\bfp4\b|e2m1", "fp4"),
+    (r"\buint8\b", "uint8"),
+    (r"\bint8\b", "int8"),
+    (r"\bint4\b", "int4"),
+    (r"\bfp16\b|\bhalf\b", "fp16"),
+    (r"\bfp32\b|\bfloat\b", "fp32"),
+    (r"\bint32\b", "int32"),
+    (r"\bint64\b", "int64"),
+    (r"\bbool\b", "bool"),
+)
+
+
+def dtype_of(fmt: str | None) -> str:
+    """``"Thirty-two wide channel vectorized row major Int8 format"`` -> ``"int8"``."""
+    if not fmt:
+        return "unknown"
+    s = str(fmt).lower()
+    for pattern, name in _DTYPE_PATTERNS:
+        if re.search(pattern, s):
+            return name
+    return "unknown"
+
+
+def _load_json(path: str | Path, what: str) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"trtexec {what} file {str(p)!r} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInputError(f"{p} is not valid JSON ({e}); expected trtexec's {what} output") from None
+
+
+# --- --exportTimes -------------------------------------------------------------------------
+
+@dataclass
+class TimingTrace:
+    """Per-inference times from ``--exportTimes`` (milliseconds)."""
+
+    latency_ms: list[float]  # h2d + compute + d2h, trtexec's "Latency"
+    compute_ms: list[float]  # trtexec's "GPU Compute Time"
+    h2d_ms: list[float]
+    d2h_ms: list[float]
+    enqueue_ms: list[float]
+    walltime_ms: float  # first H2D start to last D2H end
+    dropped_warmup: int = 0
+
+    @property
+    def throughput_per_s(self) -> float:
+        return len(self.latency_ms) / self.walltime_ms * 1e3 if self.walltime_ms > 0 else 0.0
+
+
+def read_times(path: str | Path, warmup_ms: float | None = None) -> TimingTrace:
+    """Parse ``--exportTimes``. Records whose compute started before ``warmup_ms`` are
+    dropped, as trtexec does for its own summary (TensorRT 8 files include warm-up)."""
+    data = _load_json(path, "--exportTimes")
+    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+        raise BadInputError(f"{path} is not a trtexec --exportTimes file (expected a non-empty list of records)")
+    need = ("computeMs", "latencyMs")
+    missing = [k for k in need if k not in data[0]]
+    if missing:
+        raise BadInputError(f"{path} is not a trtexec --exportTimes file (records lack {missing})")
+    records = data
+    dropped = 0
+    if warmup_ms is not None and "startComputeMs" in data[0]:
+        kept = [r for r in data if float(r["startComputeMs"]) >= warmup_ms]
+        if kept:
+            dropped = len(data) - len(kept)
+            records = kept
+    lat = [float(r["latencyMs"]) for r in records]
+    comp = [float(r["computeMs"]) for r in records]
+    h2d = [float(r.get("h2dMs", 0.0)) for r in records]
+    d2h = [float(r.get("d2hMs", 0.0)) for r in records]
+    enq = [float(r["endEnqMs"]) - float(r["startEnqMs"]) if "startEnqMs" in r and "endEnqMs" in r else 0.0
+           for r in records]
+    if "startH2dMs" in records[0] and "endD2hMs" in records[-1]:
+        wall = float(records[-1]["endD2hMs"]) - float(records[0]["startH2dMs"])
+    else:
+        wall = float(sum(lat))
+    return TimingTrace(lat, comp, h2d, d2h, enq, wall, dropped)
+
+
+# --- --exportProfile -----------------------------------------------------------------------
+
+@dataclass
+class LayerTime:
+    name: str
+    total_ms: float
+    average_ms: float
+    median_ms: float | None
+    percentage: float
+
+
+def read_profile(path: str | Path) -> tuple[int, list[LayerTime]]:
+    """Parse ``--exportProfile``: (profiled iterations, per-layer times)."""
+    data = _load_json(path, "--exportProfile")
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "count" not in data[0]:
+        raise BadInputError(f"{path} is not a trtexec --exportProfile file (expected [{{\"count\": N}}, layers...])")
+    count = int(data[0]["count"])
+    layers = []
+    for rec in data[1:]:
+        if not isinstance(rec, dict) or "name" not in rec or "averageMs" not in rec:
+            raise BadInputError(f"{path}: a layer record lacks 'name' or 'averageMs': {str(rec)[:80]}")
+        layers.append(LayerTime(str(rec["name"]), float(rec.get("timeMs", rec["averageMs"] * count)),
+                                float(rec["averageMs"]),
+                                float(rec["medianMs"]) if "medianMs" in rec else None,
+                                float(rec.get("percentage", 0.0))))
+    return count, layers
+
+
+# --- --exportLayerInfo ---------------------------------------------------------------------
+
+@dataclass
+class LayerInfo:
+    name: str
+    layer_type: str  # e.g. CaskConvolution, Reformat, Myelin, DLA
+    op_type: str  # ParameterType where present (Convolution, Reformat, ...), else LayerType
+    input_types: list[str] = field(default_factory=list)
+    output_types: list[str] = field(default_factory=list)
+    weights_type: str | None = None
+    origin: str | None = None  # "QDQ" for layers made from Q/DQ nodes
+    tactic: str | None = None
+
+    @property
+    def precision(self) -> str:
+        weights = self.weights_type
+        if weights in QUANTIZED_PRECISIONS:
+            return weights
+        if self.input_types and self.input_types[0] != "unknown":
+            return self.input_types[0]
+        if self.output_types:
+            return self.output_types[0]
+        return weights or "unknown"
+
+    @property
+    def quantized(self) -> bool:
+        # A Q/DQ reformat turns float into int8; it does not compute in int8.
+        if self.op_type == "Reformat" and self.origin == "QDQ":
+            return False
+        return self.precision in QUANTIZED_PRECISIONS
+
+    @property
+    def device(self) -> str:
+        return "dla" if "dla" in self.layer_type.lower() else "gpu"
+
+
+def read_layer_info(path: str | Path) -> list[LayerInfo]:
+    """Parse ``--exportLayerInfo`` (needs ``--profilingVerbosity=detailed``)."""
+    data = _load_json(path, "--exportLayerInfo")
+    layers = data.get("Layers") if isinstance(data, dict) else None
+    if not isinstance(layers, list):
+        raise BadInputError(f"{path} is not a trtexec --exportLayerInfo file (no 'Layers' list)")
+    if layers and not isinstance(layers[0], dict):
+        raise BadInputError(f"{path} holds only layer names: rebuild with --profilingVerbosity=detailed "
+                            "to get per-layer precision")
+    out = []
+    for raw in layers:
+        weights = raw.get("Weights")
+        wtype = dtype_of(weights.get("Type")) if isinstance(weights, dict) and "Type" in weights else None
+        out.append(LayerInfo(
+            name=str(raw.get("Name", "")),
+            layer_type=str(raw.get("LayerType", "")),
+            op_type=str(raw.get("ParameterType") or raw.get("LayerType") or "unknown"),
+            input_types=[dtype_of(t.get("Format/Datatype")) for t in raw.get("Inputs", []) if isinstance(t, dict)],
+            output_types=[dtype_of(t.get("Format/Datatype")) for t in raw.get("Outputs", []) if isinstance(t, dict)],
+            weights_type=wtype, origin=raw.get("Origin"), tactic=raw.get("TacticName")))
+    return out
+
+
+# --- into a ProfileResult ------------------------------------------------------------------
+
+def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo] | None) -> list[NodeTiming]:
+    """Join per-layer times with per-layer precision by layer name."""
+    info = {li.name: li for li in (layer_info or [])}
+    nodes = []
+    for lt in layer_times:
+        li = info.get(lt.name)
+        if li is not None:
+            nodes.append(NodeTiming(lt.name, li.op_type, lt.average_ms, precision=li.precision, quantized=li.quantized))
+        else:
+            op = "Reformat" if lt.name.startswith("Reformatting CopyNode") else "unknown"
+            nodes.append(NodeTiming(lt.name, op, lt.average_ms, precision="unknown", quantized=False))
+    return nodes
+
+
+def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None, layers: str | Path | None = None,
+                         engine: str = "", target: str | None = None, model: str | None = None,
+                         settings: dict[str, Any] | None = None, metric: str = "latency",
+                         warmup_ms: float | None = None, top_k: int | None = None) -> ProfileResult:
+    """Turn trtexec's JSON outputs into edgekit's ``ProfileResult`` (``source="trtexec"``).
+
+    ``metric`` chooses what ``latency_ms`` holds: ``"latency"`` (H2D + GPU compute + D2H,
+    trtexec's "Latency") or ``"compute"`` (GPU compute time only); both are kept in
+    ``settings``.
+    """
+    if metric not in ("latency", "compute"):
+        raise BadInputError(f"unknown trtexec metric {metric!r} (choose from 'compute', 'latency')")
+    trace = read_times(times, warmup_ms=warmup_ms)
+    samples = trace.latency_ms if metric == "latency" else trace.compute_ms
+    stats = LatencyStats.from_samples(samples)
+    compute = LatencyStats.from_samples(trace.compute_ms)
+    warnings: list[str] = []
+    if compute.cv > CV_WARNING:
+        warnings.append(f"GPU compute time varies: coefficient of variation {compute.cv:.1%} exceeds "
+                        f"{CV_WARNING:.1%} (trtexec's threshold); check clocks and power mode")
+    nodes: list[NodeTiming] = []
+    profile_count = None
+    if profile is not None:
+        profile_count, layer_times = read_profile(profile)
+        info = read_layer_info(layers) if layers is not None else None
+        nodes = nodes_from_trtexec(layer_times, info)
+        if info is not None:
+            dla = [li for li in info if li.device == "dla"]
+            if dla:
+                fell_back = [li.name for li in info if li.device == "gpu" and li.op_type != "Reformat"]
+                if fell_back:
+                    warnings.append(f"{len(fell_back)} layers run on the GPU, not the DLA: "
+                                    + ", ".join(fell_back[:5]) + (" ..." if len(fell_back) > 5 else ""))
+    total_nodes = len(nodes)
+    top, op_types, float_share, quantized = summarize_nodes(nodes, top_k)
+    mean_of = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    all_settings = {
+        **(settings or {}),
+        "metric": metric,
+        "timed_inferences": len(samples),
+        "dropped_warmup_records": trace.dropped_warmup,
+        "gpu_compute_ms": compute.__dict__,
+        "h2d_mean_ms": mean_of(trace.h2d_ms),
+        "d2h_mean_ms": mean_of(trace.d2h_ms),
+        "enqueue_mean_ms": mean_of(trace.enqueue_ms),
+        "walltime_ms": trace.walltime_ms,
+    }
+    if profile_count is not None:
+        all_settings["profiled_iterations"] = profile_count
+    from edgekit.artifact import now_iso
+
+    return ProfileResult(engine=engine, runtime="tensorrt", target=target, model=model, settings=all_settings,
+                         latency_ms=stats, throughput_per_s=trace.throughput_per_s, nodes=top, op_types=op_types,
+                         float_share=float_share, quantized_nodes=quantized, total_nodes=total_nodes,
+                         warnings=warnings, source="trtexec", created=now_iso())
+
+
+def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
+    """The trtexec JSON outputs present in a bundle or engine folder (role -> path).
+
+    Looks in the folder and in its ``results/`` subfolder (where a bundle's build.sh
+    writes them)."""
+    folder = Path(folder)
+    found: dict[str, Path] = {}
+    for base in (folder, folder / "results"):
+        for role, name in (("times", TIMES_JSON), ("profile", PROFILE_JSON), ("layers", LAYERS_JSON)):
+            if role not in found and (base / name).is_file():
+                found[role] = base / name
+    return found
+
+
+def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: int | None = None) -> ProfileResult:
+    """A ProfileResult from a bundle or engine folder where trtexec has written its JSON.
+
+    >>> profile_from_folder("engine_dir").source  # doctest: +SKIP
+    'trtexec'
+    """
+    from edgekit.artifact import is_artifact, read_manifest
+
+    folder = Path(folder)
+    found = trtexec_outputs(folder)
+    if "times" not in found:
+        raise BadInputError(f"{folder} has no trtexec results ({TIMES_JSON}); run its build.sh on the device "
+                            "first, then copy the folder back")
+    target = model = None
+    settings: dict[str, Any] = {}
+    warmup_ms = None
+    if is_artifact(folder):
+        m = read_manifest(folder)
+        target = m.target
+        model = (m.model or {}).get("name")
+        trt = m.config.get("trtexec") or {}
+        settings = {"runtime_config": {k: v for k, v in m.config.items() if k != "trtexec"}, "trtexec": trt}
+    return profile_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
+                                engine=str(folder), target=target, model=model, settings=settings, metric=metric,
+                                warmup_ms=warmup_ms, top_k=top_k)

