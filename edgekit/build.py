@@ -6,6 +6,10 @@ first available one), exports to ONNX when the runtime needs it (into the engine
 folder's ``onnx/``), lets the runtime write its files, and records everything in an
 "engine" manifest. The engine folder also keeps the model's sample inputs
 (``inputs.npz``: real inputs, for realistic timing), so profiling never reloads PyTorch.
+
+A runtime says what it builds from with an ``input_format`` attribute: ``"onnx"`` (the
+default: ``build`` gets the path of ``<engine>/onnx/model.onnx``, already exported and
+parity-checked) or ``"torch"`` (``build`` gets the ModelHandle itself).
 """
 from __future__ import annotations
 

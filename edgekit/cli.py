@@ -123,13 +123,22 @@ def _print_parity(folder: Path) -> None:
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
+@click.option("--remote", default=None, help="TensorRT: build on the device over SSH (user@host).")
+@click.option("--workspace-mb", type=int, default=None, help="TensorRT: builder workspace limit.")
+@click.option("--dla-core", type=int, default=None, help="TensorRT on Orin: DLA core, with GPU fallback.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
+@click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
-          opt_level: str) -> None:
+          opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
+          max_batch: int | None) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
 
-    options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime)
+    extra: dict[str, Any] = {k: v for k, v in {"remote": remote, "workspace_mb": workspace_mb,
+                                                "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
+    options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
+                           batch=batch, extra=extra)
     folder = build_engine(model, target, out, options)
     from edgekit.artifact import read_manifest
 
@@ -365,7 +374,7 @@ def targets_group(ctx: click.Context) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     click.echo("targets: dense peaks (INT8 TOPS, FP16 TFLOPS), memory bandwidth GB/s and size GB")
     for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 @targets_group.command("show")
@@ -493,6 +502,78 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
 
         atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None})
         click.echo(f"wrote {json_out}")
+
+
+# --- finetune (issue 6) ---
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a fine-tuned model).")
+@click.option("--data", default=None, help="Training data (built-in name, folder, .npz, text file, entry point); "
+              "default: the model's.")
+@click.option("--eval-data", default=None, help="Validation data (default: the eval split of --data or the model's).")
+@click.option("--lora-r", "r", type=int, default=8, show_default=True, help="Adapter rank.")
+@click.option("--lora-alpha", "alpha", type=float, default=16.0, show_default=True, help="Scale numerator (scale = alpha / r).")
+@click.option("--lora-dropout", "dropout", type=float, default=0.05, show_default=True)
+@click.option("--targets", default=None, help="Comma-separated module names, suffixes or regexes "
+              "(default: q/k/v/o/gate/up/down for transformers, every Linear/Conv2d otherwise).")
+@click.option("--epochs", type=int, default=None, help="Training epochs (default 1 when --steps is not given).")
+@click.option("--steps", type=int, default=None, help="Training steps (instead of --epochs).")
+@click.option("--lr", type=float, default=2e-4, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--seqlen", type=int, default=256, show_default=True, help="Token window for language models.")
+@click.option("--train-samples", type=int, default=None, help="Use only this many training samples/windows.")
+@click.option("--eval-samples", type=int, default=32, show_default=True, help="Validation samples/windows.")
+@click.option("--qlora", is_flag=True, help="Train adapters over a frozen 4-bit base (the output of compress --bits 4).")
+@click.option("--qlora-base", type=click.Choice(["packed", "nf4"]), default="packed", show_default=True,
+              help="packed: edgekit's int4 model; nf4: bitsandbytes NF4 from a float model.")
+@click.option("--merge/--no-merge", default=None, help="Fold adapters into the weights (default: yes for float and "
+              "nf4; no for a packed base, whose adapters export as MatMuls beside MatMulNBits).")
+@click.option("--requant", type=click.Choice(["int4", "int8"]), default=None,
+              help="Re-quantize the merged float model with this step.")
+@click.option("--bits", type=int, default=None, help="--requant int4: bit width (default 4).")
+@click.option("--method", default=None, help="--requant int4: gptq | awq | rtn; int8: ptq.")
+@click.option("--group-size", type=int, default=None, help="--requant int4: group size.")
+@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between checkpoints (0: none).")
+@click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: int, alpha: float, dropout: float,
+             targets: str | None, epochs: int | None, steps: int | None, lr: float, batch_size: int, seqlen: int,
+             train_samples: int | None, eval_samples: int, qlora: bool, qlora_base: str, merge: bool | None,
+             requant: str | None, bits: int | None, method: str | None, group_size: int | None,
+             checkpoint_every: int, resume: bool, seed: int) -> None:
+    """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data."""
+    from edgekit.artifact import read_manifest
+    from edgekit.finetune import finetune as run_finetune
+
+    config = {"r": r, "alpha": alpha, "dropout": dropout, "targets": tuple(t for t in (targets or "").split(",") if t),
+              "epochs": epochs, "steps": steps, "lr": lr, "batch_size": batch_size, "seqlen": seqlen,
+              "train_samples": train_samples, "eval_samples": eval_samples, "qlora": qlora, "qlora_base": qlora_base,
+              "merge": merge, "checkpoint_every": checkpoint_every}
+    requant_config: dict[str, Any] = {}
+    if requant == "int4":
+        requant_config = {k: v for k, v in (("bits", bits), ("method", method), ("group_size", group_size))
+                          if v is not None}
+    elif requant == "int8" and method is not None:
+        requant_config = {"method": method}
+    folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
+                          requant_config=requant_config, seed=seed, resume=resume)
+    m = read_manifest(folder)
+    lm = m.metrics.get("lora", {})
+    rows = []
+    for key in ("before", "after", "after_merge"):
+        if key in lm:
+            rows.append([key.replace("_", " "), *(f"{v:.4f}" for v in lm[key].values())])
+    final = m.metrics.get("final") or {}
+    metric = "perplexity" if "perplexity" in final else "accuracy" if "accuracy" in final else None
+    if metric:
+        rows.append([f"reloaded artifact ({metric})", "", f"{final[metric]:.4f}"])
+    _console().print(_table(f"validation ({lm.get('eval_data')})", ["model", "loss", "metric"], rows))
+    click.echo(f"trained {lm.get('trainable_params', 0):,} of {lm.get('total_params', 0):,} parameters "
+               f"({lm.get('modules')} layers, {lm.get('steps')} steps, {lm.get('seconds_per_step')} s/step)")
+    click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
+
+# --- end finetune (issue 6) ---
 
 
 def main() -> None:

@@ -82,14 +82,21 @@ def _torch_runner(module: Any, names: list[str] | None) -> Runner:
         except StopIteration:
             device = torch.device("cpu")
         args = [torch.from_numpy(np.ascontiguousarray(feeds[n])).to(device) for n in order]
-        with torch.inference_mode():
-            out = module(*args)
-        if isinstance(out, dict):
-            out = list(out.values())
-        if isinstance(out, torch.Tensor):
-            out = (out,)
-        if hasattr(out, "logits"):  # a raw Hugging Face output
+        was_training = getattr(module, "training", False)
+        if was_training:
+            module.eval()  # dropout off, batch-norm running statistics
+        try:
+            with torch.no_grad():
+                out = module(*args)
+        finally:
+            if was_training:
+                module.train()
+        if hasattr(out, "logits"):  # a raw Hugging Face model's output
             out = (out.logits,)
+        elif isinstance(out, dict):
+            out = list(out.values())
+        elif isinstance(out, torch.Tensor):
+            out = (out,)
         return [o.detach().float().cpu().numpy() if o.dtype in (torch.float16, torch.bfloat16)
                 else o.detach().cpu().numpy() for o in out]
 

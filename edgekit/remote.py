@@ -49,6 +49,7 @@ class RemoteHost:
     command_timeout: float = 600.0
     build_timeout: float = 3600.0
     edgekit: str = "edgekit"  # the edgekit command on the device (a shell word sequence)
+    multiplex: bool = True  # one SSH connection for all commands (ControlMaster; exits 30 s after last use)
 
     def __post_init__(self) -> None:
         if not self.spec or any(c.isspace() for c in self.spec) or self.spec.startswith("-"):
@@ -75,6 +76,8 @@ class RemoteHost:
     def ssh_argv(self, command: str) -> list[str]:
         argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
                 "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+        if self.multiplex:
+            argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={_control_dir()}/%C", "-o", "ControlPersist=30"]
         if self.port:
             argv += ["-p", str(self.port)]
         if self.identity:
@@ -108,6 +111,20 @@ class RemoteHost:
             raise _remote_error(self.spec, command, proc.returncode, stderr)
         return proc
 
+    def close(self) -> None:
+        """Stop the shared SSH connection (it would exit by itself 30 s after last use)."""
+        if self.multiplex:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={_control_dir()}/%C"]
+                               + (["-p", str(self.port)] if self.port else []) + [self.destination],
+                               capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+
+    def __enter__(self) -> RemoteHost:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def check_reachable(self) -> None:
         self.run("true", timeout=self.connect_timeout + 10)
 
@@ -130,13 +147,7 @@ class RemoteHost:
             cmd = f"cd {q} && sha256sum -- {' '.join(shlex.quote(n) for n in names)}"
         else:
             cmd = f"cd {q} && find . -type f -exec sha256sum -- {{}} +"
-        out = self.run(cmd).stdout
-        hashes = {}
-        for line in out.splitlines():
-            if "  " in line:
-                h, name = line.split("  ", 1)
-                hashes[name[2:] if name.startswith("./") else name] = h.strip().lstrip("\\")
-        return hashes
+        return _parse_sha256sum(self.run(cmd).stdout)
 
     def put(self, paths: list[Path], remote_dir: str, names: list[str] | None = None) -> dict[str, str]:
         """Upload files (or folders, recursively) into ``remote_dir``; verify sha256."""
@@ -146,15 +157,17 @@ class RemoteHost:
         buf = io.BytesIO()
         local: dict[str, str] = {}
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            for p, name in zip(paths, names):
+            for p, name in zip(paths, names, strict=True):
                 p = Path(p)
                 tar.add(str(p), arcname=name)
                 files = [(f, f"{name}/{f.relative_to(p)}") for f in p.rglob("*") if f.is_file()] if p.is_dir() else [(p, name)]
                 for f, rel in files:
                     local[rel] = sha256_file(f)
         q = shlex.quote(remote_dir)
-        self.run(f"mkdir -p {q} && tar -C {q} -xf -", stdin=buf.getvalue(), timeout=self.command_timeout)
-        remote = self.remote_hashes(remote_dir, sorted(local))
+        out = self.run(f"mkdir -p {q} && tar -C {q} -xf - && cd {q} && sha256sum -- "
+                       + " ".join(shlex.quote(n) for n in sorted(local)), stdin=buf.getvalue(),
+                       timeout=self.command_timeout).stdout
+        remote = _parse_sha256sum(out.decode(errors="replace") if isinstance(out, bytes) else out)
         bad = [n for n, h in local.items() if remote.get(n) != h]
         if bad:
             raise UnavailableError(f"remote {self.spec}: upload corrupted {bad[:3]} (sha256 differs)")
@@ -169,15 +182,15 @@ class RemoteHost:
         local_dir = Path(local_dir)
         q = shlex.quote(remote_dir)
         if names is not None:
-            present = self.run(f"cd {q} && for f in {' '.join(shlex.quote(n) for n in names)}; do "
-                               f"[ -f \"$f\" ] && echo \"$f\"; done; true").stdout.split("\n")
-            present = [n for n in present if n]
+            hashes = _parse_sha256sum(self.run(
+                f"cd {q} && for f in {' '.join(shlex.quote(n) for n in names)}; do "
+                f"if [ -f \"$f\" ]; then sha256sum -- \"$f\"; fi; done; true").stdout)
+            present = [n for n in names if n in hashes]
             missing = [n for n in names if n not in present and n not in optional]
             if missing:
                 raise BadInputError(f"remote {self.spec}: {remote_dir} lacks {missing}")
             if not present:
                 return []
-            hashes = self.remote_hashes(remote_dir, present)
             cmd = f"cd {q} && tar -cf - -- {' '.join(shlex.quote(n) for n in present)}"
         else:
             hashes = self.remote_hashes(remote_dir)
@@ -217,6 +230,23 @@ class RemoteHost:
         return info
 
 
+def _control_dir() -> str:
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / f"edgekit-ssh-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return str(d)
+
+
+def _parse_sha256sum(out: str) -> dict[str, str]:
+    hashes = {}
+    for line in out.splitlines():
+        if "  " in line:
+            h, name = line.split("  ", 1)
+            hashes[name[2:] if name.startswith("./") else name] = h.strip().lstrip("\\")
+    return hashes
+
+
 def _remote_error(spec: str, command: str, rc: int, stderr: str) -> EdgekitError:
     lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
     errs = [ln for ln in lines if ln.startswith("error:")]
@@ -248,6 +278,12 @@ def remote_build(model: str, target: str, out: str | os.PathLike[str], host: Rem
     """
     from edgekit.artifact import staged_dir
 
+    with host:
+        return _remote_build(model, target, out, host, staged_dir, precision, runtime, threads, extra_args)
+
+
+def _remote_build(model: str, target: str, out: Any, host: RemoteHost, staged_dir: Any, precision: str | None,
+                  runtime: str | None, threads: int | None, extra_args: list[str] | None) -> Path:
     host.check_reachable()
     with host.workdir() as wd:
         remote_model = _upload_model(host, model, wd)
@@ -272,11 +308,17 @@ def remote_build(model: str, target: str, out: str | os.PathLike[str], host: Rem
 def remote_profile(engine_dir: str | os.PathLike[str], host: RemoteHost, *, json_out: str | os.PathLike[str] | None = None,
                    extra_args: list[str] | None = None) -> Any:
     """``edgekit profile`` on the device; returns the ProfileResult (saved to ``json_out``)."""
-    from edgekit.profiling import ProfileResult
 
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir():
         raise BadInputError(f"engine folder {str(engine_dir)!r} does not exist")
+    with host:
+        return _remote_profile(engine_dir, host, json_out, extra_args)
+
+
+def _remote_profile(engine_dir: Path, host: RemoteHost, json_out: Any, extra_args: list[str] | None) -> Any:
+    from edgekit.profiling import ProfileResult
+
     host.check_reachable()
     with host.workdir() as wd:
         host.put([engine_dir], wd, names=["engine"])

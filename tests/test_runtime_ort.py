@@ -197,3 +197,36 @@ def test_external_nsfw_onnx_builds_and_profiles(tmp_path):
                             out_json=tmp_path / "p.json")
     assert result.latency_ms.count >= 3 and result.total_nodes > 50
     assert result.model == "open_nsfw" and os.path.getsize(tmp_path / "p.json") > 0
+
+
+def test_external_data_model_builds_with_external_optimized_weights(tiny_mlp, tmp_path, monkeypatch):
+    from edgekit.artifact import Manifest
+    from edgekit.export import onnx as export_mod
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.runtimes.onnxruntime import RUNTIME
+
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
+    onnx_dir = export_onnx(tiny_mlp, tmp_path / "onnx", ExportConfig(dynamo=False))
+    assert "onnx_data" in read_manifest(onnx_dir).files
+    out = tmp_path / "engine"
+    out.mkdir()
+    built = RUNTIME.build(onnx_dir, load_target("cpu"), out, BuildOptions())
+    assert built["config"]["session"]["offline_optimized"] is True
+    assert built["files"] == {"model": "model.opt.onnx", "model_data": "model.opt.onnx.data"}
+    assert (out / "model.opt.onnx.data").is_file()
+    engine = RUNTIME.load(out, Manifest(kind="engine", files=built["files"], config=built["config"]))
+    assert engine.run({"input": np.ones((2, 16), np.float32)})[0].shape == (2, 10)
+
+
+@pytest.mark.xfail(reason="edgekit.sources.models.load_onnx_file runs onnx.checker on a proto loaded without "
+                          "external data, so the checker looks for the data file in the working directory; "
+                          "checking str(path) instead fixes it (reported to the lead)", strict=False)
+def test_build_engine_from_external_data_artifact(tiny_mlp, tmp_path, monkeypatch):
+    from edgekit.export import onnx as export_mod
+    from edgekit.export.onnx import ExportConfig, export_onnx
+
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
+    onnx_dir = export_onnx(tiny_mlp, tmp_path / "onnx", ExportConfig(dynamo=False))
+    out = build_engine(onnx_dir, "cpu", tmp_path / "engine")
+    assert (out / "onnx" / "model.onnx.data").is_file()
+    assert load_engine(out).run(load_engine_inputs(out, batch=2))[0].shape == (2, 10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -603,3 +602,16 @@ def test_warm_ep_cache_runs_one_inference(tiny_onnx, tmp_path):
     (tmp_path / op.TRT_CACHE_DIR / "model_fp16.engine").write_bytes(b"x")
     info = op.warm_ep_cache(sess, {"input": np.zeros((1, 3, 16, 16), np.float32)}, tmp_path)
     assert info["warmup_inference_seconds"] >= 0 and info["trt_cache_files"] == ["model_fp16.engine"]
+
+
+def test_ort_build_and_load_providers(tmp_path):
+    from edgekit.runtimes import ort_providers as op
+
+    arg, rec = op.build_providers([op.CPU_EP], BuildOptions("fp32"), tmp_path)
+    assert arg == [op.CPU_EP] and rec == {}  # a CPU target is unchanged
+    arg, rec = op.build_providers([op.TRT_EP, op.CUDA_EP, op.CPU_EP], BuildOptions("fp16", extra={"workspace_mb": 64}),
+                                  tmp_path / "e", load_target("l4"))
+    assert rec[op.TRT_EP]["trt_engine_cache_path"] == "./trt_cache" and rec[op.TRT_EP]["trt_max_workspace_size"] == 64 << 20
+    loaded = op.load_providers([op.TRT_EP, op.CUDA_EP, op.CPU_EP], rec, tmp_path / "moved")
+    assert loaded[0][1]["trt_timing_cache_path"] == str((tmp_path / "moved").resolve() / "trt_cache")
+    assert loaded[1][0] == op.CUDA_EP and loaded[2] == op.CPU_EP

@@ -324,8 +324,8 @@ def resolve_targets(handle: ModelHandle, targets: Iterable[str], base: str) -> l
 def _matches(name: str, target: str) -> bool:
     if name == target or name.endswith("." + target):
         return True
-    try:
-        return re.fullmatch(target, name) is not None
+    try:  # a regex: the whole name, or its trailing dotted components
+        return re.fullmatch(target, name) is not None or re.search(rf"(?:^|\.)(?:{target})$", name) is not None
     except re.error:
         return False
 

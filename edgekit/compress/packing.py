@@ -73,6 +73,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
+def _exporting() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(torch.onnx.is_in_onnx_export() or (compiler is not None and compiler.is_exporting()))
+
+
 class _PackedTable(nn.Module):
     """Buffers and dequantization shared by QuantLinear and QuantEmbedding."""
 
@@ -223,6 +228,8 @@ class QuantEmbedding(_PackedTable):
         self.qweight, self.scales, self.qzeros = head.qweight, head.scales, head.qzeros
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if _exporting():  # one Gather on the dequantized table: what export rewrites find
+            return F.embedding(ids, self.dequantize())
         return self._dequant_rows(self.qweight[ids], self.scales[ids], self.qzeros[ids])
 
     def extra_repr(self) -> str:

@@ -278,6 +278,24 @@ def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
     return folded
 
 
+def _ensure_bias(gm: fx.GraphModule, n: fx.Node, wpath: str, channels: int) -> None:
+    """Give a bias-free conv/linear a zero bias (bias correction writes into it; a
+    rebuilt model has the same parameters whether or not it was corrected)."""
+    b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    if b is not None:
+        return
+    bpath = wpath[: -len("weight")] + "bias" if wpath.endswith("weight") else wpath + "_bias"
+    _set_param(gm, bpath, torch.zeros(channels, dtype=_get_attr(gm, wpath).dtype))
+    with gm.graph.inserting_before(n):
+        bnode = gm.graph.get_attr(bpath)
+    args = list(n.args)
+    while len(args) < 3:
+        args.append(None)
+    args[2] = bnode
+    n.args = tuple(args)
+    n.kwargs = {k: v for k, v in n.kwargs.items() if k != "bias"}
+
+
 def _producer(gm: fx.GraphModule, n: fx.Node) -> fx.Node:
     """Walk back through data-movement ops to the node that computed a tensor."""
     while is_passthrough(gm, n) and n.args and isinstance(n.args[0], fx.Node):
@@ -343,6 +361,7 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
             continue
         w = _get_attr(gm, wpath)
         name = _layer_name(wpath)
+        _ensure_bias(gm, n, wpath, w.shape[0])
         qname = "wq_" + name.replace(".", "_")
         gm.add_submodule(qname, WeightQuant(name, w.shape[0]))
         wnode = n.args[1]

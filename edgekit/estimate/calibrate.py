@@ -127,6 +127,8 @@ def fit_efficiency(observations: list[Observation], prior: dict[str, float], *, 
     kept = sorted(set(count) - set(keys))
     if not observations:
         return dict(prior), 0.0, kept
+    # The overhead is only identifiable with several observations per unknown.
+    fit_overhead = fit_overhead and len(observations) >= 2 * (len(keys) + 1)
     cols = len(keys) + (1 if fit_overhead else 0)
     a = np.zeros((len(observations), cols))
     b = np.zeros(len(observations))
@@ -481,8 +483,29 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
             if not torch_ok:
                 raise UnavailableError(f"cannot calibrate target {tgt.name!r} here: it needs that device (a CUDA GPU "
                                        "for GPU targets); calibrate on the device, or estimate without --calibrate")
-        report = _calibrate([CalibrationCase(model, dict(dims or {}), batch=batch)], tgt)
+        with tempfile.TemporaryDirectory(prefix="edgekit-estimate-") as tmp:
+            source = _as_onnx_file(model, Path(tmp))  # export once, for the measurement and the estimate
+            report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
+            return estimate(source, tgt, precision, batch, dims=dims), report
     return estimate(model, tgt, precision, batch, dims=dims), report
+
+
+def _as_onnx_file(model: Any, tmp: Path) -> Any:
+    """An ONNX file or edgekit folder as it is; anything else exported once into ``tmp``."""
+    if isinstance(model, (str, os.PathLike)):
+        p = Path(str(model))
+        if str(p).endswith(".onnx") or (p.is_dir() and (p / "manifest.json").is_file()):
+            return model
+    from edgekit.export.onnx import export_onnx
+    from edgekit.sources.models import load_model
+
+    handle = load_model(model)
+    if handle.onnx_path is not None:
+        return str(handle.onnx_path)
+    out = Path(export_onnx(handle, tmp / "onnx"))
+    from edgekit.artifact import read_manifest
+
+    return str(read_manifest(out).path_of(out, "onnx"))
 
 
 _calibrate = calibrate

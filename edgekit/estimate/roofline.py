@@ -261,7 +261,15 @@ def load_graph(model_or_onnx: Any, export_dir: str | os.PathLike[str] | None = N
                 if role in m.files and str(m.files[role]).endswith(".onnx"):
                     return _load_onnx(path / m.files[role]), m.model.get("name") or path.name
         if text.endswith(".onnx"):
-            return _load_onnx(path), path.stem
+            name = path.stem
+            if (path.parent / "manifest.json").is_file():  # a file inside an edgekit folder: its model's name
+                try:
+                    from edgekit.artifact import read_manifest
+
+                    name = read_manifest(path.parent).model.get("name") or name
+                except Exception:
+                    pass
+            return _load_onnx(path), name
     from edgekit.sources.models import load_model
 
     handle = load_model(model_or_onnx)
@@ -322,15 +330,24 @@ def infer_shapes(model: Any, batch: int = 1, dims: dict[str, int] | None = None)
     import onnx
 
     dims = dict(dims or {})
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    # Large weights are not needed for shapes: keep dims, drop data (fast re-inference).
-    for init in m.graph.initializer:
+    # Large weights are not needed for shapes: copy the model without them (keep dims), so
+    # the copy and every re-inference stay small; the caller's model is left as it was.
+    stash: dict[int, bytes] = {}
+    for i, init in enumerate(model.graph.initializer):
         if init.raw_data and len(init.raw_data) > 4096:
+            stash[i] = init.raw_data
             init.ClearField("raw_data")
-            init.data_location = onnx.TensorProto.EXTERNAL
-            del init.external_data[:]
-            init.external_data.add(key="location", value="__edgekit_dropped__")
+    m = onnx.ModelProto()
+    try:
+        m.CopyFrom(model)
+    finally:
+        for i, raw in stash.items():
+            model.graph.initializer[i].raw_data = raw
+    for i in stash:
+        init = m.graph.initializer[i]
+        init.data_location = onnx.TensorProto.EXTERNAL
+        del init.external_data[:]
+        init.external_data.add(key="location", value="__edgekit_dropped__")
     del m.graph.value_info[:]
     inits = {i.name for i in m.graph.initializer}
     bound: dict[str, int] = {}
@@ -360,18 +377,115 @@ def infer_shapes(model: Any, batch: int = 1, dims: dict[str, int] | None = None)
             o.type.tensor_type.ClearField("shape")
     if assumed:
         warnings.append(f"dynamic dims {sorted(assumed)} were set to 1; pass dims (CLI: --dim NAME=VALUE) to change")
+    _fold_small_constants(m, {})
     table: dict[str, _Tensor] = {}
-    for _ in range(12):
+    failed = False
+    for _ in range(16):
         try:
             m = onnx.shape_inference.infer_shapes(m, data_prop=True)
         except Exception as e:  # inference errors on exotic graphs: keep what we have
-            warnings.append(f"ONNX shape inference failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                            "shapes from edgekit's own rules only")
+            if not failed:
+                warnings.append(f"ONNX shape inference failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                                "shapes from edgekit's own rules only")
+            failed = True
         table = _tensor_table(m)
         added = _infer_missing(m, table)
-        if not added:
+        folded = _fold_small_constants(m, table)  # shape arithmetic that needed inferred shapes
+        if not added and not folded:
             break
     return m, table, bound, warnings
+
+
+_FOLD_LIMIT = 1 << 16  # elements: shape arithmetic, pads, small constants; never weights
+
+
+def _fold_small_constants(m: Any, table: dict[str, _Tensor]) -> int:
+    """Evaluate small all-constant nodes (pads, shapes computed from constants) with
+    onnx's reference implementation and replace them by Constant nodes of the same name,
+    so shape inference sees their values (exporters compute e.g. Pad's pads this way)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    try:
+        from onnx.reference import ReferenceEvaluator
+    except ImportError:  # pragma: no cover - onnx < 1.13
+        return 0
+    values: dict[str, Any] = {}
+    for init in m.graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL and math.prod(init.dims) <= _FOLD_LIMIT:
+            try:
+                values[init.name] = numpy_helper.to_array(init)
+            except Exception:
+                continue
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 17)
+    folded = 0
+    new_nodes = []
+    for node in m.graph.node:
+        ins = [i for i in node.input if i]
+        if node.op_type in ("Shape", "Size") and node.domain in ("", "ai.onnx") and ins and \
+                table.get(ins[0]) is not None and table[ins[0]].shape is not None:
+            import numpy as np
+
+            shape = list(table[ins[0]].shape)
+            if node.op_type == "Size":
+                arr = np.array(math.prod(shape), dtype=np.int64)
+            else:
+                start, end = _attr(node, "start", 0), _attr(node, "end", None)
+                arr = np.array(shape[start:end], dtype=np.int64)
+            values[node.output[0]] = arr
+            new_nodes.append(helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                                              value=numpy_helper.from_array(arr, node.output[0])))
+            folded += 1
+            continue
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            tv = next((a.t for a in node.attribute if a.name == "value"), None)
+            if tv is not None:
+                if math.prod(tv.dims) <= _FOLD_LIMIT:
+                    values[node.output[0]] = numpy_helper.to_array(tv)
+                new_nodes.append(node)
+                continue
+            try:
+                ref = ReferenceEvaluator(helper.make_model(helper.make_graph([node], "c", [], [
+                    helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)]),
+                    opset_imports=[helper.make_opsetid("", opset)]))
+                v = ref.run(None, {})[0]
+                if v.size <= _FOLD_LIMIT:
+                    values[node.output[0]] = v
+            except Exception:
+                pass
+            new_nodes.append(node)
+            continue
+        if (node.domain not in ("", "ai.onnx") or not ins or not all(i in values for i in ins)
+                or node.op_type.startswith("Random") or node.op_type in ("If", "Loop", "Scan")):
+            new_nodes.append(node)
+            continue
+        try:
+            graph = helper.make_graph([node], "f", [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(
+                values[i].dtype), values[i].shape) for i in dict.fromkeys(ins)],
+                [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o])
+            ref = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+            outs = ref.run(None, {i: values[i] for i in dict.fromkeys(ins)})
+        except Exception:
+            new_nodes.append(node)
+            continue
+        # Only shape-like results (integers, or a few values): folding a weight would lose
+        # the precision it is stored in (a DequantizeLinear of int4 codes stays a node).
+        if node.op_type in QDQ_OPS or any(getattr(o, "size", _FOLD_LIMIT + 1) > _FOLD_LIMIT or (
+                getattr(o, "dtype", None) is not None and o.dtype.kind == "f" and o.size > 64) for o in outs):
+            new_nodes.append(node)
+            continue
+        for name, v in zip([o for o in node.output if o], outs, strict=False):
+            import numpy as np
+
+            arr = np.asarray(v)
+            values[name] = arr
+            new_nodes.append(helper.make_node("Constant", [], [name], name=node.name if len(node.output) == 1
+                                              else f"{node.name}:{name}", value=numpy_helper.from_array(arr, name)))
+        folded += 1
+    if folded:
+        del m.graph.node[:]
+        m.graph.node.extend(new_nodes)
+    return folded
 
 
 def _tensor_table(m: Any) -> dict[str, _Tensor]:
@@ -692,7 +806,12 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
     ctx = _Ctx(float_precision, {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
     nodes, notes = _estimate_nodes(m, table, tgt, ctx, eff, overhead_us, fuse, warnings)
     graph_precision = _graph_precision(nodes)
-    label = precision or graph_precision or float_precision
+    if graph_precision and precision in (None, graph_precision):
+        label = graph_precision
+    elif graph_precision and precision in FLOAT_PRECISIONS:
+        label = f"{graph_precision}+{precision}"  # a quantized graph whose float parts run in `precision`
+    else:
+        label = precision or float_precision
     if precision == "int8" and graph_precision != "int8":
         notes.append("precision int8 on a float graph: every Conv/MatMul/Gemm is assumed to run INT8 with INT8 "
                      "activations (an upper bound on what INT8 buys)")
@@ -832,9 +951,14 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
         if ins and all(i in const for i in ins):
             status[idx] = "folded"
             if node.op_type == "DequantizeLinear":
-                src = const[ins[0]]
+                per, prec = const[ins[0]]
+                x = table.get(ins[0])
+                if x is not None and x.numel:  # scales and zero points, spread over the weights
+                    extra = sum(table[i].numel * _elem_bits(table[i].elem) / 8.0 for i in ins[1:]
+                                if table.get(i) is not None and table[i].shape is not None)
+                    per += extra / x.numel
                 for o in node.output:
-                    const[o] = src  # the consumer reads the quantized weight
+                    const[o] = (per, prec)  # the consumer reads the quantized weight
             elif node.op_type in VIEW_OPS or node.op_type == "Transpose":
                 for o in node.output:
                     const[o] = const[ins[0]]
@@ -866,7 +990,20 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
         fused_out: set[str] = set()
         epilogues: list[Any] = []
         for idx, node in enumerate(graph.node):
-            if idx in status or node.op_type not in EPILOGUE_OPS or not node.input:
+            if idx in status or not node.input:
+                continue
+            if node.op_type == "Cast" and _is_noop_cast(node, table):
+                status[idx] = "view"  # a cast to the type it already has: engines drop it
+                if node.input[0] in fused_out or (producer.get(node.input[0]) is not None and
+                                                  producer[node.input[0]].op_type in anchor_ops):
+                    fused_out.update(node.output)
+                continue
+            if node.op_type == "Transpose":
+                users = consumers.get(node.output[0], [])
+                if len(users) == 1 and users[0].op_type in CONV_OPS and node.input[0] not in const:
+                    status[idx] = "fused"  # a layout change absorbed by the convolution's kernel choice
+                    continue
+            if node.op_type not in EPILOGUE_OPS and node.op_type != "Transpose":
                 continue
             data_inputs = [i for i in node.input if i and i not in const]
             if len(data_inputs) != 1:
@@ -881,6 +1018,8 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
                 epilogues.append(node)
         # The anchor writes what its last fused epilogue (or a fused Q after it) writes.
         for node in reversed(epilogues):
+            if node.op_type == "Cast":
+                continue
             src = next(i for i in node.input if i and i not in const)
             alias_out[src] = alias_out.get(node.output[0], node.output[0])
 
@@ -918,7 +1057,10 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
                 n_el = t.numel if t is not None else 0.0
                 if node.op_type in ("Gather", "GatherElements", "GatherND", "GatherBlockQuantized") and pos == 0:
                     n_el = outs[0].numel if outs and outs[0] is not None else n_el  # reads only the rows it gathers
-                if cls in ("conv", "depthwise-conv", "matmul") and t is not None and t.elem in _FLOAT_ELEMS:
+                stored_int = wprec in ("int4", "int8")  # an integer weight (or a folded DQ of one)
+                if stored_int:
+                    pass
+                elif cls in ("conv", "depthwise-conv", "matmul") and t is not None and t.elem in _FLOAT_ELEMS:
                     if ctx.mode == "int8":
                         per, wprec = 1.0, "int8"
                     elif ctx.mode == "int4" and cls == "matmul" and n_el > 1024:
@@ -1004,6 +1146,11 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
             quantized=quantized, status="runs"))
     notes = [n for n in notes if n != "no-int8"]
     return nodes, notes
+
+
+def _is_noop_cast(node: Any, table: dict[str, _Tensor]) -> bool:
+    src = table.get(node.input[0])
+    return src is not None and int(_attr(node, "to", -1)) == src.elem
 
 
 def _efficiency_for(eff: dict[str, float], cls: str, precision: str) -> float:

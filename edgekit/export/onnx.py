@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 18
 MIN_OPSET, MAX_OPSET = 13, 23
+DYNAMO_MIN_OPSET = 18  # the dynamo exporter's lowest; below it the legacy exporter is used
+LEGACY_MAX_OPSET = 20
 # Above this many bytes of weights the graph is saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
 ONNX_FILE = "model.onnx"
@@ -45,7 +47,8 @@ DATA_FILE = "model.onnx.data"
 class ExportConfig:
     """How to export.
 
-    opset: ONNX opset ({MIN_OPSET}..{MAX_OPSET}; the dynamo exporter emits 18+ and converts down).
+    opset: ONNX opset, 13 to 23 (the dynamo exporter emits 18 and later; below 18 the legacy
+        exporter is used, with a warning; the legacy exporter stops at 20).
     dynamo: use the dynamo exporter (legacy TorchScript exporter as the fallback).
     dynamic_batch: keep the batch axis (from ``handle.dynamic_axes``) symbolic.
     batch: batch size of the tracing inputs (2 keeps the exporter from specialising on 1).
@@ -140,12 +143,22 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
         with contextlib.suppress(FileNotFoundError):
             failed.unlink()
         write_manifest(tmp, Manifest(
-            kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps, inputs=inputs,
-            config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
+            kind="onnx", files=files, source=handle.source, model=_describe(handle, config), steps=steps,
+            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
             metrics={"parity": parity, "export_seconds": round(trace_s, 3),
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
     return out_dir
+
+
+def _describe(handle: ModelHandle, config: ExportConfig) -> dict[str, Any]:
+    """``handle.describe()``, with the batch axis fixed to 1 when exported static."""
+    d = handle.describe()
+    if not config.dynamic_batch:
+        for spec in d["inputs"]:
+            spec["shape"] = [1 if x == "batch" else x for x in spec["shape"]]
+        d["dynamic_axes"] = {}
+    return d
 
 
 # --- tracing -------------------------------------------------------------------------------
@@ -161,7 +174,10 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
     batch = config.batch if config.dynamic_batch and _batch_dynamic(handle) else 1
     feeds = handle.sample_inputs(batch)
     args = tuple(torch.from_numpy(feeds[n].copy()) for n in names)
-    if config.dynamo:
+    if config.dynamo and config.opset < DYNAMO_MIN_OPSET:
+        log.warning("the dynamo ONNX exporter emits opset %d or later; using the legacy TorchScript exporter "
+                    "for opset %d", DYNAMO_MIN_OPSET, config.opset)
+    elif config.dynamo:
         try:
             return _trace_dynamo(module, args, handle, config), "dynamo"
         except EdgekitError:
@@ -192,15 +208,35 @@ def _dynamic_axes(handle: ModelHandle, config: ExportConfig) -> dict[str, dict[i
 
 
 def _trace_dynamo(module: Any, args: tuple[Any, ...], handle: ModelHandle, config: ExportConfig) -> Any:
-    import torch
-
+    """Named dynamic dims first ("batch", "sequence"); when torch.export rejects them (the
+    model constrains a dim, e.g. a fixed position table), once more with ``Dim.AUTO``
+    (torch decides what stays dynamic) and the axis names set on the graph afterwards."""
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     axes = _dynamic_axes(handle, config)
+    try:
+        proto = _dynamo_export(module, args, handle, config, axes, auto=False)
+    except Exception as e:
+        if not axes:
+            raise
+        log.info("named dynamic axes rejected (%s); retrying with Dim.AUTO", _first_line(e))
+        proto = _dynamo_export(module, args, handle, config, axes, auto=True)
+        _name_input_dims(proto, axes)
+    rename_outputs(proto, list(handle.outputs))
+    return proto
+
+
+def _dynamo_export(module: Any, args: tuple[Any, ...], handle: ModelHandle, config: ExportConfig,
+                   axes: dict[str, dict[int, str]], auto: bool) -> Any:
+    import torch
+
     dims: dict[str, Any] = {}
     dynamic_shapes = []
     for s in handle.inputs:
         spec = {}
         for ax, name in axes.get(s.name, {}).items():
+            if auto:
+                spec[int(ax)] = torch.export.Dim.AUTO
+                continue
             if name not in dims:
                 dims[name] = torch.export.Dim(_dim_name(name), min=1, max=1 << 20) if name == "batch" \
                     else torch.export.Dim(_dim_name(name))
@@ -211,11 +247,18 @@ def _trace_dynamo(module: Any, args: tuple[Any, ...], handle: ModelHandle, confi
         # names it gave intermediate values (an output "embedding" after an aten.embedding).
         prog = torch.onnx.export(
             module, args, dynamo=True, input_names=[s.name for s in handle.inputs],
-            opset_version=config.opset, dynamic_shapes=tuple(dynamic_shapes) if dims else None,
+            opset_version=config.opset, dynamic_shapes=tuple(dynamic_shapes) if axes else None,
             verbose=False, optimize=True)
-    proto = prog.model_proto
-    rename_outputs(proto, list(handle.outputs))
-    return proto
+    return prog.model_proto
+
+
+def _name_input_dims(proto: Any, axes: dict[str, dict[int, str]]) -> None:
+    """Give the graph inputs' symbolic dims the handle's axis names (after a Dim.AUTO export)."""
+    for vi in proto.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        for ax, name in axes.get(vi.name, {}).items():
+            if int(ax) < len(dims) and not dims[int(ax)].HasField("dim_value"):
+                dims[int(ax)].dim_param = name
 
 
 def rename_outputs(proto: Any, names: list[str]) -> None:
@@ -229,7 +272,7 @@ def rename_outputs(proto: Any, names: list[str]) -> None:
                         len(names), names, len(outs))
             return
     taken = _value_names(proto.graph)
-    for old, new in zip(outs, names):
+    for old, new in zip(outs, names, strict=True):
         if old == new:
             continue
         if new in taken:  # an intermediate value already has this name: rename it first
@@ -282,7 +325,7 @@ def _trace_legacy(module: Any, args: tuple[Any, ...], handle: ModelHandle, confi
     with tempfile.TemporaryDirectory(prefix="edgekit-export-") as tmp, _quiet():
         path = Path(tmp) / ONNX_FILE
         torch.onnx.export(module, args, str(path), dynamo=False, input_names=[s.name for s in handle.inputs],
-                          output_names=list(handle.outputs), opset_version=min(config.opset, 20),
+                          output_names=list(handle.outputs), opset_version=min(config.opset, LEGACY_MAX_OPSET),
                           dynamic_axes={k: {int(a): n for a, n in v.items()} for k, v in axes.items()} or None,
                           do_constant_folding=True)
         return onnx.load(str(path))  # loads external data, if the exporter wrote any

@@ -105,10 +105,14 @@ def session_options(level: str, threads: int | None, profile_prefix: str | None 
     return so
 
 
-def _session(path: Path, so: Any, providers: list[str]) -> Any:
+def _session(path: Path, so: Any, providers: list[str], provider_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """A session; ``provider_options`` maps a provider name to its options (TensorRT EP: fp16,
+    engine cache path, ...), passed through as ORT takes them."""
     ort = _ort()
+    opts = provider_options or {}
     try:
-        return ort.InferenceSession(str(path), so, providers=providers)
+        return ort.InferenceSession(str(path), so, providers=providers,
+                                    provider_options=[{k: str(v) for k, v in opts.get(p, {}).items()} for p in providers])
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInputError(f"onnxruntime cannot load {path}: {msg}") from None
@@ -174,7 +178,8 @@ class OnnxRuntime:
         opt_path = out_dir / OPT_FILE
         t0 = time.perf_counter()
         so = session_options(level, options.threads, optimized_path=str(opt_path), large=large)
-        sess = _session(src, so, providers)
+        provider_options = dict(options.extra.get("provider_options") or {})
+        sess = _session(src, so, providers, provider_options)
         build_s = time.perf_counter() - t0
         inputs = _inputs_of(sess)
         feeds = options.extra.get("feeds") or _sample_feeds(inputs)
@@ -183,9 +188,9 @@ class OnnxRuntime:
         ref = sess.run(None, feeds)
         if offline:  # the saved graph must load and agree with the online-optimized session
             try:
-                check = _session(opt_path, session_options("disable", options.threads), providers)
+                check = _session(opt_path, session_options("disable", options.threads), providers, provider_options)
                 got = check.run(None, feeds)
-                bad = [i for i, (a, b) in enumerate(zip(ref, got))
+                bad = [i for i, (a, b) in enumerate(zip(ref, got, strict=True))
                        if a.shape != b.shape or not np.allclose(a, b, atol=1e-4, rtol=1e-3, equal_nan=True)]
                 if bad:
                     offline = False
@@ -213,7 +218,7 @@ class OnnxRuntime:
         session = {
             "graph_optimization_level": level, "intra_op_num_threads": options.threads or 0,
             "inter_op_num_threads": 1, "execution_mode": "sequential", "providers": providers,
-            "provider_options": {}, "offline_optimized": offline,
+            "provider_options": provider_options, "offline_optimized": offline,
             "load_optimization_level": "disable" if offline else level,
         }
         return {
@@ -233,7 +238,7 @@ class OnnxRuntime:
         level = session.get("load_optimization_level", "disable")
         threads = threads if threads is not None else (session.get("intra_op_num_threads") or None)
         path = manifest.path_of(engine_dir, "model")
-        return OrtEngine(path, providers, level, threads)
+        return OrtEngine(path, providers, level, threads, session.get("provider_options") or {})
 
 
 class OrtEngine:
@@ -241,12 +246,14 @@ class OrtEngine:
 
     runtime = "onnxruntime"
 
-    def __init__(self, path: Path, providers: list[str], level: str, threads: int | None) -> None:
+    def __init__(self, path: Path, providers: list[str], level: str, threads: int | None,
+                 provider_options: dict[str, dict[str, Any]] | None = None) -> None:
         self.path = Path(path)
         self.providers = providers
+        self.provider_options = provider_options or {}
         self.level = level
         self.threads = threads
-        self.session = _session(self.path, session_options(level, threads), providers)
+        self.session = _session(self.path, session_options(level, threads), providers, self.provider_options)
         self.inputs = _inputs_of(self.session)
         self.outputs = [o.name for o in self.session.get_outputs()]
 
@@ -272,7 +279,7 @@ class OrtEngine:
         tmp = tempfile.mkdtemp(prefix="edgekit-ortprof-")
         try:
             so = session_options(self.level, self.threads, profile_prefix=str(Path(tmp) / "ort"))
-            sess = _session(self.path, so, self.providers)
+            sess = _session(self.path, so, self.providers, self.provider_options)
             warm = 2
             for _ in range(warm):
                 sess.run(None, feeds)

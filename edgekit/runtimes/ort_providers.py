@@ -153,3 +153,23 @@ def warm_ep_cache(session: Any, feeds: dict[str, Any], engine_dir: str | Path | 
     if engine_dir is not None and (Path(engine_dir) / TRT_CACHE_DIR).is_dir():
         files = sorted(f.name for f in (Path(engine_dir) / TRT_CACHE_DIR).iterdir() if f.is_file())
     return {"warmup_inference_seconds": round(seconds, 3), "trt_cache_files": files}
+
+
+def build_providers(providers: list[str], options: Any, engine_dir: str | Path, target: Any = None
+                    ) -> tuple[list[Any], dict[str, dict[str, Any]]]:
+    """For the ORT runtime's build: (``providers=`` argument, options to record in the manifest).
+
+    Only GPU providers get options, so a CPU-only target is unchanged. Its one inference at
+    build time (ORT's build already runs one) is what warms the TensorRT EP's engine cache.
+    """
+    arg = provider_list(providers, getattr(options, "precision", "fp32"), engine_dir,
+                        getattr(options, "extra", {}) or {}, target)
+    return arg, recorded_options(arg, engine_dir)
+
+
+def load_providers(providers: list[str], recorded: dict[str, dict[str, Any]] | None, engine_dir: str | Path
+                   ) -> list[Any]:
+    """For the ORT runtime's load: providers with their recorded options, cache paths
+    resolved inside ``engine_dir``."""
+    opts = resolve_options(recorded or {}, engine_dir)
+    return [(p, opts[p]) if p in opts else p for p in providers]

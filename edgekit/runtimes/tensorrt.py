@@ -529,8 +529,9 @@ class TensorRTEngine:
         return float(start.elapsed_time(end))
 
     def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
-        from edgekit.runtimes.trt_parsers import nodes_from_trtexec, read_layer_info, LayerTime
         import tempfile
+
+        from edgekit.runtimes.trt_parsers import LayerTime, nodes_from_trtexec, read_layer_info
 
         trt = self.trt
         times: dict[str, list[float]] = {}
@@ -549,7 +550,8 @@ class TensorRTEngine:
                 self.context.execute_async_v3(self.stream.cuda_stream)
                 self.stream.synchronize()
         finally:
-            self.context.profiler = None
+            with contextlib.suppress(TypeError, AttributeError):
+                self.context.profiler = None
         layer_times = [LayerTime(n, sum(v), sum(v) / len(v), float(np.median(v)), 0.0) for n, v in times.items()]
         inspector = self.engine.create_engine_inspector()
         with tempfile.TemporaryDirectory() as d:
@@ -662,6 +664,14 @@ class TensorRTRuntime:
         return True, "no TensorRT here: builds write a build bundle for the device"
 
     def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+        hosts: list[Any] = []
+        try:
+            return self._build(model, target, out_dir, options, hosts)
+        finally:
+            for h in hosts:
+                h.close()
+
+    def _build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions, hosts: list[Any]) -> dict[str, Any]:
         from edgekit.artifact import sha256_file
         from edgekit.engine_cache import EngineCache, EngineKey
 
@@ -690,6 +700,7 @@ class TensorRTRuntime:
             from edgekit.remote import RemoteHost
 
             host = RemoteHost.from_options(remote, options.extra)
+            hosts.append(host)
             info = host.probe(trtexec=options.extra.get("trtexec"))
             if not info.trtexec:
                 raise UnavailableError(f"{remote} has no TensorRT: no trtexec on PATH or at {JETSON_TRTEXEC} "

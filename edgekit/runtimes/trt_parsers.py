@@ -323,7 +323,10 @@ def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: i
         target = m.target
         model = (m.model or {}).get("name")
         trt = m.config.get("trtexec") or {}
-        settings = {"runtime_config": {k: v for k, v in m.config.items() if k != "trtexec"}, "trtexec": trt}
+        build = m.config.get("settings") or {}
+        settings = {"precision": m.config.get("precision"), "trt_path": m.config.get("path"),
+                    "trtexec_command": trt.get("command")}
+        warmup_ms = build.get("warmup_ms")  # TensorRT 8 files keep the warm-up records
     return profile_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
                                 engine=str(folder), target=target, model=model, settings=settings, metric=metric,
                                 warmup_ms=warmup_ms, top_k=top_k)

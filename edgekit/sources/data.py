@@ -80,6 +80,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".cor", ".csv", ".tsv", ".json", ".jsonl", ".xml", ".html", ".rst")
 DEFAULT_SEQLEN = 512
 DEFAULT_SENTENCE_LEN = 128
+MAX_PREPARED_BYTES = 4 * 2**30  # refuse to build more model-ready image data than this in memory
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -691,6 +692,13 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
     if raw.images is not None:
         images = [raw.images[i] for i in sel]
         if model is not None and model.prepare is not None:
+            first = model.prepare(images[:1])
+            need = sum(v.nbytes for v in first.values()) * len(images)
+            if need > MAX_PREPARED_BYTES:
+                raise BadInputError(f"{where}: {len(images)} samples would take {need / 2**30:.1f} GiB as "
+                                    f"{model.name} inputs; pass a limit (at most "
+                                    f"{MAX_PREPARED_BYTES * len(images) // need} fit in "
+                                    f"{MAX_PREPARED_BYTES / 2**30:.0f} GiB)")
             inputs = model.prepare(images)
         else:
             inputs = _default_image_inputs(images)

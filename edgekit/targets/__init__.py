@@ -105,8 +105,8 @@ def version_in_range(version: str, spec: str | None) -> bool:
         else:
             raise BadInputError(f"bad version range {spec!r} (use e.g. '>=10.3,<10.4')")
         head = v[:len(ref)] if op == "==" else v
-        pad = lambda t: t + (0,) * (max(len(v), len(ref)) - len(t))  # noqa: E731
-        a, b = pad(head), pad(ref)
+        width = max(len(head), len(ref))
+        a, b = head + (0,) * (width - len(head)), ref + (0,) * (width - len(ref))
         ok = {">=": a >= b, "<=": a <= b, "==": a == b, ">": a > b, "<": a < b}[op]
         if not ok:
             return False

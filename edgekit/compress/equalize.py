@@ -1,0 +1,229 @@
+"""Cross-layer equalization and bias correction (Nagel et al., "Data-Free Quantization
+Through Weight Equalization and Bias Correction", ICCV 2019), on the fake-quant graph.
+
+Equalization: for two layers ``a -> act -> b`` where ``act`` is positively homogeneous
+(none, or ReLU), ``b(act(a(x)))`` is unchanged when output channel ``i`` of ``a`` is
+divided by ``s_i`` and input channel ``i`` of ``b`` multiplied by it. With
+``s_i = sqrt(r_a_i / r_b_i)`` (``r``: the channel's weight range) both layers end with
+equal per-channel ranges, which is what per-tensor activation and per-channel weight
+grids like. ReLU6 is *not* homogeneous (the clip at 6 moves), so pairs across ReLU6 are
+left alone unless the model's ReLU6 were replaced by ReLU (``relu6_to_relu``), which
+changes the float model and is therefore opt-in.
+
+Bias correction: weight quantization shifts each output channel's mean by
+``E[conv(x, W_q - W)]``; with the per-channel means of the layer's (quantized) input,
+``E[x_i]``, the shift is ``sum_i sum_k (W_q - W)[c, i, k] E[x_i]`` (exact for linear
+layers, up to border effects for padded convolutions) and is subtracted from the bias.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from edgekit.compress import qdq
+
+
+def _wq_node(n: fx.Node) -> fx.Node | None:
+    w = n.args[1] if len(n.args) > 1 else None
+    return w if isinstance(w, fx.Node) and w.op == "call_module" and str(w.target).startswith("wq_") else None
+
+
+def _param_paths(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
+    wq = _wq_node(n)
+    assert wq is not None
+    wget = wq.args[0]
+    b = n.args[2] if len(n.args) > 2 else None
+    return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)  # type: ignore[union-attr]
+
+
+def _groups(n: fx.Node) -> int:
+    if len(n.args) > 6:
+        return int(n.args[6])  # type: ignore[arg-type]
+    return int(n.kwargs.get("groups", 1))  # type: ignore[arg-type]
+
+
+def _is_relu(gm: fx.GraphModule, n: fx.Node) -> bool:
+    import torch.nn.functional as F
+
+    if n.op == "call_module":
+        return type(gm.get_submodule(str(n.target))) is nn.ReLU
+    return n.op == "call_function" and n.target in (F.relu, torch.relu)
+
+
+def equalize_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """Layer pairs ``a -> [ReLU] -> b`` (through activation quantizers and padding) where
+    ``a``'s output reaches only ``b``."""
+    pairs = []
+    for b in gm.graph.nodes:
+        if not (qdq.is_conv(gm, b) or qdq.is_linear(gm, b)) or _wq_node(b) is None:
+            continue
+        n = b.args[0]
+        ok = True
+        seen_act = False
+        while isinstance(n, fx.Node):
+            if len(n.users) != 1:
+                ok = False
+                break
+            if n.op == "call_module" and str(n.target).startswith("aq_"):
+                n = n.args[0]
+            elif qdq.is_passthrough(gm, n) and not (n.op == "call_module" and isinstance(
+                    gm.get_submodule(str(n.target)), (nn.ZeroPad2d, nn.ConstantPad2d))):
+                n = n.args[0]
+            elif isinstance(n, fx.Node) and n.op == "call_module" and isinstance(
+                    gm.get_submodule(str(n.target)), nn.ZeroPad2d):
+                n = n.args[0]  # zero padding commutes with per-channel positive scaling
+            elif not seen_act and _is_relu(gm, n):
+                seen_act = True
+                n = n.args[0]
+            else:
+                break
+        if not ok or not isinstance(n, fx.Node):
+            continue
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and _wq_node(n) is not None and len(n.users) == 1:
+            if _groups(n) == 1 or True:
+                pairs.append((n, b))
+    return pairs
+
+
+def equalize(gm: fx.GraphModule, plan: Any, iterations: int = 3) -> list[str]:
+    """Equalize every eligible pair in place; returns "a -> b" names of the pairs."""
+    pairs = equalize_pairs(gm)
+    done = []
+    for _ in range(iterations):
+        for a, b in pairs:
+            wa_path, ba_path = _param_paths(gm, a)
+            wb_path, _ = _param_paths(gm, b)
+            wa = qdq._get_attr(gm, wa_path).detach()
+            wb = qdq._get_attr(gm, wb_path).detach()
+            ga, gb = _groups(a), _groups(b)
+            c = wa.shape[0]
+            if ga != 1 and ga != c:  # grouped (not depthwise) convs: skip
+                continue
+            if gb == 1:
+                if wb.shape[1] != c:
+                    continue
+                rb = wb.abs().transpose(0, 1).reshape(c, -1).amax(1)
+            elif wb.shape[0] == c and wb.shape[1] == 1 and gb == c:
+                rb = wb.abs().reshape(c, -1).amax(1)
+            else:
+                continue
+            ra = wa.abs().reshape(c, -1).amax(1)
+            s = torch.sqrt(ra / rb.clamp_min(1e-12)).clamp(1e-3, 1e3)
+            s = torch.where((ra > 1e-12) & (rb > 1e-12), s, torch.ones_like(s))
+            shape_a = (-1,) + (1,) * (wa.dim() - 1)
+            qdq._set_param(gm, wa_path, wa / s.reshape(shape_a))
+            if ba_path:
+                qdq._set_param(gm, ba_path, qdq._get_attr(gm, ba_path).detach() / s)
+            if gb == 1:
+                shape_b = (1, -1) + (1,) * (wb.dim() - 2)
+            else:
+                shape_b = (-1,) + (1,) * (wb.dim() - 1)
+            qdq._set_param(gm, wb_path, wb * s.reshape(shape_b))
+    for a, b in pairs:
+        done.append(f"{qdq._layer_name(_param_paths(gm, a)[0])} -> {qdq._layer_name(_param_paths(gm, b)[0])}")
+    return done
+
+
+def relu6_to_relu(module: nn.Module) -> int:
+    """Replace every nn.ReLU6 by nn.ReLU (makes equalization exact; changes the model)."""
+    count = 0
+    for name, child in list(module.named_modules()):
+        for cname, c in list(child.named_children()):
+            if type(c) is nn.ReLU6:
+                setattr(child, cname, nn.ReLU())
+                count += 1
+    return count
+
+
+def _ensure_bias(gm: fx.GraphModule, n: fx.Node, channels: int) -> str:
+    wpath, bpath = _param_paths(gm, n)
+    if bpath:
+        return bpath
+    bpath = wpath.rpartition(".")[0] + ".bias" if "." in wpath else wpath + "_bias"
+    qdq._set_param(gm, bpath, torch.zeros(channels))
+    with gm.graph.inserting_before(n):
+        bnode = gm.graph.get_attr(bpath)
+    args = list(n.args)
+    while len(args) < 3:
+        args.append(None)
+    args[2] = bnode
+    n.args = tuple(args)
+    gm.recompile()
+    return bpath
+
+
+class _MeanHook:
+    """Per-channel running mean of a tensor (axis 1 for conv inputs, last axis for linear)."""
+
+    def __init__(self, axis: int) -> None:
+        self.axis = axis
+        self.sum: torch.Tensor | None = None
+        self.count = 0
+
+    def __call__(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        x = out.detach().double()
+        axis = self.axis if self.axis >= 0 else x.dim() + self.axis
+        dims = [d for d in range(x.dim()) if d != axis]
+        s = x.sum(dim=dims)
+        self.sum = s if self.sum is None else self.sum + s
+        self.count += x.numel() // x.shape[axis]
+
+
+def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any, names: list[str],
+                 batch_size: int = 16) -> int:
+    """Empirical bias correction from the quantized inputs' per-channel means. Returns the
+    number of layers corrected."""
+    from edgekit.compress.int8 import _batches
+
+    targets = []
+    hooks = []
+    means: dict[str, _MeanHook] = {}
+    for n in gm.graph.nodes:
+        if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or _wq_node(n) is None:
+            continue
+        x = n.args[0]
+        if not (isinstance(x, fx.Node) and x.op == "call_module"):
+            continue
+        key = f"{x.target}|{'conv' if qdq.is_conv(gm, n) else 'linear'}"
+        if key not in means:
+            means[key] = _MeanHook(1 if qdq.is_conv(gm, n) else -1)
+            hooks.append(gm.get_submodule(str(x.target)).register_forward_hook(means[key]))
+        targets.append((n, key))
+    gm.eval()
+    try:
+        with torch.no_grad():
+            for args in _batches(samples, names, batch_size):
+                gm(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    corrected = 0
+    for n, key in targets:
+        hook = means[key]
+        if hook.sum is None or hook.count == 0:
+            continue
+        mean_x = (hook.sum / hook.count).float()
+        wpath, _ = _param_paths(gm, n)
+        w = qdq._get_attr(gm, wpath).detach()
+        wq_mod = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
+        if not wq_mod.enabled:
+            continue
+        dw = wq_mod(w) - w  # (out, in/groups, k...)
+        g = _groups(n) if qdq.is_conv(gm, n) else 1
+        dsum = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(-1)  # (out, in/groups)
+        if g == 1:
+            if dsum.shape[1] != mean_x.shape[0]:
+                continue
+            shift = dsum @ mean_x
+        elif g == dw.shape[0] and dsum.shape[1] == 1 and mean_x.shape[0] == g:
+            shift = dsum[:, 0] * mean_x
+        else:
+            continue
+        bpath = _ensure_bias(gm, n, w.shape[0])
+        qdq._set_param(gm, bpath, qdq._get_attr(gm, bpath).detach() - shift)
+        corrected += 1
+    return corrected

@@ -1,0 +1,341 @@
+"""INT8 post-training quantization and quantization-aware training (the "int8" step).
+
+    compress("efficientnet-lite0", [("int8", Int8Config())], "out/int8", StepContext(target=cpu))
+
+What it does, in order (``apply``):
+
+1. picks the Q/DQ *scheme* from the target unless given: ONNX Runtime on x86 ("u8s8":
+   uint8 activations, int8 weights: what its VNNI kernels run fast), TensorRT targets
+   ("trt": symmetric int8 on both, Q/DQ at conv/matmul inputs and on residual adds);
+2. traces the model into a fake-quant ``GraphModule`` (``qdq.prepare_qdq``): batch norms
+   folded, per-channel int8 weights, per-tensor activations placed on tensors so that
+   the engines fuse them;
+3. optionally equalizes ranges across layers (``equalize.py``: cross-layer equalization,
+   Nagel et al. 2019, only across ReLU where it is exact);
+4. calibrates the activations in one streaming pass (bounded histograms), picks ranges
+   by minmax / percentile / entropy / mse, then corrects the bias shift that weight
+   quantization causes (empirical bias correction);
+5. optionally fine-tunes (QAT, ``qat.py``: straight-through estimator, optional
+   learnable scales, checkpoints and resume);
+6. evaluates against the float model, and with ``max_accuracy_drop`` keeps the most
+   sensitive layers in float until within it (``sensitivity.py``).
+
+The result is the fake-quant handle (``Step.output = "fake-quant"``); export turns it into
+a QDQ ONNX graph (``rewrite_onnx`` -> ``qdq.rewrite_qdq``). An ONNX-only model (no
+PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress.calibration import METHODS
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.handle import ModelHandle, StepRecord
+
+QAT_METHODS = ("ptq", "qat")
+SCHEMES = ("u8s8", "s8s8", "trt")
+MIN_CALIB_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """INT8 settings (the CLI's flags map onto these names).
+
+    method: "ptq" | "qat".
+    calib_method: "minmax" | "percentile" | "entropy" | "mse"; percentile: for "percentile".
+    calib_samples: how many calibration samples to read.
+    scheme: None (from the target) | "u8s8" | "s8s8" | "trt".
+    per_channel: per-output-channel weight scales (per-tensor when False).
+    max_accuracy_drop: None, or the largest allowed drop of the model's metric (accuracy
+        points x 0.01 for classifiers with labels, else top-1 agreement / cosine loss);
+        the most sensitive layers stay in float until the drop is within it.
+    equalize: cross-layer equalization before calibration (exact across ReLU only).
+    bias_correction: correct each layer's output mean shift after weight quantization.
+    qat_epochs, qat_lr, qat_batch_size, qat_max_steps, learnable_scales: QAT.
+    eval_samples: evaluation samples for the metrics (None: the whole eval split).
+    """
+
+    method: str = "ptq"
+    calib_method: str = "percentile"
+    percentile: float = 99.99
+    calib_samples: int = 128
+    scheme: str | None = None
+    per_channel: bool = True
+    max_accuracy_drop: float | None = None
+    equalize: bool = True
+    bias_correction: bool = True
+    qat_epochs: int = 1
+    qat_lr: float = 1e-4
+    qat_batch_size: int = 32
+    qat_max_steps: int | None = None
+    learnable_scales: bool = False
+    eval_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in QAT_METHODS:
+            raise bad_choice("quantization method", self.method, QAT_METHODS)
+        if self.calib_method not in METHODS:
+            raise bad_choice("calibration method", self.calib_method, METHODS)
+        if not (50.0 < float(self.percentile) <= 100.0):
+            raise BadInputError(f"percentile must be in (50, 100], got {self.percentile}")
+        if int(self.calib_samples) < MIN_CALIB_SAMPLES:
+            raise BadInputError(f"calib_samples must be at least {MIN_CALIB_SAMPLES}, got {self.calib_samples}")
+        if self.scheme is not None and self.scheme not in SCHEMES:
+            raise bad_choice("quantization scheme", self.scheme, SCHEMES)
+        if self.max_accuracy_drop is not None and not (0.0 <= float(self.max_accuracy_drop) < 1.0):
+            raise BadInputError(f"max_accuracy_drop must be in [0, 1) (a fraction: 0.01 = 1 point), "
+                                f"got {self.max_accuracy_drop}")
+        if int(self.qat_epochs) < 1:
+            raise BadInputError(f"qat_epochs must be at least 1, got {self.qat_epochs}")
+        if not (0.0 < float(self.qat_lr) < 1.0):
+            raise BadInputError(f"qat_lr must be in (0, 1), got {self.qat_lr}")
+        if int(self.qat_batch_size) < 1:
+            raise BadInputError(f"qat_batch_size must be at least 1, got {self.qat_batch_size}")
+        if self.qat_max_steps is not None and int(self.qat_max_steps) < 1:
+            raise BadInputError(f"qat_max_steps must be at least 1, got {self.qat_max_steps}")
+        if self.eval_samples is not None and int(self.eval_samples) < 1:
+            raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
+        if not self.per_channel:
+            raise BadInputError("per_channel=False is not supported: per-tensor int8 weights lose too much "
+                                "accuracy on depthwise convolutions (use per_channel=True)")
+
+
+def resolve_scheme(config: Int8Config, target: Any) -> str:
+    """The Q/DQ flavour: explicit, else from the target (TensorRT -> "trt", else "u8s8")."""
+    if config.scheme is not None:
+        return config.scheme
+    runtimes = tuple(getattr(target, "runtimes", ()) or ())
+    if runtimes and runtimes[0] == "tensorrt":
+        return "trt"
+    if getattr(target, "kind", "cpu") in ("gpu", "jetson") and "tensorrt" in runtimes:
+        return "trt"
+    return "u8s8"
+
+
+# ------------------------------------------------------------------------------------------
+# Data
+
+
+def load_split(handle: ModelHandle, ctx: StepContext, split: str, limit: int | None) -> Any:
+    """Samples of one split. ``ctx.calib`` / ``ctx.train`` / ``ctx.eval`` may be a data
+    spec, None (the model's default) or an already loaded ``Samples``."""
+    from edgekit.sources.data import Samples, check_arrays, load_samples
+
+    spec = {"calib": ctx.calib, "train": ctx.train, "eval": ctx.eval}[split]
+    if isinstance(spec, Samples):
+        samples = spec if limit is None or len(spec) <= limit else spec.subset(slice(0, limit))
+        if handle.inputs:
+            check_arrays(handle.inputs, samples.inputs, f"{split} data")
+    else:
+        samples = load_samples(spec, handle, split=split, limit=limit, seed=ctx.seed)
+    if len(samples) == 0:
+        raise BadInputError(f"{split} data {getattr(samples, 'source', spec)!r} holds no samples")
+    return samples
+
+
+def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> Any:
+    samples = load_split(handle, ctx, "calib", config.calib_samples)
+    need = min(MIN_CALIB_SAMPLES, config.calib_samples)
+    if len(samples) < need:
+        raise BadInputError(f"calibration data {samples.source!r} has {len(samples)} samples; INT8 calibration "
+                            f"needs at least {need}")
+    return samples
+
+
+def _batches(samples: Any, names: list[str], batch_size: int) -> Any:
+    import torch
+
+    for b in samples.batches(batch_size):
+        yield tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names)
+
+
+def run_module(module: Any, samples: Any, names: list[str], batch_size: int = 32) -> np.ndarray:
+    """First output of ``module`` on every sample, as one array."""
+    import torch
+
+    outs = []
+    with torch.no_grad():
+        for args in _batches(samples, names, batch_size):
+            y = module(*args)
+            if isinstance(y, (tuple, list)):
+                y = y[0]
+            outs.append(y.float().numpy())
+    return np.concatenate(outs)
+
+
+def score(outputs: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evaluator: str | None) -> dict[str, float]:
+    """Metrics of a variant against the FP32 reference outputs (and labels)."""
+    from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
+
+    if evaluator == "cosine" or (evaluator is None and outputs.ndim == 2 and labels is None and outputs.shape[-1] > 1
+                                 and evaluator != "agreement" and False):
+        return cosine_metrics(outputs, ref)
+    out: dict[str, float] = {}
+    if labels is not None:
+        out.update(accuracy_metrics(outputs, labels))
+    if evaluator == "cosine":
+        out.update(cosine_metrics(outputs, ref))
+    else:
+        out.update(agreement_metrics(outputs, ref))
+    return out
+
+
+def quality(metrics: dict[str, float]) -> float:
+    """The one number fallback protects: accuracy, else top-1 agreement, else cosine."""
+    for key in ("accuracy", "top1_agreement", "mean_cosine"):
+        if key in metrics:
+            return float(metrics[key])
+    raise KeyError("no quality metric")
+
+
+# ------------------------------------------------------------------------------------------
+# The step
+
+
+def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHandle:
+    import torch
+
+    from edgekit.compress import qdq
+
+    scheme = resolve_scheme(config, ctx.target)
+    if handle.module is None:
+        if handle.onnx_path is None:
+            raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
+        from edgekit.compress.int8_onnx import quantize_onnx_handle
+
+        return quantize_onnx_handle(handle, config, ctx, scheme)
+    if any(s.name == "int8" for s in handle.steps):
+        raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
+    torch.manual_seed(ctx.seed)
+    names = [s.name for s in handle.inputs]
+    t_start = time.perf_counter()
+    calib = _calibration_samples(handle, config, ctx)
+    float_module = handle.module.eval()
+    reference = copy.deepcopy(float_module)
+
+    work = copy.deepcopy(float_module)
+    meta: dict[str, Any] = {"scheme": scheme, "equalized": [], "relu6_to_relu": False}
+    try:
+        gm, plan = qdq.prepare_qdq(work, scheme)
+    except qdq._TraceError as e:
+        raise BadInputError(f"model {handle.name!r} cannot be traced for INT8 quantization (torch.fx): {e}") from None
+    if config.equalize:
+        from edgekit.compress.equalize import equalize
+
+        meta["equalized"] = equalize(gm, plan)
+    qdq.update_weight_scales(gm, plan)
+    calibrate(gm, calib, names, config)
+    if config.bias_correction:
+        from edgekit.compress.equalize import correct_bias
+
+        meta["bias_corrected"] = correct_bias(gm, plan, reference_graph(float_module, gm), calib, names)
+    ptq_seconds = time.perf_counter() - t_start
+
+    # evaluation data and the FP32 reference outputs on it
+    evaluator = handle.evaluator
+    ev = None
+    try:
+        ev = load_split(handle, ctx, "eval", config.eval_samples)
+    except BadInputError:
+        if ctx.eval is not None:
+            raise
+    metrics: dict[str, Any] = {"scheme": scheme, "calib_method": config.calib_method,
+                               "calib_samples": len(calib), "ptq_seconds": round(ptq_seconds, 3)}
+    ref_out = run_module(reference, ev, names) if ev is not None else None
+    if ev is not None and ref_out is not None:
+        metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
+
+    if config.method == "qat":
+        from edgekit.compress.qat import train_qat
+
+        metrics["qat"] = train_qat(gm, reference, handle, config, ctx, names)
+
+    float_layers: list[str] = []
+    if ev is not None and ref_out is not None:
+        gm.eval()
+        metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
+        if config.max_accuracy_drop is not None:
+            from edgekit.compress.sensitivity import fall_back
+
+            report = fall_back(gm, plan, ev, names, ref_out, metrics["fp32"], config.max_accuracy_drop, evaluator)
+            float_layers = report["float_layers"]
+            metrics["fallback"] = report
+            metrics["int8_fake_quant"] = report["final"]
+    elif config.max_accuracy_drop is not None:
+        raise BadInputError(f"--max-accuracy-drop needs evaluation data; model {handle.name!r} has no default "
+                            "eval split, pass one")
+    gm.eval()
+    meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
+                 "activations": len(plan.activations), "folded_bn": len(plan.folded_bn)})
+    new = copy.copy(handle)
+    new.module = gm
+    new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config), meta)]
+    new.extra = {**handle.extra, "int8_scheme": scheme}
+    ctx.metrics["int8"] = metrics
+    return new
+
+
+def reference_graph(float_module: Any, gm: Any) -> Any:
+    return float_module
+
+
+def calibrate(gm: Any, samples: Any, names: list[str], config: Int8Config, batch_size: int = 16) -> None:
+    """One streaming pass over the calibration data, then ranges by ``config.calib_method``."""
+    import torch
+
+    from edgekit.compress import qdq
+
+    gm.eval()
+    qdq.set_mode(gm, "observe")
+    with torch.no_grad():
+        for args in _batches(samples, names, batch_size):
+            gm(*args)
+    qdq.finish_calibration(gm, config.calib_method, config.percentile)
+    for m in qdq.act_quants(gm):
+        m.observer = None  # free the histograms
+
+
+def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> ModelHandle:
+    """Recreate the fake-quant structure (weights come from the artifact)."""
+    from edgekit.compress import qdq
+
+    if handle.module is None:
+        return handle
+    meta = record.meta
+    work = handle.module.eval()
+    if meta.get("relu6_to_relu"):
+        from edgekit.compress.equalize import relu6_to_relu
+
+        relu6_to_relu(work)
+    gm, plan = qdq.prepare_qdq(work, meta.get("scheme", "u8s8"), tuple(meta.get("float_layers", ())))
+    if config.learnable_scales and config.method == "qat":
+        for m in qdq.act_quants(gm):
+            m.make_learnable()
+    new = copy.copy(handle)
+    new.module = gm.eval()
+    new.extra = {**handle.extra, "int8_scheme": meta.get("scheme")}
+    return new
+
+
+def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
+    from edgekit.compress.qdq import rewrite_qdq
+
+    return rewrite_qdq(model)
+
+
+STEP = Step(
+    name="int8",
+    config=Int8Config,
+    apply=apply,
+    description="INT8 PTQ/QAT: per-channel int8 weights, calibrated per-tensor activations, target-aware QDQ",
+    rebuild=rebuild,
+    rewrite_onnx=rewrite_onnx,
+    needs_float=True,
+    output="fake-quant",
+)

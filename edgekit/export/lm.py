@@ -1,0 +1,454 @@
+"""Packed low-bit layers in ONNX, and causal-LM export with the KV cache.
+
+``rewrite_packed_graph(model, module)`` turns whatever the exporter traced for each
+packed layer (``QuantLinear``: dequantize-then-matmul; ``QuantEmbedding``: dequantize-
+then-gather) into one ONNX Runtime contrib op fed by the packed tensors:
+
+* ``com.microsoft::MatMulNBits`` (CPU and CUDA) for linears: ``B`` uint8 ``(N, blocks,
+  block * bits / 8)``, ``scales`` float ``(N * blocks)``, ``zero_points`` uint8 packed per
+  row; ``block_size`` must be a power of two in 16..256, so per-channel and groups over 256
+  are expressed exactly by repeating a group's scale and zero point over several blocks;
+* ``com.microsoft::GatherBlockQuantized`` for the (tied) embedding table;
+* or, with ``fmt="qdq"`` (the TensorRT route), standard ``DequantizeLinear`` with uint4/uint8
+  codes and ``block_size`` (opset 21) feeding the original MatMul / Gather.
+Bit widths MatMulNBits lacks (3) use the DequantizeLinear form.
+
+The packed layers are found by content, not by names: an initializer whose bytes equal a
+layer's ``qweight`` (the exporter may have reshaped or renamed it) or its dequantized float
+weight (when the exporter folded the dequantization into a constant); the graph is walked
+from there to the first MatMul / Gemm (the activation is its other input) or embedding
+Gather. Everything the exporter emitted for the dequantization becomes dead and is removed.
+
+``export_causal_lm(handle, out_dir)`` exports a causal LM in the ``text-generation-with-past``
+form (``input_ids, attention_mask, position_ids, past_key_values.{i}.key/value`` ->
+``logits, present.{i}.key/value``) with optimum's ONNX exporter, rewrites packed layers and
+checks parity against the PyTorch model (which dequantizes the same codes) on a prefill and
+a one-token decode step.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+MATMULNBITS_BITS = (2, 4, 8)
+FORMATS = ("matmulnbits", "qdq")
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _block_size(in_features: int, group_size: int) -> int | None:
+    """The MatMulNBits block size expressing this grouping exactly (None if there is none)."""
+    g = in_features if group_size == -1 else group_size
+    for b in (256, 128, 64, 32, 16):
+        if g % b == 0 and (group_size != -1 or in_features % b == 0):
+            return b
+    return None
+
+
+def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(B (N, blocks, blob), scales (N*blocks,), zero_points (N*zp_bytes,), blocks) for MatMulNBits."""
+    import torch
+
+    from edgekit.compress.packing import pack_codes
+
+    K = layer._cols
+    bits = layer.bits
+    g = K if layer.group_size == -1 else layer.group_size
+    nb = -(-K // block)
+    codes = layer.codes()
+    codes = torch.nn.functional.pad(codes, (0, nb * block - K))
+    B = pack_codes(codes, bits).reshape(codes.shape[0], nb, block * bits // 8)
+    gidx = torch.arange(nb) * block // g
+    scales = layer.scales[:, gidx].float()
+    zeros = pack_codes(layer.zeros()[:, gidx], bits)
+    return B.numpy(), scales.reshape(-1).numpy(), zeros.reshape(-1).numpy(), nb
+
+
+class _Graph:
+    """Producer/consumer maps over an onnx GraphProto."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.producer: dict[str, Any] = {}
+        self.consumers: dict[str, list[Any]] = defaultdict(list)
+        for node in graph.node:
+            for o in node.output:
+                self.producer[o] = node
+            for i in node.input:
+                if i:
+                    self.consumers[i].append(node)
+
+
+def _terminals(g: _Graph, start: str) -> tuple[list[tuple[Any, str]], set[str]]:
+    """Walk from tensor ``start`` to the nodes that consume the dequantized weight:
+    [(node, kind)] with kind "matmul" | "gather", and the set of chain tensors."""
+    chain = {start}
+    frontier = [start]
+    found: list[tuple[Any, str]] = []
+    seen_nodes: set[int] = set()
+    while frontier:
+        t = frontier.pop()
+        for node in g.consumers.get(t, []):
+            if id(node) in seen_nodes:
+                continue
+            if node.op_type in ("MatMul", "Gemm"):
+                seen_nodes.add(id(node))
+                found.append((node, "matmul"))
+                continue
+            if node.op_type == "Gather" and node.input[0] == t:
+                prod = g.producer.get(t)
+                if prod is None or prod.op_type != "Shape":
+                    seen_nodes.add(id(node))
+                    found.append((node, "gather"))
+                    continue
+            if node.op_type == "Shape":
+                continue
+            seen_nodes.add(id(node))
+            for o in node.output:
+                if o not in chain:
+                    chain.add(o)
+                    frontier.append(o)
+    return found, chain
+
+
+def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accuracy_level: int | None = None) -> Any:
+    """Replace every packed layer's traced dequantization by MatMulNBits/GatherBlockQuantized
+    (or blocked DequantizeLinear with ``fmt="qdq"``). Returns the (modified) ModelProto."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edgekit.compress.packing import QuantEmbedding, QuantLinear
+
+    if fmt not in FORMATS:
+        from edgekit.errors import bad_choice
+
+        raise bad_choice("int4 ONNX format", fmt, FORMATS)
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not layers:
+        return model
+    by_digest: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+    sizes: set[int] = set()
+    for name, m in layers:
+        q = m.qweight.detach().cpu().numpy()
+        by_digest[_digest(q)].append((name, m))
+        sizes.add(q.size)
+        w = m.dequantize().detach().cpu().numpy().astype(np.float32)
+        by_digest[_digest(w)].append((name, m))
+        by_digest[_digest(w.T)].append((name, m))
+        sizes.add(w.size)
+    graph = model.graph
+    g = _Graph(graph)
+    matched: list[tuple[str, list[tuple[str, Any]]]] = []
+    for init in graph.initializer:
+        n = int(np.prod(init.dims)) if init.dims else 1
+        if n not in sizes or init.data_type not in (onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT):
+            continue
+        d = _digest(numpy_helper.to_array(init))
+        if d in by_digest:
+            matched.append((init.name, by_digest[d]))
+    # Constant nodes holding the weights (some exporters emit them instead of initializers)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            t = node.attribute[0].t
+            n = int(np.prod(t.dims)) if t.dims else 1
+            if n in sizes and t.data_type in (onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT):
+                d = _digest(numpy_helper.to_array(t))
+                if d in by_digest:
+                    matched.append((node.output[0], by_digest[d]))
+
+    new_inits: dict[str, Any] = {}
+    replaced: dict[int, list[Any]] = {}
+    count = 0
+
+    def add_init(name: str, arr: np.ndarray, dtype: int | None = None) -> str:
+        if name not in new_inits:
+            if dtype is None:
+                new_inits[name] = numpy_helper.from_array(arr, name)
+            else:
+                new_inits[name] = helper.make_tensor(name, dtype, arr.shape, arr.flatten().tolist())
+        return name
+
+    for tensor, owners in matched:
+        found, chain = _terminals(g, tensor)
+        for node, kind in found:
+            if id(node) in replaced:
+                continue
+            want = QuantEmbedding if kind == "gather" else QuantLinear
+            owner = next(((n, m) for n, m in owners if isinstance(m, want)), None)
+            if owner is None and kind == "gather":  # a tied table found through the head's codes
+                owner = next(((n, m) for n, m in layers if isinstance(m, QuantEmbedding)
+                              and m.qweight is owners[0][1].qweight), None)
+            if owner is None:
+                continue
+            name, layer = owner
+            safe = name.replace(".", "_")
+            if kind == "matmul":
+                a = next((i for i in node.input[:2] if i not in chain), None)
+                if a is None:
+                    continue
+                if node.op_type == "Gemm":
+                    attrs = {a_.name: helper.get_attribute_value(a_) for a_ in node.attribute}
+                    if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
+                        continue
+                nodes = _linear_nodes(layer, safe, a, node, fmt, accuracy_level, add_init)
+            else:
+                nodes = _gather_nodes(layer, safe, node.input[1], node.output[0], fmt, add_init)
+            replaced[id(node)] = nodes
+            count += 1
+    if not count:
+        return model
+    out_nodes = []
+    for node in graph.node:
+        out_nodes.extend(replaced.get(id(node), [node]))
+    del graph.node[:]
+    graph.node.extend(out_nodes)
+    graph.initializer.extend(new_inits.values())
+    _remove_dead(graph)
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if fmt == "qdq":
+        for op in model.opset_import:
+            if op.domain in ("", "ai.onnx") and op.version < 21:
+                op.version = 21
+    log.info("rewrote %d packed layers as %s", count, fmt)
+    return model
+
+
+def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None, add_init) -> list:
+    from onnx import TensorProto, helper
+
+    out = node.output[0]
+    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+    K, N = layer._cols, layer._rows
+    block = _block_size(K, layer.group_size)
+    mm_out = out if bias is None else out + "_nobias"
+    nodes = []
+    if fmt == "matmulnbits" and layer.bits in MATMULNBITS_BITS and block is not None:
+        B, S, Z, nb = _blocked_params(layer, block)
+        ins = [a, add_init(f"{safe}_Bq{block}", B), add_init(f"{safe}_scales{block}", S),
+               add_init(f"{safe}_zp{block}", Z)]
+        attrs = {"K": K, "N": N, "bits": layer.bits, "block_size": block}
+        if accuracy_level is not None:
+            attrs["accuracy_level"] = accuracy_level
+        nodes.append(helper.make_node("MatMulNBits", ins, [mm_out], name=f"{safe}_MatMulNBits",
+                                      domain="com.microsoft", **attrs))
+    else:  # DequantizeLinear (K, N) -> MatMul
+        codes = layer.codes().numpy().T  # (K, N)
+        zeros = layer.zeros().numpy().T  # (G, N)
+        scales = layer.scales.float().numpy().T  # (G, N)
+        dt = TensorProto.UINT4 if layer.bits == 4 else TensorProto.UINT8
+        w = f"{safe}_Wdq"
+        if layer.group_size == -1:
+            dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Wq", codes, dt), add_init(f"{safe}_Ws", scales[0]),
+                                                       add_init(f"{safe}_Wz", zeros[0], dt)], [w], axis=1)
+        else:
+            dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Wq", codes, dt), add_init(f"{safe}_Ws", scales),
+                                                       add_init(f"{safe}_Wz", zeros, dt)], [w], axis=0,
+                                  block_size=layer.group_size)
+        nodes += [dq, helper.make_node("MatMul", [a, w], [mm_out], name=f"{safe}_MatMul")]
+    if bias is not None:
+        nodes.append(helper.make_node("Add", [mm_out, bias], [out]))
+    return nodes
+
+
+def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
+    from onnx import TensorProto, helper
+
+    D = layer._cols
+    g = D if layer.group_size == -1 else layer.group_size
+    if fmt == "matmulnbits" and layer.bits in (4, 8) and D % g == 0 and g >= 16:
+        ins = [add_init(f"{safe}_Gq", layer.qweight.numpy()), indices,
+               add_init(f"{safe}_Gs", layer.scales.float().numpy()),
+               add_init(f"{safe}_Gz", layer.qzeros.numpy())]
+        return [helper.make_node("GatherBlockQuantized", ins, [out], name=f"{safe}_GatherBlockQuantized",
+                                 domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=g,
+                                 bits=layer.bits)]
+    codes, zeros, scales = layer.codes().numpy(), layer.zeros().numpy(), layer.scales.float().numpy()
+    dt = TensorProto.UINT4 if layer.bits == 4 else TensorProto.UINT8
+    w = f"{safe}_Tdq"
+    if layer.group_size == -1:
+        dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Tq", codes, dt), add_init(f"{safe}_Ts", scales[:, 0]),
+                                                   add_init(f"{safe}_Tz", zeros[:, 0], dt)], [w], axis=0)
+    else:
+        dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Tq", codes, dt), add_init(f"{safe}_Ts", scales),
+                                                   add_init(f"{safe}_Tz", zeros, dt)], [w], axis=1,
+                              block_size=layer.group_size)
+    return [dq, helper.make_node("Gather", [w, indices], [out], axis=0)]
+
+
+def _remove_dead(graph: Any) -> None:
+    outputs = {o.name for o in graph.output}
+    while True:
+        used = set(outputs)
+        for node in graph.node:
+            used.update(i for i in node.input if i)
+        keep = [n for n in graph.node if any(o in used for o in n.output)]
+        if len(keep) == len(graph.node):
+            break
+        del graph.node[:]
+        graph.node.extend(keep)
+    used = set(outputs)
+    for node in graph.node:
+        used.update(i for i in node.input if i)
+    inits = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+
+
+# --- causal LM export with the KV cache ---------------------------------------------------------
+
+
+def _hf_model(module: Any) -> Any:
+    inner = getattr(module, "model", None)
+    if inner is not None and hasattr(inner, "config") and hasattr(inner, "generate"):
+        return inner
+    if hasattr(module, "config") and hasattr(module, "generate"):
+        return module
+    raise BadInputError("KV-cache export needs a Hugging Face causal LM (a CausalLMWrapper or *ForCausalLM)")
+
+
+def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past: bool = True,
+                     fmt: str = "matmulnbits", accuracy_level: int | None = None, opset: int = 21,
+                     parity: bool = True, atol: float = 2e-3, rtol: float = 2e-3) -> Path:
+    """Export a (packed or float) causal LM to an ``onnx`` artifact folder with its KV cache.
+
+    >>> export_causal_lm(load_model("out/w4"), "out/w4-onnx")  # doctest: +SKIP
+    """
+    import onnx
+    import torch
+
+    from edgekit.artifact import Manifest, staged_dir, write_manifest
+
+    try:
+        from optimum.exporters.onnx import onnx_export_from_model
+    except ImportError as e:
+        raise UnavailableError(f"causal-LM export with the KV cache needs optimum-onnx: {e}") from None
+    hf = _hf_model(handle.module)
+    task = "text-generation-with-past" if with_past else "text-generation"
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="edgekit-lm-") as tmp:
+        use_cache = hf.config.use_cache
+        hf.config.use_cache = with_past
+        try:
+            with torch.no_grad():
+                onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
+                                       no_post_process=True)
+        finally:
+            hf.config.use_cache = use_cache
+        proto = onnx.load(os.path.join(tmp, "model.onnx"))
+    export_s = time.perf_counter() - t0
+    proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
+    out_dir = Path(out_dir)
+    with staged_dir(out_dir) as folder:
+        large = proto.ByteSize() > 2**31 - 2**20
+        onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
+                        location="model.onnx.data" if large else None)
+        metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),
+                                   "onnx_bytes": sum(f.stat().st_size for f in folder.iterdir())}
+        if parity:
+            metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
+        names = [i.name for i in proto.graph.input]
+        write_manifest(folder, Manifest(
+            kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
+            model={**handle.describe(), "inputs": [{"name": n} for n in names],
+                   "outputs": [o.name for o in proto.graph.output], "kv_cache": with_past},
+            steps=[{"name": s.name, "config": s.config, "meta": {k: v for k, v in s.meta.items() if k != "layers"}}
+                   for s in handle.steps],
+            config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset}))
+    return out_dir
+
+
+def lm_session(path: str | os.PathLike[str], threads: int = 1) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def empty_past(sess: Any, batch: int = 1) -> dict[str, np.ndarray]:
+    """Zero-length past_key_values feeds for a with-past session."""
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values"):
+            _, heads, _, dim = i.shape
+            feeds[i.name] = np.zeros((batch, int(heads), 0, int(dim)), dtype=np.float32)
+    return feeds
+
+
+def lm_feeds(sess: Any, input_ids: np.ndarray, past: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Feeds for one forward: ``input_ids`` (b, t) after ``past`` (feeds of the previous present)."""
+    past = past if past is not None else empty_past(sess, input_ids.shape[0])
+    plen = next(iter(past.values())).shape[2] if past else 0
+    b, t = input_ids.shape
+    names = {i.name for i in sess.get_inputs()}
+    feeds = {"input_ids": input_ids.astype(np.int64)}
+    if "attention_mask" in names:
+        feeds["attention_mask"] = np.ones((b, plen + t), dtype=np.int64)
+    if "position_ids" in names:
+        feeds["position_ids"] = np.broadcast_to(np.arange(plen, plen + t, dtype=np.int64), (b, t)).copy()
+    feeds.update({k: v for k, v in past.items() if k in names})
+    return feeds
+
+
+def presents_to_past(sess: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    return {n.replace("present", "past_key_values"): v for n, v in zip(names, outputs) if n.startswith("present")}
+
+
+def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True, prompt_len: int = 16,
+                    atol: float = 2e-3, rtol: float = 2e-3) -> dict[str, Any]:
+    """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step."""
+    import torch
+
+    sess = lm_session(onnx_path, threads=2)
+    feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
+    ids = feeds["input_ids"][:, : prompt_len + 1]
+    with torch.no_grad():
+        ref = handle.module(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids))).float().numpy()
+    report: dict[str, Any] = {"atol": atol, "rtol": rtol}
+    if with_past:
+        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
+        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
+        got = np.concatenate([out[0], step[0]], axis=1)
+    else:
+        got = sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
+                              if k in {i.name for i in sess.get_inputs()}})[0]
+    diff = np.abs(got - ref)
+    scale = np.abs(ref).max()
+    report.update({"max_abs_diff": float(diff.max()), "max_rel_diff": float(diff.max() / max(scale, 1e-12)),
+                   "argmax_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+                   "tokens": int(ids.shape[1])})
+    report["passed"] = bool(report["max_abs_diff"] <= atol + rtol * scale)
+    if not report["passed"]:
+        log.warning("LM parity failed: %s", report)
+    return report
+
+
+def generate_greedy(sess: Any, input_ids: np.ndarray, new_tokens: int) -> np.ndarray:
+    """Greedy decoding through a with-past ONNX session (the smoke check)."""
+    out = sess.run(None, lm_feeds(sess, input_ids))
+    tokens = [int(out[0][0, -1].argmax())]
+    for _ in range(new_tokens - 1):
+        out = sess.run(None, lm_feeds(sess, np.array([[tokens[-1]]]), presents_to_past(sess, out)))
+        tokens.append(int(out[0][0, -1].argmax()))
+    return np.array(tokens)
+
+
+__all__ = ["rewrite_packed_graph", "export_causal_lm", "check_lm_parity", "lm_session", "lm_feeds",
+           "presents_to_past", "empty_past", "generate_greedy", "CheckFailedError"]

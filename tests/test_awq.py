@@ -1,0 +1,66 @@
+"""AWQ search pieces on tiny layers (issue 4)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgekit.compress.awq import _fold, search_clip, search_scale
+from edgekit.compress.rtn import dequantize_groups, rtn_quantize
+
+
+def _inputs_with_salient_channels(n=1024, cols=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, cols, generator=g)
+    X[:, :4] *= 20.0  # a few salient channels, as in LLM activations
+    return X
+
+
+def test_scale_search_reduces_output_error_and_picks_nonzero_alpha():
+    torch.manual_seed(0)
+    W = torch.randn(32, 64) * 0.05
+    X = _inputs_with_salient_channels()
+    s, alpha, err = search_scale(W, X, X.abs().mean(0), bits=3, group_size=32, sym=False, grid=10)
+    ref = X @ W.t()
+    rtn = dequantize_groups(*rtn_quantize(W, 3, 32, False), 32)
+    err_rtn = float(((X @ rtn.t() - ref) ** 2).mean() / (ref ** 2).mean())
+    assert alpha > 0 and err < err_rtn
+    assert s.shape == (64,) and torch.all(s > 0)
+
+
+def test_clip_search_never_worse_than_no_clip():
+    torch.manual_seed(1)
+    W = torch.randn(16, 64)
+    W[0, 3] = 12.0  # an outlier weight that clipping should tame
+    X = torch.randn(512, 64)
+    clip = search_clip(W, X, bits=4, group_size=32, sym=False, grid=20)
+    assert clip.shape == (16, 2) and float(clip.min()) >= 0.5 and float(clip.max()) <= 1.0
+    def out_err(c):
+        Wq = dequantize_groups(*rtn_quantize(W, 4, 32, False, c), 32)
+        return float(((X @ (Wq - W).t()) ** 2).mean())
+    assert out_err(clip) <= out_err(None) + 1e-9
+    assert float(clip[0, 0]) < 1.0
+
+
+def test_fold_into_norm_and_linear_preserves_the_function():
+    torch.manual_seed(2)
+    norm_w = nn.Parameter(torch.rand(8) + 0.5)
+    lin = nn.Linear(8, 4, bias=False)
+    x = torch.randn(5, 8)
+    ref = lin(x * norm_w)
+    s = torch.rand(8) + 0.5
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = norm_w
+
+    _fold(Norm(), s)
+    lin.weight.data.mul_(s)
+    torch.testing.assert_close(lin(x * norm_w), ref, rtol=1e-5, atol=1e-6)
+    up = nn.Linear(8, 6)
+    down = nn.Linear(6, 3)
+    y = down(up(x))
+    s6 = torch.rand(6) + 0.5
+    _fold(up, s6)
+    down.weight.data.mul_(s6)
+    torch.testing.assert_close(down(up(x)), y, rtol=1e-5, atol=1e-5)
