@@ -2,6 +2,7 @@
 estimate for that GPU (issue 8).
 
     python benchmarks/bench_gpu.py [--target h100-sxm] [--duration-s 3] [--skip-llm]
+    python benchmarks/bench_gpu.py --cpu        # the same flow with CPU torch engines (no GPU needed)
 
 Needs an NVIDIA GPU with CUDA (exits 2 with a message otherwise). For EfficientNet-Lite0
 (batch 1), the Fashion-MNIST CNN (batch 1) and SmolLM2-135M (128-token prefill and a
@@ -11,7 +12,8 @@ target, and compare; then fit the GPU target's efficiency (one factor over all
 classes, end to end: kernels do not map to ONNX nodes) and report the error before and
 after. Also measures a bf16 matmul and a device copy, the two roofs, to compare with
 the target's peak and bandwidth. Writes ``benchmarks/results/gpu.json`` and prints a
-Markdown table for RESULTS.md.
+Markdown table for RESULTS.md. ``--cpu`` runs the flow on this CPU instead (target ``cpu``,
+FP32, 1 thread) and writes ``benchmarks/results/torch_cpu.json``.
 """
 from __future__ import annotations
 

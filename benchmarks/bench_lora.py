@@ -188,28 +188,71 @@ def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
         rec["recovered_share"] = (before - after) / (before - fp) if before > fp else None
         res[f"w{bits}"] = rec
         print(f"[ppl] W{bits} g128 RTN {before:.2f} -> QLoRA {after:.2f} (merged onto grid {merged['perplexity']:.2f}); "
-              f"recovered {rec['recovered_share']:.0%} of the loss; {m['seconds_per_step']:.2f} s/step", flush=True)
+              f"recovered {rec['recovered_share'] if rec['recovered_share'] is None else round(100 * rec['recovered_share'])}% "
+              f"of the loss; {m['seconds_per_step']:.2f} s/step", flush=True)
         del handle
         gc.collect()
     res["threads"] = torch.get_num_threads()
     return res
 
 
+# ------------------------------------------------------------------------------------------------
+# 3. Fashion-MNIST CNN: INT8 PTQ, then LoRA on the float model, merged, and PTQ again
+
+
+def run_cnn(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from edgekit.compress import compress, load_compressed
+    from edgekit.evaluate import evaluate
+    from edgekit.finetune import finetune
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    base = load_model("fmnist-cnn")
+    eval_s = load_samples("fashion-mnist", base, split="eval", limit=args.cnn_eval)
+    res: dict[str, Any] = {"eval": {"source": "fashion-mnist", "split": "eval (test images)", "n": len(eval_s)}}
+    res["fp32"] = evaluate(base, eval_s, evaluator="accuracy", progress=False)["accuracy"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptq = compress("fmnist-cnn", [("int8", {"method": "ptq"})], Path(tmp) / "ptq")
+        res["int8_ptq"] = evaluate(load_compressed(ptq), eval_s, evaluator="accuracy", progress=False)["accuracy"]
+        cfg = {"r": 4, "alpha": 8, "dropout": 0.0, "steps": args.cnn_steps, "lr": 1e-3, "batch_size": 64,
+               "train_samples": 64 * args.cnn_steps, "eval_samples": 1000}
+        t0 = time.perf_counter()
+        out = finetune("fmnist-cnn", "fashion-mnist", cfg, Path(tmp) / "lora-int8", requant="int8",
+                       requant_config={"method": "ptq"}, progress=False, final_eval=False)
+        res["lora_seconds"] = round(time.perf_counter() - t0, 1)
+        from edgekit.artifact import read_manifest
+
+        lm = read_manifest(out).metrics["lora"]
+        res["lora"] = {k: lm[k] for k in ("trainable_params", "total_params", "steps", "seconds_per_step", "modules")}
+        res["lora_float_val_accuracy"] = {"before": lm["before"]["accuracy"], "after": lm["after_merge"]["accuracy"],
+                                          "val_split": "fashion-mnist eval, first 1000"}
+        res["lora_then_int8_ptq"] = evaluate(load_compressed(out), eval_s, evaluator="accuracy",
+                                             progress=False)["accuracy"]
+    print(f"[cnn] FP32 {res['fp32']:.4f}  INT8 PTQ {res['int8_ptq']:.4f}  LoRA(float, merged) -> INT8 PTQ "
+          f"{res['lora_then_int8_ptq']:.4f}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--eval-seqlen", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--bits", type=int, nargs="+", default=[3, 4])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mem-steps", type=int, default=4)
     ap.add_argument("--memory-variants", default="full,lora,qlora,qlora-nf4")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
+    ap.add_argument("--cnn", action="store_true", help="Also run the Fashion-MNIST CNN recipe (LoRA + re-PTQ INT8).")
+    ap.add_argument("--cnn-steps", type=int, default=200)
+    ap.add_argument("--cnn-eval", type=int, default=2000)
     ap.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
@@ -221,12 +264,21 @@ def main() -> None:
     from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions
 
     out_path = ROOT / "benchmarks" / "results" / "lora.json"
-    prev = json.loads(out_path.read_text()) if out_path.is_file() else {}
-    result: dict[str, Any] = {"date": now_iso(), "machine": machine_info(), "versions": package_versions(),
-                              "settings": {k: v for k, v in vars(args).items() if k != "mem_child"},
-                              "note": "shared 2-core CPU (up to 8 contributors running at once): times are noisy"}
-    result["memory"] = prev.get("memory") if args.skip_memory else run_memory(args)
-    result["recovery"] = prev.get("recovery") if args.skip_recovery else run_recovery(args)
+    sections: dict[str, Any] = {}
+    if not args.skip_memory:
+        sections["memory"] = run_memory(args)
+    if not args.skip_recovery:
+        sections["recovery"] = run_recovery(args)
+    if args.cnn:
+        sections["cnn"] = run_cnn(args)
+    # Merge into the file as it is now, so sections run separately (or at once) all stay.
+    result: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
+    settings = {k: v for k, v in vars(args).items() if k != "mem_child"}
+    for key, value in sections.items():
+        result[key] = value
+        result.setdefault("settings", {})[key] = settings
+    result.update({"date": now_iso(), "machine": machine_info(), "versions": package_versions(),
+                   "note": "shared 2-core CPU (up to 8 contributors running at once): times are noisy"})
     atomic_write_json(out_path, result)
     print_table(result)
     print(f"wrote {out_path}")
@@ -245,9 +297,14 @@ def print_table(result: dict[str, Any]) -> None:
             if not r:
                 continue
             share = f"{r['recovered_share']:.0%}" if r["recovered_share"] is not None else "-"
-            print(f"{'W%d g128 RTN' % r['bits']:<16}{r['before']['perplexity']:>9.2f}{r['after_fold']['perplexity']:>13.2f}"
+            label = f"W{r['bits']} g128 RTN"
+            print(f"{label:<16}{r['before']['perplexity']:>9.2f}{r['after_fold']['perplexity']:>13.2f}"
                   f"{r['after_merge']['perplexity']:>9.2f}{share:>11}{r['trainable_params']:>11,}"
                   f"{r['seconds_per_step']:>8.2f}")
+    cnn = result.get("cnn")
+    if cnn:
+        print(f"\nFashion-MNIST CNN, accuracy on {cnn['eval']['n']} test images: FP32 {cnn['fp32']:.4f}, "
+              f"INT8 PTQ {cnn['int8_ptq']:.4f}, LoRA on float (merged) then INT8 PTQ {cnn['lora_then_int8_ptq']:.4f}")
     mem = result.get("memory") or []
     if mem:
         print(f"\n{'training':<12}{'peak RSS MB':>13}{'at start MB':>13}{'overhead MB':>13}{'s/step':>8}{'trainable':>13}")

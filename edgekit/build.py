@@ -4,7 +4,8 @@
 folder, ``.onnx`` file), picks the runtime (``BuildOptions.runtime`` or the target's
 first available one), exports to ONNX when the runtime needs it (into the engine
 folder's ``onnx/``), lets the runtime write its files, and records everything in an
-"engine" manifest. The engine folder also keeps the model's sample inputs
+"engine" manifest (or the kind the runtime returns, e.g. a TensorRT "bundle" to build on
+the device). The engine folder also keeps the model's sample inputs
 (``inputs.npz``: real inputs, for realistic timing), so profiling never reloads PyTorch.
 
 A runtime says what it builds from with an ``input_format`` attribute: ``"onnx"`` (the
@@ -110,22 +111,26 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
                 metrics["parity"] = onnx_manifest.metrics["parity"]
             if not inputs:
                 inputs = {"model": dict(onnx_manifest.inputs.get("model", {}))} if onnx_manifest.inputs else {}
+            described = onnx_manifest.model or handle.describe()  # as exported (a static batch is fixed there)
             built_from: Any = tmp / files["onnx"]
             opts = dataclasses.replace(options, extra={**options.extra, "feeds": _fit_feeds(feeds, tmp / files["onnx"])})
         else:
             built_from = handle
             opts = options
+            described = handle.describe()
         result = runtime.build(built_from, target, tmp, opts)
         files.update(result.get("files", {}))
         metrics.update(result.get("metrics", {}))
         metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
-        config = {"runtime": runtime.name, "target": target.name, "precision": _precision(handle, options),
+        precision = _precision(handle, options, tmp / files["onnx"] if "onnx" in files else None)
+        config = {"runtime": runtime.name, "target": target.name, "precision": precision,
                   "batch": options.batch, "threads": options.threads,
                   "optimization_level": options.optimization_level, **result.get("config", {})}
         config.setdefault("session", {})
         write_manifest(tmp, Manifest(
-            kind=result.get("kind", "engine"), files=files, config=config, metrics=metrics, inputs=inputs, source=handle.source,
-            model=handle.describe(), steps=[dataclasses.asdict(s) for s in handle.steps], target=target.name))
+            kind=result.get("kind", "engine"), files=files, config=config, metrics=metrics, inputs=inputs,
+            source=handle.source, model=described, steps=[dataclasses.asdict(s) for s in handle.steps],
+            target=target.name))
     return out_dir
 
 
@@ -139,7 +144,7 @@ def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) 
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    if manifest.kind != "engine":
+    if manifest.kind not in ("engine", "bundle"):  # a runtime may write a build bundle (TensorRT, off-device)
         raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact, not an engine (build one with "
                             "`edgekit build`)")
     name = manifest.config.get("runtime")
@@ -197,13 +202,26 @@ def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.nd
     return {n: feeds[n] for n in names if n in feeds} if all(n in feeds for n in names) else {}
 
 
-def _precision(handle: ModelHandle, options: BuildOptions) -> str:
-    """What the engine computes in: the quantization step's bits, else the requested precision."""
+def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | None = None) -> str:
+    """What the engine computes in: the quantization step's bits, else what the ONNX graph
+    holds (Q/DQ or integer ops: an external quantized model), else the requested precision."""
     for rec in reversed(handle.steps):
         if rec.name == "int8":
             return "int8"
         if rec.name == "int4":
             return "int4"
+    if options.precision == "fp32" and onnx_path is not None:
+        import onnx
+
+        try:
+            ops = {n.op_type for n in onnx.load(str(onnx_path), load_external_data=False).graph.node}
+        except Exception:
+            return options.precision
+        if ops & {"MatMulNBits", "GatherBlockQuantized"}:
+            return "int4"
+        if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "MatMulInteger",
+                  "ConvInteger", "DynamicQuantizeLinear"}:
+            return "int8"
     return options.precision
 
 

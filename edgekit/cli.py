@@ -284,6 +284,51 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
 
 
+# --- distill (issue 5) ---
+
+@cli.command("distill")
+@click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
+@click.option("--student", required=True, help="Student model (e.g. a pruned artifact folder or a smaller model).")
+@click.option("--data", default=None, help="Training data (built-in name, .npz, text file...; default: the student's).")
+@click.option("--eval", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a model artifact).")
+@click.option("--temperature", type=float, default=4.0, show_default=True)
+@click.option("--alpha", type=float, default=0.7, show_default=True, help="Weight of the soft (teacher) loss.")
+@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--feature-loss", is_flag=True, help="Also match the features entering the output layer.")
+@click.option("--patience", type=int, default=2, show_default=True, help="Early stop after N epochs without improvement.")
+@click.option("--max-steps", type=int, default=None, help="Cap on optimizer steps.")
+@click.option("--limit", type=int, default=None, help="At most this many training samples.")
+@click.option("--seqlen", type=int, default=128, show_default=True, help="Token window for text data.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def distill_command(teacher: str, student: str, data: str | None, eval_data: str | None, out: str,
+                    temperature: float, alpha: float, epochs: int, lr: float, batch_size: int, feature_loss: bool,
+                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int) -> None:
+    """Distill TEACHER into STUDENT: temperature-scaled KD loss (x T^2) plus the hard-label loss.
+    Checkpoints go to OUT.work; running the same command again resumes."""
+    from edgekit.artifact import read_manifest
+    from edgekit.compress.distill import DistillConfig, distill
+
+    config = DistillConfig(temperature=temperature, alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size,
+                           feature_loss=feature_loss, seed=seed, patience=patience, max_steps=max_steps,
+                           limit=limit, seqlen=seqlen)
+    distill(teacher, student, data, config, out, eval_data=eval_data)
+    m = read_manifest(Path(out))
+    meta = m.steps[-1]["meta"] if m.steps else {}
+    rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
+            for e in meta.get("fit", {}).get("history", [])]
+    _console().print(_table(f"distillation ({meta.get('validation')} on validation)",
+                            ["epoch", "train loss", "validation", "s"], rows))
+    ev = meta.get("eval", {})
+    if ev:
+        _console().print(_table("final evaluation", ["metric", "value"], [[k, v] for k, v in ev.items()]))
+    click.echo(f"wrote {out} ({' -> '.join(s['name'] for s in m.steps)})")
+
+# --- end distill (issue 5) ---
+
+
 # --- pipelines (issue 9) ---
 
 @cli.command("run")

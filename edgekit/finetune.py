@@ -80,6 +80,8 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
         steps.append((requant, dict(requant_config or {})))
     handle = load_model(model)
     out = Path(out_dir)
+    if eval_data is None and isinstance(data, (str, os.PathLike)):
+        eval_data = data  # its eval split: never overlaps the train split
     train = _resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
     val = _resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
     ctx = StepContext(train=LoadedData(train), eval=LoadedData(val), seed=seed, progress=progress, work_dir=Path(f"{out}.work"))

@@ -251,3 +251,18 @@ def test_refuses_to_build_huge_inputs(monkeypatch):
     monkeypatch.setattr(data, "MAX_PREPARED_BYTES", 10_000)
     with pytest.raises(BadInputError, match=r"pass a limit \(at most 3 fit"):
         load_samples("digits", image_model(), split="eval")
+
+
+def test_text_for_an_image_model_and_images_for_a_language_model(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("some words\n" * 8)
+    with pytest.raises(BadInputError, match=r"is text, but model 'img' takes x \('batch', 1, 28, 28\) float32"):
+        load_samples(str(f), image_model(), split="eval")
+    with pytest.raises(BadInputError, match="holds images, but model 'lm' takes text"):
+        load_samples("digits", lm_model(), split="eval")
+
+
+def test_windows_with_a_limit_equal_the_first_windows_of_the_whole_text():
+    tok = CharTokenizer()
+    text = "".join(chr(65 + i % 26) for i in range(50_000))
+    np.testing.assert_array_equal(token_windows(tok, text, 100, limit=5), token_windows(tok, text, 100)[:5])

@@ -77,6 +77,8 @@ def test_matmul_ops_bytes_and_compute_bound(board: Path) -> None:
     assert est.total_ms == pytest.approx(n.time_ms) and est.bound == "compute"
     assert est.kind == "estimate" and est.to_dict()["kind"] == "estimate"
     assert ESTIMATE_NOTE in est.render() and "ESTIMATE" in est.render()
+    prof = est.to_profile()  # check/report read estimates like profiles, marked as estimated
+    assert prof.source == "estimated" and prof.latency_ms.p99 == est.total_ms and ESTIMATE_NOTE in prof.warnings
 
 
 def test_single_row_matmul_is_memory_bound_and_efficiency_scales(board: Path) -> None:

@@ -117,6 +117,15 @@ def test_parity_tolerances_per_output_and_skip(tiny_mlp, tmp_path, monkeypatch):
     assert read_manifest(out).steps[0]["name"] == "breaker"  # the chain is carried over
 
 
+def test_step_record_loosens_parity_tolerance(tiny_mlp, tmp_path, monkeypatch):
+    calls: list[str] = []
+    _patch_steps(monkeypatch, {"breaker": _add_one_rewrite(calls)})
+    tiny_mlp.steps = [StepRecord("breaker", {}, meta={"parity": {"atol": 1.01, "rtol": 0.0}})]
+    out = export_onnx(tiny_mlp, tmp_path / "onnx", FAST)
+    logits = read_manifest(out).metrics["parity"]["outputs"]["logits"]
+    assert logits["atol"] == 1.01 and logits["passed"]
+
+
 def test_compare_rule():
     ref = np.array([1.0, 100.0, 0.0], np.float32)
     e = compare("y", ref, ref + np.array([0, 0.05, 1e-5], np.float32), atol=1e-4, rtol=1e-3)

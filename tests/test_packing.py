@@ -14,7 +14,7 @@ def test_pack_unpack_round_trip(bits):
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 2**bits, (5, 37), generator=g, dtype=torch.int64).to(torch.uint8)
     packed = pack_codes(q, bits)
-    expect_cols = {2: 10, 3: 37, 4: 19, 8: 37}[bits]
+    expect_cols = {2: 10, 3: 19, 4: 19, 8: 37}[bits]
     assert packed.dtype == torch.uint8 and packed.shape == (5, expect_cols)
     assert torch.equal(unpack_codes(packed, bits, 37), q)
 

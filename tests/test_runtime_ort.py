@@ -149,6 +149,7 @@ def test_qdq_int8_engine_reports_quantized_nodes(tiny_onnx, tmp_path):
     out = build_engine(q, "cpu", tmp_path / "engine")
     m = read_manifest(out)
     assert m.config["session"]["offline_optimized"] is True  # the saved optimized QDQ graph reloads and agrees
+    assert m.config["precision"] == "int8"  # read from the graph: an external quantized model has no step record
     assert m.metrics["integer_nodes"] >= 1
     engine = load_engine(out, threads=1)
     nodes = engine.node_profile(load_engine_inputs(out), iterations=2)

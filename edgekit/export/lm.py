@@ -42,7 +42,8 @@ from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 
 log = logging.getLogger(__name__)
 
-MATMULNBITS_BITS = (2, 4, 8)
+MATMULNBITS_BITS = (2, 3, 4, 8)
+_MATCH_TYPES = (2, 6, 7, 1)  # onnx UINT8, INT32, INT64, FLOAT  # 3-bit codes are stored (and run) as 4-bit
 FORMATS = ("matmulnbits", "qdq")
 
 
@@ -63,10 +64,10 @@ def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.
     """(B (N, blocks, blob), scales (N*blocks,), zero_points (N*zp_bytes,), blocks) for MatMulNBits."""
     import torch
 
-    from edgekit.compress.packing import pack_codes
+    from edgekit.compress.packing import pack_codes, storage_bits
 
     K = layer._cols
-    bits = layer.bits
+    bits = storage_bits(layer.bits)
     g = K if layer.group_size == -1 else layer.group_size
     nb = -(-K // block)
     codes = layer.codes()
@@ -144,7 +145,8 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     sizes: set[int] = set()
     for name, m in layers:
         q = m.qweight.detach().cpu().numpy()
-        by_digest[_digest(q)].append((name, m))
+        for dt in (np.uint8, np.int32, np.int64):  # exporters may fold the first casts in
+            by_digest[_digest(q.astype(dt))].append((name, m))
         sizes.add(q.size)
         w = m.dequantize().detach().cpu().numpy().astype(np.float32)
         by_digest[_digest(w)].append((name, m))
@@ -155,7 +157,7 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     matched: list[tuple[str, list[tuple[str, Any]]]] = []
     for init in graph.initializer:
         n = int(np.prod(init.dims)) if init.dims else 1
-        if n not in sizes or init.data_type not in (onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT):
+        if n not in sizes or init.data_type not in _MATCH_TYPES:
             continue
         d = _digest(numpy_helper.to_array(init))
         if d in by_digest:
@@ -165,7 +167,7 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             t = node.attribute[0].t
             n = int(np.prod(t.dims)) if t.dims else 1
-            if n in sizes and t.data_type in (onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT):
+            if n in sizes and t.data_type in _MATCH_TYPES:
                 d = _digest(numpy_helper.to_array(t))
                 if d in by_digest:
                     matched.append((node.output[0], by_digest[d]))
@@ -241,7 +243,7 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
         B, S, Z, nb = _blocked_params(layer, block)
         ins = [a, add_init(f"{safe}_Bq{block}", B), add_init(f"{safe}_scales{block}", S),
                add_init(f"{safe}_zp{block}", Z)]
-        attrs = {"K": K, "N": N, "bits": layer.bits, "block_size": block}
+        attrs = {"K": K, "N": N, "bits": 4 if layer.bits == 3 else layer.bits, "block_size": block}
         if accuracy_level is not None:
             attrs["accuracy_level"] = accuracy_level
         nodes.append(helper.make_node("MatMulNBits", ins, [mm_out], name=f"{safe}_MatMulNBits",
@@ -250,7 +252,7 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
         codes = layer.codes().numpy().T  # (K, N)
         zeros = layer.zeros().numpy().T  # (G, N)
         scales = layer.scales.float().numpy().T  # (G, N)
-        dt = TensorProto.UINT4 if layer.bits == 4 else TensorProto.UINT8
+        dt = TensorProto.UINT4 if layer.bits in (3, 4) else TensorProto.UINT8
         w = f"{safe}_Wdq"
         if layer.group_size == -1:
             dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Wq", codes, dt), add_init(f"{safe}_Ws", scales[0]),
@@ -278,7 +280,7 @@ def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_i
                                  domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=g,
                                  bits=layer.bits)]
     codes, zeros, scales = layer.codes().numpy(), layer.zeros().numpy(), layer.scales.float().numpy()
-    dt = TensorProto.UINT4 if layer.bits == 4 else TensorProto.UINT8
+    dt = TensorProto.UINT4 if layer.bits in (3, 4) else TensorProto.UINT8
     w = f"{safe}_Tdq"
     if layer.group_size == -1:
         dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Tq", codes, dt), add_init(f"{safe}_Ts", scales[:, 0]),

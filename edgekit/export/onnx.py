@@ -53,7 +53,8 @@ class ExportConfig:
     dynamic_batch: keep the batch axis (from ``handle.dynamic_axes``) symbolic.
     batch: batch size of the tracing inputs (2 keeps the exporter from specialising on 1).
     atol / rtol: parity tolerances for every output; ``tolerances`` overrides per output
-        name with ``(atol, rtol)``.
+        name with ``(atol, rtol)``. A compression step may loosen atol/rtol through its
+        record (``meta["parity"]``); see ``effective_tolerances``.
     skip_parity: write the artifact without the parity check.
     """
 
@@ -126,8 +127,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             from edgekit.export.parity import check_parity
 
             try:
-                report = check_parity(onnx_path, handle, config.atol, config.rtol,
-                                      {k: tuple(v) for k, v in config.tolerances.items()},
+                atol, rtol, per_output = effective_tolerances(config, handle)
+                report = check_parity(onnx_path, handle, atol, rtol, per_output,
                                       batches=(1, 2) if config.dynamic_batch else (1,))
             except EdgekitError:
                 raise
@@ -149,6 +150,20 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
     return out_dir
+
+
+def effective_tolerances(config: ExportConfig, handle: ModelHandle
+                         ) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """Parity tolerances: the config's, loosened to what a compression step asks for in its
+    record (``meta["parity"] = {"atol": .., "rtol": ..}``): a fake-quantized PyTorch model and
+    its QDQ graph may differ by one quantization step, which FP32 tolerances would reject."""
+    atol, rtol = float(config.atol), float(config.rtol)
+    for rec in handle.steps:
+        tol = (rec.meta or {}).get("parity") or {}
+        atol = max(atol, float(tol.get("atol", 0.0)))
+        rtol = max(rtol, float(tol.get("rtol", 0.0)))
+    per_output = {k: (float(v[0]), float(v[1])) for k, v in config.tolerances.items()}  # explicit: as given
+    return atol, rtol, per_output
 
 
 def _describe(handle: ModelHandle, config: ExportConfig) -> dict[str, Any]:
@@ -173,7 +188,8 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
     names = [s.name for s in handle.inputs]
     batch = config.batch if config.dynamic_batch and _batch_dynamic(handle) else 1
     feeds = handle.sample_inputs(batch)
-    args = tuple(torch.from_numpy(feeds[n].copy()) for n in names)
+    device = module_device(module)
+    args = tuple(torch.from_numpy(feeds[n].copy()).to(device) for n in names)
     if config.dynamo and config.opset < DYNAMO_MIN_OPSET:
         log.warning("the dynamo ONNX exporter emits opset %d or later; using the legacy TorchScript exporter "
                     "for opset %d", DYNAMO_MIN_OPSET, config.opset)
@@ -189,6 +205,15 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
         return _trace_legacy(module, args, handle, config), "legacy"
     except Exception as e:
         raise BadInputError(f"cannot export {handle.name!r} to ONNX: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def module_device(module: Any) -> Any:
+    """Where the module's weights live (tracing inputs go there); CPU for a weightless module."""
+    import torch
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _batch_dynamic(handle: ModelHandle) -> bool:

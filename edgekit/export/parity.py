@@ -103,7 +103,10 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray, atol: float
 def run_torch(module: Any, feeds: dict[str, np.ndarray], input_names: list[str]) -> list[np.ndarray]:
     import torch
 
-    args = [torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in input_names]
+    from edgekit.export.onnx import module_device
+
+    device = module_device(module)
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[n])).to(device) for n in input_names]
     with torch.inference_mode():
         out = module(*args)
     if isinstance(out, dict):

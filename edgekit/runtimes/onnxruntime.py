@@ -105,14 +105,12 @@ def session_options(level: str, threads: int | None, profile_prefix: str | None 
     return so
 
 
-def _session(path: Path, so: Any, providers: list[str], provider_options: dict[str, dict[str, Any]] | None = None) -> Any:
-    """A session; ``provider_options`` maps a provider name to its options (TensorRT EP: fp16,
-    engine cache path, ...), passed through as ORT takes them."""
+def _session(path: Path, so: Any, providers: list[Any]) -> Any:
+    """A session; ``providers`` is ORT's ``providers=`` argument: names, or ``(name, options)``
+    pairs for the GPU providers (``ort_providers``: TensorRT EP precision, engine cache, ...)."""
     ort = _ort()
-    opts = provider_options or {}
     try:
-        return ort.InferenceSession(str(path), so, providers=providers,
-                                    provider_options=[{k: str(v) for k, v in opts.get(p, {}).items()} for p in providers])
+        return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInputError(f"onnxruntime cannot load {path}: {msg}") from None
@@ -178,17 +176,29 @@ class OnnxRuntime:
         opt_path = out_dir / OPT_FILE
         t0 = time.perf_counter()
         so = session_options(level, options.threads, optimized_path=str(opt_path), large=large)
-        provider_options = dict(options.extra.get("provider_options") or {})
-        sess = _session(src, so, providers, provider_options)
+        from edgekit.runtimes.ort_providers import build_providers
+
+        provider_arg, provider_options = build_providers(providers, options, out_dir, target)
+        sess = _session(src, so, provider_arg)
         build_s = time.perf_counter() - t0
         inputs = _inputs_of(sess)
         feeds = options.extra.get("feeds") or _sample_feeds(inputs)
         notes: list[str] = []
         offline = opt_path.is_file()
-        ref = sess.run(None, feeds)
+        warm: dict[str, Any] = {}
+        if "TensorrtExecutionProvider" in providers:  # its engines build at the first inference: do it now
+            from edgekit.runtimes.ort_providers import warm_ep_cache
+
+            warm = warm_ep_cache(sess, feeds, out_dir)
+        try:
+            ref = sess.run(None, feeds)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BadInputError(f"onnxruntime cannot run {src.name} on its sample inputs "
+                                f"{ {k: (tuple(v.shape), str(v.dtype)) for k, v in feeds.items()} }: {msg}") from None
         if offline:  # the saved graph must load and agree with the online-optimized session
             try:
-                check = _session(opt_path, session_options("disable", options.threads), providers, provider_options)
+                check = _session(opt_path, session_options("disable", options.threads), provider_arg)
                 got = check.run(None, feeds)
                 bad = [i for i, (a, b) in enumerate(zip(ref, got, strict=True))
                        if a.shape != b.shape or not np.allclose(a, b, atol=1e-4, rtol=1e-3, equal_nan=True)]
@@ -227,7 +237,7 @@ class OnnxRuntime:
                        "hardware_specific": level in ("layout", "all") and offline},
             "metrics": {"build_seconds": round(build_s, 3), "nodes": len(graph.graph.node),
                         "integer_nodes": quantized_ops, "op_counts": op_counts,
-                        "model_size_mb": round(_size_mb(out_dir, files), 3)},
+                        "model_size_mb": round(_size_mb(out_dir, files), 3), **warm},
         }
 
     def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> OrtEngine:
@@ -238,7 +248,10 @@ class OnnxRuntime:
         level = session.get("load_optimization_level", "disable")
         threads = threads if threads is not None else (session.get("intra_op_num_threads") or None)
         path = manifest.path_of(engine_dir, "model")
-        return OrtEngine(path, providers, level, threads, session.get("provider_options") or {})
+        from edgekit.runtimes.ort_providers import load_providers
+
+        provider_arg = load_providers(providers, session.get("provider_options") or {}, engine_dir)
+        return OrtEngine(path, providers, level, threads, provider_arg)
 
 
 class OrtEngine:
@@ -247,13 +260,13 @@ class OrtEngine:
     runtime = "onnxruntime"
 
     def __init__(self, path: Path, providers: list[str], level: str, threads: int | None,
-                 provider_options: dict[str, dict[str, Any]] | None = None) -> None:
+                 provider_arg: list[Any] | None = None) -> None:
         self.path = Path(path)
         self.providers = providers
-        self.provider_options = provider_options or {}
+        self.provider_arg = provider_arg or list(providers)  # names or (name, options) pairs
         self.level = level
         self.threads = threads
-        self.session = _session(self.path, session_options(level, threads), providers, self.provider_options)
+        self.session = _session(self.path, session_options(level, threads), self.provider_arg)
         self.inputs = _inputs_of(self.session)
         self.outputs = [o.name for o in self.session.get_outputs()]
 
@@ -279,7 +292,7 @@ class OrtEngine:
         tmp = tempfile.mkdtemp(prefix="edgekit-ortprof-")
         try:
             so = session_options(self.level, self.threads, profile_prefix=str(Path(tmp) / "ort"))
-            sess = _session(self.path, so, self.providers, self.provider_options)
+            sess = _session(self.path, so, self.provider_arg)
             warm = 2
             for _ in range(warm):
                 sess.run(None, feeds)
@@ -349,8 +362,10 @@ def node_precision(op_type: str, input_types: list[str]) -> tuple[str, bool]:
     types = set(input_types)
     if types & _INT4_TYPES:
         return "int4", True
-    if types & _INT8_TYPES and base not in ("Gather", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Cast"):
-        return "int8", True  # a fused node fed int8/uint8 (e.g. a fused QDQ conv)
+    if types & _INT8_TYPES and base != "Cast":
+        # a fused node fed int8/uint8 (e.g. a QDQ conv fused by the CPU EP), or data movement that
+        # stays in the integer domain (MaxPool, Flatten, Transpose of uint8): no float round trip
+        return "int8", True
     if types & _FP16_TYPES:
         return "fp16", False
     if types & _BF16_TYPES:

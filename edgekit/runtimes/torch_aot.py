@@ -126,6 +126,12 @@ class TorchAotRuntime:
         trace_batch = max(2, options.batch) if dynamic else options.batch
         feeds = handle.sample_inputs(trace_batch)
         args = tuple(_to_tensor(torch, feeds[s.name], device, dtype) for s in handle.inputs)
+        # Freezing folds weights into the package (oneDNN prepacking on CPU: EfficientNet-Lite0
+        # ran ~1.3x faster here). Not for packed integer weights: it would fold the unpacking
+        # and store float weights, undoing the 4-bit size.
+        quantized = options.precision in QUANTIZED_PRECISIONS or any(
+            r.name in ("int4", "int8") for r in handle.steps)
+        freeze = bool(options.extra.get("freezing", device == "cpu" and not quantized))
         t0 = time.perf_counter()
         ep, dynamic = _export(torch, module, args, handle, dynamic, notes)
         export_s = time.perf_counter() - t0
@@ -136,6 +142,7 @@ class TorchAotRuntime:
             configs: dict[str, Any] = {}
             if device == "cpu":
                 configs["cpp.enable_kernel_profile"] = True  # kernel names in torch.profiler
+                configs["freezing"] = freeze  # weights as constants: oneDNN prepacked convolutions/matmuls
             package = aoti_compile_and_package(ep, package_path=str(out_dir / PACKAGE_FILE),
                                                inductor_configs=configs)
         except Exception as e:
@@ -150,7 +157,8 @@ class TorchAotRuntime:
         session = {"device": device, "dtype": dtype_name, "precision": options.precision, "dynamic_batch": dynamic,
                    "max_batch": MAX_DYNAMIC_BATCH if dynamic else options.batch,
                    "inputs": [s.to_dict() for s in spec_inputs], "outputs": list(handle.outputs),
-                   "torch": torch.__version__, "compiler": _compiler(), "kernel_profile": device == "cpu"}
+                   "torch": torch.__version__, "compiler": _compiler(), "kernel_profile": device == "cpu",
+                   "freezing": freeze if device == "cpu" else False}
         return {"files": {"model": PACKAGE_FILE},
                 "config": {"session": session, "notes": notes},
                 "metrics": {"export_seconds": round(export_s, 3), "compile_seconds": round(compile_s, 3),

@@ -19,8 +19,9 @@ A spec names where the data comes from:
   ``photos+fashion-mnist``    photos crops plus Fashion-MNIST images (grey, shown    eval = the 163 photo eval crops + the
                               to RGB models as 3x224x224), unlabelled                first 200 test images (363);
                                                                                      calib = the 128 photo calib crops +
-                                                                                     Fashion-MNIST calib images;
-                                                                                     train = photo train crops +
+                                                                                     the first 128 Fashion-MNIST calib
+                                                                                     images (256); train = the 101 photo
+                                                                                     train crops + the first 1,000
                                                                                      Fashion-MNIST train images
   ``wikipedia``               gensim's enwiki sample: redirects dropped, markup      by article, in file order: eval = the
                               stripped with ``filter_wiki`` (106 articles, 3.1M      first 70% of the characters (the
@@ -288,21 +289,20 @@ def _photos(split: str) -> _Raw:
     return _Raw(images=[_crop(photos, pool[i]) for i in idx], indices=idx)
 
 
-PHOTOS_FMNIST_EVAL_FMNIST = 200  # the first 200 Fashion-MNIST test images join the eval split
+PHOTOS_FMNIST_COUNTS = {"eval": 200, "calib": 128, "train": 1000}  # Fashion-MNIST images per split
 
 
 def _photos_fashion_mnist(split: str) -> _Raw:
-    """Photos crops first, then Fashion-MNIST images; pool indices: photos 0..391, then
-    1,000,000 + the Fashion-MNIST pool index (train 0..59,999, test 60,000..)."""
+    """Photos crops first, then the first Fashion-MNIST images of the same split (eval: 200
+    test images, calib: 128 calib images, train: 1,000 train images), so colour photos
+    stay a large share of every split. Pool indices: photos 0..391, then 1,000,000 + the
+    Fashion-MNIST pool index (train 0..59,999, test 60,000..)."""
     photos = _photos(split)
     fm = _fashion_mnist(split)
     assert fm.images is not None and fm.indices is not None and photos.images is not None
-    if split == "eval":
-        fm_images, fm_idx = fm.images[:PHOTOS_FMNIST_EVAL_FMNIST], fm.indices[:PHOTOS_FMNIST_EVAL_FMNIST]
-    else:
-        fm_images, fm_idx = fm.images, fm.indices
-    images = list(photos.images) + list(fm_images)
-    return _Raw(images=images, indices=np.concatenate([photos.indices, fm_idx + 1_000_000]))
+    k = PHOTOS_FMNIST_COUNTS[split]
+    images = list(photos.images) + list(fm.images[:k])
+    return _Raw(images=images, indices=np.concatenate([photos.indices, fm.indices[:k] + 1_000_000]))
 
 
 # --- text ---------------------------------------------------------------------------------------
@@ -475,7 +475,7 @@ def _raw_count(raw: _Raw) -> int:
 
 def _user_source(spec: str, split: str) -> tuple[_Raw | None, Samples | None]:
     whole = spec.endswith("@all")
-    base = spec[:-4] if whole else spec
+    base = os.path.expanduser(spec[:-4] if whole else spec)
     fn_takes_split = False
     if _ENTRY_POINT.match(base) and not Path(base).exists():
         mod_name, fn_name = base.split(":")
@@ -532,8 +532,8 @@ def token_windows(tokenizer: Any, text: str, seqlen: int, *, bos_token_id: int |
     With ``bos_token_id`` every window starts with it (then seqlen - 1 text tokens)."""
     if seqlen < 2:
         raise BadInputError(f"seqlen must be at least 2, got {seqlen}")
-    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     step = seqlen - 1 if bos_token_id is not None else seqlen
+    ids = _tokenize_prefix(tokenizer, text, None if limit is None else (limit + 1) * step)
     n = len(ids) // step
     if limit is not None:
         n = min(n, limit)
@@ -541,6 +541,22 @@ def token_windows(tokenizer: Any, text: str, seqlen: int, *, bos_token_id: int |
     if bos_token_id is not None:
         windows = np.concatenate([np.full((n, 1), bos_token_id, dtype=np.int64), windows], axis=1)
     return windows
+
+
+def _tokenize_prefix(tokenizer: Any, text: str, min_tokens: int | None) -> np.ndarray:
+    """Token ids of ``text``; with ``min_tokens``, of a prefix long enough to hold that
+    many tokens (plus a margin, so the cut never touches them), found by doubling."""
+    def tok(t: str) -> np.ndarray:
+        return np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    if min_tokens is not None:
+        chars = max(4096, 6 * min_tokens)
+        while chars < len(text):
+            ids = tok(text[:chars])
+            if len(ids) >= min_tokens + 64:
+                return ids
+            chars *= 2
+    return tok(text)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
@@ -612,8 +628,11 @@ def _name_arrays(arrays: dict[str, np.ndarray], model: ModelHandle | None, where
 
 def _text_inputs(docs: list[str], model: ModelHandle | None, seqlen: int | None, limit: int | None,
                  where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    if model is None or model.tokenizer is None:
+    if model is None or (model.tokenizer is None and not model.inputs):
         return {}, {"kind": "text"}
+    if model.tokenizer is None:
+        raise BadInputError(f"{where} is text, but model {model.name!r} takes {_describe_inputs(model)} "
+                            "and has no tokenizer")
     text = "\n\n".join(docs)
     if model.kind == "causal-lm":
         L = int(seqlen or model.extra.get("seqlen", DEFAULT_SEQLEN))
@@ -630,6 +649,10 @@ def _text_inputs(docs: list[str], model: ModelHandle | None, seqlen: int | None,
         raise BadInputError(f"model {model.name!r} has no text preprocessing; give arrays (.npz) instead of {where}")
     inputs = model.prepare(sentences, seqlen=seqlen or DEFAULT_SENTENCE_LEN)
     return inputs, {"kind": "sentences", "seqlen": int(next(iter(inputs.values())).shape[1]), "sentences": sentences}
+
+
+def _describe_inputs(model: ModelHandle) -> str:
+    return ", ".join(f"{s.name} {tuple(s.shape)} {s.dtype}" for s in model.inputs) or "no declared inputs"
 
 
 def _spec_for(model: ModelHandle | None, split: str) -> str:
@@ -675,8 +698,7 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
         return _enough(samples, limit, where)
     assert raw is not None
 
-    meta: dict[str, Any] = {}
-    text = None
+    meta: dict[str, Any]
     if raw.documents is not None:
         text = "\n\n".join(raw.documents)
         if not text.strip():
@@ -690,6 +712,8 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
     labels = None if raw.labels is None else np.asarray(raw.labels)[sel].astype(np.int64)
     indices = (raw.indices if raw.indices is not None else np.arange(n))[sel]
     if raw.images is not None:
+        if model is not None and model.kind in ("causal-lm", "text-encoder"):
+            raise BadInputError(f"{where} holds images, but model {model.name!r} takes text ({_describe_inputs(model)})")
         images = [raw.images[i] for i in sel]
         if model is not None and model.prepare is not None:
             first = model.prepare(images[:1])

@@ -109,14 +109,24 @@ def _gguf_cache_folder(gguf: Path) -> Path:
 def float_copy_of_gguf(folder: Path, gguf_file: str) -> Path:
     """A float32 Hugging Face folder (config, safetensors, tokenizer) made from the GGUF
     file once and cached; returns its path."""
-    from edgekit.artifact import staged_dir
-
     gguf = folder / gguf_file
     if not gguf.is_file():
         raise BadInputError(f"model file {str(gguf)!r} does not exist")
     target = _gguf_cache_folder(gguf)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    from edgekit.sources.zoo import cache_lock
+
+    with cache_lock(target.with_name(target.name + ".lock")):
+        if not ((target / "config.json").is_file() and (target / "model.safetensors").is_file()):
+            _convert_gguf(folder, gguf_file, target)
+    return target
+
+
+def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
+    from edgekit.artifact import staged_dir
+
+    gguf = folder / gguf_file
     tf = _transformers()
     try:
         config = tf.AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
@@ -134,7 +144,6 @@ def float_copy_of_gguf(folder: Path, gguf_file: str) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "edgekit-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
-    return target
 
 
 def _is_causal_lm(config: Any) -> bool:

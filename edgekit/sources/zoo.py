@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +93,8 @@ def _load_efficientnet_lite0() -> ModelHandle:
         name="efficientnet-lite0", source="efficientnet-lite0", kind="image-classifier", module=model,
         inputs=[InputSpec("input", ("batch", 3, 224, 224), "float32")], outputs=["logits"],
         make_inputs=make_inputs, prepare=prepare_effnet,
-        default_calib="photos+fashion-mnist", default_eval="photos+fashion-mnist", evaluator="agreement",
+        default_calib="photos+fashion-mnist", default_eval="photos+fashion-mnist", default_train="photos+fashion-mnist",
+        evaluator="agreement",
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
         extra={"num_classes": 1000, "params": sum(p.numel() for p in model.parameters())},
     )
@@ -167,6 +170,25 @@ ZOO: dict[str, ZooEntry] = {
         "wide CNN for Fashion-MNIST, channels 32/64/128: a distillation teacher (trained on first use, cached)",
         "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn-wide")),
 }
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock file, so that concurrent processes derive a cached file (trained
+    weights, a float copy of a GGUF) once instead of racing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux
+        yield
+        return
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def load_zoo_model(name: str) -> ModelHandle:

@@ -1,0 +1,442 @@
+"""Knowledge distillation: train a student on a teacher's softened outputs.
+
+Loss (Hinton et al. 2015), with T the temperature and alpha the soft weight:
+
+    L = alpha * T^2 * KL(softmax(t / T) || softmax(s / T)) + (1 - alpha) * CE(s, labels)
+
+For a causal LM the logits of every position are distilled and the hard loss is the
+next-token cross-entropy. With ``feature_loss`` the student's features entering its
+output layer (the penultimate features; the final hidden state of an LM) are also
+matched to the teacher's by MSE, through a learned 1x1 adapter when the widths differ
+(the adapter is trained alongside and then dropped).
+
+As a chained step (``edgekit compress --prune 0.5 --distill``) the teacher is
+``ctx.reference`` (else the reloaded base model: the model before the chain); alone,
+``distill(teacher, student, data, config, out_dir)``. Training uses
+``edgekit.compress.training.fit``: seeds, progress bars, per-epoch checkpoints in the
+work folder (resume by running again), early stopping on a validation split carved
+from the training split, then a final evaluation on the eval split.
+
+>>> distill("fmnist-cnn-wide", "fmnist-cnn", "fashion-mnist", DistillConfig(epochs=2), "out/kd")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError
+from edgekit.sources.handle import ModelHandle, StepRecord
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """temperature (``--temperature``), alpha: weight of the soft loss (``--alpha``),
+    epochs, lr, batch_size, feature_loss (``--feature-loss``) and its weight, seed,
+    patience: epochs without validation improvement before stopping (None: never),
+    max_steps: cap on optimizer steps, limit: at most this many training samples,
+    val_fraction: share of the training samples held out for validation,
+    seqlen: token window for text data, eval_limit: samples in the final evaluation."""
+
+    temperature: float = 4.0
+    alpha: float = 0.7
+    epochs: int = 3
+    lr: float = 1e-3
+    batch_size: int = 64
+    feature_loss: bool = False
+    feature_weight: float = 1.0
+    seed: int = 0
+    patience: int | None = 2
+    max_steps: int | None = None
+    limit: int | None = None
+    val_fraction: float = 0.1
+    seqlen: int = 128
+    eval_limit: int | None = 2000
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and np.isfinite(self.temperature)):
+            raise BadInputError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 <= self.alpha <= 1:
+            raise BadInputError(f"alpha (weight of the soft loss) must be in [0, 1], got {self.alpha}")
+        if self.epochs < 1:
+            raise BadInputError(f"epochs must be >= 1, got {self.epochs}")
+        if not self.lr > 0:
+            raise BadInputError(f"learning rate must be > 0, got {self.lr}")
+        if self.batch_size < 1:
+            raise BadInputError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.patience is not None and self.patience < 1:
+            raise BadInputError(f"patience must be >= 1 (or None), got {self.patience}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise BadInputError(f"max steps must be >= 1, got {self.max_steps}")
+        if not 0 < self.val_fraction < 0.5:
+            raise BadInputError(f"validation fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.seqlen < 2:
+            raise BadInputError(f"seqlen must be >= 2, got {self.seqlen}")
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def kd_loss(student: Any, teacher: Any, labels: Any | None, temperature: float, alpha: float,
+            mask: Any | None = None) -> Any:
+    """alpha * T^2 * KL(p_t || p_s) + (1 - alpha) * CE(student, labels).
+
+    student/teacher: logits (N, C) or (N, L, C); labels: (N,) / (N, L) class ids, -100
+    ignored; mask: (N, L) positions that count for the soft loss (None: all)."""
+    import torch.nn.functional as F
+
+    c = student.shape[-1]
+    s = student.reshape(-1, c)
+    t = teacher.reshape(-1, c).detach()
+    kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1),
+                  reduction="none", log_target=True).sum(-1)
+    if mask is not None:
+        m = mask.reshape(-1).to(kl.dtype)
+        soft = (kl * m).sum() / m.sum().clamp_min(1)
+    else:
+        soft = kl.mean()
+    loss = alpha * temperature**2 * soft
+    if alpha < 1:
+        if labels is None:
+            raise BadInputError("the hard-label loss needs labels (use alpha 1 for soft-only distillation)")
+        loss = loss + (1 - alpha) * F.cross_entropy(s, labels.reshape(-1).long(), ignore_index=-100)
+    return loss
+
+
+def _lm_labels(input_ids: Any, attention_mask: Any | None) -> Any:
+    """Next-token targets aligned with logits[:, t]: ids[:, t+1]; the last position -100."""
+    import torch
+
+    labels = torch.full_like(input_ids, -100)
+    labels[:, :-1] = input_ids[:, 1:]
+    if attention_mask is not None:
+        labels[:, :-1][attention_mask[:, 1:] == 0] = -100
+    return labels.long()
+
+
+class FeatureTap:
+    """Captures the input of a layer (the features entering the output layer)."""
+
+    def __init__(self, module: Any, layer_name: str) -> None:
+        self.value = None
+        self.handle = module.get_submodule(layer_name).register_forward_hook(self._hook)
+
+    def _hook(self, mod: Any, args: Any, out: Any) -> None:
+        self.value = args[0]
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def make_adapter(student_dim: int, teacher_dim: int, ndim: int) -> Any:
+    """A 1x1 adapter from student to teacher width (identity when equal)."""
+    import torch
+
+    if student_dim == teacher_dim:
+        return torch.nn.Identity()
+    if ndim == 4:
+        return torch.nn.Conv2d(student_dim, teacher_dim, 1, bias=False)
+    return torch.nn.Linear(student_dim, teacher_dim, bias=False)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _as_samples(data: Any, handle: ModelHandle, split: str, config: DistillConfig, limit: int | None,
+                seed: int) -> Any:
+    if data is not None and not isinstance(data, (str, os.PathLike)):
+        return data  # Samples (or anything with .inputs / .labels)
+    from edgekit.sources.data import load_samples
+
+    spec = None if data is None else str(data)
+    if spec is None:
+        spec = {"train": handle.default_train, "eval": handle.default_eval}.get(split) or handle.default_calib
+    kwargs: dict[str, Any] = {"split": split, "limit": limit, "seed": seed}
+    if handle.kind == "causal-lm":
+        kwargs["seqlen"] = config.seqlen
+    return load_samples(spec, handle, **kwargs)
+
+
+def _ordered(handle: ModelHandle, batch: dict[str, Any]) -> tuple[Any, ...]:
+    names = [i.name for i in handle.inputs]
+    missing = [n for n in names if n not in batch]
+    if missing:
+        raise BadInputError(f"data has no input(s) {missing} for {handle.name} (it has {sorted(batch)})")
+    return tuple(batch[n] for n in names)
+
+
+def _logits(out: Any) -> Any:
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "logits", out)
+
+
+def check_compatible(teacher: ModelHandle, student: ModelHandle, arrays: dict[str, np.ndarray]) -> None:
+    """Teacher and student must map the same inputs to outputs of the same shape."""
+    import torch
+
+    one = {k: torch.from_numpy(np.ascontiguousarray(v[:2])) for k, v in arrays.items()}
+    with torch.no_grad():
+        t = _logits(teacher.module(*_ordered(teacher, one)))
+        s = _logits(student.module(*_ordered(student, one)))
+    if tuple(t.shape) != tuple(s.shape):
+        raise BadInputError(f"teacher output shape {tuple(t.shape)} and student output shape {tuple(s.shape)} "
+                            "differ; distillation needs the same output shape")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, evaluation: Any | None,
+                     config: DistillConfig, *, work_dir: Path | None = None, progress: bool | None = None,
+                     fingerprint: str = "") -> dict[str, Any]:
+    """Distill ``teacher`` into ``student`` (in place) on ``train`` samples; validate on a
+    held-out part of them; evaluate both models on ``evaluation``. Returns the metrics."""
+    import torch
+
+    from edgekit.compress.prune import find_output_layers
+    from edgekit.compress.training import array_batches, fit, num_batches, seed_everything
+
+    if student.module is None or teacher.module is None:
+        raise BadInputError("distillation needs PyTorch teacher and student models (not ONNX-only)")
+    is_lm = student.kind == "causal-lm"
+    inputs = {k: np.asarray(v) for k, v in train.inputs.items()}
+    n = len(next(iter(inputs.values())))
+    labels = None if is_lm else (None if train.labels is None else np.asarray(train.labels))
+    if not is_lm and labels is None and config.alpha < 1:
+        raise BadInputError(f"data {getattr(train, 'source', '')!r} has no labels; the hard-label loss "
+                            f"(alpha {config.alpha} < 1) needs them (use --alpha 1 for soft-only distillation)")
+    if n < 4:
+        raise BadInputError(f"distillation needs at least 4 training samples, got {n}")
+    check_compatible(teacher, student, inputs)
+    seed_everything(config.seed)
+    order = np.random.default_rng(config.seed).permutation(n)
+    n_val = max(1, int(round(n * config.val_fraction)))
+    tr_idx, va_idx = order[n_val:], order[:n_val]
+    arrays = dict(inputs)
+    if labels is not None:
+        arrays["__labels__"] = labels
+    tr = {k: v[tr_idx] for k, v in arrays.items()}
+    va = {k: v[va_idx] for k, v in arrays.items()}
+
+    teacher.module.eval()
+    for p in teacher.module.parameters():
+        p.requires_grad_(False)
+    adapter = None
+    taps = None
+    if config.feature_loss:
+        ex = {k: torch.from_numpy(v[:2]) for k, v in inputs.items()}
+        t_head = find_output_layers(teacher.module, _ordered(teacher, ex))
+        s_head = find_output_layers(student.module, _ordered(student, ex))
+        if not t_head or not s_head:
+            raise BadInputError("feature loss needs an output layer (linear/conv head) in teacher and student")
+        taps = (FeatureTap(teacher.module, t_head[0]), FeatureTap(student.module, s_head[0]))
+        with torch.no_grad():
+            teacher.module(*_ordered(teacher, ex))
+            student.module(*_ordered(student, ex))
+        tf, sf = taps[0].value, taps[1].value
+        axis = 1 if tf.dim() == 4 else -1
+        adapter = make_adapter(sf.shape[axis], tf.shape[axis], tf.dim())
+    params = list(student.module.parameters()) + (list(adapter.parameters()) if adapter is not None else [])
+    for p in student.module.parameters():
+        p.requires_grad_(True)
+
+    def loss_fn(batch: dict[str, Any]) -> Any:
+        import torch.nn.functional as F
+
+        y = batch.pop("__labels__", None)
+        with torch.no_grad():
+            t = _logits(teacher.module(*_ordered(teacher, batch)))
+        s = _logits(student.module(*_ordered(student, batch)))
+        mask = batch.get("attention_mask") if is_lm else None
+        if is_lm:
+            y = _lm_labels(batch[student.inputs[0].name], mask)
+        loss = kd_loss(s, t, y, config.temperature, config.alpha, mask=mask)
+        if adapter is not None and taps is not None:
+            loss = loss + config.feature_weight * F.mse_loss(adapter(taps[1].value), taps[0].value.detach())
+        return loss
+
+    def validate() -> float:
+        if is_lm:
+            return _lm_nll(student, va, config.batch_size)
+        if labels is not None:
+            return _accuracy(student, va, config.batch_size)
+        total, count = 0.0, 0
+        for b in array_batches(va, config.batch_size, shuffle=False):
+            b.pop("__labels__", None)
+            t = _logits(teacher.module(*_ordered(teacher, b)))
+            s = _logits(student.module(*_ordered(student, b)))
+            total += float(kd_loss(s, t, None, config.temperature, 1.0)) * len(s)
+            count += len(s)
+        return total / max(count, 1)
+
+    mode = "max" if (not is_lm and labels is not None) else "min"
+    try:
+        result = fit(student.module, loss_fn, lambda epoch: array_batches(tr, config.batch_size, seed=config.seed,
+                                                                         epoch=epoch),
+                     epochs=config.epochs, lr=config.lr, params=params,
+                     steps_per_epoch=num_batches(len(tr_idx), config.batch_size), validate=validate, mode=mode,
+                     patience=config.patience, max_steps=config.max_steps, work_dir=work_dir,
+                     fingerprint=fingerprint, seed=config.seed, progress=progress, description="distill")
+    finally:
+        if taps is not None:
+            for tap in taps:
+                tap.close()
+    metrics: dict[str, Any] = {"train_samples": int(len(tr_idx)), "val_samples": int(len(va_idx)),
+                               "fit": result.to_dict(), "validation": "nll" if is_lm else
+                               ("accuracy" if labels is not None else "kd_loss")}
+    if evaluation is not None:
+        metrics["eval"] = evaluate_pair(teacher, student, evaluation, config.batch_size)
+    return metrics
+
+
+def _accuracy(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: int) -> float:
+    import torch
+
+    from edgekit.compress.training import array_batches
+
+    right, total = 0, 0
+    with torch.no_grad():
+        for b in array_batches(arrays, batch_size, shuffle=False):
+            y = b.pop("__labels__")
+            pred = _logits(handle.module(*_ordered(handle, b))).argmax(-1)
+            right += int((pred == y.long()).sum())
+            total += len(y)
+    return right / max(total, 1)
+
+
+def _lm_nll(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: int) -> float:
+    """Mean next-token negative log-likelihood (exp of it is the perplexity)."""
+    import torch
+    import torch.nn.functional as F
+
+    from edgekit.compress.training import array_batches
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for b in array_batches(arrays, batch_size, shuffle=False):
+            b.pop("__labels__", None)
+            logits = _logits(handle.module(*_ordered(handle, b)))
+            y = _lm_labels(b[handle.inputs[0].name], b.get("attention_mask"))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), ignore_index=-100,
+                                   reduction="sum")
+            nll += float(loss)
+            count += int((y != -100).sum())
+    return nll / max(count, 1)
+
+
+def evaluate_pair(teacher: ModelHandle, student: ModelHandle, samples: Any, batch_size: int = 64) -> dict[str, Any]:
+    """Accuracy (labelled data) or perplexity (causal LM) of teacher and student, and their
+    top-1 agreement."""
+    import math
+
+    import torch
+
+    from edgekit.compress.training import array_batches
+
+    arrays = {k: np.asarray(v) for k, v in samples.inputs.items()}
+    out: dict[str, Any] = {"samples": int(len(next(iter(arrays.values()))))}
+    if student.kind == "causal-lm":
+        out["teacher_ppl"] = round(math.exp(_lm_nll(teacher, arrays, batch_size)), 4)
+        out["student_ppl"] = round(math.exp(_lm_nll(student, arrays, batch_size)), 4)
+        return out
+    if samples.labels is not None:
+        lab = {**arrays, "__labels__": np.asarray(samples.labels)}
+        out["teacher_accuracy"] = round(_accuracy(teacher, lab, batch_size), 5)
+        out["student_accuracy"] = round(_accuracy(student, lab, batch_size), 5)
+    agree, total = 0, 0
+    with torch.no_grad():
+        for b in array_batches(arrays, batch_size, shuffle=False):
+            t = _logits(teacher.module(*_ordered(teacher, b))).argmax(-1)
+            s = _logits(student.module(*_ordered(student, b))).argmax(-1)
+            agree += int((t == s).sum())
+            total += t.numel()
+    out["agreement"] = round(agree / max(total, 1), 5)
+    return out
+
+
+# ----------------------------------------------------------------------------- step and API
+
+
+def _teacher_for(handle: ModelHandle, ctx: Any) -> ModelHandle:
+    ref = getattr(ctx, "reference", None)
+    if ref is not None:
+        return ref
+    from edgekit.sources.models import load_model
+
+    return load_model(handle.source)
+
+
+def apply(handle: ModelHandle, config: DistillConfig, ctx: Any) -> ModelHandle:
+    """The chained step: distill ``ctx.reference`` (the model before the chain) into
+    ``handle`` on ``ctx.train`` (a data spec or Samples; None: the model's default)."""
+    from edgekit.artifact import sha256_json
+    from edgekit.compress import config_to_dict
+
+    teacher = _teacher_for(handle, ctx)
+    seed = getattr(ctx, "seed", 0)
+    train = _as_samples(getattr(ctx, "train", None), handle, "train", config, config.limit, seed)
+    train_spec, ev = getattr(ctx, "train", None), getattr(ctx, "eval", None)
+    if ev is not None:
+        evaluation = _as_samples(ev, handle, "eval", config, config.eval_limit, seed)
+    elif train_spec is None or isinstance(train_spec, (str, os.PathLike)):
+        evaluation = _as_samples(train_spec, handle, "eval", config, config.eval_limit, seed)
+    else:
+        evaluation = None
+    work = getattr(ctx, "work_dir", None)
+    # what the run's weights depend on; epochs, max_steps and patience may grow on a resumed run
+    same_run = {k: v for k, v in config_to_dict(config).items() if k not in ("epochs", "max_steps", "patience",
+                                                                              "eval_limit")}
+    fingerprint = sha256_json({"config": same_run, "student": handle.source,
+                               "steps": [s.name for s in handle.steps], "data": getattr(train, "source", None),
+                               "n": len(next(iter(train.inputs.values())))})
+    metrics = run_distillation(teacher, handle, train, evaluation, config,
+                               work_dir=Path(work) / "distill" if work is not None else None,
+                               progress=None if getattr(ctx, "progress", True) else False, fingerprint=fingerprint)
+    metrics["teacher"] = teacher.name
+    metrics["data"] = getattr(train, "source", None)
+    handle.steps.append(StepRecord("distill", config_to_dict(config), metrics))
+    if ctx is not None and hasattr(ctx, "metrics"):
+        ctx.metrics["distill"] = {k: v for k, v in metrics.items() if k != "fit"}
+    return handle
+
+
+def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.PathLike[str] | ModelHandle,
+            data: Any, config: DistillConfig | None = None, out_dir: str | os.PathLike[str] | None = None, *,
+            eval_data: Any = None, work_dir: str | os.PathLike[str] | None = None,
+            progress: bool | None = None) -> ModelHandle:
+    """Distill ``teacher`` into ``student`` on ``data`` (a spec such as "fashion-mnist",
+    or Samples); with ``out_dir`` write the student as a model artifact (reloadable
+    with ``load_compressed``). Returns the trained student handle.
+
+    >>> distill("fmnist-cnn-wide", "fmnist-cnn", "fashion-mnist", DistillConfig(epochs=1))  # doctest: +SKIP
+    """
+    from edgekit.compress import StepContext, compress
+    from edgekit.sources.models import load_model
+
+    config = config or DistillConfig()
+    t = load_model(teacher)
+    s = load_model(student)
+    ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,
+                      work_dir=Path(work_dir) if work_dir is not None else
+                      (Path(f"{os.fspath(out_dir)}.work") if out_dir is not None else None),
+                      progress=True if progress is None else progress)
+    if out_dir is not None:
+        compress(s, [("distill", config)], out_dir, ctx)
+        return s
+    return apply(s, config, ctx)
+
+
+def _make_step() -> Any:
+    from edgekit.compress import Step
+
+    return Step("distill", DistillConfig, apply,
+                "knowledge distillation from the model before the chain (or a named teacher)",
+                rebuild=None, needs_float=True, output="float")
+
+
+STEP = _make_step()
+__all__ = ["DistillConfig", "distill", "kd_loss", "run_distillation", "evaluate_pair", "STEP"]

@@ -1,0 +1,595 @@
+"""Structured pruning with Torch-Pruning's dependency graph: remove whole channels.
+
+The model becomes a plain, smaller dense model. Torch-Pruning's ``DependencyGraph``
+finds the groups of coupled channels (a residual add ties the channels of every conv
+that feeds it; a depthwise conv ties its input to its output; a concatenation maps
+indices across its inputs) and a ``MetaPruner`` removes the least important channels
+of each group consistently. The classifier head (the layer producing the model's
+output) and any ``ignore``-named layers keep their output channels.
+
+Causal LMs (Llama family: SmolLM2, Qwen2, Gemma) keep their hidden size (the
+residual stream) and lose MLP intermediate channels (``gate_proj``/``up_proj`` rows
+and ``down_proj`` columns, through the dependency graph) and/or attention heads
+(whole query heads, the same number within every key/value group so grouped-query
+attention stays valid; ``o_proj`` columns follow). The attention modules' head
+counts and the Hugging Face config are updated.
+
+Saving stores no code: the step record's ``meta`` keeps the new shape of every
+tensor and the changed layer attributes (``out_channels``, ``groups``, ...), and
+``rebuild`` recreates those shapes on a freshly loaded base model before the
+weights load strictly.
+
+>>> from edgekit.compress import compress
+>>> compress("fmnist-cnn", [("prune", PruneConfig(ratio=0.5))], "out/pruned")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.handle import ModelHandle, StepRecord
+
+LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
+IMPORTANCES = ("l1", "l2", "taylor", "bn-scale")
+SCOPES = ("auto", "channels", "mlp", "heads", "mlp+heads")
+# Layer attributes that pruning may change and rebuild must restore.
+_ATTRS = ("in_channels", "out_channels", "groups", "in_features", "out_features", "num_features",
+          "normalized_shape", "num_embeddings", "embedding_dim", "num_channels", "num_groups",
+          "num_heads", "num_key_value_heads", "num_key_value_groups", "head_dim", "hidden_size",
+          "intermediate_size")
+_HF_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """How much and what to prune.
+
+    ratio: fraction of channels removed per prunable group (``--prune``), in (0, 1).
+    importance: channel score (``--importance``): "l1"/"l2" weight magnitude, "taylor"
+        (|weight x gradient| on calibration data), "bn-scale" (BatchNorm gamma).
+    global_pruning: rank channels across layers (``--global``) instead of the same
+        ratio in every layer (``--uniform``, the default).
+    round_to: keep channel counts multiples of this (``--round-to 8``); None = exact.
+    ignore: layer names (or glob patterns) whose output channels stay (``--ignore``).
+    iterative_steps: reach ``ratio`` in K steps, re-scoring between them.
+    scope: "auto" (every conv/linear channel for vision models; MLP channels for
+        causal LMs), "channels", "mlp", "heads" or "mlp+heads" (causal LMs).
+    head_ratio: fraction of attention heads removed when scope includes heads
+        (None: ``ratio``).
+    calib_batches: batches of calibration data for "taylor" importance.
+    """
+
+    ratio: float = 0.5
+    importance: str = "l2"
+    global_pruning: bool = False
+    round_to: int | None = None
+    ignore: tuple[str, ...] = ()
+    iterative_steps: int = 1
+    scope: str = "auto"
+    head_ratio: float | None = None
+    calib_batches: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore, (list, str)):
+            object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio < 1:
+            raise BadInputError(f"pruning ratio must be in (0, 1), got {self.ratio}")
+        if self.importance not in IMPORTANCES:
+            raise bad_choice("importance", self.importance, IMPORTANCES)
+        if self.scope not in SCOPES:
+            raise bad_choice("pruning scope", self.scope, SCOPES)
+        if self.round_to is not None and (not isinstance(self.round_to, int) or self.round_to < 1):
+            raise BadInputError(f"round-to must be a positive integer, got {self.round_to}")
+        if not isinstance(self.iterative_steps, int) or self.iterative_steps < 1:
+            raise BadInputError(f"iterative steps must be >= 1, got {self.iterative_steps}")
+        if self.head_ratio is not None and not 0 <= self.head_ratio < 1:
+            raise BadInputError(f"head ratio must be in [0, 1), got {self.head_ratio}")
+        if self.calib_batches < 1:
+            raise BadInputError(f"calib batches must be >= 1, got {self.calib_batches}")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def example_inputs(handle: ModelHandle, batch: int = 1) -> tuple[Any, ...]:
+    """The handle's sample inputs as a tuple of tensors, in ``handle.inputs`` order."""
+    import torch
+
+    feeds = handle.sample_inputs(batch)
+    names = [i.name for i in handle.inputs] or list(feeds)
+    return tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
+
+
+def _first_output(out: Any) -> Any:
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    if hasattr(out, "logits"):
+        return out.logits
+    return out
+
+
+def find_output_layers(module: Any, inputs: tuple[Any, ...]) -> list[str]:
+    """Names of the conv/linear layers whose output channels are the model's output
+    channels (the classifier head; an LM head): the last such layer run whose output
+    size matches the model output's feature axis."""
+    import torch
+
+    runs: list[tuple[str, tuple[int, ...]]] = []
+    hooks = []
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+            hooks.append(m.register_forward_hook(
+                lambda mod, args, out, name=name: runs.append((name, tuple(_first_output(out).shape)))))
+    try:
+        with torch.no_grad():
+            out = _first_output(module(*inputs))
+    finally:
+        for h in hooks:
+            h.remove()
+    shape = tuple(out.shape)
+    for name, s in reversed(runs):
+        if s == shape or (len(s) >= 2 and len(shape) >= 2 and s[-1] == shape[-1] and len(shape) <= 3) \
+                or (len(s) == 4 and len(shape) == 2 and s[1] == shape[1]):
+            return [name]
+    return []
+
+
+def resolve_ignore(module: Any, patterns: tuple[str, ...]) -> list[str]:
+    """Module names matched by ``patterns`` (exact name, a parent name, or a glob)."""
+    names = [n for n, _ in module.named_modules() if n]
+    matched: list[str] = []
+    for pat in patterns:
+        hits = [n for n in names if n == pat or n.startswith(pat + ".") or fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            leaves = [n for n, m in module.named_modules() if n and not list(m.children())]
+            close = [n for n in leaves if pat.split(".")[-1] in n][:8] or leaves[:8]
+            raise BadInputError(f"--ignore {pat!r} names no layer (layers include: {', '.join(close)})")
+        matched += hits
+    return matched
+
+
+def _snapshot(module: Any) -> tuple[dict[str, list[int]], dict[str, dict[str, Any]]]:
+    shapes = {k: list(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    attrs: dict[str, dict[str, Any]] = {}
+    for name, m in module.named_modules():
+        vals = {}
+        for a in _ATTRS:
+            v = getattr(m, a, None) if a in vars(m) else None
+            if isinstance(v, (int, tuple, list)) and not isinstance(v, bool):
+                vals[a] = list(v) if isinstance(v, (tuple, list)) else v
+        if vals:
+            attrs[name] = vals
+    return shapes, attrs
+
+
+def _hf_config(module: Any) -> Any:
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict") and hasattr(cfg, "num_hidden_layers"):
+            return cfg
+    return None
+
+
+def count_macs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
+    """Multiply-accumulates of one forward pass on ``inputs``, total and per conv/linear
+    layer (forward hooks: out elements x (in channels / groups) x kernel size), and
+    parameters. Convs and linears are counted by class, so subclasses (same-padding
+    convs) count too; other ops (activations, norms, attention matmuls) are not MACs of
+    weights and are left out, like Torch-Pruning's ``count_ops_and_params`` does for most."""
+    import torch
+
+    layers: dict[str, dict[str, int]] = {}
+    hooks = []
+
+    def hook(name: str):
+        def fn(mod: Any, args: Any, out: Any) -> None:
+            out = _first_output(out)
+            if isinstance(mod, torch.nn.Linear):
+                macs = out.numel() * mod.in_features
+            else:
+                k = int(np.prod(mod.kernel_size))
+                macs = out.numel() * (mod.in_channels // mod.groups) * k
+            entry = layers.setdefault(name, {"macs": 0, "params": sum(p.numel() for p in mod.parameters(False))})
+            entry["macs"] += int(macs)
+        return fn
+
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+            hooks.append(m.register_forward_hook(hook(name)))
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"macs": int(sum(v["macs"] for v in layers.values())),
+            "params": int(sum(p.numel() for p in module.parameters())), "layers": layers}
+
+
+def _calibration_batches(handle: ModelHandle, ctx: Any, config: PruneConfig) -> list[tuple[tuple[Any, ...], Any]]:
+    """(inputs, labels-or-None) batches for Taylor importance."""
+    import torch
+
+    names = [i.name for i in handle.inputs]
+    spec = getattr(ctx, "calib", None) or handle.default_calib
+    if spec is None:
+        return [(example_inputs(handle, 8), None)]
+    try:
+        from edgekit.sources.data import load_samples
+
+        samples = load_samples(spec, handle, split="calib", limit=8 * config.calib_batches,
+                               seed=getattr(ctx, "seed", 0))
+        out = []
+        for i, b in enumerate(samples.batches(8)):
+            if i >= config.calib_batches:
+                break
+            labels = None
+            if samples.labels is not None:
+                labels = torch.from_numpy(np.asarray(samples.labels[i * 8:i * 8 + len(next(iter(b.values())))]))
+            out.append((tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names), labels))
+        if out:
+            return out
+    except (ImportError, ModuleNotFoundError):
+        pass
+    return [(example_inputs(handle, 8), None)]
+
+
+def _taylor_loss(handle: ModelHandle, out: Any, inputs: tuple[Any, ...], labels: Any) -> Any:
+    import torch.nn.functional as F
+
+    logits = _first_output(out)
+    if handle.kind == "causal-lm":
+        ids = inputs[0]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1).long())
+    if logits.dim() > 2:
+        logits = logits.flatten(1)
+    target = labels.long() if labels is not None else logits.detach().argmax(-1)
+    return F.cross_entropy(logits, target)
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+def _importance(config: PruneConfig) -> Any:
+    import torch_pruning as tp
+
+    if config.importance == "l1":
+        return tp.importance.GroupMagnitudeImportance(p=1)
+    if config.importance == "l2":
+        return tp.importance.GroupMagnitudeImportance(p=2)
+    if config.importance == "taylor":
+        return tp.importance.GroupTaylorImportance()
+    return tp.importance.BNScaleImportance()
+
+
+def _llama_layers(module: Any) -> list[tuple[str, Any]]:
+    """(name, decoder layer) pairs of a Llama-style model (self_attn + mlp)."""
+    out = []
+    for name, m in module.named_modules():
+        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
+        if attn is not None and mlp is not None and hasattr(attn, "q_proj") and hasattr(mlp, "gate_proj"):
+            out.append((name, m))
+    return out
+
+
+def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> dict[str, Any]:
+    """Prune ``handle.module`` in place; returns facts for the step record (no shapes)."""
+    import torch
+    import torch_pruning as tp
+
+    module = handle.module
+    if module is None:
+        raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
+    module.eval()
+    inputs = example_inputs(handle, 1)
+    is_lm = handle.kind == "causal-lm"
+    scope = config.scope if config.scope != "auto" else ("mlp" if is_lm else "channels")
+    if not is_lm and scope != "channels":
+        raise BadInputError(f"pruning scope {scope!r} is for causal LMs; {handle.name} is a {handle.kind} "
+                            "(use 'channels')")
+    by_name = dict(module.named_modules())
+    protected = find_output_layers(module, inputs)
+    user = resolve_ignore(module, tuple(config.ignore))
+    ignored_names = sorted(set(protected) | set(user))
+    ignored = [by_name[n] for n in ignored_names]
+    if config.importance == "bn-scale" and not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                                   for m in module.modules()):
+        raise BadInputError(f"importance 'bn-scale' needs BatchNorm layers; {handle.name} has none "
+                            "(choose from 'l1', 'l2', 'taylor')")
+    facts: dict[str, Any] = {"scope": scope, "protected": protected, "ignored": sorted(set(user))}
+    calib = _calibration_batches(handle, ctx, config) if config.importance == "taylor" else []
+
+    def score_gradients() -> None:
+        module.zero_grad(set_to_none=True)
+        for x, y in calib:
+            with torch.enable_grad():
+                _taylor_loss(handle, module(*x), x, y).backward()
+
+    pruner = None
+    if scope in ("channels", "mlp", "mlp+heads"):
+        if is_lm:
+            layers = _llama_layers(module)
+            if not layers:
+                raise BadInputError(f"causal-LM pruning supports Llama-style models (q_proj/gate_proj); "
+                                    f"{handle.name} has no such layers")
+            names_of = {id(m): n for n, m in module.named_modules()}
+            targets = {id(m) for _, lay in layers for m in (lay.mlp.gate_proj, lay.mlp.up_proj)
+                       if names_of[id(m)] not in user}
+            ignored = [m for m in module.modules() if isinstance(m, torch.nn.Linear) and id(m) not in targets]
+        kwargs: dict[str, Any] = {}
+        if is_lm:
+            kwargs["output_transform"] = _first_output
+        import warnings
+
+        with warnings.catch_warnings():  # RMSNorm weights are "unwrapped"; the hidden size is not pruned
+            warnings.simplefilter("ignore", UserWarning)
+            pruner = tp.pruner.MetaPruner(
+                module, example_inputs=inputs, importance=_importance(config),
+                global_pruning=config.global_pruning, pruning_ratio=config.ratio,
+                max_pruning_ratio=0.9 if config.global_pruning else 1.0, iterative_steps=config.iterative_steps,
+                ignored_layers=ignored, round_to=config.round_to, **kwargs)
+    groups = 0
+    for _ in range(config.iterative_steps):
+        if pruner is not None:
+            if config.importance == "taylor":
+                score_gradients()
+            for group in pruner.step(interactive=True):
+                group.prune()
+                groups += 1
+    module.zero_grad(set_to_none=True)
+    facts["groups_pruned"] = groups
+    if is_lm and scope in ("heads", "mlp+heads"):
+        facts["heads"] = prune_heads(module, config.head_ratio if config.head_ratio is not None else config.ratio,
+                                     config.importance, ignored_names=user)
+    if is_lm:
+        _update_llama_config(module)
+    return facts
+
+
+def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: list[str] = ()) -> dict[str, Any]:
+    """Remove query heads of every Llama-style attention layer: ``ceil(ratio * heads /
+    kv_heads)`` from each key/value group (so grouped-query attention stays valid),
+    scored by the norm of their q_proj rows and o_proj columns; key/value heads stay.
+    Uses Torch-Pruning's layer pruning functions for the surgery."""
+    import torch
+    import torch_pruning as tp
+
+    p = 1 if importance == "l1" else 2
+    out = {}
+    for name, layer in _llama_layers(module):
+        attn = layer.self_attn
+        if any(name + ".self_attn" == n or (name + ".self_attn").startswith(n + ".") or n.startswith(name + ".self_attn")
+               for n in ignored_names):
+            continue
+        hd = attn.head_dim
+        n_q = attn.q_proj.out_features // hd
+        n_kv = attn.k_proj.out_features // hd
+        per_group = n_q // n_kv
+        remove = min(per_group - 1, math.ceil(ratio * n_q / n_kv)) if ratio > 0 else 0
+        if remove <= 0:
+            continue
+        with torch.no_grad():
+            q = attn.q_proj.weight.view(n_q, hd, -1)
+            o = attn.o_proj.weight.view(o_rows := attn.o_proj.out_features, n_q, hd)
+            score = q.abs().pow(p).sum(dim=(1, 2)) + o.abs().pow(p).sum(dim=(0, 2))
+            del o_rows
+        drop_heads = []
+        for g in range(n_kv):
+            s = score[g * per_group:(g + 1) * per_group]
+            drop_heads += (torch.topk(s, remove, largest=False).indices + g * per_group).tolist()
+        idxs = sorted(i for h in drop_heads for i in range(h * hd, (h + 1) * hd))
+        tp.prune_linear_out_channels(attn.q_proj, idxs)
+        tp.prune_linear_in_channels(attn.o_proj, idxs)
+        out[name] = {"heads": n_q - len(drop_heads), "removed": sorted(drop_heads)}
+    return out
+
+
+def _update_llama_config(module: Any) -> None:
+    """After pruning: head counts on each attention module and uniform sizes in the config."""
+    layers = _llama_layers(module)
+    heads, kv, inter = set(), set(), set()
+    for _, layer in layers:
+        attn = layer.self_attn
+        hd = attn.head_dim
+        n_q, n_kv = attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
+        attn.num_key_value_groups = n_q // n_kv
+        for a, v in (("num_heads", n_q), ("num_key_value_heads", n_kv)):
+            if a in vars(attn):
+                setattr(attn, a, v)
+        heads.add(n_q)
+        kv.add(n_kv)
+        inter.add(layer.mlp.gate_proj.out_features)
+        if "intermediate_size" in vars(layer.mlp):
+            layer.mlp.intermediate_size = layer.mlp.gate_proj.out_features
+    cfg = _hf_config(module)
+    if cfg is not None:
+        if len(inter) == 1:
+            cfg.intermediate_size = inter.pop()
+        if len(heads) == 1:
+            cfg.num_attention_heads = heads.pop()
+        if len(kv) == 1:
+            cfg.num_key_value_heads = kv.pop()
+
+
+# ----------------------------------------------------------------------------- record / rebuild
+
+
+def _diff_shapes(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {k: v for k, v in after.items() if before.get(k) != v}
+
+
+def _diff_attrs(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, vals in after.items():
+        changed = {a: v for a, v in vals.items() if before.get(name, {}).get(a) != v}
+        if changed:
+            out[name] = changed
+    return out
+
+
+def rebuild(handle: ModelHandle, config: PruneConfig, record: StepRecord) -> ModelHandle:
+    """Recreate the pruned shapes recorded in ``record.meta`` on a freshly loaded model
+    (placeholder weights; ``load_compressed`` then loads the saved ones strictly)."""
+    import torch
+
+    module = handle.module
+    if module is None:
+        raise BadInputError(f"cannot rebuild a pruned model on {handle.name}: no PyTorch module")
+    shapes = record.meta.get("shapes", {})
+    for key, shape in shapes.items():
+        owner_name, _, attr = key.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_name) if owner_name else module
+        except AttributeError:
+            raise BadInputError(f"pruned tensor {key!r} is not in {handle.name}: the base model changed") from None
+        old = getattr(owner, attr, None)
+        if old is None:
+            raise BadInputError(f"pruned tensor {key!r} is not in {handle.name}: the base model changed")
+        new = torch.empty(tuple(shape), dtype=old.dtype)
+        if attr in owner._parameters:
+            setattr(owner, attr, torch.nn.Parameter(new, requires_grad=old.requires_grad))
+        else:
+            owner._buffers[attr] = new
+    for name, vals in record.meta.get("attrs", {}).items():
+        owner = module.get_submodule(name) if name else module
+        for a, v in vals.items():
+            setattr(owner, a, tuple(v) if isinstance(v, list) else v)
+    cfg = _hf_config(module)
+    for k, v in record.meta.get("hf_config", {}).items():
+        if cfg is not None:
+            setattr(cfg, k, v)
+    return handle
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: float | None = None,
+                    threads: int = 1) -> dict[str, float]:
+    """p50/p90 latency (ms) of the model's ONNX Runtime engine at batch 1: through
+    ``build_engine`` + ``profile_engine`` when the spine provides them, else a direct
+    ONNX Runtime session on a plain export."""
+    import tempfile
+    from pathlib import Path
+
+    duration_s = LATENCY_SECONDS if duration_s is None else duration_s
+    with tempfile.TemporaryDirectory(prefix="edgekit-prune-") as tmp:
+        try:
+            from edgekit.build import build_engine
+            from edgekit.profiling import ProfileConfig, profile_engine
+            from edgekit.runtimes.base import BuildOptions
+
+            engine = build_engine(handle, target or "cpu", Path(tmp) / "engine",
+                                  BuildOptions(threads=threads, runtime="onnxruntime"))
+            prof = profile_engine(engine, ProfileConfig(warmup_ms=100, duration_s=duration_s, iterations=30,
+                                                        threads=threads, node_profile=False))
+            lat = prof.latency_ms
+            return {"p50_ms": float(lat.p50), "p90_ms": float(lat.p90), "via": "profile_engine"}
+        except ImportError:
+            pass
+        times = time_onnx(handle, Path(tmp) / "m.onnx", duration_s=duration_s, threads=threads)
+        return {"p50_ms": float(np.percentile(times, 50)), "p90_ms": float(np.percentile(times, 90)),
+                "via": "onnxruntime"}
+
+
+def export_plain_onnx(handle: ModelHandle, path: Any) -> Any:
+    """Export with the spine's ``export_onnx`` when present, else ``torch.onnx.export``."""
+    import torch
+
+    inputs = example_inputs(handle, 1)
+    names = [i.name for i in handle.inputs] or [f"input_{i}" for i in range(len(inputs))]
+    torch.onnx.export(handle.module.eval(), inputs, str(path), input_names=names,
+                      output_names=list(handle.outputs), dynamo=False, opset_version=17)
+    return path
+
+
+def time_onnx(handle: ModelHandle, path: Any, *, duration_s: float = 1.0, threads: int = 1) -> list[float]:
+    import onnxruntime as ort
+
+    export_plain_onnx(handle, path)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feeds = handle.sample_inputs(1)
+    feeds = {i.name: feeds[n] for i, n in zip(sess.get_inputs(), [s.name for s in handle.inputs] or list(feeds))}
+    for _ in range(5):
+        sess.run(None, feeds)
+    times: list[float] = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end or len(times) < 20:
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
+    """Prune ``handle`` in place, record shapes and MACs, and (with a target) measure
+    the engine latency before and after."""
+    import copy
+
+    from edgekit.compress import config_to_dict
+
+    if handle.module is None:
+        raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
+    inputs = example_inputs(handle, 1)
+    target = getattr(ctx, "target", None)
+    before_model = copy.deepcopy(handle.module) if target is not None else None
+    macs_before = count_macs(handle.module, inputs)
+    shapes0, attrs0 = _snapshot(handle.module)
+    cfg = _hf_config(handle.module)
+    hf0 = {k: getattr(cfg, k, None) for k in _HF_FIELDS} if cfg is not None else {}
+    t0 = time.perf_counter()
+    facts = prune_module(handle, config, ctx)
+    seconds = time.perf_counter() - t0
+    shapes1, attrs1 = _snapshot(handle.module)
+    hf1 = {k: getattr(cfg, k, None) for k in _HF_FIELDS} if cfg is not None else {}
+    macs_after = count_macs(handle.module, inputs)
+    layers = {}
+    for name, b in macs_before["layers"].items():
+        a = macs_after["layers"].get(name, {"macs": 0, "params": 0})
+        if a != b:
+            layers[name] = {"macs_before": b["macs"], "macs_after": a["macs"],
+                            "params_before": b["params"], "params_after": a["params"]}
+    summary = {
+        "macs_before": macs_before["macs"], "macs_after": macs_after["macs"],
+        "params_before": macs_before["params"], "params_after": macs_after["params"],
+        "mac_ratio": round(macs_before["macs"] / max(macs_after["macs"], 1), 4),
+        "param_ratio": round(macs_before["params"] / max(macs_after["params"], 1), 4),
+        "seconds": round(seconds, 3),
+    }
+    if target is not None and before_model is not None:
+        before = ModelHandle(**{**handle.__dict__, "module": before_model, "steps": []})
+        lat_b = measure_latency(before, target)
+        lat_a = measure_latency(handle, target)
+        summary.update({"latency_before_ms": round(lat_b["p50_ms"], 4), "latency_after_ms": round(lat_a["p50_ms"], 4),
+                        "speedup": round(lat_b["p50_ms"] / max(lat_a["p50_ms"], 1e-9), 3)})
+    meta = {**facts, **summary, "layers": layers, "shapes": _diff_shapes(shapes0, shapes1),
+            "attrs": _diff_attrs(attrs0, attrs1),
+            "hf_config": {k: v for k, v in hf1.items() if hf0.get(k) != v}}
+    handle.steps.append(StepRecord("prune", config_to_dict(config), meta))
+    if ctx is not None and hasattr(ctx, "metrics"):
+        ctx.metrics["prune"] = summary
+    handle.extra["params"] = macs_after["params"]
+    return handle
+
+
+def _make_step() -> Any:
+    from edgekit.compress import Step
+
+    return Step("prune", PruneConfig, apply,
+                "structured channel/head pruning with Torch-Pruning's dependency graph",
+                rebuild=rebuild, needs_float=True, output="float")
+
+
+STEP = _make_step()
