@@ -240,12 +240,52 @@ PUBLIC_ORIN = [
 ]
 
 
+def _save_measurements(folder: Path, measurements: list[Any]) -> None:
+    """Keep what a re-fit needs: node times, and each measured graph without its weights."""
+    import onnx
+
+    from edgekit.artifact import atomic_write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, m in enumerate(measurements):
+        g = onnx.ModelProto()
+        g.CopyFrom(m.graph)
+        for init in g.graph.initializer:
+            if init.raw_data and len(init.raw_data) > 4096:
+                init.ClearField("raw_data")
+                init.data_location = onnx.TensorProto.EXTERNAL
+                del init.external_data[:]
+                init.external_data.add(key="location", value="__edgekit_dropped__")
+        onnx.save(g, str(folder / f"graph{i}.onnx"))
+        rows.append({"model": m.model, "source": str(m.source), "p50_ms": m.p50_ms, "nodes": m.nodes,
+                     "node_ops": m.node_ops, "dims": m.dims, "batch": m.batch, "cv": m.cv,
+                     "rounds": getattr(m, "rounds", None), "graph": f"graph{i}.onnx"})
+    atomic_write_json(folder / "measurements.json", rows)
+
+
+def _load_measurements(folder: Path) -> list[Any]:
+    import onnx
+
+    from edgekit.estimate.calibrate import Measurement
+
+    out = []
+    for r in json.loads((folder / "measurements.json").read_text()):
+        m = Measurement(model=r["model"], graph=onnx.load(str(folder / r["graph"]), load_external_data=False),
+                        source=r["source"], p50_ms=r["p50_ms"], nodes=r["nodes"], node_ops=r["node_ops"],
+                        runtime="onnxruntime", threads=1, dims=r["dims"], batch=r["batch"], cv=r["cv"])
+        m.rounds = r.get("rounds")
+        out.append(m)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--skip-llm", action="store_true")
     ap.add_argument("--duration-s", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=2, help="Interleaved measurement rounds (median kept).")
+    ap.add_argument("--refit", action="store_true", help="Re-fit and re-report from the last run's measurements.")
     args = ap.parse_args()
     t_start = time.perf_counter()
     graphs = prepare(args.skip_llm)
@@ -258,20 +298,26 @@ def main() -> int:
     from edgekit.estimate.calibrate import CalibrationCase, calibrate, measure_cpu
 
     cases = _cases(graphs)
-    # Interleaved rounds: every case once per round, so the shared machine's load hits all alike.
-    meas: dict[int, list[Any]] = {i: [] for i in range(len(cases))}
-    for r in range(args.repeats):
-        for i, (label, prec, path, dims) in enumerate(cases):
-            m = measure_cpu(path, "cpu", dims=_seq_dims(path, dims), threads=1, duration_s=args.duration_s,
-                            iterations=20, node_iterations=10, name=f"{label} {prec}")
-            meas[i].append(m)
-            print(f"round {r + 1}: {label} {prec}: p50 {m.p50_ms:.2f} ms (cv {m.cv:.1%})", flush=True)
-    chosen = []
-    for i in range(len(cases)):
-        ms = sorted(meas[i], key=lambda m: m.p50_ms)
-        med = ms[len(ms) // 2] if len(ms) % 2 else ms[len(ms) // 2 - 1]  # a real run, not an average
-        med.p50_ms = statistics.median(m.p50_ms for m in meas[i])
-        chosen.append(med)
+    saved = _cache() / "measured"
+    if args.refit:  # re-fit on the measurements of the last run (graphs kept without weights)
+        chosen = _load_measurements(saved)
+    else:
+        # Interleaved rounds: every case once per round, so the shared machine's load hits all alike.
+        meas: dict[int, list[Any]] = {i: [] for i in range(len(cases))}
+        for r in range(args.repeats):
+            for i, (label, prec, path, dims) in enumerate(cases):
+                m = measure_cpu(path, "cpu", dims=_seq_dims(path, dims), threads=1, duration_s=args.duration_s,
+                                iterations=20, node_iterations=10, name=f"{label} {prec}")
+                meas[i].append(m)
+                print(f"round {r + 1}: {label} {prec}: p50 {m.p50_ms:.2f} ms (cv {m.cv:.1%})", flush=True)
+        chosen = []
+        for i in range(len(cases)):
+            ms = sorted(meas[i], key=lambda m: m.p50_ms)
+            med = ms[len(ms) // 2] if len(ms) % 2 else ms[len(ms) // 2 - 1]  # a real run, not an average
+            med.p50_ms = statistics.median(m.p50_ms for m in meas[i])
+            med.rounds = [m.p50_ms for m in meas[i]]
+            chosen.append(med)
+        _save_measurements(saved, chosen)
     report = calibrate([CalibrationCase(c[2], _seq_dims(c[2], c[3]), name=f"{c[0]} {c[1]}") for c in cases], "cpu",
                        measurements=chosen, save=True)
     print(report.render(), flush=True)

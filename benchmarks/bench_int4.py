@@ -108,7 +108,7 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
         ppl = torch_ppl(handle.module, windows)
         meta = handle.steps[-1].meta
         save_part(v, {"variant": v, "method": method, "bits": bits, "group_size": group, "ppl_torch": ppl,
-                      "quant_seconds": round(quant_s, 1), "solver_seconds": meta.get("seconds"),
+                      "quant_seconds": round(quant_s, 1), "solver_seconds": meta.get("seconds"), "solver_cpu_seconds": meta.get("cpu_seconds"),
                       "calib_windows": meta.get("calib_windows"), "bytes": packed_bytes(handle.module),
                       "eval_windows": n_eval, "eval_seconds": round(time.perf_counter() - t, 1)})
         print(v, ppl, round(quant_s, 1), flush=True)
@@ -124,7 +124,7 @@ def _latency(sess, feeds_fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def run_onnx(n_eval: int, keep: Path, runs: int) -> None:
+def run_onnx(n_eval: int, keep: Path, runs: int, ort_windows: int | None = None, ort_threads: int = 2) -> None:
     import onnxruntime as ort
 
     from edgekit.compress import load_compressed
@@ -132,11 +132,17 @@ def run_onnx(n_eval: int, keep: Path, runs: int) -> None:
 
     base = load_smollm2()
     windows = eval_windows(base, n_eval)
-    packed = load_compressed(keep / "gptq-w4g128")
+    ort_windows = n_eval if ort_windows is None else ort_windows
     models = {}
-    for name, handle in [("onnx-fp32", base), ("onnx-gptq-w4g128", packed)]:
+    for name in ("onnx-fp32", "onnx-gptq-w4g128"):
         out = keep / name
         if not (out / "manifest.json").exists():
+            if name == "onnx-fp32":
+                handle = base
+            else:  # the packed checkpoint bench --only torch wrote (wait for it when run in parallel)
+                while not (keep / "gptq-w4g128" / "manifest.json").exists():
+                    time.sleep(15)
+                handle = load_compressed(keep / "gptq-w4g128")
             export_causal_lm(handle, out)
         models[name] = out
     acc4 = keep / "onnx-gptq-w4g128-acc4"  # the same graph with int8 compute in MatMulNBits
@@ -156,15 +162,16 @@ def run_onnx(n_eval: int, keep: Path, runs: int) -> None:
     results = {}
     for name, out in models.items():
         man = json.loads((out / "manifest.json").read_text())
-        sess = lm_session(out / "model.onnx", threads=1)
+        sess = lm_session(out / "model.onnx", threads=ort_threads)
         # perplexity through ORT (prefill of each window, no past)
         nll, count = 0.0, 0
-        for row in windows if n_eval else []:
+        for row in windows[:ort_windows]:
             logits = sess.run(None, lm_feeds(sess, row[None]))[0][0]
             lg = logits[:-1] - logits[:-1].max(-1, keepdims=True)
             lp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
             nll -= float(lp[np.arange(len(row) - 1), row[1:]].sum())
             count += len(row) - 1
+        sess = lm_session(out / "model.onnx", threads=1)  # latency: one thread
         prompt = windows[0][None, :128]
         prefill = lambda: lm_feeds(sess, prompt)  # noqa: E731
         past = presents_to_past(sess, sess.run(None, prefill()))
@@ -188,6 +195,7 @@ def run_onnx(n_eval: int, keep: Path, runs: int) -> None:
         r["prefill128_ms"] = statistics.median(pre[k])
         r["decode_ms"] = statistics.median(dec[k])
         r["eval_windows"] = n_eval
+        r["ort_eval_windows"] = ort_windows
         r["ort_version"] = ort.__version__
         save_part(k, r)
         print(k, r, flush=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import platform
 import sys
 import tempfile
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "prune.json"
 
-from edgekit.compress import StepContext, compress, load_compressed  # noqa: E402
+from edgekit.compress import StepContext, compress  # noqa: E402
 from edgekit.compress.distill import DistillConfig, evaluate_pair  # noqa: E402
 from edgekit.compress.distill import apply as distill_apply  # noqa: E402
 from edgekit.compress.prune import PruneConfig, count_macs, example_inputs  # noqa: E402
@@ -98,7 +97,7 @@ def part_cnn(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-prune-"))
     engines = {"unpruned": build(base, tmp / "e-base")}
     cfg = dict(epochs=args.epochs, lr=args.lr, batch_size=128, patience=None, seed=0, eval_limit=None)
-    for ratio in (0.3, 0.5):
+    for ratio in [float(r) for r in args.ratios.split(",")]:
         key = f"pruned {int(ratio * 100)}%"
         pruned = load_model("fmnist-cnn")
         prune_apply(pruned, PruneConfig(ratio=ratio), StepContext())
@@ -194,12 +193,13 @@ def part_llm(args: argparse.Namespace) -> dict[str, Any]:
     steps = max(1, int(args.llm_steps))
     ctx = StepContext(reference=base, train=train, eval=ev, progress=False, seed=0)
     t0 = time.perf_counter()
-    distill_apply(student, DistillConfig(alpha=0.7, temperature=2.0, epochs=1, lr=5e-5, batch_size=4,
+    distill_apply(student, DistillConfig(alpha=0.7, temperature=2.0, epochs=8, lr=1e-4, batch_size=4,
                                          max_steps=steps, patience=None, seqlen=128, eval_limit=None), ctx)
     kd_s = time.perf_counter() - t0
     after = student.steps[-1].meta["eval"]
+    steps = student.steps[-1].meta["fit"]["steps"]
     log(f"smollm2 after {steps} distillation steps ({kd_s:.0f} s incl. eval): ppl {after['student_ppl']}")
-    return {"eval": f"wikipedia, {len(ev)} windows of 256 tokens", "train": f"lee-news, 128-token windows",
+    return {"eval": f"wikipedia, {len(ev)} windows of 256 tokens", "train": "lee-news, 128-token windows",
             "params_before": meta["params_before"], "params_after": meta["params_after"],
             "mac_ratio": meta["mac_ratio"], "intermediate_size": student.module.model.config.intermediate_size,
             "ppl_unpruned": before["teacher_ppl"], "ppl_pruned": before["student_ppl"],
@@ -256,8 +256,8 @@ def _engine_accuracy(engine_dir: Path, ev: Any) -> float:
 
 def table(results: dict[str, Any]) -> str:
     lines = []
-    if "cnn" in results:
-        r = results["cnn"]
+    for key in [k for k in results if k.startswith("cnn")]:
+        r = results[key]
         lines += [f"Fashion-MNIST CNN ({r['train_samples']} train samples, {r['epochs']} epochs, eval {r['eval_samples']})",
                   "| variant | MACs | ratio | p50 ms | speedup | acc pruned | acc fine-tune | acc distill |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -290,6 +290,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="cnn,effnet,llm,int8")
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--ratios", default="0.3,0.5", help="CNN pruning ratios")
+    ap.add_argument("--suffix", default="", help="store the part's results under NAME+SUFFIX")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--limit", type=int, default=30000, help="training samples for the CNN")
     ap.add_argument("--llm-steps", type=int, default=40)
@@ -302,8 +304,10 @@ def main() -> None:
     for name in args.parts.split(","):
         log(f"--- {name}")
         t0 = time.perf_counter()
-        results[name] = parts[name](args)
-        results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        part = parts[name](args)
+        results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}  # other parts may have landed
+        results[name + args.suffix] = part
+        results.setdefault("seconds", {})[name + args.suffix] = round(time.perf_counter() - t0, 1)
         results["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                            "note": "shared 2-core machine; latency = median of interleaved rounds, 1 thread, batch 1"}

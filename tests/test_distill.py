@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import torch
 from test_prune import tiny_cnn, tiny_cnn_wide, tiny_llama
 
 from edgekit.compress import StepContext, compress, load_compressed
-from edgekit.compress.distill import DistillConfig, apply, distill, evaluate_pair, kd_loss
+from edgekit.compress.distill import DistillConfig, distill, evaluate_pair, kd_loss
 from edgekit.compress.prune import PruneConfig, example_inputs
 from edgekit.errors import BadInputError
 from edgekit.sources.data import Samples

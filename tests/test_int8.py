@@ -228,15 +228,37 @@ def test_trt_scheme_is_symmetric_int8_and_quantizes_residual_adds(tmp_path):
     assert all(producers[n.input[1]].op_type == "DequantizeLinear" for n in convs)
 
 
-def test_compress_roundtrip_and_end_to_end_build(tmp_path):
+def residual_model() -> ModelHandle:
+    """Entry point ``tests.test_int8:residual_model`` (load_compressed reloads the base from it)."""
     h = _residual_handle()
-    out = compress(h, [("int8", Int8Config(calib_method="mse"))], tmp_path / "int8", _ctx((3, 16, 16)))
-    from edgekit.artifact import read_manifest
+    h.source = "tests.test_int8:residual_model"
+    return h
 
+
+def test_compress_load_export_build_profile_end_to_end(tmp_path):
+    from edgekit.artifact import read_manifest
+    from edgekit.build import build_engine
+    from edgekit.profiling import ProfileConfig, profile_engine
+    from edgekit.runtimes.base import BuildOptions
+
+    h = residual_model()
+    ctx = _ctx((3, 16, 16))
+    out = compress(h, [("int8", Int8Config(calib_method="mse"))], tmp_path / "int8", ctx)
     man = read_manifest(out)
     assert man.metrics["int8"]["scheme"] == "u8s8" and man.steps[-1]["name"] == "int8"
-    # rebuild needs the base model: register the fixture as an entry point
     assert man.steps[-1]["meta"]["float_layers"] == []
+    back = load_compressed(out)  # base model + rebuilt fake-quant graph + saved weights and scales
+    x = torch.from_numpy(ctx.eval.inputs["input"][:4])
+    h2 = apply(residual_model(), Int8Config(calib_method="mse"), _ctx((3, 16, 16)))
+    with torch.no_grad():
+        assert torch.allclose(back.module(x), h2.module(x), atol=1e-6)
+    tol = back.extra["parity_tolerance"]
+    eng = build_engine(out, "cpu", tmp_path / "engine",
+                       BuildOptions(threads=1, extra={"export": {"atol": tol[0], "rtol": tol[1]}}))
+    prof = profile_engine(eng, ProfileConfig(warmup_ms=0, duration_s=0, iterations=3, node_iterations=2, threads=1))
+    conv_nodes = [n for n in prof.nodes if n.op_type in ("QLinearConv", "Conv")]
+    assert conv_nodes and all(n.quantized and n.precision == "int8" for n in conv_nodes)
+    assert prof.quantized_nodes >= 3 and prof.float_share is not None and prof.float_share < 1.0
 
 
 def test_no_quantizable_layers_and_bad_calibration_data():

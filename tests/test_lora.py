@@ -251,8 +251,13 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
 # QLoRA over edgekit's packed int4 model
 
 
-def test_frozen_dequant_matmul_gradient_matches_plain_linear() -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from edgekit.compress.packing import QuantLinear
+
+    if chunked:  # the LM-head path: dequantize in row chunks
+        monkeypatch.setattr(lora, "_CHUNK_ABOVE", 0)
+        monkeypatch.setattr(lora, "_CHUNK_ROWS", 3)
 
     torch.manual_seed(0)
     q = QuantLinear.from_linear(nn.Linear(32, 8, bias=True), bits=4, group_size=16)
@@ -269,6 +274,14 @@ def test_frozen_dequant_matmul_gradient_matches_plain_linear() -> None:
     torch.testing.assert_close(x.grad, x2.grad)
     wrapped.eval()
     torch.testing.assert_close(wrapped(x.detach()), ref.detach())
+    # a packed layer without adapter (the LM head) takes the same path while training
+    head = QuantLinear.from_linear(nn.Linear(32, 8), bits=8, group_size=16).train()
+    x3 = x.detach().clone().requires_grad_(True)
+    with lora.frozen_packed_forwards(nn.Sequential(head)):
+        assert "forward" in head.__dict__
+        head(x3).sum().backward()
+    assert "forward" not in head.__dict__
+    torch.testing.assert_close(x3.grad, head.dequantize().sum(0).expand_as(x3))
 
 
 def test_repack_with_zero_update_keeps_codes() -> None:
@@ -319,7 +332,27 @@ def test_qlora_packed_fold_exports_matmulnbits(tmp_path: Path) -> None:
     assert ops.count("MatMulNBits") >= 14  # the packed base ...
     assert ops.count("MatMul") >= 2 * 14  # ... plus the adapter pair of every adapted layer
     m = json.loads((onnx_dir / "manifest.json").read_text())
-    assert m["metrics"]["parity"]
+    assert m["metrics"]["parity"]["passed"]
+    from edgekit.build import build_engine
+    from edgekit.runtimes.base import BuildOptions
+
+    engine = build_engine(onnx_dir, "cpu", tmp_path / "engine", BuildOptions())
+    assert (engine / "manifest.json").is_file()
+
+
+def test_lora_merged_then_requantized_int4(tmp_path: Path) -> None:
+    from edgekit.compress.packing import QuantLinear
+    from edgekit.finetune import finetune
+
+    out = finetune(tiny_llama(), text_samples(16, 0), {"r": 4, "steps": 4, "lr": 1e-2, "batch_size": 4},
+                   tmp_path / "ft", eval_data=text_samples(4, 1, "eval"), requant="int4", requant_config=_int4())
+    m = json.loads((out / "manifest.json").read_text())
+    assert [s["name"] for s in m["steps"]] == ["lora", "int4"]
+    assert np.isfinite(m["metrics"]["final"]["perplexity"])
+    back = load_compressed(out)
+    assert isinstance(back.module.model.model.layers[1].mlp.up_proj, QuantLinear)
+    with pytest.raises(BadInputError, match="re-quantizes merged weights; drop --no-merge"):
+        finetune(tiny_llama(), text_samples(16, 0), {"merge": False}, tmp_path / "x", requant="int4")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,3 +237,24 @@ def test_llama_mlp_and_heads_pruning_roundtrip(tmp_path) -> None:
 def test_llama_scope_rejected_for_cnn() -> None:
     with pytest.raises(BadInputError, match="scope 'mlp' is for causal LMs"):
         apply(tiny_cnn(), PruneConfig(ratio=0.5, scope="mlp"), StepContext())
+
+
+@pytest.mark.slow
+def test_fmnist_cnn_prune_distill_export_build(tmp_path) -> None:
+    """Real model: prune the Fashion-MNIST CNN 50%, distill briefly, reload, export and build."""
+    from edgekit.build import build_engine, load_engine
+    from edgekit.runtimes.base import BuildOptions
+
+    steps = [("prune", {"ratio": 0.5, "round_to": 4}), ("distill", {"epochs": 1, "limit": 1500, "eval_limit": 500})]
+    ctx = StepContext(train="fashion-mnist", progress=False)
+    out = compress("fmnist-cnn", steps, tmp_path / "pd", ctx)
+    assert ctx.metrics["prune"]["mac_ratio"] > 3
+    assert ctx.metrics["distill"]["eval"]["student_accuracy"] > 0.6
+    loaded = load_compressed(out)
+    engine_dir = build_engine(out, "cpu", tmp_path / "engine", BuildOptions(threads=1))
+    engine = load_engine(engine_dir, threads=1)
+    x = example_inputs(loaded, 2)
+    got = engine.run({"input": x[0].numpy()})[0]
+    engine.close()
+    with torch.no_grad():
+        np.testing.assert_allclose(got, loaded.module(*x).numpy(), atol=1e-3, rtol=1e-3)

@@ -219,9 +219,6 @@ def test_external_data_model_builds_with_external_optimized_weights(tiny_mlp, tm
     assert engine.run({"input": np.ones((2, 16), np.float32)})[0].shape == (2, 10)
 
 
-@pytest.mark.xfail(reason="edgekit.sources.models.load_onnx_file runs onnx.checker on a proto loaded without "
-                          "external data, so the checker looks for the data file in the working directory; "
-                          "checking str(path) instead fixes it (reported to the lead)", strict=False)
 def test_build_engine_from_external_data_artifact(tiny_mlp, tmp_path, monkeypatch):
     from edgekit.export import onnx as export_mod
     from edgekit.export.onnx import ExportConfig, export_onnx

@@ -47,7 +47,7 @@ def test_fit_learns_and_is_deterministic() -> None:
     torch.manual_seed(0)
     b = torch.nn.Linear(4, 1)
     ra = _fit(a, data, epochs=5, lr=0.05)
-    rb = _fit(b, data, epochs=5, lr=0.05)
+    _fit(b, data, epochs=5, lr=0.05)
     assert ra.history[-1]["train_loss"] < ra.history[0]["train_loss"] / 2
     assert torch.equal(a.weight, b.weight)
     assert ra.steps == 5 * 4 and ra.epochs_run == 5
@@ -118,3 +118,34 @@ def test_bad_values() -> None:
         EarlyStopping(mode="up")
     with pytest.raises(BadInputError, match="epochs must be >= 0"):
         _fit(torch.nn.Linear(4, 1), _problem(), epochs=-1)
+
+
+def test_cosine_schedule_decays_to_zero_and_resumes_on_the_same_curve(tmp_path) -> None:
+    data = _problem()
+    torch.manual_seed(0)
+    full = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(full.parameters(), lr=0.1)
+    _fit(full, data, epochs=3, optimizer=opt, steps_per_epoch=4, schedule="cosine")
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 11 / 12)))
+    torch.manual_seed(0)
+    part = torch.nn.Linear(4, 1)
+    calls = []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 6:  # Ctrl-C in the second epoch: the first epoch's checkpoint stays
+            raise KeyboardInterrupt
+        return ((part(batch["x"]) - batch["y"]) ** 2).mean()
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(part, interrupted, lambda epoch: array_batches(data, 16, seed=0, epoch=epoch), epochs=3,
+            optimizer=torch.optim.SGD(part.parameters(), lr=0.1), steps_per_epoch=4, schedule="cosine",
+            work_dir=tmp_path, fingerprint="f", progress=False)
+    assert json.loads((tmp_path / "state.json").read_text())["epoch"] == 0
+    rest = torch.nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(rest.parameters(), lr=0.1)
+    _fit(rest, data, epochs=3, optimizer=opt2, steps_per_epoch=4, schedule="cosine", work_dir=tmp_path,
+         fingerprint="f")
+    torch.testing.assert_close(rest.weight, full.weight)
+    with pytest.raises(BadInputError, match="unknown learning-rate schedule 'linear'"):
+        _fit(rest, data, epochs=1, schedule="linear")

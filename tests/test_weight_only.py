@@ -185,7 +185,7 @@ def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, 
         blocks = {a.i for n in proto.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
         assert blocks == {64, 128}  # per-channel: one 64- or 128-wide block per row (K = 64, 128)
     else:
-        assert ops.count("DequantizeLinear") == 15 and "MatMulNBits" not in ops
+        assert ops.count("DequantizeLinear") == 16 and "MatMulNBits" not in ops  # 15 linears + the table
     assert "BitShift" not in ops  # the traced unpacking is gone
     inputs = [i.name for i in proto.graph.input]
     assert "past_key_values.1.value" in inputs and "present.1.key" in [o.name for o in proto.graph.output]
@@ -222,3 +222,16 @@ def test_smollm2_rtn_w4_g128_smoke():
     assert isinstance(h.module.model.model.layers[0].mlp.down_proj, QuantLinear)
     assert fp < q < fp * 1.6
     assert packed_bytes(h.module) < float_bytes / 5
+
+
+def test_spine_export_uses_rewrite_onnx(tmp_path):
+    """export_onnx (dynamo, no KV cache) calls the step's rewrite_onnx: packed layers become
+    MatMulNBits / GatherBlockQuantized and parity holds."""
+    import onnx
+
+    from edgekit.export.onnx import ExportConfig, export_onnx
+
+    h = apply(tiny_llama(), WeightOnlyConfig(method="rtn", group_size=32), StepContext(progress=False))
+    out = export_onnx(h, tmp_path / "onnx", ExportConfig())
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 15 and ops.count("GatherBlockQuantized") == 1

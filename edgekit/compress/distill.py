@@ -39,7 +39,8 @@ class DistillConfig:
     patience: epochs without validation improvement before stopping (None: never),
     max_steps: cap on optimizer steps, limit: at most this many training samples,
     val_fraction: share of the training samples held out for validation,
-    seqlen: token window for text data, eval_limit: samples in the final evaluation."""
+    seqlen: token window for text data, eval_limit: samples in the final evaluation,
+    schedule: learning rate "cosine" (decays to 0 over the run) or "constant"."""
 
     temperature: float = 4.0
     alpha: float = 0.7
@@ -55,6 +56,7 @@ class DistillConfig:
     val_fraction: float = 0.1
     seqlen: int = 128
     eval_limit: int | None = 2000
+    schedule: str = "cosine"
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and np.isfinite(self.temperature)):
@@ -73,6 +75,8 @@ class DistillConfig:
             raise BadInputError(f"max steps must be >= 1, got {self.max_steps}")
         if not 0 < self.val_fraction < 0.5:
             raise BadInputError(f"validation fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.schedule not in ("constant", "cosine"):
+            raise BadInputError(f"unknown learning-rate schedule {self.schedule!r} (choose from 'constant', 'cosine')")
         if self.seqlen < 2:
             raise BadInputError(f"seqlen must be >= 2, got {self.seqlen}")
 
@@ -154,10 +158,13 @@ def _as_samples(data: Any, handle: ModelHandle, split: str, config: DistillConfi
     spec = None if data is None else str(data)
     if spec is None:
         spec = {"train": handle.default_train, "eval": handle.default_eval}.get(split) or handle.default_calib
-    kwargs: dict[str, Any] = {"split": split, "limit": limit, "seed": seed}
+    kwargs: dict[str, Any] = {"split": split, "seed": seed}
     if handle.kind == "causal-lm":
         kwargs["seqlen"] = config.seqlen
-    return load_samples(spec, handle, **kwargs)
+    samples = load_samples(spec, handle, **kwargs)
+    if limit is not None and len(samples) > limit:  # a cap, not a demand
+        samples = samples.subset(np.arange(limit))
+    return samples
 
 
 def _ordered(handle: ModelHandle, batch: dict[str, Any]) -> tuple[Any, ...]:
@@ -280,7 +287,8 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, eva
                      epochs=config.epochs, lr=config.lr, params=params,
                      steps_per_epoch=num_batches(len(tr_idx), config.batch_size), validate=validate, mode=mode,
                      patience=config.patience, max_steps=config.max_steps, work_dir=work_dir,
-                     fingerprint=fingerprint, seed=config.seed, progress=progress, description="distill")
+                     fingerprint=fingerprint, seed=config.seed, progress=progress, description="distill",
+                     schedule=config.schedule)
     finally:
         if taps is not None:
             for tap in taps:

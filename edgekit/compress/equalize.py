@@ -156,21 +156,23 @@ def _ensure_bias(gm: fx.GraphModule, n: fx.Node, channels: int) -> str:
     return bpath
 
 
-class _MeanHook:
-    """Per-channel running mean of a tensor (axis 1 for conv inputs, last axis for linear)."""
+class _MeanRecorder(nn.Module):
+    """Identity that accumulates the per-channel sum of what flows through it (axis 1 for
+    conv inputs, the last axis for linear inputs)."""
 
     def __init__(self, axis: int) -> None:
+        super().__init__()
         self.axis = axis
         self.sum: torch.Tensor | None = None
         self.count = 0
 
-    def __call__(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
-        x = out.detach().double()
-        axis = self.axis if self.axis >= 0 else x.dim() + self.axis
-        dims = [d for d in range(x.dim()) if d != axis]
-        s = x.sum(dim=dims)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.detach().double()
+        axis = self.axis if self.axis >= 0 else d.dim() + self.axis
+        s = d.sum(dim=[i for i in range(d.dim()) if i != axis])
         self.sum = s if self.sum is None else self.sum + s
-        self.count += x.numel() // x.shape[axis]
+        self.count += d.numel() // d.shape[axis]
+        return x
 
 
 def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any, names: list[str],
@@ -180,30 +182,37 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
     from edgekit.compress.int8 import _batches
 
     targets = []
-    hooks = []
-    means: dict[str, _MeanHook] = {}
-    for n in gm.graph.nodes:
+    added: list[tuple[fx.Node, str]] = []
+    g = gm.graph
+    for n in list(g.nodes):
         if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or _wq_node(n) is None:
             continue
         x = n.args[0]
-        if not (isinstance(x, fx.Node) and x.op == "call_module"):
+        if not isinstance(x, fx.Node):
             continue
-        key = f"{x.target}|{'conv' if qdq.is_conv(gm, n) else 'linear'}"
-        if key not in means:
-            means[key] = _MeanHook(1 if qdq.is_conv(gm, n) else -1)
-            hooks.append(gm.get_submodule(str(x.target)).register_forward_hook(means[key]))
-        targets.append((n, key))
+        name = f"bc_rec_{len(added)}"
+        gm.add_submodule(name, _MeanRecorder(1 if qdq.is_conv(gm, n) else -1))
+        with g.inserting_before(n):
+            rec = g.call_module(name, (x,))
+        n.replace_input_with(x, rec)
+        added.append((rec, name))
+        targets.append((n, name))
+    gm.recompile()
     gm.eval()
     try:
         with torch.no_grad():
             for args in _batches(samples, names, batch_size):
                 gm(*args)
+        recorders = {name: gm.get_submodule(name) for _, name in added}
     finally:
-        for h in hooks:
-            h.remove()
+        for rec, name in added:
+            rec.replace_all_uses_with(rec.args[0])
+            g.erase_node(rec)
+            delattr(gm, name)
+        gm.recompile()
     corrected = 0
     for n, key in targets:
-        hook = means[key]
+        hook = recorders[key]
         if hook.sum is None or hook.count == 0:
             continue
         mean_x = (hook.sum / hook.count).float()

@@ -164,6 +164,26 @@ def _is_bnb4(module: Any) -> bool:
             and hasattr(getattr(module, "weight", None), "quant_state"))
 
 
+# Packed layers larger than this many weights (an LM head: 49152 x 576) are dequantized in
+# row chunks of this size, so no full float copy of them ever exists at once.
+_CHUNK_ROWS = 4096
+_CHUNK_ABOVE = 4_000_000
+
+
+def _row_chunks(base: Any) -> list[tuple[int, int]]:
+    rows = int(base.out_features)
+    if rows * int(base.in_features) <= _CHUNK_ABOVE or not callable(getattr(base, "_dequant_rows", None)):
+        return [(0, rows)]
+    return [(i, min(rows, i + _CHUNK_ROWS)) for i in range(0, rows, _CHUNK_ROWS)]
+
+
+def _dequant(base: Any, lo: int, hi: int, dtype: Any) -> Any:
+    """Rows lo:hi of the float weight (out, in) of a packed layer."""
+    if lo == 0 and hi == int(base.out_features):
+        return base.dequantize().to(dtype)
+    return base._dequant_rows(base.qweight[lo:hi], base.scales[lo:hi], base.qzeros[lo:hi]).to(dtype)
+
+
 def _make_autograd_fn() -> Any:
     torch = _torch()
 
@@ -171,19 +191,27 @@ def _make_autograd_fn() -> Any:
         """``x @ W^T`` for a frozen packed weight, without keeping ``W`` for backward.
 
         Autograd would save the dequantized float weight of every layer until backward
-        (the whole float model again); this dequantizes it a second time in backward.
+        (the whole float model again); this dequantizes it a second time in backward,
+        in row chunks for large layers (the LM head), so QLoRA's memory stays that of the
+        packed weights plus the activations.
         """
 
         @staticmethod
         def forward(ctx: Any, x: Any, base: Any) -> Any:  # type: ignore[override]
             ctx.base = base
-            w = base.dequantize().to(x.dtype)  # (out, in)
-            return x @ w.t()
+            chunks = _row_chunks(base)
+            if len(chunks) == 1:
+                return x @ _dequant(base, 0, int(base.out_features), x.dtype).t()
+            return torch.cat([x @ _dequant(base, lo, hi, x.dtype).t() for lo, hi in chunks], dim=-1)
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-            w = ctx.base.dequantize().to(grad.dtype)
-            return grad @ w, None
+            base = ctx.base
+            out = None
+            for lo, hi in _row_chunks(base):
+                part = grad[..., lo:hi] @ _dequant(base, lo, hi, grad.dtype)
+                out = part if out is None else out.add_(part)
+            return out, None
 
     return _FrozenDequantMatmul
 
@@ -196,6 +224,33 @@ def _frozen_dequant_matmul(x: Any, base: Any) -> Any:
     if _FN is None:
         _FN = _make_autograd_fn()
     return _FN.apply(x, base)
+
+
+def _frozen_linear_forward(base: Any, x: Any) -> Any:
+    """A packed layer's forward through ``_FrozenDequantMatmul`` (training only)."""
+    y = _frozen_dequant_matmul(x, base)
+    bias = getattr(base, "bias", None)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+@contextlib.contextmanager
+def frozen_packed_forwards(module: Any) -> Any:
+    """While training, route every packed layer that has no adapter (the LM head, layers
+    not targeted) through the memory-saving matmul too; restore their forward afterwards."""
+    import types
+
+    patched = []
+    for m in module.modules():
+        if _is_quant_linear(m) and "forward" not in m.__dict__:
+            m.forward = types.MethodType(lambda self, x: (_frozen_linear_forward(self, x) if self.training
+                                                          and _torch().is_grad_enabled() else
+                                                          type(self).forward(self, x)), m)
+            patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
 
 
 def _module_base() -> type:
@@ -228,10 +283,7 @@ class LoraQuantLinear(_module_base()):  # type: ignore[misc]
     def forward(self, x: Any) -> Any:
         torch = _torch()
         if self.training and torch.is_grad_enabled():
-            y = _frozen_dequant_matmul(x, self.base_layer)
-            bias = getattr(self.base_layer, "bias", None)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
+            y = _frozen_linear_forward(self.base_layer, x)
         else:  # inference and export: the packed layer's own forward (-> MatMulNBits on export)
             y = self.base_layer(x)
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
@@ -609,8 +661,6 @@ def _save_checkpoint(path: Path, module: Any, opt: Any, step: int, fingerprint: 
 def _train(handle: ModelHandle, config: LoraConfig, train: Any, ctx: StepContext, fingerprint: str,
            resume: bool = True) -> dict[str, Any]:
     """AdamW over the trainable (adapter) parameters; returns training metrics."""
-    from edgekit.progress import progress_bar
-
     torch = _torch()
     module = handle.module
     n = _n_samples(train)
@@ -641,6 +691,19 @@ def _train(handle: ModelHandle, config: LoraConfig, train: Any, ctx: StepContext
             torch.set_rng_state(state["rng"])
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at, last_epoch=start - 1) if start else sched
     order_rng = np.random.default_rng(ctx.seed)
+    with frozen_packed_forwards(module):
+        return _train_loop(handle, config, train, ctx, fingerprint, module, opt, sched, params, ckpt, start, history,
+                           total, per_epoch, order_rng)
+
+
+def _train_loop(handle: ModelHandle, config: LoraConfig, train: Any, ctx: StepContext, fingerprint: str, module: Any,
+                opt: Any, sched: Any, params: list[Any], ckpt: Path | None, start: int, history: list[float],
+                total: int, per_epoch: int, order_rng: Any) -> dict[str, Any]:
+    from edgekit.progress import progress_bar
+
+    torch = _torch()
+    n = _n_samples(train)
+    bs = config.batch_size
     orders = [order_rng.permutation(n) for _ in range(math.ceil(total / per_epoch))]
     module.train()
     t0 = time.perf_counter()

@@ -220,24 +220,24 @@ def _calibration_batches(handle: ModelHandle, ctx: Any, config: PruneConfig) -> 
     spec = getattr(ctx, "calib", None) or handle.default_calib
     if spec is None:
         return [(example_inputs(handle, 8), None)]
+    is_lm = handle.kind == "causal-lm"
+    bs = 2 if is_lm else 8  # LM: 2 windows of 256 tokens per batch
     try:
         from edgekit.sources.data import load_samples
 
-        samples = load_samples(spec, handle, split="calib", limit=8 * config.calib_batches,
-                               seed=getattr(ctx, "seed", 0))
-        out = []
-        for i, b in enumerate(samples.batches(8)):
-            if i >= config.calib_batches:
-                break
-            labels = None
-            if samples.labels is not None:
-                labels = torch.from_numpy(np.asarray(samples.labels[i * 8:i * 8 + len(next(iter(b.values())))]))
-            out.append((tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names), labels))
-        if out:
-            return out
+        samples = load_samples(spec, handle, split="calib", seed=getattr(ctx, "seed", 0),
+                               **({"seqlen": 256} if is_lm else {}))
     except (ImportError, ModuleNotFoundError):
-        pass
-    return [(example_inputs(handle, 8), None)]
+        return [(example_inputs(handle, 8), None)]
+    out = []
+    for i, b in enumerate(samples.batches(bs)):
+        if i >= config.calib_batches:
+            break
+        labels = None
+        if samples.labels is not None:
+            labels = torch.from_numpy(np.asarray(samples.labels[i * bs:i * bs + len(next(iter(b.values())))]))
+        out.append((tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names), labels))
+    return out or [(example_inputs(handle, 8), None)]
 
 
 def _taylor_loss(handle: ModelHandle, out: Any, inputs: tuple[Any, ...], labels: Any) -> Any:
@@ -518,7 +518,7 @@ def time_onnx(handle: ModelHandle, path: Any, *, duration_s: float = 1.0, thread
     so.inter_op_num_threads = 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     feeds = handle.sample_inputs(1)
-    feeds = {i.name: feeds[n] for i, n in zip(sess.get_inputs(), [s.name for s in handle.inputs] or list(feeds))}
+    feeds = {i.name: feeds[n] for i, n in zip(sess.get_inputs(), [s.name for s in handle.inputs] or list(feeds), strict=False)}
     for _ in range(5):
         sess.run(None, feeds)
     times: list[float] = []

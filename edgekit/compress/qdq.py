@@ -132,7 +132,7 @@ class ActQuant(nn.Module):
             scale = self.scale.abs() + 1e-8
             grad_factor = 1.0 / float(max(x.numel() // max(x.shape[0], 1), 1) * self.qmax) ** 0.5
             return torch._fake_quantize_learnable_per_tensor_affine(
-                x, scale, self.zero_point.float(), self.qmin, self.qmax, grad_factor)
+                x, scale.reshape(1), self.zero_point.float().reshape(1), self.qmin, self.qmax, grad_factor)
         return torch.fake_quantize_per_tensor_affine(x, self._scale_f, self._zp_i, self.qmin, self.qmax)
 
 
@@ -182,11 +182,12 @@ _MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
 _ACT_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
 _ACT_FNS = {F.relu, torch.relu, F.relu6, F.hardtanh, torch.nn.functional.relu_}
 _ADD_FNS = {operator.add, torch.add, operator.iadd}
-_POOL_MODULES = (nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.MaxPool2d, nn.AvgPool1d, nn.MaxPool1d, nn.AdaptiveAvgPool1d)
-_POOL_FNS = {F.avg_pool2d, F.adaptive_avg_pool2d, F.max_pool2d, F.avg_pool1d, F.max_pool1d, F.adaptive_avg_pool1d}
-# Ops that only move data: a quantized tensor stays quantized through them.
-_PASS_MODULES = (nn.ZeroPad2d, nn.ConstantPad2d, nn.Identity, nn.Flatten, nn.Dropout)
-_PASS_FNS = {torch.flatten, F.pad, F.dropout}
+_POOL_MODULES = (nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AvgPool1d, nn.AdaptiveAvgPool1d)
+_POOL_FNS = {F.avg_pool2d, F.adaptive_avg_pool2d, F.avg_pool1d, F.adaptive_avg_pool1d}
+# Ops that only move or select data: a quantized tensor stays on its grid through them, so the
+# tensor after them reuses the same quantizer (same scale and zero point: engines drop the pair).
+_PASS_MODULES = (nn.ZeroPad2d, nn.Identity, nn.Flatten, nn.Dropout, nn.MaxPool2d, nn.MaxPool1d)
+_PASS_FNS = {torch.flatten, F.dropout, F.max_pool2d, F.max_pool1d}
 _PASS_METHODS = {"view", "reshape", "flatten", "contiguous"}
 
 
@@ -393,12 +394,16 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
 
     layers: dict[str, str] = {}
     quant_nodes: list[fx.Node] = []  # tensors to quantize, in graph order
+    tied: dict[fx.Node, fx.Node] = {}  # tensor -> the tensor whose quantizer it reuses
     seen: set[fx.Node] = set()
 
-    def want(n: fx.Node) -> None:
+    def want(n: fx.Node, tie: fx.Node | None = None) -> None:
         if n not in seen and n.op != "get_attr":
             seen.add(n)
-            quant_nodes.append(n)
+            if tie is not None:
+                tied[n] = tie
+            else:
+                quant_nodes.append(n)
 
     outputs = {a for n in g.nodes if n.op == "output" for a in _flatten_args(n.args)}
     # 1. weights, and the outputs of conv/linear layers (after a sole ReLU/ReLU6)
@@ -448,19 +453,23 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
             if p in quantized_producers and not (is_conv(gm, n) or is_linear(gm, n) or n.target in _MATMUL_FNS):
                 continue  # a quantized tensor reshaped on the way: adds and pools read it as is
             if p in quantized_producers and p is not a and _only_passthrough_path(gm, p, a):
-                # conv/linear reading a padded/flattened quantized tensor: quantize right at its input so the
-                # engine sees DQ -> Conv (the same grid, so no extra error)
-                want(a)
+                # conv/linear reading a padded / pooled / flattened quantized tensor: the same quantizer
+                # again right at its input, so the engine sees DQ -> Conv with no extra rounding
+                want(a, tie=p)
                 continue
             want(a)
     activations: dict[str, str] = {}
+    qname_of: dict[fx.Node, str] = {}
     for i, q in enumerate(quant_nodes):
         qname = f"aq_{i}_{q.name}"
         gm.add_submodule(qname, ActQuant(q.name, fmt.qmin, fmt.qmax, fmt.symmetric))
+        qname_of[q] = qname
+        activations[qname] = q.name
+    for q in quant_nodes + list(tied):
+        qname = qname_of[q] if q in qname_of else qname_of[_producer(gm, tied[q])]
         with g.inserting_after(q):
             qn = g.call_module(qname, (q,))
         q.replace_all_uses_with(qn, delete_user_cb=lambda u, qn=qn: u is not qn)
-        activations[qname] = q.name
     g.lint()
     gm.recompile()
     gm.delete_all_unused_submodules()

@@ -68,9 +68,34 @@ def weight_sqnr(gm: fx.GraphModule, plan: Any) -> dict[str, float]:
     return out
 
 
-def layer_sensitivity(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], ref: np.ndarray,
-                      evaluator: str | None, subset: int = 64) -> dict[str, float]:
-    """Error reduction when each layer alone returns to float (bigger = more sensitive)."""
+class _Unit:
+    """One thing fallback can return to float: a layer's weights, or one activation tensor."""
+
+    def __init__(self, name: str, module: Any) -> None:
+        self.name, self.module = name, module
+
+    @property
+    def is_float(self) -> bool:
+        m = self.module
+        return (not m.enabled) if isinstance(m, qdq.WeightQuant) else m.mode == "float"
+
+    def set_float(self, flag: bool) -> None:
+        m = self.module
+        if isinstance(m, qdq.WeightQuant):
+            m.enabled = not flag
+        else:
+            m.mode = "float" if flag else "quant"
+
+
+def fallback_units(gm: fx.GraphModule, plan: Any) -> list[_Unit]:
+    units = [_Unit(name, gm.get_submodule(q)) for name, q in plan.layers.items()]
+    units += [_Unit(f"act:{tensor}", gm.get_submodule(q)) for q, tensor in plan.activations.items()]
+    return units
+
+
+def layer_sensitivity(gm: fx.GraphModule, units: list[_Unit], samples: Any, names: list[str], ref: np.ndarray,
+                      evaluator: str | None, subset: int = 32) -> dict[str, float]:
+    """Error reduction when each unit alone returns to float (bigger = more sensitive)."""
     from edgekit.compress.int8 import run_module
     from edgekit.progress import progress_bar
 
@@ -78,63 +103,67 @@ def layer_sensitivity(gm: fx.GraphModule, plan: Any, samples: Any, names: list[s
     sub = samples.subset(slice(0, n))
     base = _error(run_module(gm, sub, names), ref[:n], evaluator)
     scores = {}
-    for name in progress_bar(list(plan.layers), "int8 sensitivity"):
-        m = gm.get_submodule(plan.layers[name])
-        if not m.enabled:
+    for u in progress_bar(units, "int8 sensitivity"):
+        if u.is_float:
             continue
-        m.enabled = False
-        scores[name] = base - _error(run_module(gm, sub, names), ref[:n], evaluator)
-        m.enabled = True
+        u.set_float(True)
+        scores[u.name] = base - _error(run_module(gm, sub, names), ref[:n], evaluator)
+        u.set_float(False)
     return scores
 
 
 def fall_back(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], ref: np.ndarray,
               fp32: dict[str, float], max_drop: float, evaluator: str | None) -> dict[str, Any]:
-    """Keep the most sensitive layers in float until the quality drop is <= ``max_drop``."""
+    """Return the most sensitive layers (weights) and activations to float until the
+    quality drop is <= ``max_drop``."""
     from edgekit.compress.int8 import quality, run_module, score
 
     def measure() -> dict[str, float]:
         return score(run_module(gm, samples, names), ref, samples.labels, evaluator)
 
+    def ok(m: dict[str, float]) -> bool:
+        return q0 - quality(m) <= max_drop + 1e-12
+
     q0 = quality(fp32)
     current = measure()
     report: dict[str, Any] = {"max_accuracy_drop": max_drop, "fp32_quality": q0,
-                              "all_int8": current, "float_layers": [], "met": True}
-    if q0 - quality(current) <= max_drop + 1e-12:
+                              "all_int8": current, "float_layers": [], "float_activations": [], "met": True}
+    if ok(current):
         report["final"] = current
         report["float_mac_share"] = 0.0
         return report
-    sens = layer_sensitivity(gm, plan, samples, names, ref, evaluator)
+    units = {u.name: u for u in fallback_units(gm, plan)}
+    sens = layer_sensitivity(gm, list(units.values()), samples, names, ref, evaluator)
     order = sorted(sens, key=lambda k: -sens[k])
+    steps = []
+    chosen = 0
+    while chosen < len(order):
+        k = max(1, chosen)  # 1, 1, 2, 4, 8, ... units at a time
+        for name in order[chosen:chosen + k]:
+            units[name].set_float(True)
+        chosen = min(len(order), chosen + k)
+        current = measure()
+        steps.append({"float_units": chosen, "quality": quality(current)})
+        if ok(current):
+            break
+    if ok(current) and chosen <= 16:  # give back to int8 what turned out not to be needed
+        for name in reversed(order[:chosen - 1]):
+            units[name].set_float(False)
+            trial = measure()
+            if ok(trial):
+                current = trial
+            else:
+                units[name].set_float(True)
+    float_units = [n for n in order if units[n].is_float]
+    float_layers = [n for n in float_units if not n.startswith("act:")]
     sqnr = weight_sqnr(gm, plan)
     example = tuple(torch.from_numpy(np.ascontiguousarray(samples.inputs[n][:1])) for n in names)
     macs = layer_macs(gm, plan, example)
     total = max(sum(macs.values()), 1)
-    steps = []
-    k, chosen = 0, 0
-    while chosen < len(order):
-        k = max(1, chosen) if chosen else 1
-        new = order[chosen:chosen + k]
-        for name in new:
-            gm.get_submodule(plan.layers[name]).enabled = False
-        chosen += len(new)
-        current = measure()
-        steps.append({"float_layers": chosen, "quality": quality(current)})
-        if q0 - quality(current) <= max_drop + 1e-12:
-            break
-    # trim: give back to int8 the last-added layers that are not needed
-    for name in reversed(order[:chosen]):
-        m = gm.get_submodule(plan.layers[name])
-        m.enabled = True
-        trial = measure()
-        if q0 - quality(trial) <= max_drop + 1e-12:
-            current = trial
-        else:
-            m.enabled = False
-    float_layers = [n for n in order if not gm.get_submodule(plan.layers[n]).enabled]
     report.update({
-        "final": current, "float_layers": float_layers, "steps": steps,
-        "met": q0 - quality(current) <= max_drop + 1e-12,
+        "final": current, "float_layers": float_layers,
+        "float_activations": [n[4:] for n in float_units if n.startswith("act:")], "steps": steps,
+        "met": ok(current),
         "sensitivity": {n: round(sens[n], 6) for n in order[:20]},
         "weight_sqnr_db": {n: round(sqnr[n], 2) for n in float_layers},
         "float_mac_share": round(sum(macs.get(n, 0) for n in float_layers) / total, 4),

