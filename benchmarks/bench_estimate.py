@@ -292,8 +292,6 @@ def main() -> int:
     print(json.dumps({m: {p: str(g["onnx"]) for p, g in v.items()} for m, v in graphs.items()}, indent=1), flush=True)
     if args.prepare_only:
         return 0
-    import statistics
-
     from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions
     from edgekit.estimate.calibrate import CalibrationCase, calibrate, measure_cpu
 
@@ -312,12 +310,15 @@ def main() -> int:
                 print(f"round {r + 1}: {label} {prec}: p50 {m.p50_ms:.2f} ms (cv {m.cv:.1%})", flush=True)
         chosen = []
         for i in range(len(cases)):
-            ms = sorted(meas[i], key=lambda m: m.p50_ms)
-            med = ms[len(ms) // 2] if len(ms) % 2 else ms[len(ms) // 2 - 1]  # a real run, not an average
-            med.p50_ms = statistics.median(m.p50_ms for m in meas[i])
-            med.rounds = [m.p50_ms for m in meas[i]]
-            chosen.append(med)
+            # The least-disturbed round (lowest p50) with its own node times: on a machine shared with
+            # other jobs the minimum is the reproducible figure; all rounds are recorded.
+            best = min(meas[i], key=lambda m: m.p50_ms)
+            best.rounds = [m.p50_ms for m in meas[i]]
+            chosen.append(best)
         _save_measurements(saved, chosen)
+    for m in chosen:  # older saved runs kept the median of the rounds: use the least-disturbed one
+        if getattr(m, "rounds", None):
+            m.p50_ms = min(m.rounds)
     report = calibrate([CalibrationCase(c[2], _seq_dims(c[2], c[3]), name=f"{c[0]} {c[1]}") for c in cases], "cpu",
                        measurements=chosen, save=True)
     print(report.render(), flush=True)

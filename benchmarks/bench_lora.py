@@ -281,7 +281,10 @@ def main() -> None:
     result: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
     settings = {k: v for k, v in vars(args).items() if k != "mem_child"}
     for key, value in sections.items():
-        result[key] = value
+        if key == "recovery" and isinstance(result.get(key), dict):
+            result[key].update(value)  # keep other bit widths measured by a separate run
+        else:
+            result[key] = value
         result.setdefault("settings", {})[key] = settings
     result.update({"date": now_iso(), "machine": machine_info(), "versions": package_versions(),
                    "note": "shared 2-core CPU (up to 8 contributors running at once): times are noisy"})

@@ -247,7 +247,8 @@ def test_fit_recovers_known_efficiencies() -> None:
 
 
 def test_calibration_on_synthetic_measurements_saves_and_is_used(board: Path) -> None:
-    # measured = roofline at efficiency 0.2 for matmuls: the fit must find 0.2 and the error vanish
+    # measured = roofline at 0.2 of the bandwidth for a memory-bound matmul: the fit must find 0.2
+    # (under the memory-roof key "matmul@mem") and the error vanish
     model = _matmul(m=1)
     before = estimate(model, board, fuse=False, calibrated=False)
     node = _node(before, "mm")
@@ -255,15 +256,16 @@ def test_calibration_on_synthetic_measurements_saves_and_is_used(board: Path) ->
     meas = Measurement(model="mm", graph=model, source=model, p50_ms=base / 0.2, nodes={"mm": base / 0.2},
                        node_ops={"mm": "MatMul"}, runtime="onnxruntime", threads=1, dims={}, batch=1, cv=0.0)
     report = calibrate([], board, measurements=[meas])
-    assert report.efficiency_after["matmul"] == pytest.approx(0.2, rel=0.02)
+    assert report.efficiency_after["matmul@mem"] == pytest.approx(0.2, rel=0.02)
+    assert report.efficiency_after["matmul"] == 0.6  # the compute roof keeps its prior
     assert abs(report.models[0]["error_after"]) < 0.02 and report.models[0]["error_before"] < -0.5
-    assert report.classes[0]["key"] == "matmul"
+    assert report.classes[0]["key"] == "matmul@mem"
     assert Path(report.saved_to) == calibration_path(board) == board.with_name("board.efficiency.json")
     saved = load_calibration(board)
-    assert saved is not None and saved["efficiency"]["matmul"] == pytest.approx(0.2, rel=0.02)
+    assert saved is not None and saved["efficiency"]["matmul@mem"] == pytest.approx(0.2, rel=0.02)
     after = estimate(model, board)
     assert after.calibration == str(board.with_name("board.efficiency.json"))
-    assert after.efficiency["matmul"] == pytest.approx(0.2, rel=0.02)
+    assert _node(after, "mm").memory_efficiency == pytest.approx(0.2, rel=0.02)
     assert after.total_ms == pytest.approx(3 * estimate(model, board, calibrated=False).total_ms, rel=0.03)  # 0.6 -> 0.2
     assert "calibrated" in after.render()
     assert json.loads(Path(report.saved_to).read_text())["target"] == "board"
@@ -333,8 +335,8 @@ def test_cli_calibrate_on_this_cpu_and_refused_for_a_device_not_here(tiny_onnx: 
                            standalone_mode=False)
     assert r.exception is None, r.output
     assert "calibration of the roofline estimate on cpu" in r.output and "efficiency: calibrated" in r.output
-    from edgekit.estimate.calibrate import estimate_with_calibration
     from edgekit.errors import UnavailableError
+    from edgekit.estimate.calibrate import estimate_with_calibration
 
     with pytest.raises(UnavailableError, match="cannot calibrate target 'jetson-agx-orin-64' here"):
         estimate_with_calibration(tiny_onnx, "jetson-agx-orin-64", calibrate=True)

@@ -112,7 +112,7 @@ def test_ratio_outside_open_interval_is_rejected(ratio: float) -> None:
 
 
 def test_bad_importance_lists_choices() -> None:
-    with pytest.raises(BadInputError, match="unknown importance 'l3' .*'bn-scale', 'l1', 'l2', 'taylor'"):
+    with pytest.raises(BadInputError, match="unknown importance 'l3' .*'auto', 'bn-scale', 'l1', 'l2', 'taylor'"):
         PruneConfig(importance="l3")
 
 

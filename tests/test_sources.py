@@ -101,6 +101,17 @@ def test_hf_folder_errors(tmp_path):
         load_hf(tmp_path, gguf_file="missing.gguf")
 
 
+def test_corrupt_gguf_is_bad_input(tmp_path, monkeypatch):
+    from edgekit.sources.models import load_model
+
+    monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file" * 64)
+    with pytest.raises(BadInputError, match="bad.gguf is not a GGUF model transformers can load"):
+        load_model(str(bad))
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
 def test_load_model_routes_hf_folders(tiny_llama):
     from edgekit.sources.models import load_model
 

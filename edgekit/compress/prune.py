@@ -24,6 +24,7 @@ weights load strictly.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import time
@@ -36,7 +37,7 @@ from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
-IMPORTANCES = ("l1", "l2", "taylor", "bn-scale")
+IMPORTANCES = ("auto", "l1", "l2", "taylor", "bn-scale")
 SCOPES = ("auto", "channels", "mlp", "heads", "mlp+heads")
 # Layer attributes that pruning may change and rebuild must restore.
 _ATTRS = ("in_channels", "out_channels", "groups", "in_features", "out_features", "num_features",
@@ -52,7 +53,9 @@ class PruneConfig:
 
     ratio: fraction of channels removed per prunable group (``--prune``), in (0, 1).
     importance: channel score (``--importance``): "l1"/"l2" weight magnitude, "taylor"
-        (|weight x gradient| on calibration data), "bn-scale" (BatchNorm gamma).
+        (|weight x gradient| on calibration data), "bn-scale" (BatchNorm gamma); "auto":
+        "taylor" for causal LMs (magnitude ranking wrecks them: SmolLM2 at 20% of MLP
+        channels goes from perplexity 24 to 1e7 with "l1", to 52 with "taylor"), "l2" else.
     global_pruning: rank channels across layers (``--global``) instead of the same
         ratio in every layer (``--uniform``, the default).
     round_to: keep channel counts multiples of this (``--round-to 8``); None = exact.
@@ -66,7 +69,7 @@ class PruneConfig:
     """
 
     ratio: float = 0.5
-    importance: str = "l2"
+    importance: str = "auto"
     global_pruning: bool = False
     round_to: int | None = None
     ignore: tuple[str, ...] = ()
@@ -302,7 +305,10 @@ def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> d
                                                    for m in module.modules()):
         raise BadInputError(f"importance 'bn-scale' needs BatchNorm layers; {handle.name} has none "
                             "(choose from 'l1', 'l2', 'taylor')")
-    facts: dict[str, Any] = {"scope": scope, "protected": protected, "ignored": sorted(set(user))}
+    if config.importance == "auto":
+        config = dataclasses.replace(config, importance="taylor" if is_lm else "l2")
+    facts: dict[str, Any] = {"scope": scope, "importance": config.importance, "protected": protected,
+                             "ignored": sorted(set(user))}
     calib = _calibration_batches(handle, ctx, config) if config.importance == "taylor" else []
 
     def score_gradients() -> None:

@@ -648,9 +648,78 @@ def rewrite_qdq(model: Any) -> Any:
         g.node.insert(list(g.node).index(n), node)
         set_input[0].input[set_input[1]] = dq_out
 
-    # 4. drop initializers nobody reads any more
+    # 4. DQ(a) -> Pad(zeros) -> Q(same grid) -> DQ -> Conv  ==>  DQ(a) -> Conv(pads += ...)
+    #    (zero is exactly representable, so padding the quantized tensor with its zero point is
+    #    the same; ONNX Runtime then runs QLinearConv straight on the tensor, no float Pad)
+    _fold_pads(g, value)
+
+    # 5. drop initializers nobody reads any more
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     keep = [i for i in g.initializer if i.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)
     return model
+
+
+def _fold_pads(g: Any, value: Any) -> int:
+    import onnx
+
+    producers = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def only(t: str) -> bool:
+        return len(consumers.get(t, [])) == 1
+
+    def same(a: str, b: str) -> bool:
+        va, vb = value(a), value(b)
+        return va is not None and vb is not None and va.shape == vb.shape and bool(np.all(va == vb))
+
+    folded = 0
+    for conv in list(g.node):
+        if conv.op_type != "Conv":
+            continue
+        dq_c = producers.get(conv.input[0])
+        q_b = producers.get(dq_c.input[0]) if dq_c is not None and dq_c.op_type == "DequantizeLinear" else None
+        pad = producers.get(q_b.input[0]) if q_b is not None and q_b.op_type == "QuantizeLinear" else None
+        if pad is None or pad.op_type != "Pad":
+            continue
+        dq_a = producers.get(pad.input[0])
+        if dq_a is None or dq_a.op_type != "DequantizeLinear" or len(q_b.input) < 3 or len(dq_a.input) < 3:
+            continue
+        if not (same(q_b.input[1], dq_a.input[1]) and same(q_b.input[2], dq_a.input[2])):
+            continue
+        if not (only(pad.output[0]) and only(q_b.output[0]) and only(dq_c.output[0])):
+            continue
+        mode = next((a.s.decode() for a in pad.attribute if a.name == "mode"), "constant")
+        if mode != "constant" or (len(pad.input) > 3 and pad.input[3]):
+            continue
+        if len(pad.input) > 2 and pad.input[2]:
+            cval = value(pad.input[2])
+            if cval is None or np.any(cval != 0):
+                continue
+        pads = value(pad.input[1])
+        if pads is None:
+            continue
+        pads = [int(p) for p in pads.reshape(-1)]
+        r = len(pads) // 2
+        begin, end = pads[:r], pads[r:]
+        if r < 3 or any(begin[:2]) or any(end[:2]) or min(pads) < 0:
+            continue
+        attr = next((a for a in conv.attribute if a.name == "pads"), None)
+        auto = next((a for a in conv.attribute if a.name == "auto_pad"), None)
+        if auto is not None and auto.s not in (b"NOTSET", b""):
+            continue
+        k = r - 2
+        old = list(attr.ints) if attr is not None else [0] * (2 * k)
+        new = [old[i] + begin[2 + i] for i in range(k)] + [old[k + i] + end[2 + i] for i in range(k)]
+        if attr is not None:
+            conv.attribute.remove(attr)
+        conv.attribute.append(onnx.helper.make_attribute("pads", new))
+        conv.input[0] = dq_a.output[0]
+        for n in (dq_c, q_b, pad):
+            g.node.remove(n)
+        folded += 1
+    return folded

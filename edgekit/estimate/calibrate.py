@@ -36,7 +36,15 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
-from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate, load_graph, resolve_efficiency
+from edgekit.estimate.roofline import (
+    ESTIMATE_NOTE,
+    Estimate,
+    NodeEstimate,
+    estimate,
+    load_graph,
+    resolve_efficiency,
+    strip_weights,
+)
 
 CALIBRATION_SUFFIX = ".efficiency.json"
 
@@ -91,8 +99,11 @@ def save_calibration(target: Any, efficiency: dict[str, float], kernel_overhead_
 
 # --- fitting ---------------------------------------------------------------------------------------
 def fit_key(node: NodeEstimate, float_precision: str = "fp32") -> str:
-    """The efficiency key a node is fitted under: its op class, suffixed with an integer precision."""
-    return f"{node.op_class}:{node.precision}" if node.precision in ("int8", "int4") else node.op_class
+    """The efficiency key a node is fitted under: its op class, suffixed with an integer
+    precision (``:int8``), and ``@mem`` when the node is memory-bound (the bandwidth roof
+    is fitted apart from the compute roof: a matmul's decode and prefill differ)."""
+    key = f"{node.op_class}:{node.precision}" if node.precision in ("int8", "int4") else node.op_class
+    return key + "@mem" if node.bound == "memory" else key
 
 
 @dataclass
@@ -105,7 +116,7 @@ class Observation:
 
 
 def fit_efficiency(observations: list[Observation], prior: dict[str, float], *, fit_overhead: bool = True,
-                   min_nodes: int = 1, min_share: float = 0.002,
+                   min_nodes: int = 1, min_share: float = 0.0,
                    max_overhead_ms: float = 0.02) -> tuple[dict[str, float], float, list[str]]:
     """Non-negative least squares of measured times on roofline terms.
 
@@ -138,7 +149,7 @@ def fit_efficiency(observations: list[Observation], prior: dict[str, float], *, 
             if k in keys:
                 a[i, keys.index(k)] = v
             else:  # not fitted: its time at the prior efficiency is taken as given
-                fixed += v / max(prior.get(k, prior.get(k.split(":")[0], 0.3)), 1e-6)
+                fixed += v / max(_lookup(prior, k), 1e-6)
         if fit_overhead:
             a[i, -1] = o.kernels
         b[i] = o.measured_ms - fixed
@@ -157,6 +168,9 @@ def fit_efficiency(observations: list[Observation], prior: dict[str, float], *, 
     x = lsq_linear(a, b, bounds=(lo, hi)).x
     eff = dict(prior)
     for j, k in enumerate(keys):
+        if float(np.dot(a[:, j], b)) <= 0:  # measured times are all overhead: not identifiable, keep the prior
+            kept.append(k)
+            continue
         eff[k] = float(min(max(1.0 / x[j], 0.005), 50.0))
     overhead = float(x[-1]) if fit_overhead else 0.0
     return eff, overhead, sorted(set(kept))
@@ -166,11 +180,21 @@ def node_observations(est: Estimate, measured: dict[str, float], float_precision
     """One observation per estimated node that was measured (matched by node name)."""
     obs = []
     for n in est.nodes:
-        if n.status != "runs" or n.name not in measured:
+        if n.status != "runs" or n.name not in measured or n.bound == "overhead":
             continue
-        base = max(n.compute_ms, n.memory_ms) * n.efficiency  # roofline time at efficiency 1
+        # roofline time of the binding roof at efficiency 1
+        base = n.compute_ms * n.efficiency if n.bound == "compute" else n.memory_ms * n.memory_efficiency
         obs.append(Observation({fit_key(n, float_precision): base}, measured[n.name]))
     return obs
+
+
+def overhead_from_small_nodes(est_nodes: list[NodeEstimate], measured: dict[str, float],
+                              below_ms: float = 0.001) -> float | None:
+    """Median measured time (ms) of nodes whose roofline time is under ``below_ms``: the
+    per-kernel overhead as the runtime shows it (None without such nodes)."""
+    small = [measured[n.name] for n in est_nodes if n.status == "runs" and n.name in measured
+             and max(n.compute_ms * n.efficiency, n.memory_ms * n.memory_efficiency) < below_ms]
+    return float(np.median(small)) if small else None
 
 
 # --- measuring ---------------------------------------------------------------------------------------
@@ -233,7 +257,7 @@ def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims
         from edgekit.artifact import read_manifest
 
         manifest = read_manifest(engine_dir)
-        graph = onnx.load(str(manifest.path_of(engine_dir, "model")), load_external_data=False)
+        graph = strip_weights(onnx.load(str(manifest.path_of(engine_dir, "model")), load_external_data=False))
         engine = load_engine(engine_dir, threads=threads)
         try:
             cfg = ProfileConfig(warmup_ms=200, duration_s=duration_s, iterations=iterations, threads=threads,
@@ -334,14 +358,14 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     before: list[Estimate | None] = []
     obs: list[Observation] = []
     gaps: list[tuple[float, int]] = []
+    small_overheads: list[float] = []
     for m in measurements:
         if m.graph is None:  # GPU: end-to-end only
             e = estimate(m.source, tgt, batch=m.batch, dims=m.dims, calibrated=False)
             terms: dict[str, float] = {}
             for n in e.nodes:
                 if n.status == "runs":
-                    terms["all"] = terms.get("all", 0.0) + max(n.compute_ms, n.memory_ms) * n.efficiency / \
-                        prior.get(fit_key(n), 0.3)
+                    terms["all"] = terms.get("all", 0.0) + max(n.compute_ms, n.memory_ms)  # at the priors
             kernels = sum(1 for n in e.nodes if n.status == "runs")
             obs.append(Observation(terms, m.p50_ms, kernels))
             before.append(e)
@@ -350,6 +374,8 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
         e.model = m.model
         before.append(e)
         obs += node_observations(e, m.nodes)
+        small_overheads += [m.nodes[n.name] for n in e.nodes if n.status == "runs" and n.name in m.nodes and
+                            max(n.compute_ms * n.efficiency, n.memory_ms * n.memory_efficiency) < 0.001]
         matched = [n for n in e.nodes if n.status == "runs" and n.name in m.nodes]
         missing = [n for n in m.nodes if n not in {x.name for x in e.nodes}]
         if missing:
@@ -362,12 +388,21 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
         overhead_us = prior_overhead_us
         notes.append("GPU calibration fits one factor on end-to-end latency (kernels do not map to ONNX nodes)")
     else:
-        efficiency, overhead_ms, kept = fit_efficiency(obs, prior)
+        if len(small_overheads) >= 3:
+            # The kernel overhead is what nodes with (almost) no work take; the classes are then
+            # fitted on what is left of each node's time.
+            overhead_ms = float(np.median(small_overheads))
+            obs = [Observation(o.terms, o.measured_ms - overhead_ms, o.kernels) for o in obs]
+            efficiency, _, kept = fit_efficiency(obs, prior, fit_overhead=False)
+            how = f"median time of {len(small_overheads)} measured nodes with under 1 us of roofline work"
+        else:
+            efficiency, overhead_ms, kept = fit_efficiency(obs, prior)
+            how = "fitted with the classes"
         n_nodes = sum(n for _, n in gaps) or 1
         gap_us = max(0.0, sum(g for g, _ in gaps) * 1e3 / n_nodes)
         overhead_us = overhead_ms * 1e3 + gap_us
-        notes.append(f"per-node overhead = fitted kernel overhead {overhead_ms * 1e3:.2f} us + executor gap "
-                     f"{gap_us:.2f} us (end-to-end minus summed node times)")
+        notes.append(f"per-node overhead = kernel overhead {overhead_ms * 1e3:.2f} us ({how}) + executor gap "
+                     f"{gap_us:.2f} us (end-to-end minus summed node times, per node)")
     fitted = sorted(k for k in efficiency if k not in kept and (k not in prior or efficiency[k] != prior[k]))
     models: list[dict[str, Any]] = []
     class_rows: dict[str, dict[str, float]] = {}
@@ -431,7 +466,13 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
 
 
 def _lookup(eff: dict[str, float], key: str) -> float:
-    return float(eff.get(key, eff.get(key.split(":")[0], eff.get("other", 0.3))))
+    """Efficiency of a fit key with the estimator's fallbacks (``conv:int8@mem`` -> ... -> ``conv``)."""
+    base, mem = key.removesuffix("@mem"), key.endswith("@mem")
+    cls = base.split(":")[0]
+    for k in ([key, f"{cls}@mem"] if mem else []) + [base, cls, "other"]:
+        if k in eff:
+            return float(eff[k])
+    return 0.3
 
 
 def measure_gpu(model: Any, target: Any, *, batch: int = 1, dims: dict[str, int] | None = None,

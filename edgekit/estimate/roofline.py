@@ -9,7 +9,8 @@ For every node of the (shape-inferred) ONNX graph::
     time  = max(ops / (peak[precision] * eff), bytes / (bandwidth * eff)) + kernel overhead
 
 ``eff`` is the fraction of peak a class of op reaches on the target (``conv``,
-``depthwise-conv``, ``matmul``, ...): defaults per target kind, the target YAML's
+``depthwise-conv``, ``matmul``, ...; ``conv:int8`` for integer nodes; ``matmul@mem`` for
+the bandwidth roof when fitted apart): defaults per target kind, the target YAML's
 ``efficiency``, then the factors fitted by ``edgekit estimate --calibrate`` (see
 ``calibrate.py``). A node is compute-bound when its arithmetic intensity (ops/byte)
 is above the target's crossover, peak / bandwidth, for the node's precision.
@@ -130,7 +131,8 @@ class NodeEstimate:
     memory_ms: float
     overhead_ms: float
     time_ms: float
-    efficiency: float
+    efficiency: float  # fraction of peak compute used for this node
+    memory_efficiency: float = 0.0  # fraction of bandwidth used for this node
     stage: str = ""
     known: bool = True
     quantized: bool = False
@@ -287,14 +289,25 @@ def load_graph(model_or_onnx: Any, export_dir: str | os.PathLike[str] | None = N
         return _load_onnx(path), handle.name
 
 
+_GRAPH_CACHE: dict[tuple[str, int, int], Any] = {}  # (path, size, mtime) -> ModelProto; the last two
+
+
 def _load_onnx(path: str | os.PathLike[str]) -> Any:
     import onnx
 
     p = Path(path)
     if not p.is_file():
         raise BadInputError(f"ONNX file {str(p)!r} does not exist")
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _GRAPH_CACHE:  # estimating one graph for many targets reads and parses it once
+        return _GRAPH_CACHE[key]
     try:
-        return onnx.load(str(p), load_external_data=False)
+        proto = onnx.load(str(p), load_external_data=False)
+        while len(_GRAPH_CACHE) >= 2:
+            _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))
+        _GRAPH_CACHE[key] = proto
+        return proto
     except Exception as e:
         raise BadInputError(f"{p} is not a valid ONNX model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
@@ -589,6 +602,16 @@ def _contrib_shape(node: Any, ins: list[_Tensor | None]) -> list[tuple[tuple[int
         return [(s(0), e(0))]  # ReorderInput and the rest keep the logical shape
     if op == "MatMulNBits":
         return [((*s(0)[:-1], int(_attr(node, "N"))), e(0))]
+    if op in ("QLinearConv", "NhwcConv", "FusedConv") and _attr(node, "channels_last", 0) and len(s(0)) >= 3:
+        wi = 3 if op == "QLinearConv" else 1
+        if s(wi) is None:
+            return None
+        x = s(0)
+        nchw = _conv_shape(node, (x[0], x[-1], *x[1:-1]), s(wi))  # ORT's NHWC kernels keep OIHW weights
+        return [((nchw[0], *nchw[2:], nchw[1]), e(0))] if nchw else None
+    if op == "QLinearConv" and s(3) is not None:
+        shape = _conv_shape(node, s(0), s(3))
+        return [(shape, e(0))] if shape else None
     if op in ("FusedConv", "NhwcFusedConv") and s(1) is not None:
         shape = _conv_shape(node, s(0), s(1))
         return [(shape, e(0))] if shape else None
@@ -883,7 +906,7 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
             raise BadInputError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         tgt.require_precision(precision)
     proto, name = load_graph(model_or_onnx)
-    m, table, bound_dims, warnings = infer_shapes(proto, batch, dims)
+    m, table, bound_dims, warnings = _inferred(proto, batch, dims)
     eff, cal_path, overhead_us = resolve_efficiency(tgt, calibrated=calibrated)
     if efficiency:
         eff.update(efficiency)
@@ -912,6 +935,12 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
     if precision == "int4":
         notes.append("precision int4 on this graph: MatMul/Gemm weights are read as 4-bit (weight-only), compute "
                      f"and activations in {float_precision}")
+    shapeless = Counter(node.op_type for node in m.graph.node
+                        if any(o and (table.get(o) is None or table[o].shape is None) for o in node.output)
+                        and node.op_type not in ("Constant",))
+    if shapeless:
+        warnings.append(f"{sum(shapeless.values())} nodes have outputs of unknown shape (their ops and bytes are "
+                        "undercounted): " + ", ".join(f"{op} x{c}" for op, c in shapeless.most_common(8)))
     unknown = Counter(n.op_type for n in nodes if not n.known)
     if unknown:
         warnings.append(f"{sum(unknown.values())} nodes of ops the estimator does not know were estimated as "
@@ -932,6 +961,37 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
         op_types=_group(nodes, "op_type", total), op_classes=_group(nodes, "op_class", total),
         stages=_group(nodes, "stage", total), unknown_ops=dict(unknown), efficiency=eff, calibration=cal_path,
         fuse=fuse, warnings=warnings, notes=notes)
+
+
+_SHAPE_CACHE: dict[tuple[int, int, tuple[tuple[str, int], ...]], Any] = {}
+
+
+def strip_weights(proto: Any, min_bytes: int = 4096) -> Any:
+    """The graph without the data of its large initializers (dims and types kept): all the
+    estimator needs, at a fraction of the memory."""
+    import onnx
+
+    for init in proto.graph.initializer:
+        if init.raw_data and len(init.raw_data) > min_bytes:
+            init.ClearField("raw_data")
+            init.data_location = onnx.TensorProto.EXTERNAL
+            del init.external_data[:]
+            init.external_data.add(key="location", value="__edgekit_dropped__")
+    return proto
+
+
+def _inferred(proto: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any, dict[str, _Tensor], dict[str, int], list[str]]:
+    """``infer_shapes`` once per (graph object, batch, dims): the inferred copy is only read."""
+    key = (id(proto), batch, tuple(sorted((dims or {}).items())))
+    hit = _SHAPE_CACHE.get(key)
+    if hit is None or hit[0] is not proto:
+        m, table, bound, warnings = infer_shapes(proto, batch, dims)
+        while len(_SHAPE_CACHE) >= 4:
+            _SHAPE_CACHE.pop(next(iter(_SHAPE_CACHE)))
+        hit = (proto, (m, table, bound, warnings))
+        _SHAPE_CACHE[key] = hit
+    m, table, bound, warnings = hit[1]
+    return m, table, dict(bound), list(warnings)
 
 
 def _first_float(tgt: Any) -> str:
@@ -1222,9 +1282,10 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
                 notes.append("no-int8")
         peak = _peak(tgt, compute_prec)
         e = _efficiency_for(eff, cls, prec)
+        em = _efficiency_for(eff, cls, prec, memory=True)
         compute_ms = ops / (peak * e) * 1e3 if peak > 0 and ops > 0 else 0.0
         total_bytes = w_bytes + a_bytes
-        memory_ms = total_bytes / (bw * e) * 1e3 if bw > 0 else 0.0
+        memory_ms = total_bytes / (bw * em) * 1e3 if bw > 0 else 0.0
         over_ms = overhead_us / 1e3
         intensity = ops / total_bytes if total_bytes else 0.0
         crossover = peak / bw if bw else 0.0
@@ -1236,7 +1297,8 @@ def _estimate_nodes(m: Any, table: dict[str, _Tensor], tgt: Any, ctx: _Ctx, eff:
             name=node.name or f"{node.op_type}_{idx}", op_type=node.op_type, op_class=cls, precision=prec,
             ops=ops, weight_bytes=w_bytes, activation_bytes=a_bytes, intensity=intensity, crossover=crossover,
             bound=bound, compute_ms=compute_ms, memory_ms=memory_ms, overhead_ms=over_ms,
-            time_ms=max(compute_ms, memory_ms) + over_ms, efficiency=e, stage=_stage(node), known=known,
+            time_ms=max(compute_ms, memory_ms) + over_ms, efficiency=e, memory_efficiency=em, stage=_stage(node),
+            known=known,
             quantized=quantized, status="runs"))
     notes = [n for n in notes if n != "no-int8"]
     return nodes, notes
@@ -1247,8 +1309,11 @@ def _is_noop_cast(node: Any, table: dict[str, _Tensor]) -> bool:
     return src is not None and int(_attr(node, "to", -1)) == src.elem
 
 
-def _efficiency_for(eff: dict[str, float], cls: str, precision: str) -> float:
-    for key in (f"{cls}:{precision}", cls, "other"):
+def _efficiency_for(eff: dict[str, float], cls: str, precision: str, memory: bool = False) -> float:
+    """The fraction of peak for an op class (``conv``, ``conv:int8``); ``memory=True`` the
+    fraction of bandwidth (``conv@mem``, fitted separately by calibration; else the same)."""
+    keys = [f"{cls}:{precision}@mem", f"{cls}@mem"] if memory else []
+    for key in (*keys, f"{cls}:{precision}", cls, "other"):
         if key in eff and eff[key] > 0:
             return float(eff[key])
     return 0.3

@@ -190,7 +190,8 @@ def plan(recipe: Recipe) -> list[dict[str, Any]]:
                 actions = [f"time {s.callable}"]
             else:
                 actions = [f"load {s.model}"] + [f"{st.name}({_kv(st.config)})" for st in s.steps]
-                actions += ["export onnx", f"build {_runtime_for(target)}", _measure_kind(target)]
+                actions += ["export onnx"] + ([f"build {_runtime_for(target)}", "profile (measured)"] if _measurable(target)
+                                              else ["estimate (roofline)", "TensorRT build bundle"])
                 if s.evaluate:
                     actions.append(f"evaluate {s.evaluate.get('metric', 'default')}")
             rows.append({"target": target.name, "stage": s.name, "actions": actions, "budget_ms": s.budget_ms,
@@ -203,26 +204,29 @@ def _kv(d: dict[str, Any]) -> str:
 
 
 def _measurable(target: Any) -> bool:
+    """Can edgekit build and time an engine for ``target`` on this machine?"""
     if target.kind == "cpu":
         return True
-    from edgekit.runtimes import get_runtime
-
-    for name in target.runtimes:
+    if "tensorrt" in target.runtimes:
         try:
-            ok, _ = get_runtime(name).available()
+            from edgekit.runtimes.tensorrt import _choose_path
+
+            if _choose_path(target, {})[0] in ("api", "trtexec"):
+                return True
         except (ImportError, EdgekitError):
-            continue
-        if ok and name in ("tensorrt", "torch") and target.kind != "cpu":
-            return True
+            pass
+    if "torch" in target.runtimes:
+        try:
+            import torch
+
+            return bool(torch.cuda.is_available()) and target.kind == "gpu"
+        except ImportError:  # pragma: no cover
+            return False
     return False
 
 
 def _runtime_for(target: Any) -> str:
     return target.runtimes[0] if target.runtimes else "onnxruntime"
-
-
-def _measure_kind(target: Any) -> str:
-    return "profile (measured)" if _measurable(target) else "estimate (roofline) + TensorRT build bundle"
 
 
 def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,

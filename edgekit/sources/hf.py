@@ -133,8 +133,11 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
     except Exception as e:
         raise BadInputError(f"{gguf} is not a GGUF model transformers can load: {str(e).splitlines()[0]}") from None
     del config  # parsing it checks the file; GGUF configs carry no architectures (all are causal LMs)
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+        model = tf.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as e:
+        raise BadInputError(f"transformers cannot load {gguf} as a causal LM: {str(e).splitlines()[0]}") from None
     # save_pretrained refuses a GGUF-loaded model while it still looks quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
