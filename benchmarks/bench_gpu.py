@@ -197,7 +197,7 @@ def run(args: Any, torch: Any, cuda: bool) -> int:
             rows.append(row)
             measurements.append(Measurement(model=f"{label} {prec}", graph=None, source=onnx_path, p50_ms=p50,
                                             nodes={}, node_ops={}, runtime="torch", threads=None, dims=dims,
-                                            batch=1, cv=prof.latency_ms.cv))
+                                            batch=1, cv=prof.latency_ms.cv, precision=prec))
             print(f"{label} {prec}: measured p50 {p50:.3f} ms, estimate {est.total_ms:.3f} ms "
                   f"({row['error']:+.0%}), compile {row['compile_s']} s", flush=True)
     report = None

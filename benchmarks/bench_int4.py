@@ -89,9 +89,17 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                           "eval_seconds": round(time.perf_counter() - t0, 1)})
             print(v, ppl, flush=True)
             continue
-        method, setting = v.split("-")
+        method, setting, *extra = v.split("-")  # e.g. gptq-w4g128-damp0.1-actorder
         bits, group = SETTINGS[setting]
-        cfg = WeightOnlyConfig(method=method, bits=bits, group_size=group, calib_samples=n_calib, seqlen=512)
+        opts: dict = {}
+        for e in extra:
+            if e.startswith("damp"):
+                opts["damp"] = float(e[4:])
+            elif e == "actorder":
+                opts["act_order"] = True
+            elif e == "sym":
+                opts["sym"] = True
+        cfg = WeightOnlyConfig(method=method, bits=bits, group_size=group, calib_samples=n_calib, seqlen=512, **opts)
         ctx = StepContext(calib="lee-news", progress=False)
         if v == "gptq-w4g128":  # the headline path: compress() writes the packed artifact
             t = time.perf_counter()
@@ -107,7 +115,7 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
         t = time.perf_counter()
         ppl = torch_ppl(handle.module, windows)
         meta = handle.steps[-1].meta
-        save_part(v, {"variant": v, "method": method, "bits": bits, "group_size": group, "ppl_torch": ppl,
+        save_part(v, {"variant": v, "method": method, "bits": bits, "group_size": group, "ppl_torch": ppl, "options": opts,
                       "quant_seconds": round(quant_s, 1), "solver_seconds": meta.get("seconds"), "solver_cpu_seconds": meta.get("cpu_seconds"),
                       "calib_windows": meta.get("calib_windows"), "bytes": packed_bytes(handle.module),
                       "eval_windows": n_eval, "eval_seconds": round(time.perf_counter() - t, 1)})

@@ -79,7 +79,13 @@ def export(handle: Any, folder: Path) -> Path:
 
 
 def peer_quantize(fp32: Path, dst: Path, calib: Any, method: str) -> float:
-    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -101,7 +107,7 @@ def peer_quantize(fp32: Path, dst: Path, calib: Any, method: str) -> float:
 def time_variants(variants: dict[str, Path], feeds: dict[str, np.ndarray], rounds: int, iters: int) -> dict[str, dict[str, float]]:
     sessions = {k: session(p) for k, p in variants.items()}
     samples: dict[str, list[float]] = {k: [] for k in variants}
-    for k, s in sessions.items():  # warm-up
+    for s in sessions.values():  # warm-up
         names = [i.name for i in s.get_inputs()]
         t_end = time.perf_counter() + 0.2
         while time.perf_counter() < t_end:
@@ -123,13 +129,17 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, An
 
     from edgekit.compress import StepContext
     from edgekit.compress.int8 import Int8Config, apply
+    from edgekit.errors import BadInputError
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     h = load_model(name)
     calib = load_samples(None, h, split="calib", limit=args.calib_samples)
-    ev = load_samples(None, h, split="eval", limit=args.eval_limit)
+    try:
+        ev = load_samples(None, h, split="eval", limit=args.eval_limit)
+    except BadInputError:  # a smaller split than the limit: take all of it
+        ev = load_samples(None, h, split="eval")
     evaluator = h.evaluator
     print(f"[{name}] calib {len(calib)} ({calib.source}), eval {len(ev)} ({ev.source}), evaluator {evaluator}",
           flush=True)

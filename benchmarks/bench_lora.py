@@ -66,6 +66,18 @@ def quantize(handle: Any, bits: int, group_size: int = 128) -> Any:
     return STEP.apply(handle, WeightOnlyConfig(method="rtn", bits=bits, group_size=group_size), ctx)
 
 
+def packed_artifact() -> Path:
+    """RTN W4 g128 SmolLM2 saved by compress() (cached), for the QLoRA memory run."""
+    from edgekit.artifact import cache_dir
+    from edgekit.compress import StepContext, compress
+
+    path = cache_dir() / "bench-lora" / "smollm2-w4-rtn-g128"
+    if not (path / "manifest.json").is_file():
+        compress(load_smollm2(), [("int4", {"method": "rtn", "bits": 4, "group_size": 128})], path,
+                 StepContext(progress=False))
+    return path
+
+
 def rss_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -83,8 +95,9 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
     from edgekit.compress import lora
     from edgekit.sources.data import load_samples
 
-    handle = load_smollm2()
-    train = load_samples("wikipedia", handle, split="train", seqlen=seqlen, limit=batch * steps)
+    if variant != "qlora":
+        handle = load_smollm2()
+        train = load_samples("wikipedia", handle, split="train", seqlen=seqlen, limit=batch * steps)
     cfg = lora.LoraConfig(r=r, alpha=2 * r, dropout=0.0)
     if variant == "full":
         for p in handle.module.parameters():
@@ -92,7 +105,13 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
     elif variant == "lora":
         lora.inject(handle, cfg, lora.resolve_targets(handle, (), "float"), "float")
     elif variant == "qlora":
-        quantize(handle, 4)
+        # As a user runs it: load the saved `compress --bits 4` artifact (packed weights
+        # straight from disk). Quantizing in this process instead leaves ~0.5 GB of freed
+        # float temporaries in the heap, which glibc does not hand back.
+        from edgekit.sources.models import load_model
+
+        handle = load_model(packed_artifact())
+        train = load_samples("wikipedia", handle, split="train", seqlen=seqlen, limit=batch * steps)
         lora.inject(handle, cfg, lora.resolve_targets(handle, (), "packed"), "packed")
     elif variant == "qlora-nf4":
         names = lora.resolve_targets(handle, (), "float")
@@ -131,6 +150,8 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
 
 def run_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
+    if "qlora" in args.memory_variants.split(","):
+        packed_artifact()
     for variant in args.memory_variants.split(","):
         cmd = [sys.executable, __file__, "--mem-child", variant, "--mem-steps", str(args.mem_steps),
                "--batch", str(args.batch), "--seqlen", str(args.seqlen), "--r", str(args.r),

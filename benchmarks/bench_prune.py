@@ -34,6 +34,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "prune.json"
+# The int8 step's fake-quant model and its QDQ graph differ by up to a quantization step; its
+# record did not loosen the export parity here (0.00057 abs error on logits), so the combined
+# engine is built with this tolerance.
+INT8_PARITY = {"atol": 5e-3, "rtol": 5e-2}
 
 from edgekit.compress import StepContext, compress  # noqa: E402
 from edgekit.compress.distill import DistillConfig, evaluate_pair  # noqa: E402
@@ -50,11 +54,12 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- latency
 
 
-def build(handle_or_dir: Any, out: Path) -> Path:
+def build(handle_or_dir: Any, out: Path, export: dict[str, Any] | None = None) -> Path:
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
 
-    return build_engine(handle_or_dir, "cpu", out, BuildOptions(threads=1, runtime="onnxruntime"))
+    extra = {"export": export} if export else {}
+    return build_engine(handle_or_dir, "cpu", out, BuildOptions(threads=1, runtime="onnxruntime", extra=extra))
 
 
 def interleaved_latency(engines: dict[str, Path], rounds: int = 7, per_round_s: float = 0.6) -> dict[str, dict[str, float]]:
@@ -227,7 +232,7 @@ def part_int8(args: argparse.Namespace) -> dict[str, Any]:
                                                                      progress=False))  # -> int8
     engines = {"unpruned fp32": build(base, tmp / "e-base"),
                "pruned 50% + distill fp32": build(floating, tmp / "e-float"),
-               "pruned 50% + distill + int8": build(folder, tmp / "e-int8")}
+               "pruned 50% + distill + int8": build(folder, tmp / "e-int8", INT8_PARITY)}
     accs = {k: _engine_accuracy(v, ev) for k, v in engines.items()}
     lat = interleaved_latency(engines)
     out = {}

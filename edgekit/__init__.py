@@ -32,6 +32,12 @@ _API = {
     "load_target": "edgekit.targets:load_target",
     "list_targets": "edgekit.targets:list_targets",
     "evaluate": "edgekit.evaluate:evaluate",
+    "estimate": "edgekit.estimate:estimate",
+    "finetune": "edgekit.finetune:finetune",
+    "distill": "edgekit.compress.distill:distill",
+    "run_recipe": "edgekit.pipelines.run:run_recipe",
+    "load_recipe": "edgekit.pipelines.recipe:load_recipe",
+    "run_sweep": "edgekit.pipelines.sweep:run_sweep",
 }
 
 __all__ = ["__version__", *_API]

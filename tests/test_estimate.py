@@ -340,3 +340,14 @@ def test_cli_calibrate_on_this_cpu_and_refused_for_a_device_not_here(tiny_onnx: 
 
     with pytest.raises(UnavailableError, match="cannot calibrate target 'jetson-agx-orin-64' here"):
         estimate_with_calibration(tiny_onnx, "jetson-agx-orin-64", calibrate=True)
+
+
+def test_gpu_style_calibration_fits_one_factor_end_to_end(board: Path) -> None:
+    """Torch-engine measurements have no ONNX node times: one factor over all classes."""
+    model = _matmul()
+    est = estimate(model, board, "fp16", calibrated=False)
+    meas = Measurement(model="mm", graph=None, source=model, p50_ms=2 * est.total_ms, nodes={}, node_ops={},
+                       runtime="torch", threads=None, dims={}, batch=1, cv=0.0, precision="fp16")
+    report = calibrate([], board, measurements=[meas], save=False)
+    assert report.efficiency_after["matmul"] == pytest.approx(0.3, rel=0.01)  # 0.6 halved
+    assert abs(report.models[0]["error_after"]) < 0.01

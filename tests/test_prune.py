@@ -198,7 +198,9 @@ def test_compress_load_compressed_roundtrip_and_export(tmp_path) -> None:
     np.testing.assert_allclose(got, h.module(x[0][:1]).detach().numpy(), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_latency_measured_with_target(monkeypatch) -> None:
+    """With a target, the step builds both engines (spine's build_engine + profile_engine)."""
     monkeypatch.setattr("edgekit.compress.prune.LATENCY_SECONDS", 0.05)
     h = tiny_cnn()
     ctx = StepContext(target="cpu")

@@ -399,7 +399,7 @@ def apply(handle: ModelHandle, config: DistillConfig, ctx: Any) -> ModelHandle:
     same_run = {k: v for k, v in config_to_dict(config).items() if k not in ("epochs", "max_steps", "patience",
                                                                               "eval_limit")}
     fingerprint = sha256_json({"config": same_run, "student": handle.source,
-                               "steps": [s.name for s in handle.steps], "data": getattr(train, "source", None),
+                               "steps": [[s.name, s.config] for s in handle.steps], "data": getattr(train, "source", None),
                                "n": len(next(iter(train.inputs.values())))})
     metrics = run_distillation(teacher, handle, train, evaluation, config,
                                work_dir=Path(work) / "distill" if work is not None else None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -84,8 +83,7 @@ def equalize_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
         if not ok or not isinstance(n, fx.Node):
             continue
         if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and _wq_node(n) is not None and len(n.users) == 1:
-            if _groups(n) == 1 or True:
-                pairs.append((n, b))
+            pairs.append((n, b))
     return pairs
 
 
@@ -131,7 +129,7 @@ def equalize(gm: fx.GraphModule, plan: Any, iterations: int = 3) -> list[str]:
 def relu6_to_relu(module: nn.Module) -> int:
     """Replace every nn.ReLU6 by nn.ReLU (makes equalization exact; changes the model)."""
     count = 0
-    for name, child in list(module.named_modules()):
+    for _, child in list(module.named_modules()):
         for cname, c in list(child.named_children()):
             if type(c) is nn.ReLU6:
                 setattr(child, cname, nn.ReLU())
@@ -175,75 +173,66 @@ class _MeanRecorder(nn.Module):
         return x
 
 
-def _record_outputs(gm: fx.GraphModule, samples: Any, names: list[str], batch_size: int) -> dict[str, torch.Tensor]:
-    """Per-channel mean of every quantized conv/linear output over ``samples``."""
+def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any, names: list[str],
+                 batch_size: int = 16, max_samples: int = 64) -> int:
+    """Empirical bias correction from the quantized inputs' per-channel means (one pass over
+    at most ``max_samples`` calibration samples). Returns the number of layers corrected."""
     from edgekit.compress.int8 import _batches
 
+    if len(samples) > max_samples:
+        samples = samples.subset(slice(0, max_samples))
+    targets = []
+    added: list[tuple[fx.Node, str]] = []
     g = gm.graph
-    added: list[tuple[fx.Node, str, str]] = []
     for n in list(g.nodes):
         if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or _wq_node(n) is None:
             continue
+        x = n.args[0]
+        if not isinstance(x, fx.Node):
+            continue
         name = f"bc_rec_{len(added)}"
         gm.add_submodule(name, _MeanRecorder(1 if qdq.is_conv(gm, n) else -1))
-        with g.inserting_after(n):
-            rec = g.call_module(name, (n,))
-        n.replace_all_uses_with(rec, delete_user_cb=lambda u, rec=rec: u is not rec)
-        added.append((rec, name, n.name))
+        with g.inserting_before(n):
+            rec = g.call_module(name, (x,))
+        n.replace_input_with(x, rec)
+        added.append((rec, name))
+        targets.append((n, name))
     gm.recompile()
+    gm.eval()
     try:
         with torch.no_grad():
             for args in _batches(samples, names, batch_size):
                 gm(*args)
-        out = {}
-        for _, name, node_name in added:
-            r = gm.get_submodule(name)
-            if r.sum is not None and r.count:
-                out[node_name] = (r.sum / r.count).float()
-        return out
+        recorders = {name: gm.get_submodule(name) for _, name in added}
     finally:
-        for rec, name, _ in added:
+        for rec, name in added:
             rec.replace_all_uses_with(rec.args[0])
             g.erase_node(rec)
             delattr(gm, name)
         gm.recompile()
-
-
-def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any, names: list[str],
-                 batch_size: int = 16, iterations: int = 2, max_samples: int = 64) -> int:
-    """Empirical bias correction: make each quantized layer's per-channel output mean match
-    the float model's (the shift from its own weight rounding and from every quantizer
-    upstream). All layers are corrected at once, ``iterations`` times, so downstream
-    layers see their corrected inputs. Returns the number of layers corrected."""
-    if len(samples) > max_samples:
-        samples = samples.subset(slice(0, max_samples))
-    gm.eval()
-    acts = {m: m.mode for m in qdq.act_quants(gm)}
-    weights = {m: m.enabled for m in qdq.weight_quants(gm)}
-    for m in acts:
-        m.mode = "float"
-    for w in weights:
-        w.enabled = False
-    try:
-        ref = _record_outputs(gm, samples, names, batch_size)
-    finally:
-        for m, mode in acts.items():
-            m.mode = mode
-        for w, en in weights.items():
-            w.enabled = en
-    nodes = {n.name: n for n in gm.graph.nodes}
-    corrected: set[str] = set()
-    for _ in range(iterations):
-        got = _record_outputs(gm, samples, names, batch_size)
-        for node_name, mean_q in got.items():
-            n = nodes[node_name]
-            if node_name not in ref or ref[node_name].shape != mean_q.shape:
+    corrected = 0
+    for n, key in targets:
+        hook = recorders[key]
+        if hook.sum is None or hook.count == 0:
+            continue
+        mean_x = (hook.sum / hook.count).float()
+        wpath, _ = _param_paths(gm, n)
+        w = qdq._get_attr(gm, wpath).detach()
+        wq_mod = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
+        if not wq_mod.enabled:
+            continue
+        dw = wq_mod(w) - w  # (out, in/groups, k...)
+        g_ = _groups(n) if qdq.is_conv(gm, n) else 1
+        dsum = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(-1)  # (out, in/groups)
+        if g_ == 1:
+            if dsum.shape[1] != mean_x.shape[0]:
                 continue
-            wq_mod = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
-            shift = mean_q - ref[node_name]
-            wpath, _ = _param_paths(gm, n)
-            bpath = _ensure_bias(gm, n, qdq._get_attr(gm, wpath).shape[0])
-            qdq._set_param(gm, bpath, qdq._get_attr(gm, bpath).detach() - shift)
-            corrected.add(node_name)
-            del wq_mod
-    return len(corrected)
+            shift = dsum @ mean_x
+        elif g_ == dw.shape[0] and dsum.shape[1] == 1 and mean_x.shape[0] == g_:
+            shift = dsum[:, 0] * mean_x
+        else:
+            continue
+        bpath = _ensure_bias(gm, n, w.shape[0])
+        qdq._set_param(gm, bpath, qdq._get_attr(gm, bpath).detach() - shift)
+        corrected += 1
+    return corrected

@@ -178,9 +178,6 @@ def score(outputs: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evalu
     """Metrics of a variant against the FP32 reference outputs (and labels)."""
     from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
 
-    if evaluator == "cosine" or (evaluator is None and outputs.ndim == 2 and labels is None and outputs.shape[-1] > 1
-                                 and evaluator != "agreement" and False):
-        return cosine_metrics(outputs, ref)
     out: dict[str, float] = {}
     if labels is not None:
         out.update(accuracy_metrics(outputs, labels))
@@ -243,7 +240,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if config.bias_correction:
         from edgekit.compress.equalize import correct_bias
 
-        meta["bias_corrected"] = correct_bias(gm, plan, reference_graph(float_module, gm), calib, names)
+        meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -291,10 +288,6 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
     ctx.metrics["int8"] = metrics
     return new
-
-
-def reference_graph(float_module: Any, gm: Any) -> Any:
-    return float_module
 
 
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:

@@ -74,7 +74,7 @@ def quantize_onnx_file(src: Path, dst: Path, samples: Any, input_names: list[str
 
         for b in samples.batches(batch_size):
             outs = sess.run(None, {k: b[k] for k in input_names})
-            for name, arr in zip(out_names, outs):
+            for name, arr in zip(out_names, outs, strict=True):
                 if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
                     observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
     symmetric = scheme == "trt"
@@ -122,8 +122,6 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
         ref = np.concatenate(run_batches(str(handle.onnx_path), ev))
         out = np.concatenate(run_batches(str(dst), ev))
         metrics["int8"] = score(out, ref, ev.labels, handle.evaluator)
-    from edgekit.compress.int8 import config_to_dict as _cd  # noqa: F401
-
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None

@@ -618,7 +618,7 @@ def rewrite_qdq(model: Any) -> Any:
         axis = next((a for a in dq.attribute if a.name == "axis"), None)
         if axis is not None:
             axis.i = perm.index(axis.i if axis.i >= 0 else axis.i + qw.ndim)
-        dq.output[0], old_out = t.output[0], dq.output[0]
+        dq.output[0] = t.output[0]
         g.node.remove(t)
     producers = {o: n for n in g.node for o in n.output}
 

@@ -32,7 +32,7 @@ def layer_macs(gm: fx.GraphModule, plan: Any, example: tuple[torch.Tensor, ...])
     """Multiply-accumulates per quantized layer for one sample."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    from edgekit.compress.equalize import _groups, _param_paths, _wq_node
+    from edgekit.compress.equalize import _param_paths, _wq_node
 
     modes = {m: m.mode for m in qdq.act_quants(gm)}
     qdq.set_mode(gm, "float")

@@ -213,6 +213,7 @@ class Measurement:
     dims: dict[str, int]
     batch: int
     cv: float
+    precision: str | None = None  # the engine's precision (GPU engines: fp32/fp16/bf16); None = the graph's
 
 
 def _feeds_for(onnx_path: Path, batch: int, dims: dict[str, int]) -> dict[str, np.ndarray]:
@@ -361,7 +362,7 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     small_overheads: list[float] = []
     for m in measurements:
         if m.graph is None:  # GPU: end-to-end only
-            e = estimate(m.source, tgt, batch=m.batch, dims=m.dims, calibrated=False)
+            e = estimate(m.source, tgt, m.precision, batch=m.batch, dims=m.dims, calibrated=False)
             terms: dict[str, float] = {}
             for n in e.nodes:
                 if n.status == "runs":
@@ -408,7 +409,7 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     class_rows: dict[str, dict[str, float]] = {}
     for m, e_before in zip(measurements, before, strict=False):
         if m.graph is None:
-            e_after = estimate(m.source, tgt, batch=m.batch, dims=m.dims, efficiency=efficiency,
+            e_after = estimate(m.source, tgt, m.precision, batch=m.batch, dims=m.dims, efficiency=efficiency,
                                kernel_overhead_us=overhead_us, calibrated=False)
         else:
             e_after = estimate(m.graph, tgt, batch=m.batch, dims=m.dims, fuse=False, efficiency=efficiency,
@@ -484,18 +485,17 @@ def measure_gpu(model: Any, target: Any, *, batch: int = 1, dims: dict[str, int]
         raise UnavailableError(f"torch is not installed ({e})") from None
     if not torch.cuda.is_available():
         raise UnavailableError("calibrating a GPU target needs a CUDA GPU here (torch.cuda.is_available() is False)")
-    from edgekit.build import build_engine, load_engine_inputs
+    from edgekit.build import build_engine
     from edgekit.profiling import ProfileConfig, profile_engine
     from edgekit.runtimes.base import BuildOptions
 
     with tempfile.TemporaryDirectory(prefix="edgekit-calib-gpu-") as tmp:
         engine_dir = build_engine(model, target, Path(tmp) / "engine",
                                   BuildOptions(precision=precision, runtime="torch", batch=batch))
-        load_engine_inputs(engine_dir)
         prof = profile_engine(engine_dir, ProfileConfig(duration_s=duration_s, batch=batch, node_profile=False))
     return Measurement(model=name or str(model), graph=None, source=model, p50_ms=prof.latency_ms.p50, nodes={},
                        node_ops={}, runtime="torch", threads=None, dims=dict(dims or {}), batch=batch,
-                       cv=prof.latency_ms.cv)
+                       cv=prof.latency_ms.cv, precision=precision)
 
 
 __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation", "calibrate", "calibration_path",

@@ -27,6 +27,7 @@ a one-token decode step.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -346,7 +347,7 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
         use_cache = hf.config.use_cache
         hf.config.use_cache = with_past
         try:
-            with torch.no_grad():
+            with torch.no_grad(), float_placeholders(handle.module):
                 onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
                                        no_post_process=True)
         finally:
@@ -372,6 +373,44 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
                    for s in handle.steps],
             config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset}))
     return out_dir
+
+
+@contextlib.contextmanager
+def float_placeholders(module: Any):
+    """Temporarily swap packed layers for float ``nn.Linear`` / ``nn.Embedding`` holding the
+    dequantized weights (a tied table stays one shared tensor). Tracing then costs what a
+    float export costs, and ``rewrite_packed_graph`` finds the weights by content."""
+    import torch
+    from torch import nn
+
+    from edgekit.compress.packing import QuantEmbedding, QuantLinear
+
+    swapped = []
+    tables: dict[int, nn.Parameter] = {}
+    for name, m in list(module.named_modules()):
+        if not isinstance(m, (QuantLinear, QuantEmbedding)):
+            continue
+        key = m.qweight.data_ptr()
+        if key not in tables:
+            tables[key] = nn.Parameter(m.dequantize().detach(), requires_grad=False)
+        if isinstance(m, QuantLinear):
+            new = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            new.weight = tables[key]
+            if m.bias is not None:
+                new.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=False)
+        else:
+            new = nn.Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, _weight=tables[key])
+        parent, _, child = name.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        setattr(owner, child, new)
+        swapped.append((owner, child, m))
+    try:
+        yield module
+    finally:
+        for owner, child, m in swapped:
+            setattr(owner, child, m)
+        del tables
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def lm_session(path: str | os.PathLike[str], threads: int = 1) -> Any:
