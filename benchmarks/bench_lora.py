@@ -304,6 +304,9 @@ def main() -> None:
     for key, value in sections.items():
         if key == "recovery" and isinstance(result.get(key), dict):
             result[key].update(value)  # keep other bit widths measured by a separate run
+        elif key == "memory" and isinstance(result.get(key), list):
+            mine = {m["variant"] for m in value}
+            result[key] = [m for m in result[key] if m.get("variant") not in mine] + value
         else:
             result[key] = value
         result.setdefault("settings", {})[key] = settings

@@ -84,7 +84,7 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
         eval_data = data  # its eval split: never overlaps the train split
     train = _resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
     val = _resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
-    ctx = StepContext(train=LoadedData(train), eval=LoadedData(val), seed=seed, progress=progress, work_dir=Path(f"{out}.work"))
+    ctx = StepContext(train=LoadedData(train, _spec(data)), eval=LoadedData(val, _spec(eval_data)), seed=seed, progress=progress, work_dir=Path(f"{out}.work"))
     ctx.resume = resume  # type: ignore[attr-defined]  # read by the lora step's training loop
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
     folder = compress(handle, steps, out, ctx)
@@ -108,6 +108,10 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     if with_work.is_dir() and not any(with_work.iterdir()):
         with_work.rmdir()
     return folder
+
+
+def _spec(data: Any) -> str | None:
+    return str(data) if isinstance(data, (str, os.PathLike)) else None
 
 
 def final_metrics(handle: ModelHandle, samples: Any) -> dict[str, Any]:

@@ -224,6 +224,7 @@ def test_smollm2_rtn_w4_g128_smoke():
     assert packed_bytes(h.module) < float_bytes / 5
 
 
+@pytest.mark.slow  # a dynamo export: ~15 s on an idle machine
 def test_spine_export_uses_rewrite_onnx(tmp_path):
     """export_onnx (dynamo, no KV cache) calls the step's rewrite_onnx: packed layers become
     MatMulNBits / GatherBlockQuantized and parity holds."""

@@ -543,24 +543,23 @@ def load_adapter(handle: ModelHandle, tensors: dict[str, Any]) -> None:
 # Data, loss and the training loop
 
 
-class LoadedData:
-    """Samples already loaded, passed through ``StepContext.train`` / ``.eval`` in place of a
-    spec (so a caller tokenizes once). Prints, and lands in manifests, as its source name."""
+class LoadedData(str):
+    """Samples already loaded, passed through ``StepContext.train`` / ``.eval`` so the lora
+    step does not load them again. It *is* the data spec string (``"fashion-mnist"``), so
+    later steps of the chain (``int8``, ``int4``) and manifests see the plain spec."""
 
-    def __init__(self, samples: Any) -> None:
-        self.samples = samples
+    samples: Any
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "samples":
-            raise AttributeError(name)
-        return getattr(self.samples, name)
-
-    def __str__(self) -> str:
-        return f"{getattr(self.samples, 'source', 'data')} ({getattr(self.samples, 'split', '?')} split)"
+    def __new__(cls, samples: Any, spec: str | None = None) -> LoadedData:
+        obj = super().__new__(cls, spec if spec is not None else str(getattr(samples, "source", "data")))
+        obj.samples = samples
+        return obj
 
 
 def _resolve_samples(spec: Any, handle: ModelHandle, split: str, limit: int | None, seqlen: int, seed: int) -> Any:
     """A data spec (str / None) through ``load_samples``, or a ready ``Samples``-like object."""
+    if isinstance(spec, LoadedData):
+        return spec.samples
     if spec is not None and not isinstance(spec, (str, os.PathLike)) and hasattr(spec, "inputs"):
         return spec
     from edgekit.sources.data import load_samples

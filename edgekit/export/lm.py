@@ -52,13 +52,16 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def _block_size(in_features: int, group_size: int) -> int | None:
-    """The MatMulNBits block size expressing this grouping exactly (None if there is none)."""
+def _block_size(in_features: int, group_size: int, exact: bool = False) -> int | None:
+    """The MatMulNBits block size expressing this grouping exactly (None if there is none):
+    a power of two in 16..256 dividing the group, preferring one that also divides the
+    input width (no padded last block; required with ``exact``, as GatherBlockQuantized does)."""
     g = in_features if group_size == -1 else group_size
-    for b in (256, 128, 64, 32, 16):
-        if g % b == 0 and (group_size != -1 or in_features % b == 0):
-            return b
-    return None
+    sizes = [b for b in (256, 128, 64, 32, 16) if g % b == 0]
+    dividing = [b for b in sizes if in_features % b == 0]
+    if dividing:
+        return dividing[0]
+    return None if (exact or group_size == -1 or not sizes) else sizes[0]
 
 
 def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -271,14 +274,20 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
 def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
     from onnx import TensorProto, helper
 
+    from edgekit.compress.packing import pack_codes
+
     D = layer._cols
-    g = D if layer.group_size == -1 else layer.group_size
-    if fmt == "matmulnbits" and layer.bits in (4, 8) and D % g == 0 and g >= 16:
-        ins = [add_init(f"{safe}_Gq", layer.qweight.numpy()), indices,
-               add_init(f"{safe}_Gs", layer.scales.float().numpy()),
-               add_init(f"{safe}_Gz", layer.qzeros.numpy())]
+    block = _block_size(D, layer.group_size, exact=True)
+    if fmt == "matmulnbits" and layer.bits in (4, 8) and block is not None:
+        g = D if layer.group_size == -1 else layer.group_size
+        gidx = np.arange(D // block) * block // g  # group of each block
+        data = layer.qweight.numpy() if layer.bits == 8 else pack_codes(layer.codes(), 4).numpy()
+        zeros = pack_codes(layer.zeros()[:, gidx], layer.bits).numpy()
+        ins = [add_init(f"{safe}_Gq", data), indices,
+               add_init(f"{safe}_Gs{block}", layer.scales.float().numpy()[:, gidx]),
+               add_init(f"{safe}_Gz{block}", zeros)]
         return [helper.make_node("GatherBlockQuantized", ins, [out], name=f"{safe}_GatherBlockQuantized",
-                                 domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=g,
+                                 domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block,
                                  bits=layer.bits)]
     codes, zeros, scales = layer.codes().numpy(), layer.zeros().numpy(), layer.scales.float().numpy()
     dt = TensorProto.UINT4 if layer.bits in (3, 4) else TensorProto.UINT8
