@@ -241,6 +241,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         from edgekit.compress.equalize import correct_bias
 
         meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
+    meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -261,6 +262,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         from edgekit.compress.qat import train_qat
 
         metrics["qat"] = train_qat(gm, reference, handle, config, ctx, names)
+        meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
 
     float_layers: list[str] = []
     if ev is not None and ref_out is not None:

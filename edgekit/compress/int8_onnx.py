@@ -115,13 +115,17 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
     metrics: dict[str, Any] = {"scheme": scheme, "calib_method": config.calib_method,
                                "calib_samples": len(samples), "ptq_seconds": round(seconds, 3), **info}
     if ctx.eval is not None:
+        import onnxruntime as ort
+
         from edgekit.compress.int8 import load_split, score
-        from edgekit.evaluate import run_batches
 
         ev = load_split(handle, ctx, "eval", config.eval_samples)
-        ref = np.concatenate(run_batches(str(handle.onnx_path), ev))
-        out = np.concatenate(run_batches(str(dst), ev))
-        metrics["int8"] = score(out, ref, ev.labels, handle.evaluator)
+
+        def run(path: Path) -> np.ndarray:
+            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            return np.concatenate([sess.run(None, {k: b[k] for k in names})[0] for b in ev.batches(16)])
+
+        metrics["int8"] = score(run(dst), run(Path(handle.onnx_path)), ev.labels, handle.evaluator)
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None

@@ -388,7 +388,6 @@ def _matches(name: str, target: str) -> bool:
 
 def inject(handle: ModelHandle, config: LoraConfig, names: list[str], base: str) -> None:
     """Add adapters to ``names`` in place; freeze everything else."""
-    torch = _torch()
     module = handle.module
     for p in module.parameters():
         p.requires_grad_(False)
@@ -411,7 +410,6 @@ def inject(handle: ModelHandle, config: LoraConfig, names: list[str], base: str)
         p.requires_grad_("lora_A" in n or "lora_B" in n)
     if not any(p.requires_grad for p in module.parameters()):  # pragma: no cover - guarded above
         raise BadInputError(f"no LoRA parameters were created in {handle.name!r}")
-    del torch
 
 
 def adapter_state(module: Any) -> dict[str, Any]:

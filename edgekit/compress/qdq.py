@@ -527,6 +527,32 @@ def finish_calibration(gm: nn.Module, method: str, percentile: float) -> dict[st
     return ranges
 
 
+def fit_bias_range(gm: fx.GraphModule) -> int:
+    """Engines store a conv/linear bias as int32 on the ``input_scale * weight_scale`` grid; a
+    channel with (near-)zero weights and a real bias would overflow int32 there and lose its
+    bias. Raise such channels' weight scales so the bias fits (2^30 steps of headroom).
+    Returns the number of channels changed."""
+    changed = 0
+    for n in gm.graph.nodes:
+        if not (is_conv(gm, n) or is_linear(gm, n)) or len(n.args) < 3:
+            continue
+        x, wq, b = n.args[0], n.args[1], n.args[2]
+        if not (isinstance(x, fx.Node) and x.op == "call_module" and isinstance(wq, fx.Node)
+                and wq.op == "call_module" and isinstance(b, fx.Node) and b.op == "get_attr"):
+            continue
+        aq, wmod = gm.get_submodule(str(x.target)), gm.get_submodule(str(wq.target))
+        if not isinstance(aq, ActQuant) or not isinstance(wmod, WeightQuant) or aq.mode != "quant":
+            continue
+        bias = _get_attr(gm, str(b.target)).detach().abs()
+        need = bias / (aq._scale_f * 2.0**30)
+        too_small = wmod.scale < need
+        if bool(too_small.any()):
+            with torch.no_grad():
+                wmod.scale.copy_(torch.where(too_small, need, wmod.scale))
+            changed += int(too_small.sum())
+    return changed
+
+
 def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:
     for name, qname in plan.layers.items():
         gm.get_submodule(qname).update_scale(_get_attr(gm, name + ".weight"), search=search)

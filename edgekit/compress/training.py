@@ -269,7 +269,7 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
     import time
 
     base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
-    for g, base in zip(optimizer.param_groups, base_lrs):
+    for g, base in zip(optimizer.param_groups, base_lrs, strict=True):
         g["initial_lr"] = base
     total_steps = min(x for x in (epochs * steps_per_epoch if steps_per_epoch else None, max_steps)
                       if x is not None) if (steps_per_epoch or max_steps) else 0
@@ -282,7 +282,7 @@ def fit(module: Any, loss_fn: Callable[[dict[str, Any]], Any],
             for batch in progress_bar(batches(epoch), f"{description} {epoch + 1}/{epochs}",
                                       total=steps_per_epoch, enabled=progress):
                 if schedule == "cosine" and total_steps:
-                    for group, base in zip(optimizer.param_groups, base_lrs):
+                    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
                         group["lr"] = base * 0.5 * (1 + math.cos(math.pi * min(result.steps / total_steps, 1.0)))
                 loss = loss_fn(batch)
                 optimizer.zero_grad(set_to_none=True)
