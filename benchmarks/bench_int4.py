@@ -97,6 +97,8 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                 opts["damp"] = float(e[4:])
             elif e == "actorder":
                 opts["act_order"] = True
+            elif e == "static":
+                opts["static_groups"] = True
             elif e == "sym":
                 opts["sym"] = True
         cfg = WeightOnlyConfig(method=method, bits=bits, group_size=group, calib_samples=n_calib, seqlen=512, **opts)

@@ -21,7 +21,14 @@ def progress_bar(items: Iterable[T], description: str, total: int | None = None,
     if not enabled:
         yield from items
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]

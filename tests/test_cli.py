@@ -20,7 +20,7 @@ def run(*args: str):
 
 def one_line_error(result, exit_code: int = 2) -> str:
     assert result.exit_code == exit_code, result.output
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ")
     assert "Traceback" not in result.output

@@ -13,7 +13,7 @@ import yaml
 
 from edgekit.errors import BadInputError
 from edgekit.pipelines.recipe import parse_recipe
-from edgekit.pipelines.run import RunResult, StageResult, _critical_path, junit_xml, markdown_summary, run_recipe
+from edgekit.pipelines.run import StageResult, _critical_path, run_recipe
 from edgekit.pipelines.sweep import apply_overrides, combinations, parse_grid
 
 FAST_PROFILE = {"warmup_ms": 5, "duration_s": 0.05, "iterations": 10, "node_profile": False}

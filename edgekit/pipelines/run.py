@@ -393,7 +393,7 @@ def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
         raise UnavailableError(f"cannot measure on {target.name} here and the estimator is unavailable: {e}") from None
     m = read_manifest(onnx_folder)
     est = estimate(str(m.path_of(onnx_folder, "onnx")), target)
-    total = float(getattr(est, "total_ms"))
+    total = float(est.total_ms)
     stats = LatencyStats(min=total, mean=total, p50=total, p90=total, p95=total, p99=total, max=total, std=0.0,
                          cv=0.0, count=1)
     prof = ProfileResult(engine=str(onnx_folder), runtime="estimate", target=target.name, model=m.model.get("name"),

@@ -251,7 +251,7 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
         tasks.append((data, str(run_dir), str(cache), str(path), force))
     results = _execute(tasks, jobs, executor, address, _resources(raw))
     rows = []
-    for params, (data, result_dict, seconds) in zip(combos, results):
+    for params, (_data, result_dict, seconds) in zip(combos, results):
         result_dict["stages"] = [StageResult(**s) for s in result_dict["stages"]]
         rows.append(_row_from_result(params, RunResult(**result_dict), seconds))
     targets = sorted({t for r in rows for t in r.latency_ms})
