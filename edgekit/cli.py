@@ -45,7 +45,8 @@ class EdgekitGroup(click.Group):
 def _console() -> Any:
     from rich.console import Console
 
-    return Console()
+    # Off a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
