@@ -115,6 +115,7 @@ def test_run_writes_results_junit_summary_and_html(tiny_run):
     total = first.targets["cpu"]["total_ms"]
     assert total == pytest.approx(sum(r.latency_ms for r in first.stages))
     assert sum(r.share for r in first.stages) == pytest.approx(1.0)
+    assert first.stages[0].estimated_ms is None and first.stages[1].estimated_ms > 0  # roofline beside measurement
     data = json.loads((out / "results.json").read_text())
     assert data["seed"] == 0 and data["percentile"] == "p99"
     suite = ET.parse(out / "junit.xml").getroot()
@@ -227,7 +228,7 @@ def test_sweep_writes_table_and_html(tmp_path):
     assert not (tmp_path / "s0").exists()  # validated before any work
     rows = run_sweep(recipe, ["prune.ratio=0,0.5"], tmp_path / "s1")
     assert [r.params for r in rows] == [{"prune.ratio": 0}, {"prune.ratio": 0.5}]
-    assert all(r.latency_ms["cpu"] > 0 and r.size_mb > 0 for r in rows)
+    assert all(r.latency_ms["cpu"] > 0 and r.size_mb > 0 and r.estimated_ms["cpu"] > 0 for r in rows)
     assert rows[1].size_mb < rows[0].size_mb
     assert (tmp_path / "s1" / "sweep.json").exists() and (tmp_path / "s1" / "sweep.md").exists()
     assert "Pareto frontier" in (tmp_path / "s1" / "sweep.html").read_text()

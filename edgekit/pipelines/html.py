@@ -105,7 +105,7 @@ def render_run_html(result: Any, path: Path) -> Path:
                   _img(stage_bar_png(result, target), f"per-stage latency on {target}"),
                   _img(latency_distribution_png(result, target), f"latency distribution on {target}")]
         for r in result.stages:
-            if r.target != target or not r.artifacts.get("profile") and "engine" not in r.artifacts:
+            if r.target != target:
                 continue
             prof_path = _profile_path(r)
             if prof_path is None:

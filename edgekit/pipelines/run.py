@@ -66,6 +66,7 @@ class StageResult:
     profile: str | None = None
     parallel_with: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    estimated_ms: float | None = None  # roofline estimate of the same graph on the target
 
 
 @dataclass
@@ -299,6 +300,7 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
     from edgekit.export.onnx import ExportConfig, export_onnx
 
     model_id = _model_identity(str(stage.model))
+    estimated_ms: float | None = None
     target_aware = any(s.name == "int8" for s in stage.steps)
     artifacts: dict[str, str] = {}
     reused: dict[str, bool] = {}
@@ -345,15 +347,25 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
                                              config=dict(recipe.profile), target=target.name))
 
         folder, reused["profile"] = cache.get("profile", pkey, build_profile)
+        artifacts["profile"] = str(folder)
         prof = ProfileResult.load(folder / "profile.json")
         prof.model = stage.name
         eval_key = pkey
+        # The roofline estimate of the same graph, beside the measurement (best effort).
+        try:
+            ekey = cache.key({"prev": key, "target": target.to_dict(), "estimate": True})
+            efolder, _ = cache.get("estimate", ekey, lambda f: _estimate_folder(onnx_folder, target, f))
+            artifacts["estimate"] = str(efolder)
+            estimated_ms = ProfileResult.load(efolder / "profile.json").latency_ms.p50
+        except (EdgekitError, ImportError) as e:
+            warnings.append(f"no roofline estimate: {e}")
     else:
         ekey = cache.key({"prev": key, "target": target.to_dict(), "estimate": True})
         folder, reused["estimate"] = cache.get("estimate", ekey, lambda f: _estimate_folder(onnx_folder, target, f))
         artifacts["estimate"] = str(folder)
         prof = ProfileResult.load(folder / "profile.json")
         prof.model = stage.name
+        estimated_ms = prof.latency_ms.p50
         bundle, why = _try_bundle(onnx_folder, target, cache, ekey, stage)
         if bundle:
             artifacts["bundle"] = bundle
@@ -369,8 +381,9 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
             "evaluate", vkey, lambda f: _evaluate_folder(stage, source_for_export, onnx_folder, engine_folder, f))
         metrics = json.loads((folder / "metrics.json").read_text())
         gates = _gates(stage, metrics)
-    return _stage_result(stage, target, "model", prof, recipe, artifacts, reused, metrics, gates, size_mb,
-                         warnings), eval_key
+    result = _stage_result(stage, target, "model", prof, recipe, artifacts, reused, metrics, gates, size_mb, warnings)
+    result.estimated_ms = estimated_ms
+    return result, eval_key
 
 
 def _onnx_size_mb(onnx_folder: Path) -> float | None:

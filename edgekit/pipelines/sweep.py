@@ -187,13 +187,10 @@ def _row_from_result(params: dict[str, Any], result: Any, seconds: float) -> Swe
             break
     sizes = [r.size_mb for r in result.stages if r.size_mb is not None]
     latency = {t: v["total_ms"] for t, v in result.targets.items()}
-    estimated = {}
-    for t, v in result.targets.items():
-        if v.get("estimated"):
-            estimated[t] = v["total_ms"]
-    for r in result.stages:
-        if r.metrics.get("estimated_ms") is not None:
-            estimated[r.target] = estimated.get(r.target, 0.0) + float(r.metrics["estimated_ms"])
+    estimated: dict[str, float] = {}
+    for r in result.stages:  # model stages' roofline estimates, summed (Python stages have none)
+        if r.estimated_ms is not None:
+            estimated[r.target] = estimated.get(r.target, 0.0) + float(r.estimated_ms)
     return SweepRow(params=params, run_dir=result.run_dir, passed=result.passed, metric=metric, value=value,
                     higher_is_better=not (metric or "").lower().startswith(_LOWER_IS_BETTER),
                     size_mb=sum(sizes) if sizes else None, latency_ms=latency, estimated_ms=estimated,
