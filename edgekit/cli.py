@@ -341,7 +341,7 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
 def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_dir: str | None) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
-    from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table
+    from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
 
     parsed = load_recipe(recipe)
     if dry_run:
@@ -355,12 +355,7 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_
     result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force)
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
-        est = " (estimate)" if t["estimated"] else ""
-        if t["budget_ms"] is None:
-            click.echo(f"{name}: total {t['total_ms']:.3f} ms{est}")
-        else:
-            click.echo(f"{name}: total {t['total_ms']:.3f} ms{est} vs budget {t['budget_ms']:g} ms: "
-                       f"{'PASS' if t['passed'] else 'FAIL'} (margin {t['margin_ms']:+.3f} ms)")
+        click.echo(f"{name}: {target_verdict(t)}")
     for r in result.stages:
         for g in r.gates:
             click.echo(f"{r.target}/{r.stage}: {g['metric']} {g['value']:.4f} "

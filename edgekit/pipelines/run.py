@@ -539,6 +539,16 @@ def stage_table(result: RunResult) -> list[list[str]]:
 STAGE_COLUMNS = ["target", "stage", "latency ms", "p50", "p99", "share", "budget", "margin", "verdict", "source"]
 
 
+def target_verdict(t: dict[str, Any], markdown: bool = False) -> str:
+    """``total 13.839 ms against 33 ms: PASS, margin +19.161 ms`` for one target's summary."""
+    est = " (estimate)" if t["estimated"] else ""
+    if t["budget_ms"] is None:
+        return f"total {t['total_ms']:.3f} ms{est} (no end-to-end budget)"
+    verdict = "PASS" if t["passed"] else "FAIL"
+    verdict = f"**{verdict}**" if markdown else verdict
+    return f"total {t['total_ms']:.3f} ms{est} against {t['budget_ms']:g} ms: {verdict}, margin {t['margin_ms']:+.3f} ms"
+
+
 def markdown_summary(result: RunResult) -> str:
     lines = [f"# edgekit run: {result.recipe['name']}", "",
              f"{'PASS' if result.passed else 'FAIL'}; latency at {result.percentile}; seed {result.seed}; "
@@ -548,12 +558,7 @@ def markdown_summary(result: RunResult) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for name, t in result.targets.items():
-        est = " (estimate)" if t["estimated"] else ""
-        if t["budget_ms"] is None:
-            lines.append(f"- **{name}**: total {t['total_ms']:.3f} ms{est} (no end-to-end budget)")
-        else:
-            lines.append(f"- **{name}**: total {t['total_ms']:.3f} ms{est} against {t['budget_ms']:g} ms: "
-                         f"**{'PASS' if t['passed'] else 'FAIL'}**, margin {t['margin_ms']:+.3f} ms")
+        lines.append(f"- **{name}**: {target_verdict(t, markdown=True)}")
     gates = [g for r in result.stages for g in r.gates]
     if gates:
         lines += ["", "| stage | metric | value | threshold | verdict |", "|---|---|---|---|---|"]
