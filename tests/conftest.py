@@ -130,3 +130,14 @@ def tiny_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
     onnx.save_model(model, str(path))
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads spin against each other."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -14,14 +14,7 @@ from edgekit.compress.prune import PruneConfig, example_inputs
 from edgekit.errors import BadInputError
 from edgekit.sources.data import Samples
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads spin against each other."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _image_data(teacher, n: int, seed: int, labels: bool = True) -> Samples:

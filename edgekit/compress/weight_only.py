@@ -122,7 +122,7 @@ def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
 
 def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     """(LM head name, input embedding name) of a Hugging Face causal LM inside ``module``."""
-    for name, m in module.named_modules():
+    for _name, m in module.named_modules():
         if hasattr(m, "get_output_embeddings") and hasattr(m, "get_input_embeddings"):
             try:
                 out, inp = m.get_output_embeddings(), m.get_input_embeddings()

@@ -133,7 +133,6 @@ def _terminals(g: _Graph, start: str) -> tuple[list[tuple[Any, str]], set[str]]:
 def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accuracy_level: int | None = None) -> Any:
     """Replace every packed layer's traced dequantization by MatMulNBits/GatherBlockQuantized
     (or blocked DequantizeLinear with ``fmt="qdq"``). Returns the (modified) ModelProto."""
-    import onnx
     from onnx import helper, numpy_helper
 
     from edgekit.compress.packing import QuantEmbedding, QuantLinear

@@ -79,6 +79,18 @@ class Runtime(Protocol):
     def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> Engine: ...
 
 
+def resolve_onnx(model: Any) -> Path:
+    """The ONNX file a runtime builds from: a path, an ONNX artifact folder, or a handle's ``onnx_path``."""
+    p = Path(str(getattr(model, "onnx_path", None) or model))
+    if p.is_dir():
+        from edgekit.artifact import read_manifest
+
+        return read_manifest(p).path_of(p, "onnx")
+    if not p.is_file():
+        raise BadInputError(f"ONNX file {str(p)!r} does not exist")
+    return p
+
+
 def host_timed_run(engine: Engine, feeds: dict[str, np.ndarray]) -> float:
     t0 = time.perf_counter()
     engine.run(feeds)

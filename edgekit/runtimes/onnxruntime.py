@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds
+from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds, resolve_onnx
 from edgekit.sources.handle import InputSpec
 
 OPT_FILE = "model.opt.onnx"
@@ -116,17 +116,6 @@ def _session(path: Path, so: Any, providers: list[Any]) -> Any:
         raise BadInputError(f"onnxruntime cannot load {path}: {msg}") from None
 
 
-def _resolve_onnx(model: Any) -> Path:
-    p = Path(str(getattr(model, "onnx_path", None) or model))
-    if p.is_dir():
-        from edgekit.artifact import read_manifest
-
-        return read_manifest(p).path_of(p, "onnx")
-    if not p.is_file():
-        raise BadInputError(f"ONNX file {str(p)!r} does not exist")
-    return p
-
-
 def _inputs_of(sess: Any) -> list[InputSpec]:
     out = []
     for i in sess.get_inputs():
@@ -166,7 +155,7 @@ class OnnxRuntime:
         """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""
         import onnx
 
-        src = _resolve_onnx(model)
+        src = resolve_onnx(model)
         out_dir = Path(out_dir)
         providers = select_providers(tuple(getattr(target, "execution_providers", ()) or ()),
                                      getattr(target, "name", "target"))

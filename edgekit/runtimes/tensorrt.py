@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
-from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds
+from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds, resolve_onnx
 from edgekit.runtimes.trt_parsers import LAYERS_JSON, PROFILE_JSON, TIMES_JSON
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best")
@@ -592,17 +592,6 @@ def _relative_onnx(onnx_path: Path, out_dir: Path) -> tuple[str, Path]:
     return f"onnx/{onnx_path.name}", dst_dir / onnx_path.name
 
 
-def _resolve_onnx(model: Any) -> Path:
-    p = Path(str(getattr(model, "onnx_path", None) or model))
-    if p.is_dir():
-        from edgekit.artifact import read_manifest
-
-        return read_manifest(p).path_of(p, "onnx")
-    if not p.is_file():
-        raise BadInputError(f"ONNX file {str(p)!r} does not exist (TensorRT builds from ONNX)")
-    return p
-
-
 def _find_trtexec(extra: dict[str, Any]) -> str | None:
     cand = extra.get("trtexec") or os.environ.get("EDGEKIT_TRTEXEC")
     if cand:
@@ -675,7 +664,7 @@ class TensorRTRuntime:
         from edgekit.artifact import sha256_file
         from edgekit.engine_cache import EngineCache, EngineKey
 
-        onnx_path = _resolve_onnx(model)
+        onnx_path = resolve_onnx(model)
         out_dir = Path(out_dir)
         settings = settings_for(onnx_path, target, options)
         path, info, why = _choose_path(target, options.extra)
