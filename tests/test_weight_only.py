@@ -100,7 +100,7 @@ def test_walker_groups_linears_by_shared_input():
     assert shapes[3] == (2, 16, 128) and shapes[0] == (2, 16, 64)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])
 def test_calibrated_methods_beat_rtn(method, calib):
     ref = tiny_llama()
     x = _held_out()
@@ -236,3 +236,119 @@ def test_spine_export_uses_rewrite_onnx(tmp_path):
     out = export_onnx(h, tmp_path / "onnx", ExportConfig())
     ops = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node]
     assert ops.count("MatMulNBits") == 15 and ops.count("GatherBlockQuantized") == 1
+
+
+def test_value_projection_gets_the_attention_mixed_hessian():
+    """The v_proj pass runs the attention eagerly: causal probabilities (rows sum to 1, no
+    weight on future keys) for every query head, and the inputs of v_proj."""
+    from edgekit.compress.weight_only import value_projection
+
+    h = tiny_llama()
+    _, _, linears = quantizable_linears(h.module)
+    ids = torch.from_numpy(_windows(4, 2))
+    walker = BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=2, progress=False)
+    got = []
+
+    def visit(_b, names, inputs):
+        value = value_projection(h.module, names)
+        if value is None:
+            assert not any(n.endswith("v_proj") for n in names)
+            return
+        name, attn, rep, head_dim = value
+        assert name.endswith("self_attn.v_proj") and (rep, head_dim) == (2, 16)
+        got.extend(inputs.attention_mixed(attn, h.module.get_submodule(name)))
+
+    walker.walk(linears, visit)
+    assert len(got) == 4  # 2 blocks x 2 batches
+    P, X = got[0]
+    assert P.shape == (2, 4, 32, 32) and X.shape == (2, 32, 64)
+    assert torch.allclose(P.sum(-1), torch.ones(2, 4, 32), atol=1e-5)
+    assert float(P.triu(1).abs().max()) == 0.0  # causal
+    assert h.module.model.config._attn_implementation != "eager"  # restored
+
+
+def test_value_hessian_changes_only_the_value_rows(calib):
+    """GPTQ is row-separable: switching the value projection's Hessian changes v_proj's codes
+    and not those of q_proj / k_proj, solved in the same group (the layers after v_proj see
+    its quantized output, true-sequentially, so they change too)."""
+    codes = {}
+    for mode in ("attention", "input"):
+        h = apply(tiny_llama(), WeightOnlyConfig(bits=4, group_size=32, seqlen=32, head="none", value_hessian=mode),
+                  StepContext(calib=calib, progress=False))
+        codes[mode] = {n: m.codes().clone() for n, m in h.module.named_modules() if isinstance(m, QuantLinear)}
+    for n in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.model.layers.0.self_attn.{n}"
+        assert torch.equal(codes["attention"][name], codes["input"][name]) == (n != "v_proj"), n
+    with pytest.raises(BadInputError, match="unknown value-projection Hessian 'xx'"):
+        WeightOnlyConfig(value_hessian="xx")
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("nan-scale", "corrupt packed checkpoint: .*scales holds non-finite values"),
+    ("truncated", "is not a valid checkpoint"),
+    ("wrong-shape", "is not a valid checkpoint|does not fit"),
+])
+def test_corrupt_packed_checkpoint_is_bad_input(damage, match, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    out = compress(tiny_llama(), [("int4", WeightOnlyConfig(method="rtn", group_size=32, head="none"))],
+                   tmp_path / "w4", StepContext(progress=False))
+    weights = out / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        tensors = load_file(str(weights))
+        key = "model.model.layers.0.mlp.down_proj.scales"
+        if damage == "nan-scale":
+            tensors[key][0, 0] = float("nan")
+        else:
+            tensors[key] = tensors[key][:, :1].contiguous()
+        save_file(tensors, str(weights))
+    with pytest.raises(BadInputError, match=match):
+        load_compressed(out)
+
+
+def test_step_reports_perplexity_before_and_after(calib):
+    ctx = StepContext(calib=calib, eval=calib, progress=False)
+    h = apply(tiny_llama(), WeightOnlyConfig(method="rtn", bits=4, group_size=32, seqlen=32, head="none",
+                                             eval_windows=3), ctx)
+    m = ctx.metrics["int4"]
+    # a random 128-token model: perplexity near the vocabulary size, 4 bits g32 moves it little
+    assert 60 < m["perplexity_float"] < 250 and abs(m["perplexity"] / m["perplexity_float"] - 1) < 0.1
+    assert h.steps[-1].meta["perplexity"]["windows"] == 3
+    assert m["float_bytes"] > m["packed_bytes"]
+    with pytest.raises(BadInputError, match="eval_windows must be a whole number >= 0, got -1"):
+        WeightOnlyConfig(eval_windows=-1)
+
+
+def test_cli_packed_lm_exports_with_kv_cache_builds_and_profiles_a_decode_step(tmp_path, monkeypatch):
+    """compress --bits 4 -> export --kv-cache -> build -> profile: the engine times one token
+    after a 128-token past, with the packed layers as MatMulNBits."""
+    import json
+
+    from click.testing import CliRunner
+
+    from edgekit.cli import cli
+    from edgekit.sources.models import load_onnx_file
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    run = lambda *a: CliRunner().invoke(cli, list(a))  # noqa: E731
+    r = run("compress", SOURCE, "--bits", "4", "--method", "rtn", "--group-size", "32", "-o", "w4")
+    assert r.exit_code == 0, r.output
+    r = run("export", "w4", "--kv-cache", "--accuracy-level", "4", "-o", "w4-onnx")
+    assert r.exit_code == 0, r.output
+    h = load_onnx_file(tmp_path / "w4-onnx" / "model.onnx")
+    assert h.kind == "causal-lm" and "past_key_values.1.value" in [i.name for i in h.inputs]
+    feeds = h.sample_inputs(1)
+    assert feeds["input_ids"].shape == (1, 1) and feeds["attention_mask"].shape == (1, 129)
+    assert feeds["past_key_values.0.key"].shape == (1, 2, 128, 16) and int(feeds["position_ids"][0, 0]) == 128
+    assert run("build", "w4-onnx", "--target", "cpu", "-o", "eng").exit_code == 0
+    r = run("profile", "eng", "--duration-s", "0.2", "--iterations", "5", "--json", "p.json")
+    assert r.exit_code == 0, r.output
+    prof = json.loads((tmp_path / "p.json").read_text())
+    ops = json.dumps(prof)
+    assert "MatMulNBits" in ops and "GatherBlockQuantized" in ops
+    r = run("export", "fmnist-cnn", "--accuracy-level", "4", "-o", "bad")
+    assert r.exit_code == 2 and "add --kv-cache" in r.output and not (tmp_path / "bad").exists()

@@ -192,6 +192,9 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         handle.source = manifest.source or handle.source
         handle.steps = [StepRecord(**s) for s in manifest.steps]
         handle.kind = manifest.model.get("kind", handle.kind)
+        from edgekit.sources.models import borrow_io
+
+        borrow_io(handle, manifest.source)
         return handle
     if not manifest.source:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
@@ -213,6 +216,9 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     if missing or unexpected:
         raise BadInputError(f"{weights} does not fit the rebuilt model: missing {sorted(missing)[:5]}, "
                             f"unexpected {sorted(unexpected)[:5]}")
+    from edgekit.compress.weight_only import validate_packed
+
+    validate_packed(handle.module)  # shapes fit (load checked them); scales finite, zero points in range
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle

@@ -100,10 +100,14 @@ def _producer(module: nn.Module, block: nn.Module, names: list[str]) -> tuple[st
 
 
 def awq_visit(module: nn.Module, config: Any, results: dict):
-    """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN)."""
+    """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN); with
+    ``config.method == "awq-gptq"`` GPTQ replaces clip search + RTN on the scaled weights
+    (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``)."""
+    from edgekit.compress.gptq import HessianAccumulator, solve_group
     from edgekit.compress.weight_only import find_blocks
 
     _, blocks = find_blocks(module)
+    then_gptq = config.method == "awq-gptq"
 
     def visit(block_index: int, names: list[str], inputs) -> None:
         linears = [module.get_submodule(n) for n in names]
@@ -111,8 +115,11 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
         total = torch.zeros(cols, dtype=torch.float64)
         count = 0
         batches = []
+        acc = HessianAccumulator(cols, device=linears[0].weight.device) if then_gptq else None
         for x in inputs():
             x = x.reshape(-1, cols)
+            if acc is not None:
+                acc.add_batch(x)
             total += x.abs().sum(0).double().cpu()
             count += x.shape[0]
             batches.append(x)
@@ -134,6 +141,18 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
             X = X / s
             for lin in linears:
                 lin.weight.data.mul_(s.to(lin.weight.dtype))
+        if then_gptq:
+            scale = s if prod is not None else torch.ones(cols, device=W.device)
+            H = acc.H / (scale[:, None] * scale[None, :]).to(acc.H.device)
+            row, weights = 0, {}
+            for name, lin in zip(names, linears):
+                weights[name] = W[row:row + lin.out_features]
+                row += lin.out_features
+            results.update(solve_group(module, names, weights, H, inputs, config, col_scale=scale))
+            for name, lin in zip(names, linears):
+                q, sc, z = results[name]
+                lin.weight.data.copy_(dequantize_groups(q, sc, z, config.group_size).to(lin.weight.device, lin.weight.dtype))
+            return
         clip = None
         if config.awq_clip and not any(n.endswith(("q_proj", "k_proj")) for n in names):
             clip = search_clip(W, X, config.bits, config.group_size, config.sym, grid=config.awq_grid)

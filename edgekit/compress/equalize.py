@@ -216,7 +216,8 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         wq_mod = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
         if not wq_mod.enabled:
             continue
-        dw = wq_mod(w) - w  # (out, in/groups, k...)
+        w_float = wq_mod.float_weight[1] if wq_mod.float_weight is not None else w  # before GPTQ rounding
+        dw = wq_mod(w) - w_float  # (out, in/groups, k...)
         g_ = _groups(n) if qdq.is_conv(gm, n) else 1
         dsum = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(-1)  # (out, in/groups)
         if g_ == 1:
@@ -229,5 +230,7 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
             continue
         bpath = _ensure_bias(gm, n, w.shape[0])
         qdq._set_param(gm, bpath, qdq._get_attr(gm, bpath).detach() - shift)
+        # kept so that a layer returned to float weights (fallback) gets its own bias back
+        wq_mod.bias_shift = (bpath, shift.detach().clone())
         corrected += 1
     return corrected

@@ -11,9 +11,16 @@ The math is two pure pieces, in the paper's names:
   Optional act-order (columns by decreasing ``diag(H)``) and static groups (group grids
   fitted once on the original weight, so groups stay contiguous for packing).
 
+One departure from the paper, for attention value projections (``v_proj``): their output
+reaches the model only through the attention, ``P_h (X Wᵀ)``, so their Hessian is built from
+the attention-mixed inputs ``P_h X`` of the query heads that read each key/value head
+(``WeightOnlyConfig.value_hessian = "attention"``, the default). With the paper's ``X Xᵀ``
+every key token weighs the same, while the attention-sink token is read by most queries;
+on SmolLM2 GPTQ then lands on a worse perplexity than RTN (benchmarks/RESULTS.md).
+
 The driver that walks a model block by block, feeding each layer the outputs of the
 already-quantized layers before it, lives in ``weight_only.py`` (shared with AWQ);
-``GPTQLayerwise`` is its per-block callback.
+``gptq_visit`` is its per-group callback.
 """
 from __future__ import annotations
 
@@ -129,26 +136,67 @@ def quantization_error(W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor) -> fl
     return float(torch.einsum("ij,jk,ik->", D, H.float(), D))
 
 
+def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, torch.Tensor], H: torch.Tensor,
+                inputs, config, col_scale: torch.Tensor | None = None) -> dict[str, tuple]:
+    """GPTQ on one group of linears sharing an input: ``weights[name]`` (rows, cols) float,
+    ``H`` their input Hessian. Returns name -> (codes, scales, zeros).
+
+    The rows are solved jointly with ``H`` (GPTQ is row-separable), except an attention value
+    projection with ``config.value_hessian == "attention"``: one Hessian per key/value head
+    from the attention-mixed inputs ``P_h X`` of the query heads that read it (its output
+    reaches the model only as ``P_h (X Wᵀ)``). ``col_scale``: the inputs were divided by it
+    (AWQ), so the mixed inputs are too.
+    """
+    from edgekit.compress.weight_only import value_projection
+
+    def solve(W: torch.Tensor, Hm: torch.Tensor):
+        return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
+                             act_order=config.act_order, static_groups=config.static_groups,
+                             damp=config.damp, block_size=config.block_size)
+
+    value = value_projection(module, names) if getattr(config, "value_hessian", "input") == "attention" else None
+    v_hessians: list[HessianAccumulator] = []
+    if value is not None and hasattr(inputs, "attention_mixed"):
+        v_name, attn, rep, head_dim = value
+        v_lin = module.get_submodule(v_name)
+        v_hessians = [HessianAccumulator(v_lin.in_features, device=H.device)
+                      for _ in range(v_lin.out_features // head_dim)]
+        for P, X in inputs.attention_mixed(attn, v_lin):
+            X = X.float() if col_scale is None else X.float() / col_scale.to(X.device)
+            for g, acc_g in enumerate(v_hessians):
+                for h in range(g * rep, (g + 1) * rep):
+                    acc_g.add_batch(torch.matmul(P[:, h].float(), X))
+    results: dict[str, tuple] = {}
+    plain = [n for n in names if not (v_hessians and n == value[0])]
+    if plain:
+        q, s, z = solve(torch.cat([weights[n] for n in plain], dim=0), H)
+        row = 0
+        for name in plain:
+            rows = weights[name].shape[0]
+            results[name] = (q[row:row + rows].cpu(), s[row:row + rows].cpu(), z[row:row + rows].cpu())
+            row += rows
+    if v_hessians:
+        v_name, head_dim = value[0], value[3]
+        Wv = weights[v_name]
+        parts = [solve(Wv[g * head_dim:(g + 1) * head_dim], acc_g.H) for g, acc_g in enumerate(v_hessians)]
+        results[v_name] = tuple(torch.cat([p[i] for p in parts], dim=0).cpu() for i in range(3))
+    return results
+
+
 def gptq_visit(module: torch.nn.Module, config, results: dict):
-    """The ``BlockWalker`` callback: one Hessian per group of linears sharing an input
-    (q/k/v, gate/up), solved jointly on their stacked rows (GPTQ is row-separable)."""
+    """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
+    then the weights onto the grid (only after every Hessian of the group saw float layers)."""
+    from edgekit.compress.rtn import dequantize_groups
 
     def visit(_block: int, names: list[str], inputs) -> None:
         linears = [module.get_submodule(n) for n in names]
         acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device)
         for x in inputs():
             acc.add_batch(x)
-        W = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
-        q, s, z = gptq_quantize(W, acc.H, bits=config.bits, group_size=config.group_size, sym=config.sym,
-                                act_order=config.act_order, static_groups=config.static_groups,
-                                damp=config.damp, block_size=config.block_size)
-        from edgekit.compress.rtn import dequantize_groups
-
-        row = 0
+        weights = {n: lin.weight.detach().float() for n, lin in zip(names, linears)}
+        results.update(solve_group(module, names, weights, acc.H, inputs, config))
         for name, lin in zip(names, linears):
-            r = slice(row, row + lin.out_features)
-            row += lin.out_features
-            lin.weight.data.copy_(dequantize_groups(q[r], s[r], z[r], config.group_size).to(lin.weight.dtype))
-            results[name] = (q[r].cpu(), s[r].cpu(), z[r].cpu())
+            q, s, z = results[name]
+            lin.weight.data.copy_(dequantize_groups(q, s, z, config.group_size).to(lin.weight.device, lin.weight.dtype))
 
     return visit

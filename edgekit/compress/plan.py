@@ -11,7 +11,7 @@ from typing import Any
 from edgekit.errors import BadInputError
 
 INT8_METHODS = ("ptq", "qat")
-WEIGHT_ONLY_METHODS = ("gptq", "awq", "rtn")
+WEIGHT_ONLY_METHODS = ("gptq", "awq", "awq-gptq", "rtn")
 BITS = (2, 3, 4, 8)
 
 

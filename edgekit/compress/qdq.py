@@ -146,6 +146,11 @@ class WeightQuant(nn.Module):
         self.qname = name
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
+        # (bias path, shift) that bias correction subtracted for this layer's weight error;
+        # fallback adds it back when the layer returns to float weights
+        self.bias_shift: tuple[str, torch.Tensor] | None = None
+        # (weight path, float weight) when the stored weight was rounded by int8_gptq
+        self.float_weight: tuple[str, torch.Tensor] | None = None
 
     def update_scale(self, w: torch.Tensor, search: bool = False) -> None:
         """Scale per channel from max |w|; with ``search``, the clip (50-100% of max |w|)

@@ -32,42 +32,54 @@ from edgekit.compress.rtn import rtn_quantize
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import ModelHandle, StepRecord
 
-METHODS = ("gptq", "awq", "rtn")
+METHODS = ("gptq", "awq", "awq-gptq", "rtn")
 HEAD_CHOICES = ("int8", "int4", "none")
 DEVICES = ("cpu", "cuda")
+VALUE_HESSIANS = ("attention", "input")
 
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
     """Options of the ``int4`` step (the CLI's ``compress --bits``).
 
-    method: "gptq" | "awq" | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
+    method: "gptq" | "awq" | "awq-gptq" (AWQ's scales, then GPTQ on the scaled weights) | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
     scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
     shorter group is allowed when it does not divide a layer's width (SmolLM2's 576 at 128).
     sym: symmetric grid (zero point 2**(bits-1)). act_order / static_groups / damp /
-    block_size: GPTQ's options (act-order with groups always uses static groups).
+    block_size: GPTQ's options; act-order (columns by decreasing Hessian diagonal) is on by
+    default: with groups it uses static groups, so the packed layout and the engine speed
+    are unchanged, and it measured better on SmolLM2 (RESULTS.md).
     true_sequential: each linear group sees inputs from the already-quantized groups of
-    its block. calib_samples / seqlen: calibration windows (seqlen None: the model's).
+    its block. value_hessian: GPTQ's Hessian for attention value projections (Llama family):
+    "attention" (default) from the attention-mixed inputs ``P X`` of each key/value head,
+    i.e. the error measured where the values are used; "input" from the layer's inputs
+    ``X`` as in the paper. Measured on SmolLM2 (W4 g128): the paper's Hessian weights every
+    token alike, so GPTQ moves the value error onto the attention-sink token's massive
+    channels, which nearly every query reads: perplexity worse than RTN; see RESULTS.md. calib_samples / seqlen: calibration windows (seqlen None: the model's).
     awq_grid / awq_clip: AWQ's scale-exponent grid points and clipping search.
     head: the LM head and tied embedding: "int8" (default; 4 bits there cost ~6 PPL on
     SmolLM2), "int4" or "none" (kept float). device: where the solver runs.
+    eval_windows: for a causal LM, perplexity before and after on this many windows of the
+    eval split (the model's default eval text, e.g. Wikipedia; 0: skip), in the step metrics.
     """
 
     method: str = "gptq"
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    act_order: bool = False
+    act_order: bool = True
     static_groups: bool = False
     damp: float = 0.01
     block_size: int = 128
     true_sequential: bool = True
+    value_hessian: str = "attention"
     calib_samples: int = 128
     seqlen: int | None = 512
     awq_grid: int = 20
     awq_clip: bool = True
     head: str = "int8"
     device: str = "cpu"
+    eval_windows: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -86,12 +98,16 @@ class WeightOnlyConfig:
             raise BadInputError(f"calib_samples must be at least 1, got {self.calib_samples!r}")
         if self.seqlen is not None and self.seqlen < 2:
             raise BadInputError(f"seqlen must be at least 2, got {self.seqlen!r}")
+        if self.value_hessian not in VALUE_HESSIANS:
+            raise bad_choice("value-projection Hessian", self.value_hessian, VALUE_HESSIANS)
         if self.awq_grid < 1:
             raise BadInputError(f"awq_grid must be at least 1, got {self.awq_grid!r}")
         if self.head not in HEAD_CHOICES:
             raise bad_choice("head quantization", self.head, HEAD_CHOICES)
         if self.device not in DEVICES:
             raise bad_choice("device", self.device, DEVICES)
+        if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
+            raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
 
 
 # --- finding the layers -------------------------------------------------------------------------
@@ -176,9 +192,9 @@ class BlockWalker:
     """Runs the calibration set through the model one block at a time.
 
     ``walk(visit_group)`` calls ``visit_group(block_index, names, inputs)`` for each group of
-    linears sharing one input, in execution order; ``inputs`` is an iterator factory
-    yielding that group's input activations batch by batch (computed on demand through the
-    block's already-quantized layers). ``visit_group`` quantizes the group in place (float
+    linears sharing one input, in execution order; ``inputs`` (a ``GroupInputs``) is an
+    iterator factory yielding that group's input activations batch by batch (computed on
+    demand through the block's already-quantized layers). ``visit_group`` quantizes the group in place (float
     weights on the quantized grid) before the walk moves on.
     """
 
@@ -263,34 +279,98 @@ class BlockWalker:
                 continue
             groups = self._input_groups(block, data[0])
             for names in groups:
-                first = _get(self.module, names[0])
-
-                def inputs(first: nn.Module = first, block: nn.Module = block):
-                    box: list[torch.Tensor] = []
-
-                    def grab(_m, args):
-                        box.append(args[0].detach())
-                        raise _Stop
-
-                    h = first.register_forward_pre_hook(grab)
-                    try:
-                        for args, kw in data:
-                            box.clear()
-                            try:
-                                block(*args, **kw)
-                            except _Stop:
-                                pass
-                            if box:
-                                yield box[0]
-                    finally:
-                        h.remove()
-
+                inputs = GroupInputs(block, _get(self.module, names[0]), data)
                 visit_group(bi, names, inputs)
             data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
 
     def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
         args, kw = batch
         return _first(block(*args, **kw)).detach()
+
+
+class GroupInputs:
+    """The inputs of one group of linears, recomputed on demand from the block's inputs.
+
+    ``inputs()`` yields the group's input activations batch by batch (the block's forward
+    stops right at the group's first layer). ``attention_mixed(attn, v_proj)`` yields, per
+    batch, the attention probabilities ``P`` (batch, heads, queries, keys) of ``attn`` and
+    the inputs ``X`` (batch, keys, features) of its value projection: a value projection's
+    output only matters through ``P @ (X Wᵀ)``, so its GPTQ objective uses ``P X``.
+    """
+
+    def __init__(self, block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]) -> None:
+        self.block, self.first, self.data = block, first, data
+
+    def __call__(self):
+        box: list[torch.Tensor] = []
+
+        def grab(_m, args):
+            box.append(args[0].detach())
+            raise _Stop
+
+        h = self.first.register_forward_pre_hook(grab)
+        try:
+            for args, kw in self.data:
+                box.clear()
+                try:
+                    self.block(*args, **kw)
+                except _Stop:
+                    pass
+                if box:
+                    yield box[0]
+        finally:
+            h.remove()
+
+    def attention_mixed(self, attn: nn.Module, v_proj: nn.Module):
+        """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
+        config = attn.config
+        saved = config._attn_implementation
+        xs: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+
+        def grab_x(_m, args):
+            xs.append(args[0].detach())
+
+        def grab_p(_m, _args, out):
+            probs.append(out[1].detach())
+            raise _Stop
+
+        hooks = [v_proj.register_forward_pre_hook(grab_x), attn.register_forward_hook(grab_p)]
+        config._attn_implementation = "eager"
+        try:
+            for args, kw in self.data:
+                xs.clear()
+                probs.clear()
+                kw = dict(kw)
+                if kw.get("attention_mask") is None:  # sdpa ran causal without a mask; eager needs one
+                    n = args[0].shape[1]
+                    causal = torch.full((n, n), torch.finfo(args[0].dtype).min, device=args[0].device).triu(1)
+                    kw["attention_mask"] = causal[None, None].expand(args[0].shape[0], 1, n, n)
+                try:
+                    self.block(*args, **kw)
+                except _Stop:
+                    pass
+                if probs and probs[0] is not None and xs:
+                    yield probs[0], xs[0]
+        finally:
+            config._attn_implementation = saved
+            for h in hooks:
+                h.remove()
+
+
+def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Module, int, int] | None:
+    """(name, attention module, heads per key/value head, head dim) of the value projection
+    among ``names``, for Hugging Face attention modules (Llama family: ``v_proj`` inside a
+    module with ``head_dim``, ``num_key_value_groups`` and a config); None otherwise."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        if child != "v_proj":
+            continue
+        attn = _get(module, parent_name)
+        if all(hasattr(attn, a) for a in ("head_dim", "num_key_value_groups", "config")) and \
+                hasattr(attn.config, "_attn_implementation"):
+            return name, attn, int(attn.num_key_value_groups), int(attn.head_dim)
+    return None
 
 
 def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
@@ -424,15 +504,43 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
 
         config = replace(config, device=device)
     calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
+    windows = _eval_windows(handle, config, ctx)
+    float_bytes = packed_bytes(module)
+    ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
     results, info = quantize_module(module, config, calib, progress=ctx.progress)
     meta = pack_module(module, results, config)
     meta.update(info)
     meta["packed_bytes"] = packed_bytes(module)
     ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
                            "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
+                           "float_bytes": float_bytes,
                            **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
+    if windows is not None:
+        ppl = _perplexity(handle, windows, ctx)
+        ctx.metrics["int4"].update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),
+                                    "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
+        meta["perplexity"] = {"float": ppl_float, "quantized": ppl, "windows": len(windows)}
     handle.steps.append(StepRecord("int4", config_to_dict(config), meta))
     return handle
+
+
+def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Any:
+    """The first ``eval_windows`` windows of the eval split, for a causal LM that has eval data."""
+    if config.eval_windows == 0 or handle.kind != "causal-lm" or not (ctx.eval or handle.default_eval):
+        return None
+    from edgekit.sources.data import load_samples
+
+    spec = ctx.eval or handle.default_eval
+    try:  # the first windows only: tokenizes a prefix of the text
+        return load_samples(spec, handle, split="eval", seqlen=config.seqlen, limit=config.eval_windows, seed=ctx.seed)
+    except BadInputError:  # fewer windows than asked for: take them all
+        return load_samples(spec, handle, split="eval", seqlen=config.seqlen, seed=ctx.seed)
+
+
+def _perplexity(handle: ModelHandle, windows: Any, ctx: StepContext) -> float:
+    from edgekit.evaluate import perplexity
+
+    return perplexity(handle, windows, progress=ctx.progress)
 
 
 def packed_bytes(module: nn.Module) -> int:

@@ -18,8 +18,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -105,8 +107,63 @@ def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> Mod
                 dyn.setdefault(vi.name, {})[ax] = axis_name
         inputs.append(InputSpec(vi.name, tuple(shape), _onnx_dtype(tt.elem_type)))
     outputs = [o.name for o in model.graph.output]
+    if any(i.name.startswith("past_key_values.") for i in inputs):  # a causal LM exported with its KV cache
+        return ModelHandle(name=name or path.stem, source=str(path), kind="causal-lm", onnx_path=path,
+                           inputs=inputs, outputs=outputs, dynamic_axes=dyn, make_inputs=decode_step_inputs(inputs))
     return ModelHandle(name=name or path.stem, source=str(path), kind="generic", onnx_path=path,
                        inputs=inputs, outputs=outputs, dynamic_axes=dyn)
+
+
+DEFAULT_PAST = 128  # tokens already in the KV cache when a decode step is timed
+
+
+def decode_step_inputs(specs: list[InputSpec]) -> Any:
+    """``make_inputs`` for a KV-cache graph: consistent feeds for ``sequence`` new tokens
+    (default 1: one decode step) after ``past_sequence_length`` cached tokens (default 128):
+    attention mask over past + new, positions continuing the past, a past of that length."""
+
+    def make_inputs(batch: int = 1, sequence: int | None = None, **dims: int) -> dict[str, np.ndarray]:
+        seq = int(sequence or 1)
+        past = int(dims.get("past_sequence_length", DEFAULT_PAST))
+        rng = np.random.default_rng(0)
+        feeds: dict[str, np.ndarray] = {}
+        for spec in specs:
+            if spec.name.startswith("past_key_values."):
+                shape = [batch, spec.shape[1], past, spec.shape[3]]
+                if not all(isinstance(d, int) for d in shape):
+                    raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
+                feeds[spec.name] = (0.1 * rng.standard_normal(shape)).astype(np.dtype(spec.dtype))
+            elif spec.name == "input_ids":
+                feeds[spec.name] = rng.integers(0, 100, size=(batch, seq)).astype(np.int64)
+            elif spec.name == "attention_mask":
+                feeds[spec.name] = np.ones((batch, past + seq), dtype=np.int64)
+            elif spec.name == "position_ids":
+                feeds[spec.name] = np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq)).copy()
+            else:
+                feeds.update(random_inputs([spec], batch, sequence=seq, **dims))
+        return feeds
+
+    return make_inputs
+
+
+def borrow_io(handle: ModelHandle, source: str | None) -> None:
+    """Give an ONNX graph of a built-in model that model's realistic inputs, data preparation,
+    default data and evaluator (random integers are no valid token ids, token types or masks)."""
+    from edgekit.errors import EdgekitError
+    from edgekit.sources.zoo import ZOO, load_zoo_model
+
+    if not source or source not in ZOO or all(s.dtype.startswith("float") for s in handle.inputs):
+        return  # random floats are fine inputs for image models
+    try:
+        base = load_zoo_model(source)
+    except EdgekitError:  # the base model's package is missing: random inputs, as for any ONNX file
+        return
+    if [s.name for s in base.inputs] != [s.name for s in handle.inputs]:
+        return
+    handle.make_inputs, handle.prepare, handle.tokenizer = base.make_inputs, base.prepare, base.tokenizer
+    handle.default_calib, handle.default_eval, handle.default_train = (base.default_calib, base.default_eval,
+                                                                       base.default_train)
+    handle.evaluator = handle.evaluator or base.evaluator
 
 
 def _onnx_dtype(elem_type: int) -> str:
@@ -196,6 +253,7 @@ def _load_artifact(folder: Path) -> ModelHandle:
         handle.kind = base.get("kind", handle.kind)
         handle.source = manifest.source or handle.source
         handle.extra["artifact"] = str(folder)
+        borrow_io(handle, manifest.source)
         return handle
     raise BadInputError(f"{folder} holds a {manifest.kind!r} artifact; this command takes a model, "
                         "a compressed model folder or an ONNX file")
