@@ -93,7 +93,11 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
         setting, *extra = v[len(method) + 1:].split("-")  # e.g. gptq-w4g128-damp0.1-actorder
         bits, group = SETTINGS[setting]
         opts: dict = {}
+        calib_n = n_calib
         for e in extra:
+            if e.startswith("calib"):  # e.g. gptq-w4g128-calib90: more calibration windows for this variant
+                calib_n = int(e[5:])
+                continue
             if e.startswith("damp"):
                 opts["damp"] = float(e[4:])
             elif e == "actorder":
@@ -106,7 +110,7 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                 opts["sym"] = True
             elif e == "inputH":  # the paper's Hessian for v_proj too
                 opts["value_hessian"] = "input"
-        cfg = WeightOnlyConfig(method=method, bits=bits, group_size=group, calib_samples=n_calib, seqlen=512, **opts)
+        cfg = WeightOnlyConfig(method=method, bits=bits, group_size=group, calib_samples=calib_n, seqlen=512, **opts)
         ctx = StepContext(calib="lee-news", progress=False)
         if v == "gptq-w4g128":  # the headline path: compress() writes the packed artifact
             t = time.perf_counter()
@@ -189,9 +193,9 @@ def run_onnx(n_eval: int, keep: Path, runs: int, ort_windows: int | None = None,
             count += len(row) - 1
         sess = lm_session(out / "model.onnx", threads=1)  # latency: one thread
         prompt = windows[0][None, :128]
-        prefill = lambda: lm_feeds(sess, prompt)  # noqa: E731
+        prefill = lambda sess=sess, prompt=prompt: lm_feeds(sess, prompt)  # noqa: E731
         past = presents_to_past(sess, sess.run(None, prefill()))
-        step = lambda: lm_feeds(sess, windows[0][None, 128:129], past)  # noqa: E731
+        step = lambda sess=sess, past=past: lm_feeds(sess, windows[0][None, 128:129], past)  # noqa: E731
         results[name] = {"variant": name, "ppl_ort": float(np.exp(nll / count)) if count else None,
                          "ort_eval_windows": n_ort,
                          "onnx_bytes": sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx")),

@@ -29,7 +29,6 @@ import torch.fx as fx
 
 from edgekit.compress import qdq
 
-
 MAX_SCANNED_LAYERS = 64  # above this, only the lowest-SQNR candidates are scanned
 
 
