@@ -102,6 +102,8 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                 opts["damp"] = float(e[4:])
             elif e == "actorder":
                 opts["act_order"] = True
+            elif e == "msegrid":
+                opts["mse_grid"] = True
             elif e == "noactorder":
                 opts["act_order"] = False
             elif e == "static":

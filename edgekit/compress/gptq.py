@@ -48,13 +48,14 @@ class HessianAccumulator:
 @torch.no_grad()
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
-                  block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block_size: int = 128, mse_grid: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``W`` (rows, cols) given the Hessian ``H`` (cols, cols) of its inputs.
 
     Returns ``q`` (rows, cols) uint8 codes, ``scales`` (rows, G) float32, ``zeros`` (rows, G)
     uint8 in the original column order, groups contiguous (see ``rtn.py`` for the grid).
     With act-order and groups, static groups are always used (contiguous groups are what
-    packed layers and ``MatMulNBits`` store).
+    packed layers and ``MatMulNBits`` store). ``mse_grid``: each group's range shrunk by the
+    ratio in [0.75, 1] minimising its own ``||w - Q(w)||^2.4`` (QuaRot's ``w_clip``) instead of min-max.
     """
     W = W.detach().clone().float()
     H = H.detach().clone().float().to(W.device)
@@ -64,6 +65,9 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     ng = num_groups(cols, group_size)
     static = group_size != -1 and (static_groups or act_order)
 
+    def fit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mse_qparams(w, bits, sym) if mse_grid else qparams(w, bits, sym)
+
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
@@ -72,8 +76,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     zeros = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
     if group_size == -1 or static:
         for j in range(ng):
-            s, z = qparams(W[:, j * g:(j + 1) * g], bits, sym)
-            scales[:, j], zeros[:, j] = s, z
+            scales[:, j], zeros[:, j] = fit(W[:, j * g:(j + 1) * g])
 
     perm = torch.arange(cols, device=W.device)
     if act_order:
@@ -101,7 +104,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
             if not static and group_size != -1 and col % g == 0:
                 # fit this group's grid on the error-updated weights still to quantize
                 ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :g]
-                scales[:, j], zeros[:, j] = qparams(ahead, bits, sym)
+                scales[:, j], zeros[:, j] = fit(ahead)
             s, z = scales[:, j], zeros[:, j]
             q = quantize_int(w, s, z, bits)
             Q1[:, i] = q
@@ -114,6 +117,21 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     if act_order:
         Q = Q[:, torch.argsort(perm)]
     return Q.clamp(0, maxq).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def mse_qparams(w: torch.Tensor, bits: int, sym: bool, steps: int = 11, max_shrink: float = 0.25,
+                norm: float = 2.4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scale and zero point with the range shrunk by the ratio in ``[1 - max_shrink, 1]``
+    (``steps`` points) that minimises ``sum |w - Q(w)|^norm`` over the row (QuaRot's ``w_clip``)."""
+    best_err = torch.full((w.shape[0],), float("inf"), device=w.device)
+    best_s, best_z = qparams(w, bits, sym)
+    for ratio in torch.linspace(1.0, 1.0 - max_shrink, steps).tolist():
+        s, z = qparams(w, bits, sym, ratio)
+        err = (w - (quantize_int(w, s[:, None], z[:, None], bits) - z[:, None]) * s[:, None]).abs().pow(norm).sum(1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return best_s, best_z
 
 
 def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
@@ -152,7 +170,8 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     def solve(W: torch.Tensor, Hm: torch.Tensor):
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
-                             damp=config.damp, block_size=config.block_size)
+                             damp=config.damp, block_size=config.block_size,
+                             mse_grid=getattr(config, "mse_grid", False))
 
     value = value_projection(module, names) if getattr(config, "value_hessian", "input") == "attention" else None
     v_hessians: list[HessianAccumulator] = []
