@@ -164,20 +164,18 @@ def run_onnx(n_eval: int, keep: Path, runs: int, ort_windows: int | None = None,
                 while not (keep / "gptq-w4g128" / "manifest.json").exists():
                     time.sleep(15)
                 handle = load_compressed(keep / "gptq-w4g128")
-            export_causal_lm(handle, out)
+            export_causal_lm(handle, out, accuracy_level=None)  # fp32 compute; the acc4 twin follows
         models[name] = out
     acc4 = keep / "onnx-gptq-w4g128-acc4"  # the same graph with int8 compute in MatMulNBits
     if not (acc4 / "manifest.json").exists():
         import shutil
 
         import onnx
-        from onnx import helper
+
+        from edgekit.export.lm import with_accuracy_level
 
         shutil.copytree(models["onnx-gptq-w4g128"], acc4, dirs_exist_ok=True)
-        proto = onnx.load(str(acc4 / "model.onnx"))
-        for node in proto.graph.node:
-            if node.op_type == "MatMulNBits":
-                node.attribute.append(helper.make_attribute("accuracy_level", 4))
+        proto = with_accuracy_level(onnx.load(str(acc4 / "model.onnx")), 4)
         onnx.save(proto, str(acc4 / "model.onnx"))
     models[acc4.name] = acc4
     results = {}

@@ -64,7 +64,8 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     PosixPath('out/q4-lora')
     """
     from edgekit.compress import StepContext, compress, load_compressed
-    from edgekit.compress.lora import LoadedData, _resolve_samples
+    from edgekit.compress.lora import LoadedData
+    from edgekit.sources.data import resolve_samples
     from edgekit.sources.models import load_model
 
     cfg = _config(config)
@@ -82,8 +83,8 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     out = Path(out_dir)
     if eval_data is None and isinstance(data, (str, os.PathLike)):
         eval_data = data  # its eval split: never overlaps the train split
-    train = _resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
-    val = _resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
+    train = resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
+    val = resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
     ctx = StepContext(train=LoadedData(train, _spec(data)), eval=LoadedData(val, _spec(eval_data)), seed=seed, progress=progress, work_dir=Path(f"{out}.work"))
     ctx.resume = resume  # type: ignore[attr-defined]  # read by the lora step's training loop
     ctx.work_dir.mkdir(parents=True, exist_ok=True)

@@ -4,13 +4,28 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
 def progress_enabled() -> bool:
     return os.environ.get("EDGEKIT_PROGRESS", "1") != "0" and sys.stderr.isatty()
+
+
+def rich_progress(*extra_columns: Any) -> Any:
+    """edgekit's rich progress display: description, bar, done/total, ``extra_columns``, elapsed, remaining."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
+                    TimeElapsedColumn(), TimeRemainingColumn())
 
 
 def progress_bar(items: Iterable[T], description: str, total: int | None = None,
@@ -21,19 +36,9 @@ def progress_bar(items: Iterable[T], description: str, total: int | None = None,
     if not enabled:
         yield from items
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), transient=False) as bar:
+    with rich_progress() as bar:
         task = bar.add_task(description, total=total)
         for item in items:
             yield item

@@ -140,12 +140,18 @@ def test_output_sqnr_finds_the_noisy_layer_in_one_pass():
     assert layers["mid"] < 38 and layers["stem"] > 45 and layers["fc"] > 45
 
 
-def test_fallback_gives_a_layer_its_uncorrected_bias_back():
+def _calibrated():
+    """The tiny model, its fake-quant graph and 16 calibration images, ranges calibrated."""
     h = _handle()
     gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
     qdq.update_weight_scales(gm, plan)
     calib = _images(16, 1)
     calibrate(gm, calib, ["input"], Int8Config(calib_samples=16))
+    return h, gm, plan, calib
+
+
+def test_fallback_gives_a_layer_its_uncorrected_bias_back():
+    h, gm, plan, calib = _calibrated()
     before = gm.get_parameter("mid.bias").detach().clone()
     assert correct_bias(gm, plan, h.module, calib, ["input"]) == 3
     corrected = gm.get_parameter("mid.bias").detach().clone()
@@ -213,11 +219,7 @@ def test_cli_flags_map_onto_the_config():
 def test_fallback_of_a_gptq_rounded_layer_restores_its_float_weights():
     from edgekit.compress.int8_gptq import round_model
 
-    h = _handle()
-    gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
-    qdq.update_weight_scales(gm, plan)
-    calib = _images(16, 1)
-    calibrate(gm, calib, ["input"], Int8Config(calib_samples=16))
+    h, gm, plan, calib = _calibrated()
     w_float = gm.get_parameter("mid.weight").detach().clone()
     assert round_model(gm, plan, calib, ["input"])["layers"] >= 1
     w_rounded = gm.get_parameter("mid.weight").detach().clone()

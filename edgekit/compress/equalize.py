@@ -33,7 +33,8 @@ def _wq_node(n: fx.Node) -> fx.Node | None:
 
 def _param_paths(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
     wq = _wq_node(n)
-    assert wq is not None
+    if wq is None:  # callers pass only layers equalize_pairs() found with a weight quantizer
+        raise RuntimeError(f"{n.name} has no weight quantizer")
     wget = wq.args[0]
     b = n.args[2] if len(n.args) > 2 else None
     return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)  # type: ignore[union-attr]

@@ -171,11 +171,11 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
                              damp=config.damp, block_size=config.block_size,
-                             mse_grid=getattr(config, "mse_grid", False))
+                             mse_grid=config.mse_grid)
 
-    value = value_projection(module, names) if getattr(config, "value_hessian", "input") == "attention" else None
+    value = value_projection(module, names) if config.value_hessian == "attention" else None
     v_hessians: list[HessianAccumulator] = []
-    if value is not None and hasattr(inputs, "attention_mixed"):
+    if value is not None:
         v_name, attn, rep, head_dim = value
         v_lin = module.get_submodule(v_name)
         v_hessians = [HessianAccumulator(v_lin.in_features, device=H.device)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
 import re
 import time
 from collections.abc import Iterable
@@ -47,6 +46,7 @@ import numpy as np
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.sources.data import resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 # Default targets for transformer models (Llama/SmolLM2 names); CNNs and other models take
@@ -554,24 +554,6 @@ class LoadedData(str):
         return obj
 
 
-def _resolve_samples(spec: Any, handle: ModelHandle, split: str, limit: int | None, seqlen: int, seed: int) -> Any:
-    """A data spec (str / None) through ``load_samples``, or a ready ``Samples``-like object."""
-    if isinstance(spec, LoadedData):
-        return spec.samples
-    if spec is not None and not isinstance(spec, (str, os.PathLike)) and hasattr(spec, "inputs"):
-        return spec
-    from edgekit.sources.data import load_samples
-
-    spec = None if spec is None else str(spec)
-    seqlen_arg = seqlen if handle.kind == "causal-lm" else None
-    try:
-        return load_samples(spec, handle, split=split, limit=limit, seqlen=seqlen_arg, seed=seed)
-    except BadInputError as e:
-        if limit is None or split != "eval" or "asked for" not in str(e):
-            raise
-        return load_samples(spec, handle, split=split, seqlen=seqlen_arg, seed=seed)  # all there is
-
-
 def _n_samples(samples: Any) -> int:
     arrays = list(samples.inputs.values())
     return int(arrays[0].shape[0]) if arrays else 0
@@ -780,8 +762,8 @@ def apply(handle: ModelHandle, config: LoraConfig, ctx: StepContext) -> ModelHan
         raise BadInputError(f"{handle.name!r} has packed 4-bit weights: add --qlora to train adapters over them")
     torch.manual_seed(ctx.seed)
     names = resolve_targets(handle, config.targets, base)
-    train = _resolve_samples(ctx.train, handle, "train", config.train_samples, config.seqlen, ctx.seed)
-    val = _resolve_samples(ctx.eval, handle, "eval", config.eval_samples, config.seqlen, ctx.seed)
+    train = resolve_samples(ctx.train, handle, "train", config.train_samples, config.seqlen, ctx.seed)
+    val = resolve_samples(ctx.eval, handle, "eval", config.eval_samples, config.seqlen, ctx.seed)
     if _n_samples(train) < config.batch_size:
         raise BadInputError(f"training data has {_n_samples(train)} sample(s), fewer than one batch of "
                             f"{config.batch_size}; give more data or a smaller --batch-size")

@@ -536,16 +536,13 @@ def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContex
     """The first ``eval_windows`` windows of the eval split, for a causal LM that has eval data."""
     if config.eval_windows == 0 or handle.kind != "causal-lm" or not (ctx.eval or handle.default_eval):
         return None
-    from edgekit.sources.data import Samples, load_samples
+    from edgekit.sources.data import resolve_samples
 
-    spec = ctx.eval or handle.default_eval
-    ready = getattr(spec, "samples", spec)  # data an earlier step of the chain already loaded
-    if isinstance(ready, Samples):
-        return ready.subset(slice(0, config.eval_windows)) if "input_ids" in ready.inputs else None
-    try:  # the first windows only: tokenizes a prefix of the text
-        return load_samples(spec, handle, split="eval", seqlen=config.seqlen, limit=config.eval_windows, seed=ctx.seed)
-    except BadInputError:  # fewer windows than asked for: take them all
-        return load_samples(spec, handle, split="eval", seqlen=config.seqlen, seed=ctx.seed)
+    samples = resolve_samples(ctx.eval or handle.default_eval, handle, "eval", config.eval_windows, config.seqlen,
+                              ctx.seed)
+    if "input_ids" not in samples.inputs:
+        return None
+    return samples.subset(slice(0, config.eval_windows)) if len(samples) > config.eval_windows else samples
 
 
 def _perplexity(handle: ModelHandle, windows: Any, ctx: StepContext) -> float:

@@ -55,7 +55,7 @@ DEFAULT_ACCURACY_LEVEL = 4
 INT8_COMPUTE_RTOL = 0.15
 
 
-def _with_accuracy_level(proto: Any, level: int | None) -> Any:
+def with_accuracy_level(proto: Any, level: int | None) -> Any:
     """A copy of ``proto`` whose MatMulNBits nodes carry ``accuracy_level`` (None: removed)."""
     import copy
 
@@ -398,7 +398,7 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
             # int8 compute is an approximation by design: the graph itself is checked strictly on a twin
             # with fp32 compute, the shipped setting's deviation is recorded beside it
             with tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
-                twin = _with_accuracy_level(proto, None)
+                twin = with_accuracy_level(proto, None)
                 onnx.save_model(twin, os.path.join(tmp, "model.onnx"), save_as_external_data=large,
                                 location="model.onnx.data" if large else None)
                 metrics["parity"] = check_lm_parity(handle, os.path.join(tmp, "model.onnx"), with_past=with_past,
@@ -535,5 +535,5 @@ def generate_greedy(sess: Any, input_ids: np.ndarray, new_tokens: int) -> np.nda
     return np.array(tokens)
 
 
-__all__ = ["rewrite_packed_graph", "export_causal_lm", "check_lm_parity", "lm_session", "lm_feeds",
+__all__ = ["rewrite_packed_graph", "export_causal_lm", "with_accuracy_level", "check_lm_parity", "lm_session", "lm_feeds",
            "presents_to_past", "empty_past", "generate_greedy", "CheckFailedError"]

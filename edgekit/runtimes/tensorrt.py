@@ -695,7 +695,8 @@ class TensorRTRuntime:
                 raise UnavailableError(f"{remote} has no TensorRT: no trtexec on PATH or at {JETSON_TRTEXEC} "
                                        "(install JetPack / TensorRT there)")
             trtexec_cmd = info.trtexec
-        assert info is not None
+        if info is None:  # _choose_path probes for every path but the bundle, handled above
+            raise RuntimeError(f"TensorRT path {path!r} chosen without probing the machine")
         if info.sm and getattr(target, "sm", None) and info.sm != target.sm:
             raise BadInputError(f"{'the remote ' + remote if remote else 'this machine'} has {info.gpu} ({info.sm}); "
                                 f"target {target.name!r} is {target.sm}: an engine built there would not run on the target")

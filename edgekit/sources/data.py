@@ -666,6 +666,27 @@ def _spec_for(model: ModelHandle | None, split: str) -> str:
     return spec
 
 
+def resolve_samples(spec: Any, handle: ModelHandle, split: str, limit: int | None, seqlen: int | None,
+                    seed: int) -> Any:
+    """A data spec (str / None: the model's default) through ``load_samples``, or samples an
+    earlier step already loaded (a ``Samples``-like object, or a spec string carrying them in
+    ``.samples``, like ``compress.lora.LoadedData``). A ``limit`` larger than an eval split
+    gives the whole split."""
+    ready = getattr(spec, "samples", None)
+    if ready is not None:
+        return ready
+    if spec is not None and not isinstance(spec, (str, os.PathLike)) and hasattr(spec, "inputs"):
+        return spec
+    spec = None if spec is None else str(spec)
+    seqlen_arg = seqlen if handle.kind == "causal-lm" else None
+    try:
+        return load_samples(spec, handle, split=split, limit=limit, seqlen=seqlen_arg, seed=seed)
+    except BadInputError as e:
+        if limit is None or split != "eval" or "asked for" not in str(e):
+            raise
+        return load_samples(spec, handle, split=split, seqlen=seqlen_arg, seed=seed)  # all there is
+
+
 def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: str = "calib",
                  limit: int | None = None, seqlen: int | None = None, seed: int = 0) -> Samples:
     """Load one split of a data source, shaped for ``model``.

@@ -235,17 +235,11 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
+            from rich.progress import TextColumn
 
-            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
+            from edgekit.progress import rich_progress
+
+            self._bar = rich_progress(TextColumn("{task.fields[status]}"))
             self._bar.__enter__()
             self._task = self._bar.add_task(self.description, total=self.total, status="")
         return self
