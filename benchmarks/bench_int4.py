@@ -104,8 +104,14 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                 opts["act_order"] = True
             elif e == "msegrid":
                 opts["mse_grid"] = True
+            elif e == "minmax":
+                opts["mse_grid"] = False
             elif e == "noactorder":
                 opts["act_order"] = False
+            elif e.startswith("gptaq"):  # e.g. gptq-w4g128-gptaq0.25: match the float model's outputs (GPTAQ alpha)
+                opts["gptaq_alpha"] = float(e[5:])
+            elif e == "refit":
+                opts["refit"] = True
             elif e == "static":
                 opts["static_groups"] = True
             elif e == "sym":

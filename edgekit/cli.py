@@ -260,6 +260,8 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 @click.option("--group-size", type=int, default=None, help="Weight-only: group size (-1 = per channel).")
 @click.option("--sym/--asym", default=None, help="Weight-only: symmetric or asymmetric grid.")
 @click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; static groups keep the packed layout).")
+@click.option("--gptaq-alpha", type=float, default=None, help="GPTQ: how far each layer matches the float model's output instead of its own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ).")
+@click.option("--refit/--no-refit", default=None, help="GPTQ: re-solve the group scales by least squares once the codes are fixed (default on).")
 @click.option("--seqlen", type=int, default=None, help="Calibration sequence length for language models.")
 @click.option("--device", default=None, help="cpu | cuda (GPTQ/AWQ).")
 @click.option("--prune", type=float, default=None, help="Structured pruning ratio in (0, 1).")
@@ -277,7 +279,8 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
              calib_samples: int | None, target: str | None, max_accuracy_drop: float | None, placement: str | None,
              keep_float: tuple[str, ...], rounding: str | None, group_size: int | None,
-             sym: bool | None, act_order: bool | None, seqlen: int | None, device: str | None, prune: float | None,
+             sym: bool | None, act_order: bool | None, gptaq_alpha: float | None, refit: bool | None,
+             seqlen: int | None, device: str | None, prune: float | None,
              importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
              iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
              alpha: float | None, train_data: str | None, seed: int) -> None:
@@ -292,7 +295,8 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
         int8={"calib_method": calib_method, "calib_samples": calib_samples, "max_accuracy_drop": max_accuracy_drop,
               "placement": placement, "keep_float": tuple(keep_float), "rounding": rounding,
               "qat_epochs": epochs if method == "qat" else None},
-        int4={"group_size": group_size, "sym": sym, "act_order": act_order, "calib_samples": calib_samples,
+        int4={"group_size": group_size, "sym": sym, "act_order": act_order, "gptaq_alpha": gptaq_alpha,
+              "refit": refit, "calib_samples": calib_samples,
               "seqlen": seqlen, "device": device},
         prune_options={"importance": importance, "global_pruning": global_pruning, "round_to": round_to,
                        "ignore": tuple(ignore), "iterative_steps": iterative_steps},

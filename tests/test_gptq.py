@@ -87,3 +87,48 @@ def test_mse_grid_fits_each_group_no_worse_than_minmax():
     H = torch.eye(128)
     q, s, z = gptq_quantize(w, H, bits=4, group_size=32, mse_grid=True)
     assert q.shape == (64, 128) and s.shape == (64, 4) and int(q.max()) <= 15
+
+
+@pytest.mark.parametrize("group_size,act_order", [(32, False), (32, True), (-1, False)])
+def test_refit_lowers_the_objective_and_keeps_codes_and_zero_points(group_size, act_order):
+    from edgekit.compress.gptq import refit_scales
+
+    torch.manual_seed(0)
+    W = torch.randn(24, 128)
+    X = _correlated_inputs(512, 128)
+    H = 2 * X.t() @ X / X.shape[0]
+    q0, s0, z0 = gptq_quantize(W, H, bits=4, group_size=group_size, act_order=act_order, mse_grid=True)
+    q1, s1, z1 = gptq_quantize(W, H, bits=4, group_size=group_size, act_order=act_order, mse_grid=True, refit=True)
+    assert torch.equal(q0, q1) and torch.equal(z0, z1)
+    e0 = quantization_error(W, dequantize_groups(q0, s0, z0, group_size), H)
+    e1 = quantization_error(W, dequantize_groups(q1, s1, z1, group_size), H)
+    assert e1 < 0.995 * e0, (e0, e1)
+    assert bool((s1 > 0).all())
+    # a row whose codes all sit on the zero point has nothing to fit: its scales stay
+    q0[3] = z0[3].repeat_interleave(q0.shape[1] // z0.shape[1], dim=-1)
+    s2 = refit_scales(W, H, q0.float(), s0, z0, group_size)
+    assert torch.equal(s2[3], s0[3]) and torch.isfinite(s2).all()
+
+
+def test_asymmetric_target_matches_the_float_output_in_least_squares():
+    from edgekit.compress.gptq import AsymmetricAccumulator, asymmetric_target
+
+    torch.manual_seed(0)
+    W = torch.randn(8, 32)
+    X_fp = _correlated_inputs(400, 32)
+    # the upstream layers' quantization error: mostly a function of the input, plus noise
+    X = X_fp @ (torch.eye(32) + 0.05 * torch.randn(32, 32)) + 0.01 * torch.randn_like(X_fp)
+    acc = AsymmetricAccumulator(32)
+    for a, b in zip(X.split(100), X_fp.split(100), strict=True):
+        acc.add_pair(a, b)
+    torch.testing.assert_close(acc.H, 2 * X.t() @ X / 400, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(acc.dXXT, 2 * (X_fp - X).t() @ X / 400, rtol=1e-4, atol=1e-4)
+    W_t = asymmetric_target(W, acc.H, acc.dXXT, alpha=1.0, damp=0.0)
+    lstsq = torch.linalg.lstsq(X.double(), (X_fp @ W.t()).double()).solution.t().float()
+    torch.testing.assert_close(W_t, lstsq, rtol=0, atol=2e-2)  # float32 sums of an ill-conditioned X
+    # its output on the noisy inputs is closer to the float output than W's own
+    err = lambda M: float(((X @ M.t()) - X_fp @ W.t()).pow(2).mean())  # noqa: E731
+    assert err(W_t) < 0.1 * err(W)
+    torch.testing.assert_close(asymmetric_target(W, acc.H, acc.dXXT, alpha=0.0), W)
+    torch.testing.assert_close(asymmetric_target(W, acc.H, acc.dXXT, alpha=0.5, damp=0.0), (W + W_t) / 2,
+                               rtol=1e-4, atol=1e-4)

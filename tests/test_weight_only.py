@@ -76,6 +76,7 @@ def _held_out() -> torch.Tensor:
     ({"method": "hqq"}, "unknown weight-only method 'hqq'"),
     ({"head": "fp8"}, "unknown head quantization 'fp8'"),
     ({"seqlen": 1}, "seqlen must be at least 2"),
+    ({"gptaq_alpha": 1.5}, "gptaq_alpha must be in \\[0, 1\\], got 1.5"),
 ])
 def test_config_rejects_bad_values(values, match):
     with pytest.raises(BadInputError, match=match):
@@ -352,3 +353,40 @@ def test_cli_packed_lm_exports_with_kv_cache_builds_and_profiles_a_decode_step(t
     assert "MatMulNBits" in ops and "GatherBlockQuantized" in ops
     r = run("export", "fmnist-cnn", "--accuracy-level", "4", "-o", "bad")
     assert r.exit_code == 2 and "add --kv-cache" in r.output and not (tmp_path / "bad").exists()
+
+
+def test_walker_tracks_the_float_model_for_paired_inputs():
+    h = tiny_llama()
+    _, _, linears = quantizable_linears(h.module)
+    ids = h.make_inputs(4, sequence=16)
+    walker = BlockWalker(h.module, [torch.from_numpy(ids["input_ids"]), torch.from_numpy(ids["attention_mask"])],
+                         batch_size=2, progress=False, track_float=True)
+    gaps: list[float] = []
+
+    def visit(_b, names, inputs):
+        pairs = list(inputs.paired())
+        assert len(pairs) == 2 and all(x.shape == x_fp.shape for x, x_fp in pairs)
+        gaps.append(max(float((x - x_fp).abs().max()) for x, x_fp in pairs))
+        for n in names:  # damage the layer, as quantization would
+            lin = h.module.get_submodule(n)
+            lin.weight.data += 0.05 * torch.randn_like(lin.weight)
+
+    walker.walk(linears, visit)
+    # block 0's q/k/v read the embeddings (same in both models); every later group sees the damage upstream
+    assert gaps[0] == 0.0 and all(g > 1e-4 for g in gaps[1:]), gaps
+    with pytest.raises(RuntimeError, match="track_float"):
+        walker2 = BlockWalker(h.module, [torch.from_numpy(ids["input_ids"])], progress=False)
+        walker2.walk(linears, lambda _b, _n, inputs: next(iter(inputs.paired())))
+
+
+def test_gptaq_and_refit_each_lower_the_logit_error(calib):
+    ref = tiny_llama()
+    x = _held_out()
+    want = _logits(ref, x)
+    errs = {}
+    for key, opts in {"gptq": {"gptaq_alpha": 0.0, "refit": False}, "refit": {"gptaq_alpha": 0.0},
+                      "gptaq": {"refit": False}, "both": {}}.items():
+        h = apply(tiny_llama(), WeightOnlyConfig(bits=3, group_size=32, seqlen=32, head="none", eval_windows=0, **opts),
+                  StepContext(calib=calib, progress=False))
+        errs[key] = float(((_logits(h, x) - want) ** 2).mean())
+    assert errs["refit"] < errs["gptq"] and errs["gptaq"] < 0.95 * errs["gptq"] and errs["both"] < 0.9 * errs["gptq"], errs

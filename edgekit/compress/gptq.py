@@ -18,6 +18,12 @@ the attention-mixed inputs ``P_h X`` of the query heads that read each key/value
 every key token weighs the same, while the attention-sink token is read by most queries;
 on SmolLM2 GPTQ then lands on a worse perplexity than RTN (benchmarks/RESULTS.md).
 
+Two additions that lower the same objective, both on by default (``WeightOnlyConfig``):
+``refit`` re-solves each row's group scales by least squares once the codes are fixed
+(``refit_scales``), and ``gptaq_alpha`` makes each layer match the float model's output
+rather than its own on already-degraded inputs (GPTAQ, Li et al., 2025: ``AsymmetricAccumulator``
+collects ``dXXT``; ``asymmetric_target`` turns it into the weight GPTQ then quantizes).
+
 The driver that walks a model block by block, feeding each layer the outputs of the
 already-quantized layers before it, lives in ``weight_only.py`` (shared with AWQ);
 ``gptq_visit`` is its per-group callback.
@@ -45,10 +51,43 @@ class HessianAccumulator:
         self.H.addmm_(x.t(), x)
 
 
+class AsymmetricAccumulator(HessianAccumulator):
+    """``H`` plus GPTAQ's (Li et al., 2025) ``dXXT = 2/n Σ (x_fp - x) xᵀ``: ``x`` the layer's input in
+    the partly quantized model, ``x_fp`` the same token's input in the float model."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(columns, device)
+        self.dXXT = torch.zeros_like(self.H)
+
+    def add_pair(self, x: torch.Tensor, x_fp: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
+        dx = x_fp.detach().reshape(-1, x_fp.shape[-1]).to(self.H.device, torch.float32) - x
+        n = x.shape[0]
+        self.dXXT *= self.nsamples / (self.nsamples + n)
+        self.dXXT.addmm_(dx.t(), x, alpha=2.0 / (self.nsamples + n))
+        self.add_batch(x)
+
+
+def asymmetric_target(W: torch.Tensor, H: torch.Tensor, dXXT: torch.Tensor, alpha: float,
+                      damp: float = 0.01) -> torch.Tensor:
+    """The weight GPTQ should reproduce when the layer must match the *float* model's output:
+    ``Σ ||W x_fp - Q x||²`` = ``||(W̃ - Q) X||²`` + const with ``W̃ = W + W dXXT H⁻¹`` (least
+    squares; ``H`` dampened). ``alpha`` in [0, 1] moves only that far (GPTAQ's alpha), since
+    the correction is fitted on the calibration tokens."""
+    H = H.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    L = torch.linalg.cholesky(H)
+    shift = torch.cholesky_solve((W.float() @ dXXT.to(W.device)).t(), L).t()  # (W dXXT) H⁻¹, H symmetric
+    return W.float() + alpha * shift
+
+
 @torch.no_grad()
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
-                  block_size: int = 128, mse_grid: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block_size: int = 128, mse_grid: bool = False,
+                  refit: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``W`` (rows, cols) given the Hessian ``H`` (cols, cols) of its inputs.
 
     Returns ``q`` (rows, cols) uint8 codes, ``scales`` (rows, G) float32, ``zeros`` (rows, G)
@@ -56,9 +95,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     With act-order and groups, static groups are always used (contiguous groups are what
     packed layers and ``MatMulNBits`` store). ``mse_grid``: each group's range shrunk by the
     ratio in [0.75, 1] minimising its own ``||w - Q(w)||^2.4`` (QuaRot's ``w_clip``) instead of min-max.
+    ``refit``: once the codes are fixed, the scales are re-solved by least squares under ``H``
+    (``refit_scales``), which lowers the same objective GPTQ minimises.
     """
     W = W.detach().clone().float()
     H = H.detach().clone().float().to(W.device)
+    W_orig, H_orig = (W.clone(), H.clone()) if refit else (None, None)
     rows, cols = W.shape
     maxq = 2**bits - 1
     g = group_width(cols, group_size)
@@ -116,7 +158,46 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
 
     if act_order:
         Q = Q[:, torch.argsort(perm)]
-    return Q.clamp(0, maxq).to(torch.uint8), scales, zeros.to(torch.uint8)
+    Q = Q.clamp(0, maxq)
+    if refit:
+        scales = refit_scales(W_orig, H_orig, Q, scales, zeros, group_size, damp)
+    return Q.to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, damp: float = 0.01) -> torch.Tensor:
+    """Scales re-solved for fixed codes ``q`` and zero points: per row, the least-squares
+    ``s = argmin (w - ŵ)ᵀ H (w - ŵ)`` with ``ŵ_c = s_g(c) (q_c - z_g(c))``, a linear problem in the
+    row's group scales (``G x G`` normal equations, ``H`` dampened as in GPTQ). Zero points stay
+    integers (the packed layout). A row keeps its old scales where the new ones are not all positive
+    and finite or do not lower the objective."""
+    rows, cols = W.shape
+    g, ng = group_width(cols, group_size), num_groups(cols, group_size)
+    W, q = W.float(), q.float()
+    H = H.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    D = q - zeros.float().repeat_interleave(g, dim=-1)[:, :cols]  # ŵ = D * s per column's group
+    spans = [slice(j * g, min(cols, (j + 1) * g)) for j in range(ng)]
+    M = torch.zeros(rows, ng, ng, dtype=torch.float32, device=W.device)
+    b = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
+    for j, sj in enumerate(spans):
+        B = D[:, sj] @ H[sj, :]  # (rows, cols): D_j H_j,:
+        b[:, j] = (B * W).sum(1)
+        for k, sk in enumerate(spans):
+            M[:, j, k] = (B[:, sk] * D[:, sk]).sum(1)
+    # a tiny ridge towards the old scales keeps groups whose codes all sit on the zero point solvable
+    ridge = 1e-6 * M.diagonal(dim1=1, dim2=2).abs().mean(1, keepdim=True).clamp_min(1e-12)
+    new = torch.linalg.solve(M + torch.diag_embed(ridge.expand(rows, ng)), (b + ridge * scales).unsqueeze(-1)).squeeze(-1)
+
+    def objective(s: torch.Tensor) -> torch.Tensor:
+        E = W - D * s.repeat_interleave(g, dim=-1)[:, :cols]
+        return ((E @ H) * E).sum(1)
+
+    ok = torch.isfinite(new).all(1) & (new > 0).all(1)
+    ok &= objective(torch.where(ok[:, None], new, scales)) <= objective(scales)
+    return torch.where(ok[:, None], new, scales)
 
 
 def mse_qparams(w: torch.Tensor, bits: int, sym: bool, steps: int = 11, max_shrink: float = 0.25,
@@ -171,7 +252,7 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
                              damp=config.damp, block_size=config.block_size,
-                             mse_grid=config.mse_grid)
+                             mse_grid=config.mse_grid, refit=config.refit)
 
     value = value_projection(module, names) if config.value_hessian == "attention" else None
     v_hessians: list[HessianAccumulator] = []
@@ -209,10 +290,17 @@ def gptq_visit(module: torch.nn.Module, config, results: dict):
 
     def visit(_block: int, names: list[str], inputs) -> None:
         linears = [module.get_submodule(n) for n in names]
-        acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device)
-        for x in inputs():
-            acc.add_batch(x)
         weights = {n: lin.weight.detach().float() for n, lin in zip(names, linears)}
+        if config.gptaq_alpha > 0:
+            acc = AsymmetricAccumulator(linears[0].in_features, device=linears[0].weight.device)
+            for x, x_fp in inputs.paired():
+                acc.add_pair(x, x_fp)
+            weights = {n: asymmetric_target(w, acc.H, acc.dXXT, config.gptaq_alpha, config.damp)
+                       for n, w in weights.items()}
+        else:
+            acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device)
+            for x in inputs():
+                acc.add_batch(x)
         results.update(solve_group(module, names, weights, acc.H, inputs, config))
         for name, lin in zip(names, linears):
             q, s, z = results[name]

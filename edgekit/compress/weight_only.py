@@ -18,6 +18,7 @@ activations for all windows, never the whole model's.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,12 @@ class WeightOnlyConfig:
     default: with groups it uses static groups, so the packed layout and the engine speed
     are unchanged, and it measured better on SmolLM2 (RESULTS.md). mse_grid: GPTQ fits each
     group's grid by an Lp-error search over range shrink ratios instead of min-max (default;
-    SmolLM2 W4 g128 27.29 -> 27.09).
+    SmolLM2 W4 g128 27.29 -> 27.09). refit: once GPTQ fixed the codes, re-solve each row's
+    group scales by least squares under the layer's Hessian (default; 27.09 -> 26.57).
+    gptaq_alpha: GPTAQ's asymmetric calibration (Li et al., 2025): each layer is solved to
+    reproduce the *float* model's output from its (quantized-upstream) inputs, moved ``alpha``
+    of the way from the paper's target; needs a float copy of each block run alongside, ~1.5x
+    the walk's time (default 0.25, as in GPTAQ; 27.09 -> 26.24; 0 = the paper's GPTQ).
     true_sequential: each linear group sees inputs from the already-quantized groups of
     its block. value_hessian: GPTQ's Hessian for attention value projections (Llama family):
     "attention" (default) from the attention-mixed inputs ``P X`` of each key/value head,
@@ -78,6 +84,8 @@ class WeightOnlyConfig:
     damp: float = 0.01
     block_size: int = 128
     mse_grid: bool = True
+    refit: bool = True
+    gptaq_alpha: float = 0.25
     true_sequential: bool = True
     value_hessian: str = "attention"
     calib_samples: int = 128
@@ -99,6 +107,8 @@ class WeightOnlyConfig:
                                 "from 16: 16, 32, 64, 128, 256, ...)")
         if not 0 <= self.damp < 1:
             raise BadInputError(f"damp must be in [0, 1), got {self.damp!r}")
+        if not 0 <= self.gptaq_alpha <= 1:
+            raise BadInputError(f"gptaq_alpha must be in [0, 1], got {self.gptaq_alpha!r}")
         if self.block_size < 1:
             raise BadInputError(f"block_size must be positive, got {self.block_size!r}")
         if self.calib_samples < 1:
@@ -206,12 +216,13 @@ class BlockWalker:
     """
 
     def __init__(self, module: nn.Module, calib: list[torch.Tensor], device: str = "cpu",
-                 batch_size: int = 8, progress: bool = True) -> None:
+                 batch_size: int = 8, progress: bool = True, track_float: bool = False) -> None:
         self.module = module
         self.calib = calib
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.progress = progress
+        self.track_float = track_float  # also run a float copy of each block on the float model's activations
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
 
@@ -279,16 +290,20 @@ class BlockWalker:
 
         self.linears = linears
         data = self._capture_block0()
+        data_fp = data if self.track_float else None  # the blocks before the first are not quantized
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
-            if not any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
-                data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
-                continue
-            groups = self._input_groups(block, data[0])
-            for names in groups:
-                inputs = GroupInputs(block, _get(self.module, names[0]), data)
-                visit_group(bi, names, inputs)
+            block_fp = copy.deepcopy(block) if self.track_float else None
+            if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
+                block_name = self.names[id(block)]
+                for names in self._input_groups(block, data[0]):
+                    inputs = GroupInputs(block, _get(self.module, names[0]), data)
+                    if block_fp is not None:
+                        inputs.float_twin = (block_fp, block_fp.get_submodule(names[0][len(block_name) + 1:]), data_fp)
+                    visit_group(bi, names, inputs)
             data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+            if block_fp is not None:
+                data_fp = [((self._run(block_fp, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
 
     def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
         args, kw = batch
@@ -307,26 +322,17 @@ class GroupInputs:
 
     def __init__(self, block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]) -> None:
         self.block, self.first, self.data = block, first, data
+        self.float_twin: tuple[nn.Module, nn.Module, list] | None = None  # (float block, its layer, float data)
 
     def __call__(self):
-        box: list[torch.Tensor] = []
+        return _group_inputs(self.block, self.first, self.data)
 
-        def grab(_m, args):
-            box.append(args[0].detach())
-            raise _Stop
-
-        h = self.first.register_forward_pre_hook(grab)
-        try:
-            for args, kw in self.data:
-                box.clear()
-                try:
-                    self.block(*args, **kw)
-                except _Stop:
-                    pass
-                if box:
-                    yield box[0]
-        finally:
-            h.remove()
+    def paired(self):
+        """``(x, x_float)`` per batch: the group's input here and in the unquantized model
+        (needs a walker with ``track_float``)."""
+        if self.float_twin is None:
+            raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
+        return zip(self(), _group_inputs(*self.float_twin), strict=True)
 
     def attention_mixed(self, attn: nn.Module, v_proj: nn.Module):
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
@@ -363,6 +369,28 @@ class GroupInputs:
             config._attn_implementation = saved
             for h in hooks:
                 h.remove()
+
+
+def _group_inputs(block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]):
+    """Per batch of ``data``, the input of ``first``, running ``block`` only up to it."""
+    box: list[torch.Tensor] = []
+
+    def grab(_m, args):
+        box.append(args[0].detach())
+        raise _Stop
+
+    h = first.register_forward_pre_hook(grab)
+    try:
+        for args, kw in data:
+            box.clear()
+            try:
+                block(*args, **kw)
+            except _Stop:
+                pass
+            if box:
+                yield box[0]
+    finally:
+        h.remove()
 
 
 def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Module, int, int] | None:
@@ -430,7 +458,8 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         if calib is None:
             raise BadInputError(f"method {config.method!r} needs calibration data")
         module.to(device)
-        walker = BlockWalker(module, calib, device=device, progress=progress)
+        walker = BlockWalker(module, calib, device=device, progress=progress,
+                             track_float=config.method == "gptq" and config.gptaq_alpha > 0)
         if config.method == "gptq":
             from edgekit.compress.gptq import gptq_visit
 
