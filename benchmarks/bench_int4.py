@@ -72,10 +72,13 @@ def torch_ppl(module, windows: np.ndarray) -> float:
 
 def save_part(name: str, data: dict) -> None:
     PARTS.mkdir(parents=True, exist_ok=True)
+    data = {**data, "load_avg_1m": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (PARTS / f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
 def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> None:
+    import torch
+
     from edgekit.compress import StepContext, compress, load_compressed
     from edgekit.compress.weight_only import WeightOnlyConfig, apply, packed_bytes
 
@@ -137,7 +140,8 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
         save_part(v, {"variant": v, "method": method, "bits": bits, "group_size": group, "ppl_torch": ppl, "options": opts,
                       "quant_seconds": round(quant_s, 1), "solver_seconds": meta.get("seconds"), "solver_cpu_seconds": meta.get("cpu_seconds"),
                       "calib_windows": meta.get("calib_windows"), "bytes": packed_bytes(handle.module),
-                      "eval_windows": n_eval, "eval_seconds": round(time.perf_counter() - t, 1)})
+                      "eval_windows": n_eval, "eval_seconds": round(time.perf_counter() - t, 1),
+                      "torch_threads": torch.get_num_threads()})
         print(v, ppl, round(quant_s, 1), flush=True)
 
 
@@ -281,7 +285,7 @@ def assemble() -> dict:
         rows.append(r)
     summary = {}
     if fp and "rtn-w4g128" in parts:
-        best = min((parts[k] for k in ("gptq-w4g128", "awq-w4g128", "awq-gptq-w4g128") if k in parts),
+        best = min((parts[k] for k in ("gptq-w4g128", "gptq-w4g128-calib128", "awq-w4g128", "awq-gptq-w4g128") if k in parts),
                    key=lambda r: r["ppl_torch"],
                    default=None)
         if best:
@@ -299,7 +303,8 @@ def assemble() -> dict:
     import torch
 
     data = {"rows": rows, "summary": summary, "machine": {"cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "shared": "2 cores shared with other benchmark runs; load average 5-8 during the run"},
+            "cores": os.cpu_count(), "shared": "a shared VM: each row records its 1-minute load average when it finished "
+            "(rows from before that field: load 3-8 from parallel runs)"},
             "versions": {"torch": torch.__version__}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = ROOT / "benchmarks" / "results" / "int4.json"
     out.write_text(json.dumps(data, indent=1))

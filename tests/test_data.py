@@ -10,6 +10,7 @@ from edgekit.sources.data import (
     SPLITS,
     Samples,
     load_samples,
+    random_token_windows,
     read_idx,
     split_sentences,
     token_windows,
@@ -118,6 +119,23 @@ def test_token_windows_are_non_overlapping_and_cover_the_text():
     np.testing.assert_array_equal(w.reshape(-1), np.asarray(tok(text)["input_ids"][:96]))
     wb = token_windows(tok, text, 16, bos_token_id=96)
     assert (wb[:, 0] == 96).all() and wb.shape == (6, 16)
+
+
+def test_random_token_windows_are_seeded_slices_of_the_text():
+    tok = CharTokenizer()
+    text = "".join(chr(33 + i % 90) for i in range(200))  # 200 tokens
+    ids = np.asarray(tok(text)["input_ids"])
+    w = random_token_windows(tok, text, 16, 50, seed=3)
+    assert w.shape == (50, 16) and w.dtype == np.int64
+    for row in w:  # every window is a contiguous slice of the token stream
+        start = int(np.flatnonzero(ids == row[0])[0])
+        np.testing.assert_array_equal(row, ids[start:start + 16])
+    np.testing.assert_array_equal(w, random_token_windows(tok, text, 16, 50, seed=3))
+    assert not np.array_equal(w, random_token_windows(tok, text, 16, 50, seed=4))
+    wb = random_token_windows(tok, text, 16, 5, bos_token_id=96)
+    assert wb.shape == (5, 16) and (wb[:, 0] == 96).all()
+    with pytest.raises(BadInputError, match="holds 200 tokens, fewer than one 512-token window"):
+        random_token_windows(tok, text, 512, 1)
 
 
 def test_text_file_for_a_causal_lm(tmp_path):

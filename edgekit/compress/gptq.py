@@ -252,7 +252,7 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
                              damp=config.damp, block_size=config.block_size,
-                             mse_grid=config.mse_grid, refit=config.refit)
+                             mse_grid=config.grid_search, refit=config.refit)
 
     value = value_projection(module, names) if config.value_hessian == "attention" else None
     v_hessians: list[HessianAccumulator] = []

@@ -18,12 +18,12 @@ activations for all windows, never the whole model's.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,20 +54,24 @@ class WeightOnlyConfig:
     block_size: GPTQ's options; act-order (columns by decreasing Hessian diagonal) is on by
     default: with groups it uses static groups, so the packed layout and the engine speed
     are unchanged, and it measured better on SmolLM2 (RESULTS.md). mse_grid: GPTQ fits each
-    group's grid by an Lp-error search over range shrink ratios instead of min-max (default;
-    SmolLM2 W4 g128 27.29 -> 27.09). refit: once GPTQ fixed the codes, re-solve each row's
+    group's grid by an Lp-error search over range shrink ratios instead of min-max. None
+    (default) = on with groups (SmolLM2 W4 g128 27.29 -> 27.09), off per channel, where
+    clipping a whole row's outliers measured far worse (W4 per-channel 29.19 -> 34.97). refit: once GPTQ fixed the codes, re-solve each row's
     group scales by least squares under the layer's Hessian (default; 27.09 -> 26.57).
     gptaq_alpha: GPTAQ's asymmetric calibration (Li et al., 2025): each layer is solved to
     reproduce the *float* model's output from its (quantized-upstream) inputs, moved ``alpha``
-    of the way from the paper's target; needs a float copy of each block run alongside, ~1.5x
-    the walk's time (default 0.25, as in GPTAQ; 27.09 -> 26.24; 0 = the paper's GPTQ).
+    of the way from the paper's target; costs one more forward of each block on the float
+    model's activations, whose group inputs are kept while the block is solved (default 0.25,
+    as in GPTAQ; 27.09 -> 26.24, with refit 26.22; 0 = the paper's GPTQ).
     true_sequential: each linear group sees inputs from the already-quantized groups of
     its block. value_hessian: GPTQ's Hessian for attention value projections (Llama family):
     "attention" (default) from the attention-mixed inputs ``P X`` of each key/value head,
     i.e. the error measured where the values are used; "input" from the layer's inputs
     ``X`` as in the paper. Measured on SmolLM2 (W4 g128): the paper's Hessian weights every
     token alike, so GPTQ moves the value error onto the attention-sink token's massive
-    channels, which nearly every query reads: perplexity worse than RTN; see RESULTS.md. calib_samples / seqlen: calibration windows (seqlen None: the model's).
+    channels, which nearly every query reads: perplexity worse than RTN; see RESULTS.md. calib_samples / seqlen: calibration windows (seqlen None: the model's): the
+    text's first non-overlapping windows, topped up, when it holds fewer, with windows at
+    random offsets (seeded; the GPTQ reference samples all its windows so).
     awq_grid / awq_clip: AWQ's scale-exponent grid points and clipping search.
     head: the LM head and tied embedding: "int8" (default; 4 bits there cost ~6 PPL on
     SmolLM2), "int4" or "none" (kept float). device: where the solver runs.
@@ -83,7 +87,7 @@ class WeightOnlyConfig:
     static_groups: bool = False
     damp: float = 0.01
     block_size: int = 128
-    mse_grid: bool = True
+    mse_grid: bool | None = None
     refit: bool = True
     gptaq_alpha: float = 0.25
     true_sequential: bool = True
@@ -125,6 +129,11 @@ class WeightOnlyConfig:
             raise bad_choice("device", self.device, DEVICES)
         if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
             raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
+
+    @property
+    def grid_search(self) -> bool:
+        """Whether GPTQ searches each group's range (``mse_grid``, resolved for the group size)."""
+        return self.group_size != -1 if self.mse_grid is None else self.mse_grid
 
 
 # --- finding the layers -------------------------------------------------------------------------
@@ -194,7 +203,20 @@ def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepC
                             f"(inputs {names}); for a causal LM the text must hold at least one "
                             f"{config.seqlen}-token window")
     n = min(config.calib_samples, len(samples))
-    return [torch.from_numpy(samples.inputs[k][:n]) for k in names]
+    inputs = {k: samples.inputs[k][:n] for k in names}
+    extra = config.calib_samples - n
+    if extra > 0 and samples.meta.get("kind") == "token-windows" and samples.text and set(names) <= {"input_ids", "attention_mask"}:
+        # The text holds fewer non-overlapping windows than asked: top up with windows at random
+        # offsets, as the GPTQ reference samples all of its calibration windows.
+        from edgekit.sources.data import random_token_windows
+
+        bos = handle.tokenizer.bos_token_id if samples.meta.get("bos_per_window") else None
+        more = random_token_windows(handle.tokenizer, samples.text, int(samples.meta["seqlen"]), extra,
+                                    seed=ctx.seed, bos_token_id=bos)
+        inputs["input_ids"] = np.concatenate([inputs["input_ids"], more])
+        if "attention_mask" in inputs:
+            inputs["attention_mask"] = np.concatenate([inputs["attention_mask"], np.ones_like(more)])
+    return [torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in names]
 
 
 class _Stop(Exception):
@@ -222,7 +244,9 @@ class BlockWalker:
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.progress = progress
-        self.track_float = track_float  # also run a float copy of each block on the float model's activations
+        # also carry the float model's activations: one forward of each block before it is quantized
+        # keeps every group's float inputs (one block's worth of activations) for GroupInputs.paired()
+        self.track_float = track_float
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
 
@@ -293,21 +317,37 @@ class BlockWalker:
         data_fp = data if self.track_float else None  # the blocks before the first are not quantized
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
-            block_fp = copy.deepcopy(block) if self.track_float else None
             if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
-                block_name = self.names[id(block)]
-                for names in self._input_groups(block, data[0]):
+                groups = self._input_groups(block, data[0])
+                float_inputs: dict[str, list[torch.Tensor]] = {}
+                if data_fp is not None:
+                    # The float block never changes, so one forward gives every group's float
+                    # inputs (and the next block's float input) before this block is touched.
+                    data_fp, float_inputs = self._run_capturing(block, data_fp, [g[0] for g in groups])
+                for names in groups:
                     inputs = GroupInputs(block, _get(self.module, names[0]), data)
-                    if block_fp is not None:
-                        inputs.float_twin = (block_fp, block_fp.get_submodule(names[0][len(block_name) + 1:]), data_fp)
+                    inputs.float_inputs = float_inputs.get(names[0])
                     visit_group(bi, names, inputs)
+            elif data_fp is not None:
+                data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
             data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
-            if block_fp is not None:
-                data_fp = [((self._run(block_fp, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
 
     def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
         args, kw = batch
         return _first(block(*args, **kw)).detach()
+
+    def _run_capturing(self, block: nn.Module, data: list[tuple[Any, dict[str, Any]]], names: list[str]):
+        """``block`` over ``data``: its outputs as the next block's data, and the inputs of the
+        named layers, per batch."""
+        captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        hooks = [_get(self.module, n).register_forward_pre_hook(
+            lambda _m, args, n=n: captured[n].append(args[0].detach())) for n in names]
+        try:
+            out = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+        finally:
+            for h in hooks:
+                h.remove()
+        return out, captured
 
 
 class GroupInputs:
@@ -322,7 +362,7 @@ class GroupInputs:
 
     def __init__(self, block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]) -> None:
         self.block, self.first, self.data = block, first, data
-        self.float_twin: tuple[nn.Module, nn.Module, list] | None = None  # (float block, its layer, float data)
+        self.float_inputs: list[torch.Tensor] | None = None  # per batch, in the float model (track_float)
 
     def __call__(self):
         return _group_inputs(self.block, self.first, self.data)
@@ -330,9 +370,9 @@ class GroupInputs:
     def paired(self):
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model
         (needs a walker with ``track_float``)."""
-        if self.float_twin is None:
+        if self.float_inputs is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        return zip(self(), _group_inputs(*self.float_twin), strict=True)
+        return zip(self(), self.float_inputs, strict=True)
 
     def attention_mixed(self, attn: nn.Module, v_proj: nn.Module):
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""

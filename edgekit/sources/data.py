@@ -543,6 +543,22 @@ def token_windows(tokenizer: Any, text: str, seqlen: int, *, bos_token_id: int |
     return windows
 
 
+def random_token_windows(tokenizer: Any, text: str, seqlen: int, n: int, *, seed: int = 0,
+                         bos_token_id: int | None = None) -> np.ndarray:
+    """``n`` windows of ``seqlen`` tokens at random offsets of ``text`` (they may overlap): the
+    GPTQ reference's calibration sampling (``random.randint(0, len - seqlen - 1)`` per sample),
+    for when a text holds fewer non-overlapping windows than wanted. (n, seqlen) int64."""
+    step = seqlen - 1 if bos_token_id is not None else seqlen
+    ids = _tokenize_prefix(tokenizer, text, None)
+    if len(ids) < step:
+        raise BadInputError(f"the text holds {len(ids)} tokens, fewer than one {seqlen}-token window")
+    starts = np.random.default_rng(seed).integers(0, len(ids) - step + 1, size=n)
+    windows = np.stack([ids[s:s + step] for s in starts]) if n else np.zeros((0, step), np.int64)
+    if bos_token_id is not None:
+        windows = np.concatenate([np.full((n, 1), bos_token_id, dtype=np.int64), windows], axis=1)
+    return windows
+
+
 def _tokenize_prefix(tokenizer: Any, text: str, min_tokens: int | None) -> np.ndarray:
     """Token ids of ``text``; with ``min_tokens``, of a prefix long enough to hold that
     many tokens (plus a margin, so the cut never touches them), found by doubling."""
