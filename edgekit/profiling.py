@@ -22,6 +22,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError
 from edgekit.runtimes.base import NodeTiming
+from edgekit.schema import check_fields
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -42,6 +43,7 @@ class ProfileConfig:
     top_k: int = 15
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
             raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
         if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
