@@ -200,7 +200,9 @@ def check_value(value: Any, tp: Any, loc: Loc) -> Any:
             out[k] = check_value(v, val_tp, loc / str(k))
         return out
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return from_mapping(tp, value, loc)
+        if isinstance(value, tp):
+            return value  # built in code: its own __post_init__ checked it
+        return from_mapping(tp, value, loc, noun="field")
     raise TypeError(f"edgekit.schema cannot check annotation {tp!r} at {loc}")  # a bug in a declaration
 
 
@@ -216,11 +218,15 @@ def unknown_key(loc: Loc, known: list[str], noun: str = "option") -> FieldError:
     return FieldError(loc, f"unknown {noun} (known: {', '.join(sorted(known))}{hint})")
 
 
-def check_keys(cls: type, data: object, loc: Loc, *, noun: str = "option", extra: tuple[str, ...] = ()) -> Mapping[str, Any]:
-    """``data`` is a mapping whose keys are strings and fields of ``cls`` (or ``extra``)."""
+def check_keys(cls: type, data: object, loc: Loc, *, noun: str = "option", extra: tuple[str, ...] = (),
+               internal: bool = False) -> Mapping[str, Any]:
+    """``data`` is a mapping whose keys are strings and fields of ``cls`` (or ``extra``);
+    fields marked internal only when ``internal`` (data built in code, not read)."""
     if not isinstance(data, Mapping):
         raise FieldError(loc, f"must be a mapping of {noun}s, got {show(data)}")
     known = known_keys(cls) + list(extra)
+    if internal:
+        known += [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("internal")]
     for key in data:
         if not isinstance(key, str):
             raise FieldError(loc, f"keys must be strings, got {show(key)}")
@@ -257,10 +263,11 @@ def check_entries(cls: type, data: Mapping[str, Any], loc: Loc, *, skip: tuple[s
     return out
 
 
-def from_mapping(cls: type[T], data: object, loc: Loc, *, noun: str = "option") -> T:
+def from_mapping(cls: type[T], data: object, loc: Loc, *, noun: str = "option", internal: bool = False) -> T:
     """Build ``cls`` from a mapping read from a file: known keys, checked types, then the
-    dataclass's own range checks. Errors name ``loc`` and the bad key."""
-    check_keys(cls, data, loc, noun=noun)
+    dataclass's own range checks. Errors name ``loc`` and the bad key. ``internal``: the
+    mapping was built in code and may set fields marked internal."""
+    check_keys(cls, data, loc, noun=noun, internal=internal)
     assert isinstance(data, Mapping)  # check_keys raised otherwise
     values = check_entries(cls, data, loc)
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
@@ -288,9 +295,9 @@ def check_fields(obj: object) -> None:
         if schema is not None and isinstance(value, Mapping):
             if f.metadata.get("each"):
                 for name, sub in value.items():
-                    from_mapping(schema, sub, Loc("", f.name) / str(name))
+                    from_mapping(schema, sub, Loc("", f.name) / str(name), internal=True)
             else:
-                from_mapping(schema, value, Loc("", f.name))
+                from_mapping(schema, value, Loc("", f.name), internal=True)
             continue
         check_value(value, hints[f.name], Loc("", f.name))
 
