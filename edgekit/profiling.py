@@ -28,6 +28,9 @@ STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
 ORDERED_STATS = ("min", "p50", "p90", "p95", "p99", "max")
 PROFILE_SOURCES = ("measured", "trtexec", "estimated")
 PROFILE_MAX_BYTES = 64 << 20
+MAX_WARMUP_MS = 600_000.0  # 10 minutes
+MAX_DURATION_S = 3600.0
+MAX_ITERATIONS = 10_000_000
 # trtexec warns above this coefficient of variation of GPU compute time.
 CV_WARNING = 0.025
 
@@ -46,12 +49,21 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
-        if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
-            raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
-        if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
-            raise BadInputError(f"duration must be >= 0 s, got {self.duration_s}")
+        # Upper bounds: a profile that would time for days is a typo (or a hostile recipe).
+        if not (0 <= self.warmup_ms <= MAX_WARMUP_MS and math.isfinite(self.warmup_ms)):
+            raise BadInputError(f"warm-up must be 0 to {MAX_WARMUP_MS:g} ms, got {self.warmup_ms}")
+        if not (0 <= self.duration_s <= MAX_DURATION_S and math.isfinite(self.duration_s)):
+            raise BadInputError(f"duration must be 0 to {MAX_DURATION_S:g} s, got {self.duration_s}")
+        if not 1 <= self.max_iterations <= MAX_ITERATIONS:
+            raise BadInputError(f"max_iterations must be 1 to {MAX_ITERATIONS}, got {self.max_iterations}")
         if self.iterations < 1:
             raise BadInputError(f"iterations must be >= 1, got {self.iterations}")
+        if self.iterations > self.max_iterations:
+            raise BadInputError(f"iterations ({self.iterations}) exceeds max_iterations ({self.max_iterations})")
+        if self.node_iterations < 1:
+            raise BadInputError(f"node_iterations must be >= 1, got {self.node_iterations}")
+        if self.top_k < 0:
+            raise BadInputError(f"top_k must be >= 0 (0: every node), got {self.top_k}")
         if self.threads is not None and self.threads < 1:
             raise BadInputError(f"threads must be >= 1, got {self.threads}")
         if self.batch < 1:
