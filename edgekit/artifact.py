@@ -87,7 +87,7 @@ class Manifest:
         for i, step in enumerate(values.get("steps", [])):
             if not isinstance(step.get("name"), str) or not isinstance(step.get("config", {}), dict) \
                     or not isinstance(step.get("meta", {}), dict) or set(step) - {"name", "config", "meta"}:
-                raise FieldError(loc / f"steps[{i}]", "must be {name: str, config: mapping, meta: mapping}, got "
+                raise FieldError((loc / "steps").at(i), "must be {name: str, config: mapping, meta: mapping}, got "
                                                       f"{show(step)}")
         schema = values.get("schema", SCHEMA_VERSION)
         if not 1 <= schema <= SCHEMA_VERSION:

@@ -28,6 +28,7 @@ import json
 import math
 import numbers
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ from numpy import bool_ as np_bool
 from edgekit.errors import BadInputError
 
 T = TypeVar("T")
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 MAX_DEPTH = 32  # nesting of mappings and lists in a YAML file
 YAML_MAX_BYTES = 1 << 20  # recipes and target files are hand-written: 1 MiB is plenty
@@ -53,7 +55,8 @@ class FieldError(BadInputError):
         self.loc = loc if isinstance(loc, Loc) else Loc("", loc)
         self.problem = problem
         where = str(self.loc)
-        super().__init__(f"{where}: {problem}" if where else problem)
+        message = f"{where}: {problem}" if where else problem
+        super().__init__(" ".join(message.splitlines()))  # one line, whatever the file held
 
     def __reduce__(self) -> tuple[Any, ...]:  # survives a process pool (sweeps)
         return (type(self), (self.loc, self.problem))
@@ -68,6 +71,7 @@ class Loc:
     key: str = ""
 
     def __truediv__(self, name: str) -> Loc:
+        name = name if _PLAIN_KEY.fullmatch(name) else repr(name)  # a key from a file may hold anything
         return Loc(self.context, f"{self.key}.{name}" if self.key else name)
 
     def at(self, index: int) -> Loc:
@@ -211,11 +215,11 @@ def known_keys(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]
 
 
-def unknown_key(loc: Loc, known: list[str], noun: str = "option") -> FieldError:
+def unknown_key(loc: Loc, key: str, known: list[str], noun: str = "option") -> FieldError:
     """``stage 'b' export.opst: unknown option (known: ...; did you mean 'opset'?)``."""
-    close = difflib.get_close_matches(loc.key.rsplit(".", 1)[-1], known, n=1)
+    close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return FieldError(loc, f"unknown {noun} (known: {', '.join(sorted(known))}{hint})")
+    return FieldError(loc / key, f"unknown {noun} (known: {', '.join(sorted(known))}{hint})")
 
 
 def check_keys(cls: type, data: object, loc: Loc, *, noun: str = "option", extra: tuple[str, ...] = (),
@@ -231,7 +235,7 @@ def check_keys(cls: type, data: object, loc: Loc, *, noun: str = "option", extra
         if not isinstance(key, str):
             raise FieldError(loc, f"keys must be strings, got {show(key)}")
         if key not in known:
-            raise unknown_key(loc / key, known, noun)
+            raise unknown_key(loc, key, known, noun)
     return data
 
 

@@ -164,7 +164,7 @@ def check_order(steps: Sequence[str | tuple[str, Any]], start: str = "float") ->
     for item in steps:
         name, config = (item, None) if isinstance(item, str) else item
         step = get_step(name)
-        if config is not None and not dataclasses.is_dataclass(config):
+        if not dataclasses.is_dataclass(config):  # options, or None: the defaults (plain LoRA, not QLoRA)
             config = make_config(name, config)
         moves, why = step.transitions_for(config)
         if state not in moves:

@@ -262,7 +262,7 @@ def _parse_stage(raw: object, index: int, base: Path, targets: list[Any]) -> Sta
             try:
                 target.require_precision(precision)
             except BadInputError as e:
-                raise FieldError(loc / "build.precision", str(e)) from None
+                raise FieldError(loc / "build" / "precision", str(e)) from None
     parallel = values.get("parallel_with", ())
     return StageSpec(
         name=name, model=model, callable=fn, inputs=values.get("inputs", {}), steps=steps,
@@ -295,7 +295,7 @@ def parse_recipe(data: object, path: str | None = None) -> Recipe:
         try:
             targets.append(load_target(t))  # unknown target -> error listing the known ones
         except BadInputError as e:
-            raise FieldError(top / f"targets[{i}]", str(e)) from None
+            raise FieldError((top / "targets").at(i), str(e)) from None
         resolved.append(t)
     name = values.get("name") or re.sub(r"[^A-Za-z0-9_.-]", "-", Path(path).stem if path else "recipe").lstrip(".-_")
     if not RECIPE_NAME.fullmatch(name or ""):

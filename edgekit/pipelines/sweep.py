@@ -97,7 +97,7 @@ def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 def _stages(data: dict[str, Any]) -> list[dict[str, Any]]:
     stages = data.get("stages")
-    return [s for s in stages if isinstance(s, dict) and _step_list(s) is not None] if isinstance(stages, list) else []
+    return [s for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
 
 
 def valid_keys(data: dict[str, Any]) -> list[str]:
@@ -133,7 +133,9 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             if not targets:
                 raise bad_choice("grid key", key, valid_keys(data))
             for s in targets:
-                s["steps"] = _with_bits(_step_list(s) or [], value, key)
+                steps = _step_list(s)
+                if steps is not None:  # malformed steps stay as written, for the validation to name
+                    s["steps"] = _with_bits(steps, value, key)
             continue
         if len(parts) == 2:
             step_name, fld = parts
