@@ -271,10 +271,9 @@ def from_mapping(cls: type[T], data: object, loc: Loc, *, noun: str = "option", 
     """Build ``cls`` from a mapping read from a file: known keys, checked types, then the
     dataclass's own range checks. Errors name ``loc`` and the bad key. ``internal``: the
     mapping was built in code and may set fields marked internal."""
-    check_keys(cls, data, loc, noun=noun, internal=internal)
-    assert isinstance(data, Mapping)  # check_keys raised otherwise
-    values = check_entries(cls, data, loc)
-    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
+    mapping = check_keys(cls, data, loc, noun=noun, internal=internal)
+    values = check_entries(cls, mapping, loc)
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values  # type: ignore[arg-type]
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise FieldError(loc, f"missing required {noun}(s) {', '.join(missing)}")
@@ -292,7 +291,8 @@ def check_fields(obj: object) -> None:
     """Check every field of a dataclass instance against its annotation (types, finite
     numbers); configs call this first in ``__post_init__`` so nonsense types never reach
     their range checks. Raises ``FieldError`` naming the field."""
-    hints = type_hints(type(obj))
+    cls: type = type(obj)
+    hints = type_hints(cls)
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
         schema = f.metadata.get("schema")

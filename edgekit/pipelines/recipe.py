@@ -195,6 +195,7 @@ def parse_steps(loc: Loc, raw: object, start: str = "float") -> tuple[StepSpec, 
     steps: list[StepSpec] = []
     chain: list[tuple[str, Any]] = []
     for i, item in enumerate(raw):
+        options: Any  # checked by make_config
         if isinstance(item, str):
             name, options = item, {}
         elif isinstance(item, Mapping) and len(item) == 1:

@@ -84,7 +84,7 @@ def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]] | None:
     steps = stage.get("steps") or []
     if not isinstance(steps, list):
         return None
-    out = []
+    out: list[dict[str, Any]] = []
     for s in steps:
         if isinstance(s, str):
             out.append({s: {}})
