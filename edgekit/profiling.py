@@ -64,8 +64,9 @@ class ProfileConfig:
             raise BadInputError(f"node_iterations must be >= 1, got {self.node_iterations}")
         if self.top_k < 0:
             raise BadInputError(f"top_k must be >= 0 (0: every node), got {self.top_k}")
-        if self.threads is not None and self.threads < 1:
-            raise BadInputError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= 4096:
+            raise BadInputError(f"threads must be >= 1, got {self.threads}" if self.threads < 1 else
+                                f"threads must be at most 4096, got {self.threads}")
         if self.batch < 1:
             raise BadInputError(f"batch must be >= 1, got {self.batch}")
 

@@ -187,7 +187,7 @@ def _valid(stats: object) -> bool:
     return ordered and lo <= stats["mean"] <= hi
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(samples=st.lists(st.floats(0.01, 100.0), min_size=1, max_size=30),
        edits=st.lists(st.tuples(st.sampled_from([*STATS, "extra"]), st.sampled_from(["set", "delete"]), _JUNK),
                       max_size=2),

@@ -440,7 +440,7 @@ def _assert_parses_or_one_line(data: object, path: str | None = None) -> None:
     assert isinstance(recipe, Recipe) and validate_recipe(recipe) == recipe
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(data=st.dictionaries(_KEYS, _VALUES, max_size=6))
 def test_random_structures_parse_or_fail_in_one_line(data):
     _assert_parses_or_one_line(data)
@@ -457,7 +457,7 @@ def _paths(obj: object, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=160, deadline=None)
 @given(example=st.sampled_from(EXAMPLES), draw=st.data())
 def test_mutated_examples_parse_or_fail_in_one_line(example, draw):
     data = copy.deepcopy(read_recipe_data(example))
@@ -480,7 +480,7 @@ def test_mutated_examples_parse_or_fail_in_one_line(example, draw):
     _assert_parses_or_one_line(data, str(example))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(example=st.sampled_from(EXAMPLES), cut=st.floats(0, 1), flips=st.lists(
     st.tuples(st.floats(0, 1), st.sampled_from(list(":-[]{}&*!|>'\"#\n\t ") + ["\x00", "é", "9" * 5])), max_size=4))
 def test_cli_dry_run_on_damaged_recipe_text_exits_0_or_2(tmp_path_factory, example, cut, flips):

@@ -298,8 +298,11 @@ def parse_recipe(data: object, path: str | None = None) -> Recipe:
         except BadInputError as e:
             raise FieldError((top / "targets").at(i), str(e)) from None
         resolved.append(t)
-    name = values.get("name") or re.sub(r"[^A-Za-z0-9_.-]", "-", Path(path).stem if path else "recipe").lstrip(".-_")
-    if not RECIPE_NAME.fullmatch(name or ""):
+    if "name" in values:
+        name = values["name"]
+    else:  # the file's name, made a safe folder name
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(path).stem if path else "").lstrip(".-_")[:64] or "recipe"
+    if not RECIPE_NAME.fullmatch(name):
         raise FieldError(top / "name", f"{name!r} must be letters, digits, '_', '.' or '-' (at most 64), "
                                        "starting with a letter or digit: it names the run folder")
     try:

@@ -148,8 +148,8 @@ class BuildOptions:
             raise bad_choice("optimization level", self.optimization_level, OPTIMIZATION_LEVELS)
         if self.runtime is not None and self.runtime not in RUNTIMES:
             raise bad_choice("runtime", self.runtime, RUNTIMES)
-        if self.threads is not None and self.threads < 1:
-            raise FieldError("threads", f"must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= 4096:
+            raise FieldError("threads", f"must be 1 to 4096, got {self.threads}")
         if self.batch < 1:
             raise FieldError("batch", f"must be >= 1, got {self.batch}")
 
