@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError
+from edgekit.schema import FieldError, Loc, check_entries, check_keys, show
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
@@ -69,12 +70,30 @@ class Manifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise BadInputError(f"manifest has unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**data)
+    def from_dict(cls, data: object, where: str = MANIFEST) -> Manifest:
+        """A manifest from its JSON form, every field checked against its annotation (and
+        kind known, file paths inside the folder, steps well-formed, schema not newer than
+        this edgekit reads); errors are one line naming ``where``, the field and the value."""
+        loc = Loc(where)
+        values = check_entries(cls, check_keys(cls, data, loc, noun="field"), loc)
+        if "kind" not in values:
+            raise FieldError(loc, f"missing required field 'kind' (one of {', '.join(KINDS)})")
+        if values["kind"] not in KINDS:
+            raise FieldError(loc / "kind", f"unknown kind {values['kind']!r} (choose from {', '.join(KINDS)})")
+        for role, rel in values.get("files", {}).items():
+            parts = Path(rel).parts
+            if not rel or Path(rel).is_absolute() or ".." in parts or "\x00" in rel:
+                raise FieldError(loc / "files" / role, f"must be a relative path inside the folder, got {rel!r}")
+        for i, step in enumerate(values.get("steps", [])):
+            if not isinstance(step.get("name"), str) or not isinstance(step.get("config", {}), dict) \
+                    or not isinstance(step.get("meta", {}), dict) or set(step) - {"name", "config", "meta"}:
+                raise FieldError((loc / "steps").at(i), "must be {name: str, config: mapping, meta: mapping}, got "
+                                                      f"{show(step)}")
+        schema = values.get("schema", SCHEMA_VERSION)
+        if not 1 <= schema <= SCHEMA_VERSION:
+            raise FieldError(loc / "schema", f"{schema} is not a manifest schema this edgekit reads "
+                                             f"(1 to {SCHEMA_VERSION}; a newer edgekit wrote it?)")
+        return cls(**values)
 
     def path_of(self, folder: Path, role: str) -> Path:
         if role not in self.files:
@@ -232,7 +251,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     if not isinstance(data, dict) or data.get("kind") not in KINDS:
         raise BadInputError(f"{mf} has unknown kind {data.get('kind') if isinstance(data, dict) else None!r} "
                             f"(known: {', '.join(KINDS)})")
-    return Manifest.from_dict(data)
+    return Manifest.from_dict(data, str(mf))
 
 
 def input_record(path: str | os.PathLike[str]) -> dict[str, str]:

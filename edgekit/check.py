@@ -40,7 +40,8 @@ class BudgetVerdict:
 
 
 def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResult:
-    """A profile JSON file, a folder holding ``profile.json``, or an engine folder (profiled now)."""
+    """A profile JSON file, a folder holding ``profile.json``, or an engine folder (profiled now).
+    A file is validated as it is read (``ProfileResult.load``): a CI gate never passes on nonsense."""
     if isinstance(source, ProfileResult):
         return source
     p = Path(source)
@@ -63,14 +64,17 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     >>> v.passed
     True
     """
-    if not isinstance(budget_ms, (int, float)) or not math.isfinite(budget_ms) or budget_ms <= 0:
+    if isinstance(budget_ms, bool) or not isinstance(budget_ms, (int, float)) or not math.isfinite(budget_ms) \
+            or budget_ms <= 0:
         raise BadInputError(f"budget must be a positive number of milliseconds, got {budget_ms!r}")
-    if max_jitter is not None and (not math.isfinite(max_jitter) or max_jitter < 1.0):
+    if max_jitter is not None and (isinstance(max_jitter, bool) or not isinstance(max_jitter, (int, float))
+                                   or not math.isfinite(max_jitter) or max_jitter < 1.0):
         raise BadInputError(f"max jitter is a p99/p50 ratio and must be >= 1, got {max_jitter!r}")
     key = normalize_percentile(percentile)
-    result = load_profile(profile)
+    result = load_profile(profile)  # validated: finite, non-negative, ordered percentiles
     latency = result.latency_ms.get(key)
-    jitter = result.latency_ms.p99 / result.latency_ms.p50 if result.latency_ms.p50 > 0 else float("inf")
+    p50, p99 = result.latency_ms.p50, result.latency_ms.p99
+    jitter = p99 / p50 if p50 > 0 else (1.0 if p99 == 0 else float("inf"))
     jitter_ok = max_jitter is None or jitter <= max_jitter
     met = latency <= budget_ms
     return BudgetVerdict(passed=met and jitter_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),

@@ -10,7 +10,6 @@ PyTorch-native engine and TensorRT (parsed from trtexec's JSON).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -22,9 +21,16 @@ import numpy as np
 
 from edgekit.errors import BadInputError
 from edgekit.runtimes.base import NodeTiming
+from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
+ORDERED_STATS = ("min", "p50", "p90", "p95", "p99", "max")
+PROFILE_SOURCES = ("measured", "trtexec", "estimated")
+PROFILE_MAX_BYTES = 64 << 20
+MAX_WARMUP_MS = 600_000.0  # 10 minutes
+MAX_DURATION_S = 3600.0
+MAX_ITERATIONS = 10_000_000
 # trtexec warns above this coefficient of variation of GPU compute time.
 CV_WARNING = 0.025
 
@@ -42,14 +48,25 @@ class ProfileConfig:
     top_k: int = 15
 
     def __post_init__(self) -> None:
-        if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
-            raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
-        if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
-            raise BadInputError(f"duration must be >= 0 s, got {self.duration_s}")
+        check_fields(self)  # types from the annotations, before the range checks below
+        # Upper bounds: a profile that would time for days is a typo (or a hostile recipe).
+        if not (0 <= self.warmup_ms <= MAX_WARMUP_MS and math.isfinite(self.warmup_ms)):
+            raise BadInputError(f"warm-up must be 0 to {MAX_WARMUP_MS:g} ms, got {self.warmup_ms}")
+        if not (0 <= self.duration_s <= MAX_DURATION_S and math.isfinite(self.duration_s)):
+            raise BadInputError(f"duration must be 0 to {MAX_DURATION_S:g} s, got {self.duration_s}")
+        if not 1 <= self.max_iterations <= MAX_ITERATIONS:
+            raise BadInputError(f"max_iterations must be 1 to {MAX_ITERATIONS}, got {self.max_iterations}")
         if self.iterations < 1:
             raise BadInputError(f"iterations must be >= 1, got {self.iterations}")
-        if self.threads is not None and self.threads < 1:
-            raise BadInputError(f"threads must be >= 1, got {self.threads}")
+        if self.iterations > self.max_iterations:
+            raise BadInputError(f"iterations ({self.iterations}) exceeds max_iterations ({self.max_iterations})")
+        if self.node_iterations < 1:
+            raise BadInputError(f"node_iterations must be >= 1, got {self.node_iterations}")
+        if self.top_k < 0:
+            raise BadInputError(f"top_k must be >= 0 (0: every node), got {self.top_k}")
+        if self.threads is not None and not 1 <= self.threads <= 4096:
+            raise BadInputError(f"threads must be >= 1, got {self.threads}" if self.threads < 1 else
+                                f"threads must be at most 4096, got {self.threads}")
         if self.batch < 1:
             raise BadInputError(f"batch must be >= 1, got {self.batch}")
 
@@ -67,6 +84,20 @@ class LatencyStats:
     cv: float  # std / mean
     count: int
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in (*STAT_KEYS, "std", "cv", "count"):
+            value = getattr(self, name)
+            if value < 0:
+                raise FieldError(name, f"must be >= 0, got {value!r}")
+        for lo, hi in zip(ORDERED_STATS, ORDERED_STATS[1:]):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a > b + _slack(b):
+                raise FieldError("", f"{lo} {a!r} > {hi} {b!r}: latencies must be ordered "
+                                     f"{' <= '.join(ORDERED_STATS)}")
+        if not self.min - _slack(self.min) <= self.mean <= self.max + _slack(self.max):
+            raise FieldError("mean", f"{self.mean!r} lies outside [min, max] = [{self.min!r}, {self.max!r}]")
+
     @classmethod
     def from_samples(cls, samples_ms: list[float] | np.ndarray) -> LatencyStats:
         a = np.asarray(samples_ms, dtype=np.float64)
@@ -82,6 +113,11 @@ class LatencyStats:
     def get(self, percentile: str) -> float:
         key = normalize_percentile(percentile)
         return float(getattr(self, key))
+
+
+def _slack(x: float) -> float:
+    """Rounding room for order checks (statistics written with a few digits)."""
+    return 1e-9 * abs(x) + 1e-12
 
 
 def normalize_percentile(p: str) -> str:
@@ -119,16 +155,38 @@ class ProfileResult:
     source: str = "measured"  # "measured" | "trtexec" | "estimated"
     created: str = ""
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.source not in PROFILE_SOURCES:
+            raise FieldError("source", f"unknown source {self.source!r} (choose from {', '.join(PROFILE_SOURCES)})")
+        if self.latency_ms.count < 1 and self.source != "estimated":
+            raise FieldError("latency_ms.count", f"a {self.source} profile needs at least 1 timed run, got "
+                                                 f"{self.latency_ms.count}")
+        for name in ("throughput_per_s", "quantized_nodes", "total_nodes", "peak_memory_mb", "model_size_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise FieldError(name, f"must be >= 0, got {value!r}")
+        if self.float_share is not None and not 0 <= self.float_share <= 1 + _slack(1):
+            raise FieldError("float_share", f"must be a share in [0, 1], got {self.float_share!r}")
+        if self.quantized_nodes > self.total_nodes:
+            raise FieldError("quantized_nodes", f"{self.quantized_nodes} exceeds total_nodes {self.total_nodes}")
+        for i, n in enumerate(self.nodes):
+            if n.time_ms < 0:
+                raise FieldError(f"nodes[{i}].time_ms", f"must be >= 0, got {n.time_ms!r}")
+            if not 0 <= n.share <= 1 + _slack(1):
+                raise FieldError(f"nodes[{i}].share", f"must be a share in [0, 1], got {n.share!r}")
+            if n.calls < 1:
+                raise FieldError(f"nodes[{i}].calls", f"must be >= 1, got {n.calls!r}")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ProfileResult:
-        d = dict(d)
-        d["latency_ms"] = LatencyStats(**d["latency_ms"])
-        d["nodes"] = [NodeTiming(**n) for n in d.get("nodes", [])]
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: object, where: str = "profile") -> ProfileResult:
+        """A profile from its JSON form: every field's type checked (finite, non-negative
+        numbers; ordered percentiles), unknown fields refused; errors name ``where`` and the
+        field."""
+        return from_mapping(cls, d, Loc(where), noun="field")
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         from edgekit.artifact import atomic_write_json
@@ -137,14 +195,10 @@ class ProfileResult:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProfileResult:
+        """Read and validate a profile JSON (at most 64 MiB); any problem is one line naming
+        the file, the field and the value."""
         p = Path(path)
-        if not p.is_file():
-            raise BadInputError(f"profile file {str(p)!r} does not exist")
-        try:
-            data = json.loads(p.read_text())
-            return cls.from_dict(data)
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise BadInputError(f"{p} is not an edgekit profile JSON ({type(e).__name__}: {e})") from None
+        return cls.from_dict(read_json(p, "profile", PROFILE_MAX_BYTES), f"profile {str(p)!r}")
 
 
 def time_engine(engine: Any, feeds: dict[str, np.ndarray], config: ProfileConfig,

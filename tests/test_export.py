@@ -187,7 +187,7 @@ def test_missing_model_file(tmp_path):
     ({"opset": 7}, r"opset 7 is not supported \(choose 13 to 23\)"),
     ({"atol": -1.0}, r"parity atol must be >= 0, got -1.0"),
     ({"batch": 0}, r"export batch must be an integer >= 1, got 0"),
-    ({"tolerances": {"logits": (1e-3,)}}, r"tolerance for output 'logits' must be \(atol, rtol\)"),
+    ({"tolerances": {"logits": (1e-3,)}}, r"tolerances.logits: must be a list of 2 numbers, got \(0.001,\)"),
 ])
 def test_export_config_validation(kwargs, pattern):
     with pytest.raises(BadInputError, match=pattern):

@@ -44,16 +44,19 @@ def _cli(*args):
 # ----- validation (all before any work) -----
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(bogus=1), "recipe has unknown key(s) bogus (known: name, target"),
-    (lambda d: d["stages"][1].update(color="red"), "stage 2 has unknown key(s) color"),
-    (lambda d: d.update(budget_ms=0), "budget_ms must be a positive number of milliseconds, got 0"),
-    (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms must be a positive number"),
-    (lambda d: d["stages"][1].update(steps=[{"quantize": {}}]), "unknown step 'quantize' (known: prune, distill"),
-    (lambda d: d.update(target="nosuch-board"), "unknown target 'nosuch-board'"),
-    (lambda d: d.update(percentile="p42"), "unknown percentile 'p42'"),
-    (lambda d: d["stages"][0].update(parallel_with=["mlp"]), "declares parallel_with 'mlp', which comes later"),
-    (lambda d: d["stages"][1].update(parallel_with=["ghost"]), "parallel with unknown stage 'ghost'"),
-    (lambda d: d["stages"][1].update(callable="x:y"), "needs exactly one of 'model' or 'callable'"),
+    (lambda d: d.update(bogus=1), "recipe bogus: unknown key (known: budget_ms, description, max_jitter, name"),
+    (lambda d: d["stages"][1].update(color="red"), "stage 2 color: unknown key (known: budget_ms, build"),
+    (lambda d: d.update(budget_ms=0), "recipe budget_ms: must be a positive number of milliseconds, got 0"),
+    (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms: must be a positive number"),
+    (lambda d: d["stages"][1].update(steps=[{"quantize": {}}]),
+     "stage 'mlp' steps[0]: unknown step 'quantize' (choose from 'distill', 'int4', 'int8', 'lora', 'prune')"),
+    (lambda d: d.update(target="nosuch-board"), "recipe targets[0]: unknown target 'nosuch-board'"),
+    (lambda d: d.update(percentile="p42"), "recipe percentile: unknown percentile 'p42'"),
+    (lambda d: d["stages"][0].update(parallel_with=["mlp"]),
+     "stage 'pre' parallel_with: 'mlp' comes later; declare parallel_with: [pre] on 'mlp' instead"),
+    (lambda d: d["stages"][1].update(parallel_with=["ghost"]),
+     "stage 'mlp' parallel_with: unknown stage 'ghost' (stages: mlp, pre)"),
+    (lambda d: d["stages"][1].update(callable="x:y"), "stage 'mlp': needs exactly one of 'model'"),
 ])
 def test_recipe_validation_messages(mutate, message):
     data = _recipe()
@@ -76,7 +79,8 @@ def test_step_needing_float_after_packing_is_rejected():
     pytest.importorskip("edgekit.compress.prune")
     data = _recipe()
     data["stages"][1]["steps"] = [{"int4": {"method": "rtn", "group_size": 16}}, {"prune": {"ratio": 0.5}}]
-    with pytest.raises(BadInputError, match="step 'prune' needs floating-point weights but comes after 'int4'"):
+    with pytest.raises(BadInputError, match=r"stage 'mlp' steps: prune needs float weights, but after int4 the model "
+                                            r"is packed \(low-bit codes\); put prune before int4"):
         parse_recipe(data)
 
 
@@ -174,7 +178,8 @@ def test_cli_run_exit_codes_and_dry_run(tmp_path):
     broken.write_text(yaml.safe_dump(_recipe(budgett=3)))
     r = subprocess.run([sys.executable, "-m", "edgekit.cli", "run", str(broken)], capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip().startswith("error: recipe has unknown key(s) budgett")
+    assert r.stderr.strip().startswith(f"error: {broken}: recipe budgett: unknown key (known: budget_ms, ")
+    assert r.stderr.strip().endswith("did you mean 'budget_ms'?)")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

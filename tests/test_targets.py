@@ -68,7 +68,7 @@ def test_user_yaml_and_bad_keys(tmp_path):
     t = load_target(str(p))
     assert (t.name, t.dla_cores, t.path) == ("my-board", 1, str(p))
     p.write_text(yaml.safe_dump({**data, "peak_tflops": 1}))
-    with pytest.raises(BadInputError, match=r"unknown keys \['peak_tflops'\]"):
+    with pytest.raises(BadInputError, match=r"my-board.yaml' peak_tflops: unknown key \(known: .*did you mean 'peak_tops'\?\)"):
         load_target(str(p))
     with pytest.raises(BadInputError, match="does not exist"):
         load_target(str(tmp_path / "missing.yaml"))

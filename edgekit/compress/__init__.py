@@ -18,12 +18,13 @@ import dataclasses
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -58,6 +59,21 @@ class StepContext:
     metrics: dict[str, Any] = field(default_factory=dict)  # steps add what they measured
 
 
+# What a model's weights are between steps. Each step declares which of these it takes and
+# what it leaves (``Step.transitions``); ``check_order`` derives every verdict on a chain from
+# those declarations.
+WEIGHT_STATES = ("float", "fake-quant", "packed", "onnx")
+STATE_MEANING = {
+    "float": "float",
+    "fake-quant": "fake-quant (float weights on an int8 grid, with Q/DQ)",
+    "packed": "packed (low-bit codes)",
+    "onnx": "an ONNX graph (no PyTorch weights)",
+}
+
+# A config-dependent refinement of a step's transitions: (transitions, why), e.g. QLoRA.
+Narrowing = Callable[[Any], tuple[Mapping[str, str], str]]
+
+
 @dataclass(frozen=True)
 class Step:
     """One registered technique.
@@ -70,8 +86,12 @@ class Step:
         ``handle.steps`` afterwards). None when the step does not change structure.
     rewrite_onnx: optional post-export graph rewrite (e.g. packed int4 linears to
         MatMulNBits), called by ``export_onnx`` with (onnx.ModelProto, handle, record).
-    needs_float: the step needs floating-point weights (so cannot follow packing).
-    output: "float" | "fake-quant" | "packed" | "onnx": what the model is afterwards.
+    transitions: what the step consumes and produces, as {state before: state after}
+        over ``WEIGHT_STATES``; a state not listed is one the step cannot take.
+        E.g. int8: ``{"float": "fake-quant", "onnx": "onnx"}``.
+    narrow: optional ``config -> (transitions, why)`` for steps whose options decide what
+        they take (LoRA over float weights, QLoRA over packed ones); a subset of
+        ``transitions``.
     """
 
     name: str
@@ -80,27 +100,43 @@ class Step:
     description: str
     rebuild: Callable[[ModelHandle, Any, StepRecord], ModelHandle] | None = None
     rewrite_onnx: Callable[[Any, ModelHandle, StepRecord], Any] | None = None
-    needs_float: bool = True
-    output: str = "float"
+    transitions: Mapping[str, str] = field(default_factory=lambda: {"float": "float"})
+    narrow: Narrowing | None = None
+
+    def __post_init__(self) -> None:
+        bad = sorted({s for pair in self.transitions.items() for s in pair} - set(WEIGHT_STATES))
+        if bad or not self.transitions:
+            raise ValueError(f"step {self.name!r} declares unknown weight states {bad} (known: {WEIGHT_STATES})")
+
+    def transitions_for(self, config: Any = None) -> tuple[Mapping[str, str], str]:
+        """The transitions for this config (all declared ones when None), and why narrowed."""
+        if config is None or self.narrow is None:
+            return self.transitions, ""
+        moves, why = self.narrow(config)
+        return {k: v for k, v in moves.items() if self.transitions.get(k) == v}, why
 
 
 def get_step(name: str) -> Step:
     if name not in STEPS:
         raise bad_choice("compression step", name, STEPS)
     mod, attr = STEPS[name].split(":")
-    return getattr(importlib.import_module(mod), attr)
+    step = getattr(importlib.import_module(mod), attr)
+    if not isinstance(step, Step):
+        raise TypeError(f"{STEPS[name]} is not a Step")
+    return step
 
 
-def make_config(name: str, values: dict[str, Any] | None = None) -> Any:
-    """Build a step's config from a plain dict, rejecting unknown keys."""
+def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> Any:
+    """Build a step's config from a plain mapping: known options, checked types, then the
+    config's own range checks. ``where`` is the context for messages (``stage 'mlp'``).
+
+    >>> make_config("prune", {"ratio": 0.3}).ratio
+    0.3
+    """
     step = get_step(name)
-    values = dict(values or {})
-    known = {f.name for f in dataclasses.fields(step.config)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise BadInputError(f"step {name!r} has no option(s) {', '.join(unknown)} "
-                            f"(known: {', '.join(sorted(known))})")
-    return step.config(**values)
+    if where:  # in a recipe or manifest: the path of each key
+        return from_mapping(step.config, {} if values is None else values, Loc(where, name))
+    return from_mapping(step.config, {} if values is None else values, Loc(), noun=f"{name} option")
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -108,16 +144,83 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def check_order(names: list[str]) -> None:
-    """Reject chains that need float weights after a step that removed them."""
-    packed_at = None
-    for i, name in enumerate(names):
+def check_order(steps: Sequence[str | tuple[str, Any]], start: str = "float") -> str:
+    """Reject a chain in which some step gets weights it cannot take; return the state the
+    chain leaves the model in. ``steps``: names, or (name, config or options) pairs (options
+    may narrow what a step takes: QLoRA needs packed weights). ``start``: the state of the
+    loaded model (``initial_state``).
+
+    >>> check_order(["prune", "int8"])
+    'fake-quant'
+    >>> check_order(["int8", "prune"])
+    Traceback (most recent call last):
+    ...
+    edgekit.errors.BadInputError: prune needs float weights, but after int8 the model is fake-quant (float weights on an int8 grid, with Q/DQ); put prune before int8
+    """
+    if start not in WEIGHT_STATES:
+        raise bad_choice("weight state", start, WEIGHT_STATES)
+    state = start
+    history: list[tuple[str, str]] = []  # (step, state it received)
+    for item in steps:
+        name, config = (item, None) if isinstance(item, str) else item
         step = get_step(name)
-        if packed_at is not None and step.needs_float:
-            raise BadInputError(f"step {name!r} needs floating-point weights but comes after "
-                                f"{names[packed_at]!r}, which packs them; put {name!r} first")
-        if step.output in ("packed", "onnx"):
-            packed_at = i
+        if not dataclasses.is_dataclass(config):  # options, or None: the defaults (plain LoRA, not QLoRA)
+            config = make_config(name, config)
+        moves, why = step.transitions_for(config)
+        if state not in moves:
+            raise BadInputError(_order_problem(name, why, moves, state, history))
+        history.append((name, state))
+        state = moves[state]
+    return state
+
+
+def _order_problem(name: str, why: str, moves: Mapping[str, str], state: str,
+                   history: list[tuple[str, str]]) -> str:
+    what = f"{name} ({why})" if why else name
+    wants = {"float": "float weights", "fake-quant": "fake-quant weights", "packed": "packed weights",
+             "onnx": "an ONNX graph"}
+    needs = " or ".join(wants[s] for s in WEIGHT_STATES if s in moves)
+    changed = [s for s, before in history if get_step(s).transitions.get(before) != before]
+    now = (f"after {changed[-1]} the model is {STATE_MEANING[state]}" if changed
+           else f"the model is {STATE_MEANING[state]} as loaded")
+    earlier = [s for s, before in history if before in moves]
+    if earlier and earlier[-1] == name:
+        return f"{what} needs {needs}, but {now}; apply {name} once"
+    if earlier:
+        return f"{what} needs {needs}, but {now}; put {name} before {earlier[-1]}"
+    makers = [n for n in STEPS if get_step(n).transitions.get(state) in moves and n != name]
+    if makers:
+        return f"{what} needs {needs}, but {now}; put {' or '.join(makers)} before it"
+    return f"{what} needs {needs}, but {now}"
+
+
+def initial_state(model: str | os.PathLike[str] | ModelHandle) -> str:
+    """The weight state a model source loads in, without loading it: an ONNX file or
+    ONNX artifact is "onnx"; a compressed-model folder is where its recorded chain left
+    it; anything else (zoo name, checkpoint, Hugging Face folder, entry point) is "float"."""
+    from edgekit.artifact import MANIFEST, read_manifest
+
+    if isinstance(model, ModelHandle):
+        if model.module is None:
+            return "onnx"
+        return check_order([(s.name, s.config) for s in model.steps]) if model.steps else "float"
+    path = Path(os.fspath(model))
+    if path.is_dir() and (path / MANIFEST).is_file():
+        manifest = read_manifest(path)
+        if manifest.kind == "onnx" or (manifest.kind == "model" and "weights" not in manifest.files):
+            return "onnx"
+        if manifest.kind == "model":
+            where = f"{path}/{MANIFEST}"
+            chain = []
+            for i, rec in enumerate(manifest.steps):
+                if not isinstance(rec.get("name"), str) or not isinstance(rec.get("config", {}), dict):
+                    raise BadInputError(f"{where} steps[{i}]: must name a step and its config")
+                chain.append((rec["name"], make_config(rec["name"], rec.get("config") or {}, where)))
+            try:
+                return check_order(chain)
+            except BadInputError as e:
+                raise BadInputError(f"{where} records an impossible chain: {e}") from None
+    return "onnx" if str(path).endswith(".onnx") else "float"
 
 
 def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str, Any]],
@@ -132,7 +235,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     if not steps:
         raise BadInputError("no compression step given (use --bits, --prune, --distill or a recipe)")
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
-    check_order([n for n, _ in configs])
+    check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
     handle = load_model(model)
     if ctx.work_dir is None:

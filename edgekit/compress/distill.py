@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError
+from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 
@@ -59,6 +60,7 @@ class DistillConfig:
     schedule: str = "cosine"
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if not (self.temperature > 0 and np.isfinite(self.temperature)):
             raise BadInputError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.alpha <= 1:
@@ -443,7 +445,7 @@ def _make_step() -> Any:
 
     return Step("distill", DistillConfig, apply,
                 "knowledge distillation from the model before the chain (or a named teacher)",
-                rebuild=None, needs_float=True, output="float")
+                rebuild=None, transitions={"float": "float"})
 
 
 STEP = _make_step()

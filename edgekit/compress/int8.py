@@ -23,7 +23,7 @@ What it does, in order (``apply``):
    measured on calib-split samples held out of calibration, is within it
    (``sensitivity.py``); then evaluates against the float model on the eval split.
 
-The result is the fake-quant handle (``Step.output = "fake-quant"``); export turns it into
+The result is the fake-quant handle (``STEP.transitions``: float -> "fake-quant"); export turns it into
 a QDQ ONNX graph (``rewrite_onnx`` -> ``qdq.rewrite_qdq``). An ONNX-only model (no
 PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
 """
@@ -40,6 +40,7 @@ from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.calibration import METHODS
 from edgekit.compress.int8_onnx import PLACEMENTS  # the ONNX-graph path's Q/DQ placement
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 QAT_METHODS = ("ptq", "qat")
@@ -116,6 +117,7 @@ class Int8Config:
     placement: str = "auto"
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if self.method not in QAT_METHODS:
             raise bad_choice("quantization method", self.method, QAT_METHODS)
         if self.calib_method is not None and self.calib_method not in METHODS:
@@ -474,6 +476,5 @@ STEP = Step(
     description="INT8 PTQ/QAT: per-channel int8 weights, calibrated per-tensor activations, target-aware QDQ",
     rebuild=rebuild,
     rewrite_onnx=rewrite_onnx,
-    needs_float=True,
-    output="fake-quant",
+    transitions={"float": "fake-quant", "onnx": "onnx"},  # a PyTorch model gets Q/DQ wrappers; a graph, Q/DQ nodes
 )

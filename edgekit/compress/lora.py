@@ -46,6 +46,7 @@ import numpy as np
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.schema import check_fields
 from edgekit.sources.data import resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -94,6 +95,7 @@ class LoraConfig:
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if isinstance(self.targets, str):
             object.__setattr__(self, "targets", tuple(t for t in re.split(r"[,\s]+", self.targets) if t))
         else:
@@ -821,14 +823,24 @@ def rebuild(handle: ModelHandle, config: LoraConfig, record: StepRecord) -> Mode
     return handle
 
 
+def weight_transitions(config: LoraConfig) -> tuple[dict[str, str], str]:
+    """What LoRA takes with these options: plain LoRA and NF4 QLoRA a float model (merged
+    back to float), packed QLoRA edgekit's packed 4-bit model (adapters beside the codes)."""
+    if config.qlora and config.qlora_base == "packed":
+        return {"packed": "packed"}, "qlora over packed weights"
+    if config.qlora:
+        return {"float": "float"}, "qlora_base nf4 quantizes float weights itself"
+    return {"float": "float"}, "plain LoRA; qlora: true trains over packed weights"
+
+
 STEP = Step(
     name="lora",
     config=LoraConfig,
     apply=apply,
     rebuild=rebuild,
     description="LoRA / QLoRA fine-tuning (peft on float models; adapters over packed 4-bit or NF4 bases)",
-    needs_float=False,  # plain LoRA checks for float weights itself; QLoRA trains over packed ones
-    output="float",
+    transitions={"float": "float", "packed": "packed"},
+    narrow=weight_transitions,
 )
 
 __all__ = ["LoraConfig", "LoraQuantLinear", "STEP", "adapter_state", "apply", "candidate_modules",

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
@@ -79,6 +80,7 @@ class PruneConfig:
     calib_batches: int = 4
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if isinstance(self.ignore, (list, str)):
             object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 < self.ratio < 1:
@@ -595,7 +597,7 @@ def _make_step() -> Any:
 
     return Step("prune", PruneConfig, apply,
                 "structured channel/head pruning with Torch-Pruning's dependency graph",
-                rebuild=rebuild, needs_float=True, output="float")
+                rebuild=rebuild, transitions={"float": "float"})
 
 
 STEP = _make_step()

@@ -31,6 +31,7 @@ from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.rtn import rtn_quantize
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
@@ -101,6 +102,7 @@ class WeightOnlyConfig:
     eval_windows: int = 8
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if self.method not in METHODS:
             raise bad_choice("weight-only method", self.method, METHODS)
         if self.bits not in SUPPORTED_BITS:
@@ -686,8 +688,7 @@ STEP = Step(
     description="weight-only low-bit quantization (GPTQ, AWQ or RTN) with real int4 packing",
     rebuild=rebuild,
     rewrite_onnx=rewrite_onnx,
-    needs_float=True,
-    output="packed",
+    transitions={"float": "packed"},
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class ExportConfig:
     skip_parity: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
         if not isinstance(self.opset, int) or not MIN_OPSET <= self.opset <= MAX_OPSET:
             raise BadInputError(f"opset {self.opset!r} is not supported (choose {MIN_OPSET} to {MAX_OPSET})")
         if not isinstance(self.batch, int) or self.batch < 1:

@@ -38,7 +38,7 @@ from edgekit.artifact import (
     staged_dir,
 )
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
-from edgekit.pipelines.recipe import Recipe, StageSpec
+from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
 from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult
 
 RESULTS = "results.json"
@@ -240,6 +240,7 @@ def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: st
     """
     from edgekit.targets import load_target
 
+    recipe = validate_recipe(recipe)  # the dry run's validation, whoever built the Recipe
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.artifact import atomic_write_json, atomic_write_text, sha256_json
+from edgekit.compress import get_step
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
 
 EXECUTORS = ("local", "process", "ray")
 
@@ -76,23 +78,35 @@ def combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]]:
+def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A stage's steps as [{name: {options}}], or None when they are not in that form (the
+    recipe's validation then names the problem; overrides leave such a stage alone)."""
     steps = stage.get("steps") or []
-    out = []
+    if not isinstance(steps, list):
+        return None
+    out: list[dict[str, Any]] = []
     for s in steps:
-        out.append({s: {}} if isinstance(s, str) else {k: dict(v or {}) for k, v in s.items()})
+        if isinstance(s, str):
+            out.append({s: {}})
+        elif isinstance(s, dict) and len(s) == 1 and isinstance(next(iter(s.values())), (dict, type(None))):
+            out.append({k: dict(v or {}) for k, v in s.items()})
+        else:
+            return None
     return out
 
 
-def valid_keys(data: dict[str, Any]) -> list[str]:
-    from edgekit.compress import get_step
+def _stages(data: dict[str, Any]) -> list[dict[str, Any]]:
+    stages = data.get("stages")
+    return [s for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
 
+
+def valid_keys(data: dict[str, Any]) -> list[str]:
     keys: set[str] = {"bits"}
-    for stage in data.get("stages") or []:
+    for stage in _stages(data):
         if stage.get("callable"):
             continue
         keys.add(f"{stage.get('name')}.bits")
-        for s in _step_list(stage):
+        for s in _step_list(stage) or []:
             name = next(iter(s))
             try:
                 fields = [f.name for f in dataclasses.fields(get_step(name).config)]
@@ -105,9 +119,13 @@ def valid_keys(data: dict[str, Any]) -> list[str]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the raw recipe with the overrides applied (see module doc for keys)."""
+    """A copy of the raw recipe with the overrides applied (see module doc for keys). The
+    result is plain data again: ``parse_recipe`` validates it like any recipe, so an
+    override value goes through the same schema as a value written in the file."""
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise BadInputError(f"overrides must map 'step.field' keys to values, got {overrides!r}")
     data = copy.deepcopy(data)
-    stages = [s for s in data.get("stages") or [] if isinstance(s, dict)]
+    stages = _stages(data)
     for key, value in overrides.items():
         parts = key.split(".")
         if parts[-1] == "bits" and len(parts) <= 2:
@@ -115,20 +133,23 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             if not targets:
                 raise bad_choice("grid key", key, valid_keys(data))
             for s in targets:
-                s["steps"] = _with_bits(_step_list(s), value, key)
+                steps = _step_list(s)
+                if steps is not None:  # malformed steps stay as written, for the validation to name
+                    s["steps"] = _with_bits(steps, value, key)
             continue
         if len(parts) == 2:
             step_name, fld = parts
-            chosen = [s for s in stages if any(step_name in st for st in _step_list(s))]
+            chosen = [s for s in stages if any(step_name in st for st in _step_list(s) or [])]
         elif len(parts) == 3:
             stage_name, step_name, fld = parts
-            chosen = [s for s in stages if s.get("name") == stage_name and any(step_name in st for st in _step_list(s))]
+            chosen = [s for s in stages if s.get("name") == stage_name
+                      and any(step_name in st for st in _step_list(s) or [])]
         else:
             chosen = []
         if not chosen or key not in valid_keys(data):
             raise bad_choice("grid key (no step has it)", key, valid_keys(data))
         for s in chosen:
-            steps = _step_list(s)
+            steps = _step_list(s) or []
             new_steps = []
             for st in steps:
                 name = next(iter(st))
@@ -201,7 +222,6 @@ def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[d
     """One configuration (a top-level function so process pools and Ray can ship it)."""
     import time
 
-    from edgekit.pipelines.recipe import parse_recipe
     from edgekit.pipelines.run import run_recipe
 
     data, run_dir, cache_dir, path, force = args
@@ -218,21 +238,18 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
 
     >>> rows = run_sweep("examples/fmnist-sweep.yaml", ["bits=32,8", "prune.ratio=0,0.5"], "runs/sweep")  # doctest: +SKIP
     """
-    import yaml
-
-    from edgekit.pipelines.recipe import parse_recipe
     from edgekit.pipelines.run import RunResult, StageResult
 
     if executor not in EXECUTORS:
         raise bad_choice("executor", executor, EXECUTORS)
-    if jobs < 1:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise BadInputError(f"--jobs must be >= 1, got {jobs}")
     path = Path(recipe_path)
-    if not path.is_file():
-        raise BadInputError(f"recipe file {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text())
-    if not isinstance(raw, dict):
-        raise BadInputError(f"recipe {path} must be a mapping at the top level")
+    raw = read_recipe_data(path)  # the recipe reader: bounded, no YAML aliases
+    try:
+        base = parse_recipe(raw, str(path))
+    except BadInputError as e:
+        raise BadInputError(f"{path}: {e}") from None
     grid_map = parse_grid(grid) if isinstance(grid, list) else grid
     combos = combos if combos is not None else combinations(grid_map)
     if not combos:
@@ -240,13 +257,17 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
     out = Path(out_dir)
     cache = out / "cache"
     tasks = []
-    # Validate every configuration before any work starts.
+    # Validate every configuration, overrides through the recipe's own schema, before any work starts.
     for params in combos:
         data = apply_overrides(raw, params)
-        parse_recipe(data, str(path))
+        try:
+            parse_recipe(data, str(path))
+        except BadInputError as e:
+            given = ", ".join(f"{k}={v}" for k, v in params.items())
+            raise BadInputError(f"{path} with {given}: {e}") from None
         run_dir = out / "runs" / sha256_json(params)[:12]
         tasks.append((data, str(run_dir), str(cache), str(path), force))
-    results = _execute(tasks, jobs, executor, address, _resources(raw))
+    results = _execute(tasks, jobs, executor, address, _resources(base))
     rows = []
     for params, (_data, result_dict, seconds) in zip(combos, results):
         result_dict["stages"] = [StageResult(**s) for s in result_dict["stages"]]
@@ -258,10 +279,8 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
     return rows
 
 
-def _resources(raw: dict[str, Any]) -> dict[str, float]:
-    targets = raw.get("targets", raw.get("target", "cpu"))
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    return {ray_resource(Path(str(t)).stem): 1.0 for t in targets}
+def _resources(recipe: Recipe) -> dict[str, float]:
+    return {ray_resource(Path(t).stem): 1.0 for t in recipe.targets}
 
 
 def ray_resource(target: str) -> str:

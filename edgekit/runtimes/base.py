@@ -15,7 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes import RUNTIMES
+from edgekit.schema import FieldError, check_fields
 from edgekit.sources.handle import InputSpec
 
 
@@ -35,16 +37,121 @@ class NodeTiming:
         return dict(self.__dict__)
 
 
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")  # ONNX Runtime graph optimization
+CUDNN_ALGO_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+
+@dataclass(frozen=True)
+class BuildExtras:
+    """Every runtime-specific build setting (``BuildOptions.extra``), declared once: a key
+    not declared here is an error, so a typo never builds with a silent default. None
+    means "not given" (the runtime's default applies).
+
+    ONNX Runtime's CUDA / TensorRT providers: device_id, cudnn_conv_algo_search,
+    gpu_mem_limit_mb, cuda_graph, trt_shapes ({input: {min, opt, max: dims}}).
+    TensorRT: workspace_mb, builder_optimization_level (0-5), dla_core, gpu_fallback,
+    strongly_typed, min_shapes / opt_shapes / max_shapes (``name:1x3x224x224`` or
+    {name: dims}), dims ({axis name: size}), max_batch, trtexec (its path), trt_path
+    ("api" | "trtexec" | "bundle"), remote (user@host), engine_cache_dir, and trtexec's
+    timing: warmup_ms, duration_s, iterations.
+    SSH, for remote builds: ssh_port, ssh_identity, ssh_options ("Key=Value"),
+    connect_timeout, remote_timeout, build_timeout, remote_edgekit.
+    PyTorch AOTInductor: device, freezing.
+    Set in code only: export (ExportConfig options when ``build_engine`` exports first) and
+    feeds (sample inputs, for shapes).
+    """
+
+    device_id: int | None = None
+    cudnn_conv_algo_search: str | None = None
+    gpu_mem_limit_mb: int | None = None
+    cuda_graph: bool | None = None
+    trt_shapes: dict[str, dict[str, list[int]]] | None = None
+    workspace_mb: int | None = None
+    builder_optimization_level: int | None = None
+    dla_core: int | None = None
+    gpu_fallback: bool | None = None
+    strongly_typed: bool | None = None
+    min_shapes: str | dict[str, list[int]] | None = None
+    opt_shapes: str | dict[str, list[int]] | None = None
+    max_shapes: str | dict[str, list[int]] | None = None
+    dims: dict[str, int] | None = None
+    max_batch: int | None = None
+    trtexec: str | None = None
+    trt_path: str | None = None
+    remote: str | None = None
+    engine_cache_dir: str | None = None
+    warmup_ms: float | None = None
+    duration_s: float | None = None
+    iterations: int | None = None
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_options: list[str] | None = None
+    connect_timeout: int | None = None
+    remote_timeout: float | None = None
+    build_timeout: float | None = None
+    remote_edgekit: str | None = None
+    device: str | None = None
+    freezing: bool | None = None
+    export: dict[str, Any] | None = field(default=None, metadata={"internal": True})
+    feeds: dict[str, Any] | None = field(default=None, metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        at_least = {"device_id": 0, "gpu_mem_limit_mb": 1, "workspace_mb": 1, "builder_optimization_level": 0,
+                    "dla_core": 0, "max_batch": 1, "iterations": 1, "ssh_port": 1, "connect_timeout": 1,
+                    "warmup_ms": 0, "duration_s": 0, "remote_timeout": 0, "build_timeout": 0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise FieldError(name, f"must be >= {low}, got {value!r}")
+        for name in ("remote_timeout", "build_timeout"):
+            if getattr(self, name) == 0:
+                raise FieldError(name, "must be > 0 seconds")
+        if self.builder_optimization_level is not None and self.builder_optimization_level > 5:
+            raise FieldError("builder_optimization_level", f"must be 0 to 5, got {self.builder_optimization_level}")
+        if self.ssh_port is not None and self.ssh_port > 65535:
+            raise FieldError("ssh_port", f"must be a TCP port (1 to 65535), got {self.ssh_port}")
+        if self.cudnn_conv_algo_search is not None and self.cudnn_conv_algo_search not in CUDNN_ALGO_SEARCH:
+            raise FieldError("cudnn_conv_algo_search", f"unknown search {self.cudnn_conv_algo_search!r} "
+                                                       f"(choose from {', '.join(CUDNN_ALGO_SEARCH)})")
+        for name in ("min_shapes", "opt_shapes", "max_shapes", "trt_shapes", "dims"):
+            _check_dims(name, getattr(self, name))
+
+
+def _check_dims(name: str, value: Any) -> None:
+    """Every dimension in a shape declaration is a positive size."""
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _check_dims(f"{name}.{key}", sub)
+    elif isinstance(value, list):
+        if any(d < 1 for d in value):
+            raise FieldError(name, f"dimensions must be >= 1, got {value}")
+    elif isinstance(value, int) and value < 1:
+        raise FieldError(name, f"must be >= 1, got {value}")
+
+
 @dataclass
 class BuildOptions:
-    """Settings common to engine builds; runtimes read the ones they understand."""
+    """Settings common to engine builds; runtimes read the ones they understand.
+    ``extra``: runtime-specific settings, each declared in ``BuildExtras``."""
 
     precision: str = "fp32"
     threads: int | None = None  # intra-op threads; None = all cores
     optimization_level: str = "all"  # onnxruntime: disable|basic|extended|all
     runtime: str | None = None  # None: the target's first available runtime
     batch: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"schema": BuildExtras})
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types, and every extra declared in BuildExtras
+        if self.optimization_level not in OPTIMIZATION_LEVELS:
+            raise bad_choice("optimization level", self.optimization_level, OPTIMIZATION_LEVELS)
+        if self.runtime is not None and self.runtime not in RUNTIMES:
+            raise bad_choice("runtime", self.runtime, RUNTIMES)
+        if self.threads is not None and not 1 <= self.threads <= 4096:
+            raise FieldError("threads", f"must be 1 to 4096, got {self.threads}")
+        if self.batch < 1:
+            raise FieldError("batch", f"must be >= 1, got {self.batch}")
 
 
 @runtime_checkable

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes import RUNTIMES
+from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
 
 TARGETS_DIR = Path(__file__).parent
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
+KINDS = ("cpu", "gpu", "jetson")
+TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,54 @@ class Target:
     tdp_w: float | None = None
     # field (or "field.key") -> where its number comes from: "facts: ...", "recalled: ...", "derived: ...".
     provenance: dict[str, str] = field(default_factory=dict)
-    path: str | None = None  # the YAML file it was read from
+    path: str | None = field(default=None, metadata={"internal": True})  # the YAML file it was read from
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations; lists in YAML become tuples
+        for name in ("runtimes", "precisions", "power_modes", "execution_providers", "isa", "sources",
+                     "dla_precisions"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if not TARGET_NAME.fullmatch(self.name):
+            raise FieldError("name", f"{self.name!r} must be letters, digits, '_', '.' or '-', starting with a "
+                                     "letter or digit")
+        if self.kind not in KINDS:
+            raise FieldError("kind", f"unknown kind {self.kind!r} (choose from {', '.join(KINDS)})")
+        if not self.runtimes:
+            raise FieldError("runtimes", f"names no runtime (choose from {', '.join(RUNTIMES)})")
+        for i, rt in enumerate(self.runtimes):
+            if rt not in RUNTIMES:
+                raise FieldError(f"runtimes[{i}]", f"unknown runtime {rt!r} (choose from {', '.join(RUNTIMES)})")
+        if not self.precisions:
+            raise FieldError("precisions", f"names no precision (choose from {', '.join(PRECISIONS)})")
+        for name in ("precisions", "dla_precisions"):
+            for i, p in enumerate(getattr(self, name)):
+                if p not in PRECISIONS:
+                    raise FieldError(f"{name}[{i}]", f"unknown precision {p!r} (choose from {', '.join(PRECISIONS)})")
+        for name in ("peak_tops", "dla_peak_tops"):
+            for p, v in getattr(self, name).items():
+                if p not in PRECISIONS:
+                    raise FieldError(f"{name}.{p}", f"unknown precision (choose from {', '.join(PRECISIONS)})")
+                if v <= 0:
+                    raise FieldError(f"{name}.{p}", f"must be > 0 TOPS, got {v}")
+        for op, v in self.efficiency.items():
+            if v <= 0:
+                raise FieldError(f"efficiency.{op}", f"must be a fraction of peak > 0, got {v}")
+        for name in ("dla_cores", "memory_bandwidth_gbs", "memory_gb", "kernel_overhead_us", "tensor_cores"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise FieldError(name, f"must be >= 0, got {v}")
+        for name in ("cores", "sm_count", "cuda_cores", "tdp_w"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise FieldError(name, f"must be > 0, got {v}")
+        if self.sm is not None and not re.fullmatch(r"sm_\d{2,3}", self.sm):
+            raise FieldError("sm", f"must look like 'sm_87', got {self.sm!r}")
+        if self.tensorrt_versions:
+            try:
+                version_in_range("0", self.tensorrt_versions)
+            except BadInputError as e:
+                raise FieldError("tensorrt_versions", str(e)) from None
 
     def supports(self, precision: str) -> bool:
         return precision in self.precisions
@@ -113,25 +165,11 @@ def version_in_range(version: str, spec: str | None) -> bool:
     return True
 
 
-_TUPLE_FIELDS = {f.name for f in dataclasses.fields(Target) if "tuple" in str(f.type)}
-
-
-def target_from_dict(data: dict[str, Any], path: str | None = None) -> Target:
-    known = {f.name for f in dataclasses.fields(Target)} - {"path"}
-    if not isinstance(data, dict):
-        raise BadInputError(f"target file {path} must hold a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise BadInputError(f"target {data.get('name', path)!r} has unknown keys {unknown} "
-                            f"(known: {', '.join(sorted(known))})")
-    missing = [k for k in ("name", "description", "kind", "runtimes", "precisions") if k not in data]
-    if missing:
-        raise BadInputError(f"target {path or data.get('name')!r} lacks required keys {missing}")
-    values = {k: tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v for k, v in data.items()}
-    bad = [p for p in values["precisions"] if p not in PRECISIONS]
-    if bad:
-        raise BadInputError(f"target {data['name']!r} lists unknown precisions {bad} (known: {', '.join(PRECISIONS)})")
-    return Target(**values, path=path)
+def target_from_dict(data: object, path: str | None = None) -> Target:
+    """A target from plain data (a YAML file's): known keys, types, ranges; errors are one
+    line naming the file, the key and the value."""
+    target = from_mapping(Target, data, Loc(f"target file {path!r}" if path else "target"), noun="key")
+    return dataclasses.replace(target, path=path) if path else target
 
 
 def target_files() -> dict[str, Path]:
@@ -148,8 +186,6 @@ def load_target(name_or_path: str | os.PathLike[str] | Target) -> Target:
     >>> load_target("cpu").kind
     'cpu'
     """
-    import yaml
-
     if isinstance(name_or_path, Target):
         return name_or_path
     text = str(name_or_path)
@@ -162,10 +198,7 @@ def load_target(name_or_path: str | os.PathLike[str] | Target) -> Target:
             raise BadInputError(f"target file {text!r} does not exist")
     else:
         raise bad_choice("target", text, files)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise BadInputError(f"target file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = read_yaml(path, "target file")  # bounded, no YAML aliases or tags
     target = target_from_dict(data, str(path))
     if target.kind == "cpu" and target.name == "cpu":
         target = _detect_host(target)
