@@ -22,7 +22,9 @@ import pytest
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.runtimes import tensorrt as trtrt
 from edgekit.runtimes.base import BuildOptions
-from edgekit.runtimes.tensorrt import DeviceInfo, TrtSettings, trtexec_argv
+from edgekit.runtimes.tensorrt import device as trtdev
+from edgekit.runtimes.tensorrt.device import DeviceInfo, parse_probe
+from edgekit.runtimes.tensorrt.settings import TrtSettings, settings_for, trtexec_argv
 from edgekit.targets import load_target
 
 FIX = Path(__file__).parent / "fixtures" / "trtexec"
@@ -64,27 +66,27 @@ def test_unsupported_precision_lists_target_precisions(tmp_path):
     onnx_path = _onnx(tmp_path / "m.onnx")
     with pytest.raises(BadInputError, match=r"target 'jetson-agx-orin-64' does not support precision 'fp8' "
                                             r"\(choose from fp32, tf32, fp16, bf16, int8\)"):
-        trtrt.settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions(precision="fp8"))
+        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions(precision="fp8"))
     with pytest.raises(BadInputError, match="unknown TensorRT precision 'int4'"):
-        trtrt.settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="int4"))
+        settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="int4"))
     with pytest.raises(BadInputError, match="has no NVIDIA GPU"):
-        trtrt.settings_for(onnx_path, load_target("cpu"), BuildOptions(precision="fp16"))
-    assert trtrt.settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="fp8")).precision == "fp8"
+        settings_for(onnx_path, load_target("cpu"), BuildOptions(precision="fp16"))
+    assert settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="fp8")).precision == "fp8"
 
 
 def test_dla_checks(tmp_path):
     onnx_path = _onnx(tmp_path / "m.onnx")
     with pytest.raises(BadInputError, match="has no DLA"):
-        trtrt.settings_for(onnx_path, load_target("jetson-orin-nano-8"), BuildOptions("fp16", extra={"dla_core": 0}))
+        settings_for(onnx_path, load_target("jetson-orin-nano-8"), BuildOptions("fp16", extra={"dla_core": 0}))
     with pytest.raises(BadInputError, match=r"DLA core 2 does not exist on 'jetson-agx-orin-64' \(choose from 0, 1\)"):
-        trtrt.settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp16", extra={"dla_core": 2}))
+        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp16", extra={"dla_core": 2}))
     with pytest.raises(BadInputError, match="the DLA runs fp16 or int8 only"):
-        trtrt.settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp32", extra={"dla_core": 0}))
+        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp32", extra={"dla_core": 0}))
 
 
 def test_exact_trtexec_command_line_fp16_dla(tmp_path):
     onnx_path = _onnx(tmp_path / "m.onnx")
-    s = trtrt.settings_for(onnx_path, load_target("jetson-agx-orin-64"),
+    s = settings_for(onnx_path, load_target("jetson-agx-orin-64"),
                            BuildOptions("fp16", batch=2, extra={"dla_core": 1, "workspace_mb": 2048, "max_batch": 8}))
     assert trtexec_argv(s, onnx="onnx/model.onnx") == [
         "trtexec", "--onnx=onnx/model.onnx", "--saveEngine=model.plan", "--fp16",
@@ -98,12 +100,12 @@ def test_exact_trtexec_command_line_fp16_dla(tmp_path):
 
 def test_qdq_graph_is_strongly_typed_for_int8(tmp_path):
     onnx_path = _onnx(tmp_path / "q.onnx", qdq=True)
-    s = trtrt.settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("int8"))
+    s = settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("int8"))
     assert s.has_qdq and s.strongly_typed and s.precision_flags() == []
     argv = trtexec_argv(s)
     assert "--stronglyTyped" in argv and not {"--int8", "--fp16"} & set(argv)
     # fp16 on a Q/DQ graph: weakly typed, with INT8 enabled so the Q/DQ layers can run
-    s16 = trtrt.settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("fp16"))
+    s16 = settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("fp16"))
     assert not s16.strongly_typed and trtexec_argv(s16)[3:5] == ["--fp16", "--int8"]
     assert "--best" in trtexec_argv(TrtSettings("best")) and "--noTF32" in trtexec_argv(TrtSettings("fp32"))
 
@@ -112,31 +114,31 @@ def test_dynamic_axes_need_sizes(tmp_path):
     onnx_path = _onnx(tmp_path / "s.onnx", seq=True)
     target = load_target("l4")
     with pytest.raises(BadInputError, match=r"input 'input' axis 1 \('sequence'\) is dynamic and has no size"):
-        trtrt.settings_for(onnx_path, target, BuildOptions("fp16"))
-    s = trtrt.settings_for(onnx_path, target, BuildOptions("fp16", extra={"dims": {"sequence": 128}}))
+        settings_for(onnx_path, target, BuildOptions("fp16"))
+    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={"dims": {"sequence": 128}}))
     assert s.shapes == {"input": {"min": [1, 128, 4], "opt": [1, 128, 4], "max": [1, 128, 4]}}
     feeds = {"input": np.zeros((1, 64, 4), np.float32)}
-    s = trtrt.settings_for(onnx_path, target, BuildOptions("fp16", extra={"feeds": feeds, "max_batch": 4}))
+    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={"feeds": feeds, "max_batch": 4}))
     assert s.shapes["input"]["opt"] == [1, 64, 4] and s.shapes["input"]["max"] == [4, 64, 4]
-    s = trtrt.settings_for(onnx_path, target, BuildOptions("fp16", extra={
+    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={
         "min_shapes": "input:1x1x4", "opt_shapes": "input:1x32x4", "max_shapes": {"input": [2, 256, 4]}}))
     assert s.shapes["input"] == {"min": [1, 1, 4], "opt": [1, 32, 4], "max": [2, 256, 4]}
 
 
 def test_probe_parsing():
-    info = trtrt.parse_probe("gpu=NVIDIA H100 80GB HBM3\ncompute_cap=9.0\nboard=\ntrtexec=/usr/bin/trtexec\n"
+    info = parse_probe("gpu=NVIDIA H100 80GB HBM3\ncompute_cap=9.0\nboard=\ntrtexec=/usr/bin/trtexec\n"
                              "trtexec_banner=TensorRT v100300\npy_tensorrt=\n")
     assert (info.gpu, info.sm, info.tensorrt_version, info.trtexec) == ("NVIDIA H100 80GB HBM3", "sm_90", "10.3.0",
                                                                        "/usr/bin/trtexec")
-    orin = trtrt.parse_probe("gpu=\ncompute_cap=\nboard=NVIDIA Jetson AGX Orin Developer Kit\ntrtexec_banner=TensorRT v8602\n")
+    orin = parse_probe("gpu=\ncompute_cap=\nboard=NVIDIA Jetson AGX Orin Developer Kit\ntrtexec_banner=TensorRT v8602\n")
     assert (orin.sm, orin.tensorrt_version) == ("sm_87", "8.6.2")
-    assert trtrt.parse_probe("").sm is None
+    assert parse_probe("").sm is None
 
 
 # --- engine cache ----------------------------------------------------------------------------
 
 def test_engine_cache_keys(tmp_path):
-    from edgekit.engine_cache import EngineCache, EngineKey, check_compatible
+    from edgekit.runtimes.tensorrt.engine_cache import EngineCache, EngineKey, check_compatible
 
     base = EngineKey("10.3.0", "NVIDIA H100 80GB HBM3", "sm_90", "fp16", {"x": {"min": [1], "opt": [1], "max": [1]}},
                      {"strongly_typed": False}, "abc")
@@ -168,8 +170,8 @@ def test_bundle_contents_and_profile_after_device_run(tmp_path, cache_env, monke
     from edgekit.build import build_engine
     from edgekit.profiling import ProfileConfig, profile_engine
 
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo())
-    monkeypatch.setattr(trtrt, "_import_tensorrt", lambda: None)
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
     onnx_path = _onnx(tmp_path / "m.onnx")
     out = build_engine(onnx_path, "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("int8", extra={"dla_core": 0}))
     m = read_manifest(out)
@@ -199,7 +201,7 @@ def test_bundle_contents_and_profile_after_device_run(tmp_path, cache_env, monke
 
 
 def test_bundle_script_refuses_other_gpu(tmp_path, cache_env, monkeypatch):
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     onnx_path = _onnx(tmp_path / "m.onnx")
     out = tmp_path / "b"
     out.mkdir()
@@ -259,8 +261,8 @@ def test_trtexec_path_builds_caches_and_reuses(tmp_path, cache_env, monkeypatch)
     from edgekit.profiling import profile_engine
 
     fake = _fake_trtexec(tmp_path)
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
-    monkeypatch.setattr(trtrt, "_import_tensorrt", lambda: None)
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
     onnx_path = _onnx(tmp_path / "m.onnx")
     opts = BuildOptions("fp16", extra={"trtexec": str(fake)})
     out = build_engine(onnx_path, "h100-sxm", tmp_path / "e1", opts)
@@ -289,8 +291,8 @@ def test_trtexec_path_builds_caches_and_reuses(tmp_path, cache_env, monkeypatch)
 
 def test_trtexec_names_unsupported_op(tmp_path, cache_env, monkeypatch):
     fake = _fake_trtexec(tmp_path)
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
-    monkeypatch.setattr(trtrt, "_import_tensorrt", lambda: None)
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
     onnx_path = _onnx(tmp_path / "bad.onnx", op="FancyCustomOp")
     out = tmp_path / "o"
     out.mkdir()
@@ -303,15 +305,15 @@ def test_other_gpu_builds_bundle_and_engine_for_other_gpu_is_refused(tmp_path, c
     from edgekit.build import build_engine, load_engine
 
     fake = _fake_trtexec(tmp_path)
-    monkeypatch.setattr(trtrt, "_import_tensorrt", lambda: None)
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
     # an H100 here, an Orin target: no local engine (it would not run there) -> bundle
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
     onnx_path = _onnx(tmp_path / "m.onnx")
     b = build_engine(onnx_path, "jetson-agx-orin-64", tmp_path / "b", BuildOptions("fp16", extra={"trtexec": str(fake)}))
     assert read_manifest(b).kind == "bundle" and "needs sm_87" in read_manifest(b).config["path_reason"]
     # an engine built on an H100, loaded on an Orin: refused with a clear error
     e = build_engine(onnx_path, "h100-sxm", tmp_path / "e", BuildOptions("fp16", extra={"trtexec": str(fake)}))
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: ORIN)
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: ORIN)
     with pytest.raises(BadInputError, match=r"was built for GPU architecture sm_90 \(this machine: sm_87\)"):
         load_engine(e)
 
@@ -500,7 +502,7 @@ def test_python_api_path_with_fake_tensorrt(tmp_path, cache_env, monkeypatch):
 
     log: list = []
     monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt(log))
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: DeviceInfo(**{**ORIN.to_dict(), "tensorrt_version": "10.3.0.26"}))
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo(**{**ORIN.to_dict(), "tensorrt_version": "10.3.0.26"}))
     onnx_path = _onnx(tmp_path / "m.onnx")
     opts = BuildOptions("fp16", batch=1, extra={"dla_core": 0, "workspace_mb": 512, "max_batch": 4})
     out = build_engine(onnx_path, "jetson-agx-orin-64", tmp_path / "e", opts)
@@ -522,7 +524,7 @@ def test_python_api_path_with_fake_tensorrt(tmp_path, cache_env, monkeypatch):
 def test_python_api_strongly_typed_and_parser_error(tmp_path, cache_env, monkeypatch):
     log: list = []
     monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt(log))
-    monkeypatch.setattr(trtrt, "probe_local", lambda trtexec=None: H100)
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: H100)
     out = tmp_path / "o"
     out.mkdir()
     trtrt.RUNTIME.build(_onnx(tmp_path / "q.onnx", qdq=True), load_target("h100-sxm"), out, BuildOptions("int8"))
@@ -538,7 +540,7 @@ def test_python_api_strongly_typed_and_parser_error(tmp_path, cache_env, monkeyp
 def test_real_tensorrt_builds_and_profiles(tmp_path, tiny_onnx, monkeypatch):
     """Only where real TensorRT and a GPU exist (never on the machines this was written on)."""
     pytest.importorskip("tensorrt")
-    info = trtrt.probe_local()
+    info = trtdev.probe_local()
     if not info.sm:
         pytest.skip("no NVIDIA GPU")
     from edgekit.build import build_engine

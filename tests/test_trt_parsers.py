@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from edgekit.errors import BadInputError
-from edgekit.profiling import ProfileResult
-from edgekit.runtimes import trt_parsers as tp
+from edgekit.profiling import ProfileResult, profile_from_recorded
+from edgekit.runtimes.tensorrt import parsers as tp
 
 FIX = Path(__file__).parent / "fixtures" / "trtexec"
 
@@ -71,8 +71,9 @@ def test_read_profile_and_layers():
 
 
 def test_profile_from_trtexec_int8():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "int8_profile.json",
-                                layers=FIX / "int8_layers.json", engine="e", target="h100-sxm", model="tiny")
+    r = profile_from_recorded(tp.recorded_run_from_trtexec(
+        times=FIX / "int8_times.json", profile=FIX / "int8_profile.json", layers=FIX / "int8_layers.json", engine="e",
+        target="h100-sxm", model="tiny"))
     assert r.source == "trtexec" and r.runtime == "tensorrt"
     lat = np.array([x["latencyMs"] for x in json.loads((FIX / "int8_times.json").read_text())])
     assert r.latency_ms.count == 60
@@ -97,15 +98,15 @@ def test_profile_from_trtexec_int8():
 
 
 def test_profile_compute_metric():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", metric="compute")
+    r = profile_from_recorded(tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", metric="compute"))
     assert r.latency_ms.min == pytest.approx(0.412) and r.nodes == []
     with pytest.raises(BadInputError, match="unknown trtexec metric 'gpu'"):
-        tp.profile_from_trtexec(times=FIX / "int8_times.json", metric="gpu")
+        tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", metric="gpu")
 
 
 def test_dla_fallback_reported():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "dla_profile.json",
-                                layers=FIX / "dla_layers.json")
+    r = tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "dla_profile.json",
+                                     layers=FIX / "dla_layers.json")
     assert any("1 layers run on the GPU, not the DLA: softmax" in w for w in r.warnings)
 
 
@@ -116,10 +117,10 @@ def test_profile_from_folder(tmp_path):
     shutil.copy(FIX / "int8_times.json", tmp_path / "results" / tp.TIMES_JSON)
     shutil.copy(FIX / "int8_profile.json", tmp_path / "results" / tp.PROFILE_JSON)
     shutil.copy(FIX / "int8_layers.json", tmp_path / "results" / tp.LAYERS_JSON)
-    r = tp.profile_from_folder(tmp_path)
+    r = profile_from_recorded(tp.recorded_run_from_folder(tmp_path))
     assert r.quantized_nodes == 3 and r.latency_ms.count == 60
     with pytest.raises(BadInputError, match="has no trtexec results"):
-        tp.profile_from_folder(tmp_path / "results" / "nothing")
+        tp.recorded_run_from_folder(tmp_path / "results" / "nothing")
 
 
 def test_bad_files(tmp_path):

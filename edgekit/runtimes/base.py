@@ -5,6 +5,9 @@ A *runtime* builds an engine folder for a target from a model and loads it back 
 runtime can) times each node. ``onnxruntime``, ``torch`` (AOTInductor) and
 ``tensorrt`` live in their own modules and are imported only there, so the package
 imports without them.
+
+Callers (build, profiling, pipelines) use only what ``Runtime`` and ``Engine`` declare;
+nothing outside ``edgekit/runtimes/`` names a runtime.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import InputSpec
+from edgekit.targets import Target
 
 
 @dataclass
@@ -53,6 +58,11 @@ class Engine(Protocol):
     inputs: list[InputSpec]
     outputs: list[str]
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings the engine runs with (threads, providers, ...), for the profile record."""
+        ...
+
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
@@ -64,11 +74,40 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class RecordedRun:
+    """Timings that a runtime's own tool recorded, usually on the device itself (trtexec's
+    exports in a results folder), for profiling to summarize like a local measurement."""
+
+    runtime: str
+    latency_ms: list[float]  # one value per timed inference
+    nodes: list[NodeTiming] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # how it was measured
+    machine: dict[str, Any] = field(default_factory=dict)  # the state of the machine that measured
+    warnings: list[str] = field(default_factory=list)
+    source: str = "device"  # "device": measured on the target | "measured": on this machine
+    throughput_per_s: float | None = None
+    engine: str = ""
+    target: str | None = None
+    model: str | None = None
+
+
 class Runtime(Protocol):
     name: str
+    input_format: str  # "onnx": build() gets an ONNX path; "module": it gets the ModelHandle
 
     def available(self) -> tuple[bool, str]:
         """(usable here, why not)."""
+        ...
+
+    def measures_here(self, target: Target) -> bool:
+        """Whether an engine built here for ``target`` can be timed here as it would run on
+        the target (same device class, or the same GPU architecture)."""
+        ...
+
+    def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
+        """Timings recorded in ``folder`` (an engine, bundle or device results folder), or None
+        when it holds none and the engine is to be timed here."""
         ...
 
     def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
@@ -83,8 +122,6 @@ def resolve_onnx(model: Any) -> Path:
     """The ONNX file a runtime builds from: a path, an ONNX artifact folder, or a handle's ``onnx_path``."""
     p = Path(str(getattr(model, "onnx_path", None) or model))
     if p.is_dir():
-        from edgekit.artifact import read_manifest
-
         return read_manifest(p).path_of(p, "onnx")
     if not p.is_file():
         raise BadInputError(f"ONNX file {str(p)!r} does not exist")

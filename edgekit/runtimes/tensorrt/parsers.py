@@ -1,4 +1,4 @@
-"""Parsers for trtexec's JSON outputs, into edgekit's ``ProfileResult``.
+"""Parsers for trtexec's JSON outputs, into a ``RecordedRun`` that profiling summarizes.
 
 trtexec writes three JSON files when asked (formats as documented by TensorRT's
 ``samples/common/sampleReporting.cpp`` and read by its ``trt-engine-explorer``):
@@ -32,15 +32,17 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import Manifest, is_artifact, read_manifest
 from edgekit.errors import BadInputError
-from edgekit.profiling import CV_WARNING, LatencyStats, ProfileResult, summarize_nodes
-from edgekit.runtimes.base import NodeTiming
+from edgekit.runtimes.base import NodeTiming, RecordedRun
 
 # The file names edgekit asks trtexec to write (build bundles and the trtexec path).
 TIMES_JSON = "trtexec_times.json"
 PROFILE_JSON = "trtexec_profile.json"
 LAYERS_JSON = "trtexec_layers.json"
 QUANTIZED_PRECISIONS = ("int8", "uint8", "int4", "fp8", "fp4")
+# trtexec warns when the coefficient of variation of GPU compute time exceeds this.
+TRTEXEC_CV_THRESHOLD = 0.025
 
 # Ordered: more specific names first ("BFloat16" before "Float", "UInt8" before "Int8").
 _DTYPE_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -215,7 +217,7 @@ def read_layer_info(path: str | Path) -> list[LayerInfo]:
     return out
 
 
-# --- into a ProfileResult ------------------------------------------------------------------
+# --- into a RecordedRun ---------------------------------------------------------------------
 
 def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo] | None) -> list[NodeTiming]:
     """Join per-layer times with per-layer precision by layer name."""
@@ -231,26 +233,26 @@ def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo]
     return nodes
 
 
-def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None, layers: str | Path | None = None,
-                         engine: str = "", target: str | None = None, model: str | None = None,
-                         settings: dict[str, Any] | None = None, metric: str = "latency",
-                         warmup_ms: float | None = None, top_k: int | None = None) -> ProfileResult:
-    """Turn trtexec's JSON outputs into edgekit's ``ProfileResult`` (``source="trtexec"``).
+def recorded_run_from_trtexec(*, times: str | Path, profile: str | Path | None = None, layers: str | Path | None = None,
+                              engine: str = "", target: str | None = None, model: str | None = None,
+                              settings: dict[str, Any] | None = None, metric: str = "latency",
+                              warmup_ms: float | None = None, source: str = "trtexec") -> RecordedRun:
+    """trtexec's JSON outputs as a ``RecordedRun`` (profiling turns it into a ``ProfileResult``).
 
-    ``metric`` chooses what ``latency_ms`` holds: ``"latency"`` (H2D + GPU compute + D2H,
-    trtexec's "Latency") or ``"compute"`` (GPU compute time only); both are kept in
-    ``settings``.
+    ``metric`` chooses what the latency samples hold: ``"latency"`` (H2D + GPU compute + D2H,
+    trtexec's "Latency") or ``"compute"`` (GPU compute time only); the GPU compute
+    statistics are kept in ``settings`` either way.
     """
     if metric not in ("latency", "compute"):
         raise BadInputError(f"unknown trtexec metric {metric!r} (choose from 'compute', 'latency')")
     trace = read_times(times, warmup_ms=warmup_ms)
     samples = trace.latency_ms if metric == "latency" else trace.compute_ms
-    stats = LatencyStats.from_samples(samples)
-    compute = LatencyStats.from_samples(trace.compute_ms)
+    compute = np.asarray(trace.compute_ms, dtype=np.float64)
+    compute_cv = float(compute.std(ddof=1) / compute.mean()) if compute.size > 1 and compute.mean() > 0 else 0.0
     warnings: list[str] = []
-    if compute.cv > CV_WARNING:
-        warnings.append(f"GPU compute time varies: coefficient of variation {compute.cv:.1%} exceeds "
-                        f"{CV_WARNING:.1%} (trtexec's threshold); check clocks and power mode")
+    if compute_cv > TRTEXEC_CV_THRESHOLD:
+        warnings.append(f"GPU compute time varies: coefficient of variation {compute_cv:.1%} exceeds "
+                        f"{TRTEXEC_CV_THRESHOLD:.1%} (trtexec's threshold); check clocks and power mode")
     nodes: list[NodeTiming] = []
     profile_count = None
     if profile is not None:
@@ -264,15 +266,16 @@ def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None
                 if fell_back:
                     warnings.append(f"{len(fell_back)} layers run on the GPU, not the DLA: "
                                     + ", ".join(fell_back[:5]) + (" ..." if len(fell_back) > 5 else ""))
-    total_nodes = len(nodes)
-    top, op_types, float_share, quantized = summarize_nodes(nodes, top_k)
     mean_of = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    q = np.percentile(compute, [50, 90, 95, 99])
     all_settings = {
         **(settings or {}),
         "metric": metric,
         "timed_inferences": len(samples),
         "dropped_warmup_records": trace.dropped_warmup,
-        "gpu_compute_ms": compute.__dict__,
+        "gpu_compute_ms": {"min": float(compute.min()), "mean": float(compute.mean()), "p50": float(q[0]),
+                           "p90": float(q[1]), "p95": float(q[2]), "p99": float(q[3]), "max": float(compute.max()),
+                           "cv": compute_cv, "count": int(compute.size)},
         "h2d_mean_ms": mean_of(trace.h2d_ms),
         "d2h_mean_ms": mean_of(trace.d2h_ms),
         "enqueue_mean_ms": mean_of(trace.enqueue_ms),
@@ -280,12 +283,8 @@ def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None
     }
     if profile_count is not None:
         all_settings["profiled_iterations"] = profile_count
-    from edgekit.artifact import now_iso
-
-    return ProfileResult(engine=engine, runtime="tensorrt", target=target, model=model, settings=all_settings,
-                         latency_ms=stats, throughput_per_s=trace.throughput_per_s, nodes=top, op_types=op_types,
-                         float_share=float_share, quantized_nodes=quantized, total_nodes=total_nodes,
-                         warnings=warnings, source="trtexec", created=now_iso())
+    return RecordedRun(runtime="tensorrt", latency_ms=list(samples), nodes=nodes, settings=all_settings, warnings=warnings, source=source,
+                       throughput_per_s=trace.throughput_per_s, engine=engine, target=target, model=model)
 
 
 def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
@@ -302,14 +301,9 @@ def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
     return found
 
 
-def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: int | None = None) -> ProfileResult:
-    """A ProfileResult from a bundle or engine folder where trtexec has written its JSON.
-
-    >>> profile_from_folder("engine_dir").source  # doctest: +SKIP
-    'trtexec'
-    """
-    from edgekit.artifact import is_artifact, read_manifest
-
+def recorded_run_from_folder(folder: str | Path, manifest: Manifest | None = None, *,
+                             metric: str = "latency") -> RecordedRun:
+    """A RecordedRun from a bundle or engine folder where trtexec has written its JSON."""
     folder = Path(folder)
     found = trtexec_outputs(folder)
     if "times" not in found:
@@ -318,15 +312,16 @@ def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: i
     target = model = None
     settings: dict[str, Any] = {}
     warmup_ms = None
-    if is_artifact(folder):
-        m = read_manifest(folder)
-        target = m.target
-        model = (m.model or {}).get("name")
-        trt = m.config.get("trtexec") or {}
-        build = m.config.get("settings") or {}
-        settings = {"precision": m.config.get("precision"), "trt_path": m.config.get("path"),
+    if manifest is None and is_artifact(folder):
+        manifest = read_manifest(folder)
+    if manifest is not None:
+        target = manifest.target
+        model = (manifest.model or {}).get("name")
+        trt = manifest.config.get("trtexec") or {}
+        build = manifest.config.get("settings") or {}
+        settings = {"precision": manifest.config.get("precision"), "trt_path": manifest.config.get("path"),
                     "trtexec_command": trt.get("command")}
         warmup_ms = build.get("warmup_ms")  # TensorRT 8 files keep the warm-up records
-    return profile_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
-                                engine=str(folder), target=target, model=model, settings=settings, metric=metric,
-                                warmup_ms=warmup_ms, top_k=top_k)
+    return recorded_run_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
+                                     engine=str(folder), target=target, model=model, settings=settings, metric=metric,
+                                     warmup_ms=warmup_ms)
