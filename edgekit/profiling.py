@@ -22,7 +22,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import NodeTiming, RecordedRun
+from edgekit.runtimes.base import NodeTiming, RecordedRun, read_folder_manifest
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -253,13 +253,12 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
     """
-    from edgekit.artifact import read_manifest
     from edgekit.build import load_engine, load_engine_inputs
     from edgekit.runtimes.base import check_feeds
 
     config = config or ProfileConfig()
     engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir)
+    manifest = read_folder_manifest(engine_dir)  # an engine, a bundle, or a device results folder
     if manifest.kind in ("engine", "bundle") and manifest.config.get("runtime") in RUNTIMES:
         # Timings the runtime's own tool recorded (on the device): summarized, not re-measured.
         recorded = get_runtime(manifest.config["runtime"]).recorded_run(engine_dir, manifest)

@@ -194,7 +194,8 @@ def test_bundle_contents_and_profile_after_device_run(tmp_path, cache_env, monke
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "trtexec_argv.json").read_text()) == argv[1:]  # exactly the recorded command
     result = profile_engine(out, ProfileConfig(), out_json=tmp_path / "p.json")
-    assert result.source == "trtexec" and result.latency_ms.count == 60 and result.quantized_nodes == 3
+    assert result.source == "device" and result.latency_ms.count == 60 and result.quantized_nodes == 3
+    assert result.machine["measured_on"] == "device"
     from edgekit.check import check_budget
 
     assert check_budget(tmp_path / "p.json", 33.0, "p99", None).passed

@@ -138,3 +138,64 @@ def test_bad_files(tmp_path):
         tp.read_layer_info(bad)
     with pytest.raises(BadInputError, match="does not exist"):
         tp.read_profile(tmp_path / "missing.json")
+
+
+# --- real trtexec exports (NVIDIA's TensorRT Engine Explorer; see fixtures/trtexec/README.md) ---
+
+REAL = FIX / "real"
+RESNET = REAL / "resnet-qat-a100" / "resnet-qat.onnx.engine"
+MOBILENET = REAL / "mobilenet-v2-residuals-qat-titanrtx" / "mobilenet_v2_residuals.qat.onnx.engine"
+
+
+def test_real_layer_info_and_profile_resnet_qat_a100():
+    info = {li.name: li for li in tp.read_layer_info(f"{RESNET}.graph.json")}
+    count, layers = tp.read_profile(f"{RESNET}.profile.json")
+    assert len(info) == 37 and count == 1 and len(layers) == 37
+    conv = info["layer1.0.conv2.weight + QuantizeLinear_32 + Conv_34 + Add_36 + Relu_37"]
+    assert (conv.op_type, conv.layer_type, conv.precision, conv.quantized, conv.role) == (
+        "Convolution", "CaskConvolution", "int8", True, "compute")
+    q = info["QuantizeLinear_2"]  # fp32 input -> int8: a Q/DQ reformat, not int8 compute
+    assert (q.origin, q.precision, q.quantized, q.role) == ("QDQ", "fp32", False, "reformat")
+    pool = info["MaxPool_12"]  # conv1 writes fp32, so the max-pool runs in fp32
+    assert (pool.op_type, pool.precision, pool.quantized) == ("Pooling", "fp32", False)
+    assert layers[1].name == "conv1.weight + QuantizeLinear_7 + Conv_9" and layers[1].average_ms == pytest.approx(0.201728)
+
+
+def test_real_precision_report_resnet_qat_a100():
+    run = tp.recorded_run_from_trtexec(times=f"{RESNET}.timing.json", profile=f"{RESNET}.profile.json",
+                                       layers=f"{RESNET}.graph.json", warmup_ms=200)
+    r = profile_from_recorded(run)
+    # 21 convolutions (conv + Q + add + relu fused) compute in int8; 2 pooling layers fell back
+    assert (r.quantized_nodes, r.total_nodes) == (21, 37)
+    rows = {(row["precision"], row["role"]): row for row in run.settings["precision_breakdown"]["rows"]}
+    assert rows[("int8", "compute")]["layers"] == 21
+    assert rows[("int8", "compute")]["time_ms"] == pytest.approx(0.710656, abs=1e-6)
+    assert rows[("fp16", "reformat")]["layers"] == 10 and rows[("fp32", "reformat")]["layers"] == 2
+    assert rows[("int8", "noop")]["time_ms"] == 0.0
+    fallbacks = run.settings["precision_breakdown"]["fallbacks"]
+    assert [(f["name"], f["precision"]) for f in fallbacks] == [("MaxPool_12", "fp32"), ("GlobalAveragePool_246", "fp16")]
+    assert fallbacks[0]["time_ms"] == pytest.approx(0.095232)
+    assert r.float_share == pytest.approx(1 - 0.710656 / 1.095680, abs=1e-6)
+    assert any(w.startswith("2 compute layers of this quantized engine run in float: MaxPool_12 (fp32, 0.095 ms)")
+               for w in r.warnings)
+    # TensorRT 8 keeps the warm-up in --exportTimes: 222 of the first 400 records start before 200 ms
+    assert run.settings["dropped_warmup_records"] == 222 and r.latency_ms.count == 178
+    assert r.latency_ms.p50 == pytest.approx(0.88269, abs=1e-6) and r.latency_ms.max == pytest.approx(0.884735)
+    # batch 32 at 0.88 ms: the summary trtexec printed for the whole run (metadata) agrees
+    meta = json.loads(Path(f"{RESNET}.profile.metadata.json").read_text())["performance_summary"]
+    assert meta["GPU Compute Time"][3] == pytest.approx(r.latency_ms.p50, rel=0.01)
+
+
+def test_real_precision_report_mobilenet_v2_titan_rtx():
+    run = tp.recorded_run_from_trtexec(times=f"{MOBILENET}.timing.json", profile=f"{MOBILENET}.profile.json",
+                                       layers=f"{MOBILENET}.graph.json", warmup_ms=200)
+    r = profile_from_recorded(run)
+    assert run.settings["profiled_iterations"] == 8657
+    assert (r.quantized_nodes, r.total_nodes) == (53, 58)
+    assert [f["name"] for f in run.settings["precision_breakdown"]["fallbacks"]] == ["GlobalAveragePool_747"]
+    assert r.float_share == pytest.approx(0.049437, abs=1e-6)
+    assert run.settings["dropped_warmup_records"] == 0 and r.latency_ms.count == 400
+    assert r.latency_ms.p50 == pytest.approx(0.346527, abs=1e-6)
+    # one slow inference (0.598 ms) pushes the CV of GPU compute time over trtexec's 2.5 %
+    assert r.latency_ms.max == pytest.approx(0.598404)
+    assert any(w.startswith("GPU compute time varies: coefficient of variation 4.8%") for w in r.warnings)

@@ -11,6 +11,7 @@ nothing outside ``edgekit/runtimes/`` names a runtime.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,23 @@ class Engine(Protocol):
     def node_profile(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]: ...
 
     def close(self) -> None: ...
+
+
+# A device results folder (written by a runtime's script on the device) carries a copy of
+# the manifest of the bundle that made it under this name, so it describes itself.
+RESULTS_MANIFEST = "bundle_manifest.json"
+
+
+def read_folder_manifest(folder: Path) -> Manifest:
+    """The manifest of an edgekit folder, or of a device results folder (its bundle's copy)."""
+    folder = Path(folder)
+    copy = folder / RESULTS_MANIFEST
+    if not (folder / "manifest.json").is_file() and copy.is_file():
+        try:
+            return Manifest.from_dict(json.loads(copy.read_text()))
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise BadInputError(f"{copy} is not an edgekit manifest ({e})") from None
+    return read_manifest(folder)
 
 
 @dataclass

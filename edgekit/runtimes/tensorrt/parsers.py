@@ -184,14 +184,47 @@ class LayerInfo:
 
     @property
     def quantized(self) -> bool:
-        # A Q/DQ reformat turns float into int8; it does not compute in int8.
-        if self.op_type == "Reformat" and self.origin == "QDQ":
+        # A Q/DQ reformat turns float into int8 and a NoOp does nothing: neither computes in int8.
+        if self.role != "compute":
             return False
         return self.precision in QUANTIZED_PRECISIONS
 
     @property
+    def role(self) -> str:
+        """"compute", "reformat" (layout or Q/DQ conversion) or "noop"."""
+        return layer_role(self.op_type, self.name)
+
+    @property
     def device(self) -> str:
         return "dla" if "dla" in self.layer_type.lower() else "gpu"
+
+
+def layer_role(op_type: str, name: str) -> str:
+    if op_type == "NoOp":
+        return "noop"
+    if op_type == "Reformat" or name.startswith("Reformatting CopyNode"):
+        return "reformat"
+    return "compute"
+
+
+def precision_breakdown(nodes: list[NodeTiming]) -> dict[str, Any]:
+    """Which layers really compute in a quantized type, which in float, and their time.
+
+    Returns ``{"rows": [{"precision", "role", "layers", "time_ms", "share"}], "fallbacks":
+    [{"name", "op_type", "precision", "time_ms"}]}``: ``fallbacks`` are the compute layers
+    of a quantized engine that run in a float type (what to look at when INT8 is slow)."""
+    total = sum(n.time_ms for n in nodes) or 1.0
+    groups: dict[tuple[str, str], list[NodeTiming]] = {}
+    for n in nodes:
+        groups.setdefault((n.precision, layer_role(n.op_type, n.name)), []).append(n)
+    rows = [{"precision": p, "role": r, "layers": len(ns), "time_ms": sum(n.time_ms for n in ns),
+             "share": sum(n.time_ms for n in ns) / total} for (p, r), ns in groups.items()]
+    rows.sort(key=lambda row: -row["time_ms"])
+    quantized = any(n.quantized for n in nodes)
+    fallbacks = [{"name": n.name, "op_type": n.op_type, "precision": n.precision, "time_ms": n.time_ms}
+                 for n in nodes if quantized and not n.quantized and layer_role(n.op_type, n.name) == "compute"]
+    fallbacks.sort(key=lambda f: -f["time_ms"])
+    return {"rows": rows, "fallbacks": fallbacks}
 
 
 def read_layer_info(path: str | Path) -> list[LayerInfo]:
@@ -283,6 +316,14 @@ def recorded_run_from_trtexec(*, times: str | Path, profile: str | Path | None =
     }
     if profile_count is not None:
         all_settings["profiled_iterations"] = profile_count
+    if nodes and any(n.precision != "unknown" for n in nodes):
+        breakdown = precision_breakdown(nodes)
+        all_settings["precision_breakdown"] = breakdown
+        fb = breakdown["fallbacks"]
+        if fb:
+            warnings.append(f"{len(fb)} compute layers of this quantized engine run in float: "
+                            + ", ".join(f"{f['name']} ({f['precision']}, {f['time_ms']:.3f} ms)" for f in fb[:5])
+                            + (" ..." if len(fb) > 5 else ""))
     return RecordedRun(runtime="tensorrt", latency_ms=list(samples), nodes=nodes, settings=all_settings, warnings=warnings, source=source,
                        throughput_per_s=trace.throughput_per_s, engine=engine, target=target, model=model)
 

@@ -45,6 +45,7 @@ from edgekit.runtimes.tensorrt.api import UNSUPPORTED_OP, TensorRTEngine, build_
 from edgekit.runtimes.tensorrt.bundle import bundle_readme, bundle_script
 from edgekit.runtimes.tensorrt.device import JETSON_TRTEXEC, DeviceInfo, parse_probe, probe_remote
 from edgekit.runtimes.tensorrt.engine_cache import EngineCache, EngineKey, check_compatible
+from edgekit.runtimes.tensorrt.int8 import DEFAULT_SAMPLES, Int8Graph, prepare_int8_graph
 from edgekit.runtimes.tensorrt.parsers import (
     LAYERS_JSON,
     PROFILE_JSON,
@@ -52,6 +53,7 @@ from edgekit.runtimes.tensorrt.parsers import (
     recorded_run_from_folder,
     trtexec_outputs,
 )
+from edgekit.runtimes.tensorrt.results import read_machine_state, results_dir_of
 from edgekit.runtimes.tensorrt.settings import (
     BUILD_SCRIPT,
     DEVICE_FILE,
@@ -61,6 +63,7 @@ from edgekit.runtimes.tensorrt.settings import (
     RESULTS_DIR,
     TIMING_CACHE_FILE,
     TrtSettings,
+    onnx_facts,
     settings_for,
     trtexec_argv,
 )
@@ -126,6 +129,14 @@ def choose_path(target: Target, extra: dict[str, Any]) -> tuple[str, DeviceInfo 
     return "bundle", info, f"{where} but neither the tensorrt package nor trtexec is installed"
 
 
+def bundle_status(target: Target, why: str) -> dict[str, Any]:
+    """What a bundle is and is not: nothing built, nothing measured, nothing verified on TensorRT."""
+    here = device.import_tensorrt() is not None or device.find_trtexec({}) is not None
+    reason = (f"{why}, so nothing was built" if here else "TensorRT is not installed here, nothing was built")
+    return {"built": False, "measured": False, "verified_on_tensorrt": False, "reason": why,
+            "summary": f"wrote a TensorRT build bundle for {target.name}: {reason}; run build.sh on the device"}
+
+
 class TensorRTRuntime:
     """The ``tensorrt`` runtime (the Runtime protocol)."""
 
@@ -157,11 +168,16 @@ class TensorRTRuntime:
 
     def _build(self, model: Any, target: Target, out_dir: Path, options: BuildOptions,
                hosts: list[RemoteHost]) -> dict[str, Any]:
-        onnx_path = resolve_onnx(model)
         out_dir = Path(out_dir)
+        rel_onnx, onnx_path = _relative_onnx(resolve_onnx(model), out_dir)
+        int8 = None
+        if onnx_facts(onnx_path)[1]:  # Q/DQ in the graph: TensorRT's flavour, or a refusal with the reason
+            int8 = prepare_int8_graph(onnx_path, options.extra.get("feeds"),
+                                      int(options.extra.get("accuracy_samples", DEFAULT_SAMPLES)))
+            rel_onnx = str(Path(rel_onnx).with_name(int8.onnx.name))
+            onnx_path = int8.onnx
         settings = settings_for(onnx_path, target, options)
         path, info, why = choose_path(target, options.extra)
-        rel_onnx, onnx_path = _relative_onnx(onnx_path, out_dir)
         warnings: list[str] = []
         if not settings.has_qdq and settings.precision in ("int8", "best"):
             warnings.append("the graph has no Q/DQ nodes: TensorRT's INT8 without calibration uses placeholder "
@@ -176,8 +192,18 @@ class TensorRTRuntime:
             "target_sm": getattr(target, "sm", None), "target_tensorrt_versions": getattr(target, "tensorrt_versions", None),
             "session": {"engine": ENGINE_FILE},
         }
+        extra_files: dict[str, str] = {}
+        extra_metrics: dict[str, Any] = {}
+        if int8 is not None:
+            extra_metrics["int8_for_tensorrt"] = int8.to_dict()
+            config["messages"] = [int8.message()]
+            if int8.conversion.changed:
+                extra_files["onnx_tensorrt"] = rel_onnx
         if path == "bundle":
-            return self._bundle(out_dir, rel_onnx, argv, settings, target, config, warnings)
+            result = self._bundle(out_dir, rel_onnx, argv, settings, target, config, warnings, why, int8)
+            result["files"].update(extra_files)
+            result["metrics"].update(extra_metrics)
+            return result
         if remote:
             host = RemoteHost.from_options(remote, options.extra)
             hosts.append(host)
@@ -226,7 +252,13 @@ class TensorRTRuntime:
                 if f.is_file():
                     stored[f"{RESULTS_DIR}/{f.name}"] = f
             cache.store(key, stored)
-        files = {"model": ENGINE_FILE}
+        files = {"model": ENGINE_FILE, **extra_files}
+        metrics.update(extra_metrics)
+        config["status"] = {"built": True, "measured": "times" in trtexec_outputs(out_dir),
+                            "where": f"{remote} over SSH" if remote else "this machine",
+                            "summary": f"built a TensorRT engine for {target.name} with {path} on "
+                                       f"{remote + ' over SSH' if remote else 'this machine'} ({info.gpu}, "
+                                       f"TensorRT {info.tensorrt_version})"}
         for role, name in (("layers", LAYERS_JSON), ("profile", PROFILE_JSON), ("times", TIMES_JSON)):
             if (out_dir / RESULTS_DIR / name).is_file():
                 files[f"trtexec_{role}"] = f"{RESULTS_DIR}/{name}"
@@ -279,16 +311,19 @@ class TensorRTRuntime:
                 "fetched": sorted(got), "verified_sha256": True}
 
     def _bundle(self, out_dir: Path, rel_onnx: str, argv: list[str], settings: TrtSettings, target: Target,
-                config: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+                config: dict[str, Any], warnings: list[str], why: str, int8: Int8Graph | None) -> dict[str, Any]:
+        status = bundle_status(target, why)
         script = bundle_script(argv, target, settings)
         atomic_write_text(out_dir / BUILD_SCRIPT, script)
         os.chmod(out_dir / BUILD_SCRIPT, 0o755)
-        atomic_write_text(out_dir / README, bundle_readme(argv, target, settings, rel_onnx, warnings))
-        config = {**config, "session": {"engine": ENGINE_FILE, "built": False}}
-        return {"kind": "bundle",
-                "files": {"script": BUILD_SCRIPT, "readme": README},
-                "config": config,
-                "metrics": {"warnings": warnings} if warnings else {}}
+        notes = [int8.message()] if int8 is not None else []
+        atomic_write_text(out_dir / README, bundle_readme(argv, target, settings, rel_onnx, warnings, status, notes))
+        config = {**config, "session": {"engine": ENGINE_FILE, "built": False}, "status": status}
+        metrics: dict[str, Any] = {"status": status["summary"]}
+        if warnings:
+            metrics["warnings"] = warnings
+        return {"kind": "bundle", "files": {"script": BUILD_SCRIPT, "readme": README}, "config": config,
+                "metrics": metrics}
 
     # -- load and profile --
 
@@ -322,7 +357,14 @@ class TensorRTRuntime:
                 raise BadInputError(f"{folder} is a build bundle without results: run its {BUILD_SCRIPT} on the "
                                     f"device (it writes {RESULTS_DIR}/{TIMES_JSON}), copy the folder back, then profile it")
             return None
-        return recorded_run_from_folder(folder, manifest)
+        run = recorded_run_from_folder(folder, manifest)
+        results = results_dir_of(Path(folder))
+        if results is not None:  # written by a bundle's build.sh: measured on the device itself
+            state, warnings = read_machine_state(results)
+            run.source, run.machine = "device", state
+            run.warnings = warnings + run.warnings
+            run.settings["measured_by"] = "trtexec on the device (build.sh of an edgekit bundle)"
+        return run
 
 
 def _check_trtexec(rc: int, log: str, engine: Path) -> None:

@@ -23,6 +23,7 @@ RESULTS_DIR = "results"
 BUILD_SCRIPT = "build.sh"
 README = "README.md"
 DEVICE_FILE = "device.txt"  # what build.sh / the probe saw on the building machine
+MACHINE_FILE = "machine.txt"  # JetPack, TensorRT package, power mode, ... as build.sh saw them
 PATHS = ("api", "trtexec", "bundle")
 # trtexec's own measurement defaults (trtexec's documentation): warm-up 200 ms, >= 3 s, >= 100 iterations.
 WARMUP_MS = 200
