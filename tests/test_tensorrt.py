@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit.errors import BadInputError, UnavailableError
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.runtimes import tensorrt as trtrt
 from edgekit.runtimes.base import BuildOptions
 from edgekit.runtimes.tensorrt import device as trtdev
@@ -297,8 +297,15 @@ def test_trtexec_names_unsupported_op(tmp_path, cache_env, monkeypatch):
     onnx_path = _onnx(tmp_path / "bad.onnx", op="FancyCustomOp")
     out = tmp_path / "o"
     out.mkdir()
-    with pytest.raises(BadInputError, match="unsupported op 'FancyCustomOp'"):
+    # the offline check refuses it before trtexec runs (exit 1: it would fail on the device) ...
+    with pytest.raises(CheckFailedError, match=r"bad.onnx would fail on h100-sxm's TensorRT 10.3: FancyCustomOp 'act': "
+                                               r"FancyCustomOp is not in onnx-tensorrt's 10.1 table") as e:
         trtrt.RUNTIME.build(onnx_path, load_target("h100-sxm"), out, BuildOptions("fp16", extra={"trtexec": str(fake)}))
+    assert e.value.exit_code == 1
+    # ... and with the check off (a plugin the table cannot know), trtexec's parser error is named
+    with pytest.raises(BadInputError, match="unsupported op 'FancyCustomOp'"):
+        trtrt.RUNTIME.build(onnx_path, load_target("h100-sxm"), out,
+                            BuildOptions("fp16", extra={"trtexec": str(fake), "check": False}))
 
 
 def test_other_gpu_builds_bundle_and_engine_for_other_gpu_is_refused(tmp_path, cache_env, monkeypatch):
@@ -534,7 +541,7 @@ def test_python_api_strongly_typed_and_parser_error(tmp_path, cache_env, monkeyp
     with pytest.raises(BadInputError, match=r"TensorRT's ONNX parser rejects bad.onnx: unsupported op 'FancyCustomOp' "
                                             r"\(FancyCustomOp node act: No importer registered"):
         trtrt.RUNTIME.build(_onnx(tmp_path / "bad.onnx", op="FancyCustomOp"), load_target("h100-sxm"), out,
-                            BuildOptions("fp16"))
+                            BuildOptions("fp16", extra={"check": False}))
 
 
 @pytest.mark.tensorrt

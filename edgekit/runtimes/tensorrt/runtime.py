@@ -38,7 +38,7 @@ from typing import Any
 import onnx
 
 from edgekit.artifact import Manifest, atomic_write_bytes, atomic_write_text, sha256_file
-from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.runtimes.base import BuildOptions, RecordedRun, resolve_onnx
 from edgekit.runtimes.tensorrt import device
 from edgekit.runtimes.tensorrt.api import UNSUPPORTED_OP, TensorRTEngine, build_with_api
@@ -46,6 +46,7 @@ from edgekit.runtimes.tensorrt.bundle import bundle_readme, bundle_script
 from edgekit.runtimes.tensorrt.device import JETSON_TRTEXEC, DeviceInfo, parse_probe, probe_remote
 from edgekit.runtimes.tensorrt.engine_cache import EngineCache, EngineKey, check_compatible
 from edgekit.runtimes.tensorrt.int8 import DEFAULT_SAMPLES, Int8Graph, prepare_int8_graph
+from edgekit.runtimes.tensorrt.lint import lint_onnx
 from edgekit.runtimes.tensorrt.parsers import (
     LAYERS_JSON,
     PROFILE_JSON,
@@ -129,6 +130,13 @@ def choose_path(target: Target, extra: dict[str, Any]) -> tuple[str, DeviceInfo 
     return "bundle", info, f"{where} but neither the tensorrt package nor trtexec is installed"
 
 
+def _version_to_check(info: DeviceInfo | None, target: Target) -> str | None:
+    """The TensorRT the engine will be built with: the probed one where known, else the target's."""
+    if info is not None and info.tensorrt_version:
+        return ".".join(info.tensorrt_version.split(".")[:2])
+    return None
+
+
 def bundle_status(target: Target, why: str) -> dict[str, Any]:
     """What a bundle is and is not: nothing built, nothing measured, nothing verified on TensorRT."""
     here = device.import_tensorrt() is not None or device.find_trtexec({}) is not None
@@ -179,6 +187,17 @@ class TensorRTRuntime:
         settings = settings_for(onnx_path, target, options)
         path, info, why = choose_path(target, options.extra)
         warnings: list[str] = []
+        check = None
+        if options.extra.get("check", True):
+            check = lint_onnx(onnx_path, target, tensorrt_version=_version_to_check(info, target),
+                              dla_core=settings.dla_core, shapes=settings.shapes, precision=settings.precision)
+            if check.errors:
+                first = check.errors[0]
+                raise CheckFailedError(
+                    f"{Path(rel_onnx).name} would fail on {target.name}'s TensorRT {check.tensorrt_version}: "
+                    f"{first.op_type} {first.node!r}: {first.why}; {first.fix}"
+                    + (f" (and {len(check.errors) - 1} more: `edgekit lint` lists them)" if len(check.errors) > 1 else ""))
+            warnings += [f.line() for f in check.warnings]
         if not settings.has_qdq and settings.precision in ("int8", "best"):
             warnings.append("the graph has no Q/DQ nodes: TensorRT's INT8 without calibration uses placeholder "
                             "ranges (fine for timing, wrong outputs); quantize first (`edgekit compress --bits 8`) "
@@ -194,6 +213,9 @@ class TensorRTRuntime:
         }
         extra_files: dict[str, str] = {}
         extra_metrics: dict[str, Any] = {}
+        if check is not None:
+            extra_metrics["tensorrt_check"] = {"summary": check.summary(), "tensorrt_version": check.tensorrt_version,
+                                               "table": check.table, "warnings": len(check.warnings)}
         if int8 is not None:
             extra_metrics["int8_for_tensorrt"] = int8.to_dict()
             config["messages"] = [int8.message()]
