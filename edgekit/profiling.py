@@ -241,6 +241,25 @@ def profile_from_recorded(run: RecordedRun, top_k: int | None = None) -> Profile
                          source=run.source, created=now_iso())
 
 
+def device_measurement(folder: str | os.PathLike[str], top_k: int | None = 15) -> ProfileResult | None:
+    """The device's own measurement in ``folder`` (a bundle whose script ran on the device, or
+    its results folder), or None when there is none. Pipelines prefer it over an estimate."""
+    folder = Path(folder)
+    try:
+        manifest = read_folder_manifest(folder)
+    except BadInputError:
+        return None
+    if manifest.config.get("runtime") not in RUNTIMES:
+        return None
+    try:
+        recorded = get_runtime(manifest.config["runtime"]).recorded_run(folder, manifest)
+    except BadInputError:  # a bundle whose script has not run yet
+        return None
+    if recorded is None or recorded.source != "device":
+        return None
+    return profile_from_recorded(recorded, top_k)
+
+
 def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
                    out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
     """Profile an engine folder with the trtexec method; the same for every runtime.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -625,3 +626,125 @@ def test_ort_build_and_load_providers(tmp_path):
     loaded = op.load_providers([op.TRT_EP, op.CUDA_EP, op.CPU_EP], rec, tmp_path / "moved")
     assert loaded[0][1]["trt_timing_cache_path"] == str((tmp_path / "moved").resolve() / "trt_cache")
     assert loaded[1][0] == op.CUDA_EP and loaded[2] == op.CPU_EP
+
+
+# --- the device loop, on real trtexec exports ----------------------------------------------------
+# A FAKE Orin: trtexec copies the real exports of NVIDIA's TensorRT Engine Explorer (ResNet-18 QAT on
+# an A100, see fixtures/trtexec/README.md) where it is asked to write its JSON; nvpmodel,
+# jetson_clocks, nvidia-smi and dpkg-query print what JetPack 6.2 prints. build.sh runs unchanged.
+
+REAL_RESNET = FIX / "real" / "resnet-qat-a100" / "resnet-qat.onnx.engine"
+
+DEVICE_TRTEXEC = r'''#!{python}
+"""A FAKE trtexec on a fake Orin: writes real trtexec exports where asked. Not TensorRT."""
+import os, shutil, sys
+real = {real!r}
+args = sys.argv[1:]
+if "--help" in args:
+    print("&&&& RUNNING TensorRT.trtexec [TensorRT v100300] # trtexec --help")
+    sys.exit(0)
+opts = dict(a[2:].split("=", 1) for a in args if "=" in a)
+open(opts["saveEngine"], "wb").write(b"FAKE-PLAN")
+for key, suffix in (("exportTimes", "timing"), ("exportProfile", "profile"), ("exportLayerInfo", "graph")):
+    os.makedirs(os.path.dirname(opts[key]) or ".", exist_ok=True)
+    shutil.copy(real + "." + suffix + ".json", opts[key])
+print("&&&& PASSED TensorRT.trtexec [TensorRT v100300]")
+'''
+DEVICE_TOOLS = {
+    "nvpmodel": 'echo "NV Power Mode: MAXN"; echo 0',
+    "jetson_clocks": 'echo "SOC family:tegra234  Machine:NVIDIA Jetson AGX Orin Developer Kit"\n'
+                     'echo "cpu0: Online=1 Governor=schedutil MinFreq=2201600 MaxFreq=2201600 CurrentFreq=2201600"\n'
+                     'echo "cpu1: Online=1 Governor=schedutil MinFreq=2201600 MaxFreq=2201600 CurrentFreq=2201600"\n'
+                     'echo "GPU MinFreq={gpu_max} MaxFreq=1300500000 CurrentFreq={gpu_max}"\n'
+                     'echo "EMC MinFreq=204000000 MaxFreq=3199000000 CurrentFreq=3199000000 FreqOverride=1"\n'
+                     'echo "NV Power Mode: MAXN"',
+    "nvidia-smi": 'case "$*" in *compute_cap*) echo 8.7;; *) echo Orin;; esac',
+    "dpkg-query": 'case "$*" in *nvidia-jetpack*) printf 6.2+b77;; *tensorrt*) printf 10.3.0.30-1+cuda12.5;; *) exit 1;; esac',
+}
+
+
+def _fake_orin(tmp_path: Path, clocks_locked: bool = True) -> dict:
+    bin_dir = tmp_path / "orin-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "trtexec").write_text(DEVICE_TRTEXEC.format(python=sys.executable, real=str(REAL_RESNET)))
+    for name, body in DEVICE_TOOLS.items():
+        body = body.replace("{gpu_max}", "1300500000" if clocks_locked else "306000000")
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TRTEXEC": str(bin_dir / "trtexec")}
+
+
+def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cache_env, monkeypatch):
+    from click.testing import CliRunner
+
+    from edgekit.build import build_engine
+    from edgekit.cli import cli
+    from edgekit.profiling import profile_engine
+
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
+    out = build_engine(_onnx(tmp_path / "m.onnx"), "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
+    proc = subprocess.run(["bash", str(out / "build.sh")], env=_fake_orin(tmp_path), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    results = out / "results"
+    assert {"bundle_manifest.json", "device.txt", "machine.txt", "nvpmodel.txt", "jetson_clocks.txt", "trtexec.log",
+            "trtexec_times.json", "trtexec_profile.json", "trtexec_layers.json"} <= {p.name for p in results.iterdir()}
+    # the results folder alone (copied back without the bundle) is a device measurement
+    alone = tmp_path / "copied-back"
+    shutil.copytree(results, alone)
+    r = profile_engine(alone)
+    assert (r.source, r.runtime, r.target) == ("device", "tensorrt", "jetson-agx-orin-64")
+    assert r.machine["power_mode"] == "MAXN" and r.machine["power_mode_id"] == 0 and r.machine["clocks_locked"] is True
+    assert r.machine["jetpack"] == "6.2+b77" and r.machine["tensorrt_version"] == "10.3.0" and r.machine["sm"] == "sm_87"
+    assert r.machine["clocks"]["gpu"] == {"min_mhz": 1300.5, "max_mhz": 1300.5, "current_mhz": 1300.5}
+    # the real ResNet-18 QAT export: the bundle's 200 ms warm-up drops 222 TensorRT 8 warm-up records
+    assert r.latency_ms.count == 178 and r.latency_ms.p50 == pytest.approx(0.88269, abs=1e-6)
+    assert (r.quantized_nodes, r.total_nodes) == (21, 37)
+    assert [f["name"] for f in r.settings["precision_breakdown"]["fallbacks"]] == ["MaxPool_12", "GlobalAveragePool_246"]
+    # check, profile and report read it like any profile
+    runner = CliRunner()
+    res = runner.invoke(cli, ["profile", str(alone), "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    assert ("measured on the device: Orin (sm_87), JetPack 6.2+b77, TensorRT 10.3.0, power mode MAXN, clocks locked"
+            in res.output)
+    assert runner.invoke(cli, ["check", str(alone), "--budget-ms", "1.0"]).exit_code == 0
+    miss = runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--budget-ms", "0.5"])
+    assert miss.exit_code == 1
+    res = runner.invoke(cli, ["report", str(tmp_path / "p.json"), "-o", str(tmp_path / "r.md")])
+    assert res.exit_code == 0 and "(tensorrt, device)" in (tmp_path / "r.md").read_text()
+
+
+def test_device_results_warn_when_clocks_are_not_locked(tmp_path, cache_env, monkeypatch):
+    from edgekit.build import build_engine
+    from edgekit.profiling import profile_engine
+
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
+    out = build_engine(_onnx(tmp_path / "m.onnx"), "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
+    env = _fake_orin(tmp_path, clocks_locked=False)
+    assert subprocess.run(["bash", str(out / "build.sh")], env=env, capture_output=True).returncode == 0
+    r = profile_engine(out)  # the bundle folder itself: its results/ are found
+    assert r.source == "device" and r.machine["clocks_locked"] is False
+    assert r.warnings[0] == ("GPU clock 306.0 MHz is below its maximum 1300.5 MHz when the results were recorded: clocks "
+                             "were not locked (`sudo jetson_clocks`), so latencies vary with DVFS")
+
+
+def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_env, monkeypatch):
+    from edgekit.pipelines.recipe import parse_recipe
+    from edgekit.pipelines.run import run_recipe
+
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
+    recipe = parse_recipe({"name": "orin", "target": "jetson-agx-orin-64", "budget_ms": 5, "seed": 0,
+                           "stages": [{"name": "mlp", "model": "edgekit.pipelines.examples:tiny_mlp",
+                                       "build": {"precision": "fp16"}}]})
+    first = run_recipe(recipe, tmp_path / "run", progress=False)
+    stage = first.stages[0]
+    assert stage.source == "estimated" and "bundle" in stage.artifacts
+    bundle = Path(stage.artifacts["bundle"])
+    assert subprocess.run(["bash", str(bundle / "build.sh")], env=_fake_orin(tmp_path), capture_output=True).returncode == 0
+    second = run_recipe(recipe, tmp_path / "run", progress=False)
+    stage = second.stages[0]
+    assert stage.source == "device" and stage.estimated_ms == pytest.approx(first.stages[0].estimated_ms)
+    assert stage.latency_ms == pytest.approx(0.884735, abs=1e-6)  # p99 of the device run (the recipe's percentile)

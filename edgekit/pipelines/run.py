@@ -39,7 +39,7 @@ from edgekit.artifact import (
 )
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.pipelines.recipe import Recipe, StageSpec
-from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult
+from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult, device_measurement
 from edgekit.runtimes import RUNTIMES, get_runtime
 
 RESULTS = "results.json"
@@ -360,6 +360,10 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
         bundle, why = _try_bundle(onnx_folder, target, cache, ekey, stage)
         if bundle:
             artifacts["bundle"] = bundle
+            measured = device_measurement(bundle, pconfig.top_k)  # build.sh ran on the device: prefer it
+            if measured is not None:
+                prof = measured
+                prof.model = stage.name
         else:
             warnings.append(f"no TensorRT build bundle for {target.name}: {why}")
         eval_key = ekey

@@ -27,7 +27,7 @@ from edgekit.sources.data import load_samples
 from edgekit.sources.models import load_model
 
 CONVERTED_SUFFIX = "_tensorrt"
-DEFAULT_SAMPLES = 32
+DEFAULT_SAMPLES = 64
 _BATCH = 8
 
 
@@ -51,9 +51,10 @@ class Int8Graph:
         if not acc.get("measured"):
             return f"{head}; accuracy cost not measured: {acc.get('reason')}"
         before, after = acc["as_given"], acc["converted"]
-        key = "top1_agreement" if "top1_agreement" in after else "mean_cosine"
-        return (f"{head}; against {acc['reference']} on {acc['samples']} samples of {acc['data']}: {key} "
-                f"{before[key]:.4f} as given -> {after[key]:.4f} converted")
+        keys = ("top1_agreement", "mean_kl") if "top1_agreement" in after else ("mean_cosine", "min_cosine")
+        change = ", ".join(f"{k} {before[k]:.4f} -> {after[k]:.4f}" for k in keys)
+        return (f"{head}; cost against {acc['reference']} on {acc['samples']} samples of {acc['data']}, as given -> "
+                f"converted: {change}")
 
 
 def prepare_int8_graph(onnx_path: Path, feeds: dict[str, np.ndarray] | None = None,

@@ -191,6 +191,7 @@ class TensorRTRuntime:
         if options.extra.get("check", True):
             check = lint_onnx(onnx_path, target, tensorrt_version=_version_to_check(info, target),
                               dla_core=settings.dla_core, shapes=settings.shapes, precision=settings.precision)
+            check.model = rel_onnx
             if check.errors:
                 first = check.errors[0]
                 raise CheckFailedError(
