@@ -137,6 +137,7 @@ def _float_model_unknown(original: Path) -> str | None:
         return "the graph is a bare ONNX file: its float model is not known"
     m = read_manifest(original.parent)
     if not m.steps:
-        return (f"{m.source!r} arrived already quantized: its float model is not known (quantize with "
+        source = Path(m.source).name if m.source and Path(m.source).exists() else m.source
+        return (f"{source!r} arrived already quantized: its float model is not known (quantize with "
                 "`edgekit compress --bits 8` to have the cost measured)")
     return None

@@ -499,8 +499,8 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
         return f"{op}: the DLA runs only the Abs unary operation"
     if op in ("Gather", "GatherElements", "GatherND"):
         return "gather has no DLA support"
-    if op == "Slice":
-        return None if all(g.is_const(i) for i in node.input[1:] if i) else "start/end/axes/steps are not constants"
+    if op in ("Slice", "Split"):  # the parser makes slice layers of both
+        return None if all(g.is_const(i) for i in node.input[1:] if i) else "slice bounds are not build-time constants"
     if op == "Resize":
         mode = _attr(node, "mode", b"nearest")
         mode = mode.decode() if isinstance(mode, bytes) else mode
