@@ -229,3 +229,43 @@ def test_bundle_from_a_u8s8_file_builds_the_converted_graph_and_says_so(tmp_path
     zps = {i.name: numpy_helper.to_array(i) for i in built.graph.initializer}
     assert all(zps[n.input[2]].dtype == np.int8 for n in built.graph.node if n.op_type == "QuantizeLinear")
     assert "**Status: nothing here was built or measured.**" in (tmp_path / "b" / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_costs_little(tmp_path, monkeypatch):
+    """The real path: `compress --bits 8` for the default (CPU, U8S8) target, then `build` for Orin."""
+    from click.testing import CliRunner
+
+    from edgekit.artifact import read_manifest
+    from edgekit.cli import cli
+    from edgekit.compress import StepContext, compress
+    from edgekit.compress.int8 import Int8Config
+    from edgekit.runtimes.tensorrt import device
+    from edgekit.runtimes.tensorrt.lint import lint_onnx
+
+    pytest.importorskip("efficientnet_lite_pytorch")
+    monkeypatch.setattr(device, "probe_local", lambda trtexec=None: device.DeviceInfo())
+    monkeypatch.setattr(device, "import_tensorrt", lambda: None)
+    monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
+    int8 = compress("efficientnet-lite0", [("int8", Int8Config(calib_samples=16, rounding="nearest", eval_samples=16))],
+                    tmp_path / "int8", StepContext(progress=False))
+    assert read_manifest(int8).metrics["int8"]["scheme"] == "u8s8"
+    res = CliRunner().invoke(cli, ["build", str(int8), "--target", "jetson-agx-orin-64", "--precision", "int8",
+                                   "-o", str(tmp_path / "orin")])
+    assert res.exit_code == 0, res.output
+    m = read_manifest(tmp_path / "orin")
+    conv = m.metrics["int8_for_tensorrt"]
+    assert conv["activations_converted"] == 60 and conv["biases_folded"] == 50 and conv["weights_kept"] == 50
+    acc = conv["accuracy"]
+    assert acc["measured"] is True and acc["samples"] == 64 and acc["reference"] == "the float model efficientnet-lite0"
+    # the symmetric ranges cost little against the float model (64 calibration images)
+    assert acc["converted"]["top5_agreement"] >= 0.9 and acc["converted"]["mean_kl"] < 0.2
+    built = onnx.load(str(tmp_path / "orin" / m.files["onnx_tensorrt"]))
+    c = _consts(built)
+    qs = [n for n in built.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(qs) == 59 and all(c[q.input[2]].dtype == np.int8 and int(c[q.input[2]]) == 0 for q in qs)
+    assert lint_onnx(tmp_path / "orin" / m.files["onnx_tensorrt"], "jetson-agx-orin-64").exit_code == 0
+    # the graph as compressed for the CPU would not build on the Orin: uint8 and int32 DequantizeLinear
+    given = lint_onnx(tmp_path / "orin" / m.files["onnx"], "jetson-agx-orin-64")
+    assert given.exit_code == 1 and {f.check for f in given.errors} == {"qdq"}
+    assert "cost against the float model efficientnet-lite0 on 64 samples" in res.output
