@@ -749,6 +749,8 @@ def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_en
     first = run_recipe(recipe, tmp_path / "run", progress=False)
     stage = first.stages[0]
     assert stage.source == "estimated" and "bundle" in stage.artifacts
+    assert any(w.startswith("wrote a TensorRT build bundle for jetson-agx-orin-64: TensorRT is not installed here, "
+                            "nothing was built; run build.sh on the device") for w in stage.warnings)
     bundle = Path(stage.artifacts["bundle"])
     assert subprocess.run(["bash", str(bundle / "build.sh")], env=_fake_orin(tmp_path), capture_output=True).returncode == 0
     second = run_recipe(recipe, tmp_path / "run", progress=False)

@@ -232,6 +232,7 @@ def test_bundle_from_a_u8s8_file_builds_the_converted_graph_and_says_so(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_costs_little(tmp_path, monkeypatch):
     """The real path: `compress --bits 8` for the default (CPU, U8S8) target, then `build` for Orin."""
     from click.testing import CliRunner
@@ -247,7 +248,8 @@ def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_cost
     monkeypatch.setattr(device, "probe_local", lambda trtexec=None: device.DeviceInfo())
     monkeypatch.setattr(device, "import_tensorrt", lambda: None)
     monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
-    int8 = compress("efficientnet-lite0", [("int8", Int8Config(calib_samples=16, rounding="nearest", eval_samples=16))],
+    int8 = compress("efficientnet-lite0", [("int8", Int8Config(calib_samples=16, calib_method="minmax",
+                                                       rounding="nearest", eval_samples=16))],
                     tmp_path / "int8", StepContext(progress=False))
     assert read_manifest(int8).metrics["int8"]["scheme"] == "u8s8"
     res = CliRunner().invoke(cli, ["build", str(int8), "--target", "jetson-agx-orin-64", "--precision", "int8",

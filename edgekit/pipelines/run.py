@@ -364,6 +364,10 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
             if measured is not None:
                 prof = measured
                 prof.model = stage.name
+            else:  # say that nothing was built or measured on the target
+                status = (read_manifest(Path(bundle)).config.get("status") or {}).get("summary")
+                if status:
+                    warnings.append(f"{status} ({bundle})")
         else:
             warnings.append(f"no TensorRT build bundle for {target.name}: {why}")
         eval_key = ekey

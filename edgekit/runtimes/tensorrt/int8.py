@@ -103,8 +103,8 @@ def measure_cost(original: Path, converted: Path, feeds: dict[str, np.ndarray] |
     """Metrics of the graph as given and of the converted graph against the float model
     on its calibration data (or, where those are unknown, converted against as given)."""
     reason = _float_model_unknown(original)
-    if reason is None:
-        manifest = read_manifest(original.parent)
+    manifest = read_manifest(original.parent) if reason is None else None
+    if manifest is not None and manifest.source:
         try:
             handle = load_model(manifest.source)
             data = load_samples(None, handle, split="calib", limit=limit)
@@ -136,6 +136,8 @@ def _float_model_unknown(original: Path) -> str | None:
     if not is_artifact(original.parent):
         return "the graph is a bare ONNX file: its float model is not known"
     m = read_manifest(original.parent)
+    if not m.source:
+        return "the graph's manifest names no source model"
     if not m.steps:
         source = Path(m.source).name if m.source and Path(m.source).exists() else m.source
         return (f"{source!r} arrived already quantized: its float model is not known (quantize with "

@@ -40,7 +40,7 @@ TABLE_FILE = Path(__file__).parent / "data" / "onnx_tensorrt_operators.json"
 JETPACK_TENSORRT = {"5.1": "8.5", "6.0": "8.6", "6.1": "10.3", "6.2": "10.3"}
 DLA_RULES_SOURCE = ("TensorRT include/NvInfer.h (TensorRT 10.9 OSS) and NVIDIA's 'DLA Supported Layers and "
                     "Restrictions'")
-_TABLE_TYPE = {TensorProto.FLOAT: "FLOAT32", TensorProto.FLOAT16: "FLOAT16", TensorProto.BFLOAT16: "BFLOAT16",
+_TABLE_TYPE: dict[int, str] = {TensorProto.FLOAT: "FLOAT32", TensorProto.FLOAT16: "FLOAT16", TensorProto.BFLOAT16: "BFLOAT16",
                TensorProto.DOUBLE: "DOUBLE", TensorProto.INT8: "INT8", TensorProto.UINT8: "UINT8",
                TensorProto.INT32: "INT32", TensorProto.INT64: "INT64", TensorProto.BOOL: "BOOL",
                TensorProto.INT4: "INT4", TensorProto.UINT4: "UINT4", TensorProto.FLOAT8E4M3FN: "FP8",

@@ -217,13 +217,13 @@ def precision_breakdown(nodes: list[NodeTiming]) -> dict[str, Any]:
     groups: dict[tuple[str, str], list[NodeTiming]] = {}
     for n in nodes:
         groups.setdefault((n.precision, layer_role(n.op_type, n.name)), []).append(n)
+    ordered = sorted(groups.items(), key=lambda kv: -sum(n.time_ms for n in kv[1]))
     rows = [{"precision": p, "role": r, "layers": len(ns), "time_ms": sum(n.time_ms for n in ns),
-             "share": sum(n.time_ms for n in ns) / total} for (p, r), ns in groups.items()]
-    rows.sort(key=lambda row: -row["time_ms"])
+             "share": sum(n.time_ms for n in ns) / total} for (p, r), ns in ordered]
     quantized = any(n.quantized for n in nodes)
+    fell_back = [n for n in nodes if quantized and not n.quantized and layer_role(n.op_type, n.name) == "compute"]
     fallbacks = [{"name": n.name, "op_type": n.op_type, "precision": n.precision, "time_ms": n.time_ms}
-                 for n in nodes if quantized and not n.quantized and layer_role(n.op_type, n.name) == "compute"]
-    fallbacks.sort(key=lambda f: -f["time_ms"])
+                 for n in sorted(fell_back, key=lambda n: -n.time_ms)]
     return {"rows": rows, "fallbacks": fallbacks}
 
 

@@ -107,7 +107,7 @@ def choose_path(target: Target, extra: dict[str, Any]) -> tuple[str, DeviceInfo 
     trtexec = device.find_trtexec(extra)
     info = device.probe_local(trtexec)
     has_api = device.import_tensorrt() is not None
-    same_gpu = bool(info.sm) and info.sm == getattr(target, "sm", None)
+    same_gpu = bool(info.sm) and info.sm == target.sm
     where = f"this machine's GPU is {info.gpu or 'absent'}" + (f" ({info.sm})" if info.sm else "")
     if forced == "api":
         if not has_api:
@@ -121,7 +121,7 @@ def choose_path(target: Target, extra: dict[str, Any]) -> tuple[str, DeviceInfo 
         info.trtexec = trtexec
         return "trtexec", info, "asked for trtexec"
     if not same_gpu:
-        return "bundle", info, f"{where}; target {target.name!r} needs {getattr(target, 'sm', '?')}"
+        return "bundle", info, f"{where}; target {target.name!r} needs {target.sm or '?'}"
     if has_api:
         return "api", info, "tensorrt Python API, same GPU architecture as the target"
     if trtexec is not None:
@@ -209,7 +209,7 @@ class TensorRTRuntime:
         config: dict[str, Any] = {
             "path": path, "path_reason": why, "settings": settings.to_dict(),
             "trtexec": {"argv": argv, "command": shlex.join(argv), "cwd": "the engine folder"},
-            "target_sm": getattr(target, "sm", None), "target_tensorrt_versions": getattr(target, "tensorrt_versions", None),
+            "target_sm": target.sm, "target_tensorrt_versions": target.tensorrt_versions,
             "session": {"engine": ENGINE_FILE},
         }
         extra_files: dict[str, str] = {}
@@ -237,7 +237,7 @@ class TensorRTRuntime:
             trtexec_cmd = info.trtexec
         if info is None:  # choose_path probes for every path but the bundle, handled above
             raise RuntimeError(f"TensorRT path {path!r} chosen without probing the machine")
-        if info.sm and getattr(target, "sm", None) and info.sm != target.sm:
+        if info.sm and target.sm and info.sm != target.sm:
             raise BadInputError(f"{'the remote ' + remote if remote else 'this machine'} has {info.gpu} ({info.sm}); "
                                 f"target {target.name!r} is {target.sm}: an engine built there would not run on the target")
         if info.tensorrt_version and not target.tensorrt_version_ok(info.tensorrt_version):
@@ -264,6 +264,8 @@ class TensorRTRuntime:
             (out_dir / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
             if path == "api":
                 trt = device.import_tensorrt()
+                if trt is None:  # choose_path picks the API only where it imports
+                    raise UnavailableError("the tensorrt Python package cannot be imported here")
                 notes = build_with_api(trt, onnx_path, settings, out_dir, timing_cache)
                 metrics.update(notes)
             elif remote:
