@@ -648,6 +648,7 @@ open(opts["saveEngine"], "wb").write(b"FAKE-PLAN")
 for key, suffix in (("exportTimes", "timing"), ("exportProfile", "profile"), ("exportLayerInfo", "graph")):
     os.makedirs(os.path.dirname(opts[key]) or ".", exist_ok=True)
     shutil.copy(real + "." + suffix + ".json", opts[key])
+sys.stdout.write(open(real + ".log").read())  # trtexec's log of that run, as its sections read
 print("&&&& PASSED TensorRT.trtexec [TensorRT v100300]")
 '''
 DEVICE_TOOLS = {
@@ -666,7 +667,15 @@ DEVICE_TOOLS = {
 def _fake_orin(tmp_path: Path, clocks_locked: bool = True) -> dict:
     bin_dir = tmp_path / "orin-bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "trtexec").write_text(DEVICE_TRTEXEC.format(python=sys.executable, real=str(REAL_RESNET)))
+    from test_trt_parsers import trtexec_log_from_metadata
+
+    real = tmp_path / "real" / REAL_RESNET.name  # the exports, and the log their metadata describe
+    real.parent.mkdir(exist_ok=True)
+    for suffix in ("timing", "profile", "graph"):
+        shutil.copy(f"{REAL_RESNET}.{suffix}.json", f"{real}.{suffix}.json")
+    Path(f"{real}.log").write_text(trtexec_log_from_metadata(Path(f"{REAL_RESNET}.build.metadata.json"),
+                                                             Path(f"{REAL_RESNET}.profile.metadata.json")))
+    (bin_dir / "trtexec").write_text(DEVICE_TRTEXEC.format(python=sys.executable, real=str(real)))
     for name, body in DEVICE_TOOLS.items():
         body = body.replace("{gpu_max}", "1300500000" if clocks_locked else "306000000")
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
@@ -702,6 +711,10 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     assert r.latency_ms.count == 178 and r.latency_ms.p50 == pytest.approx(0.88269, abs=1e-6)
     assert (r.quantized_nodes, r.total_nodes) == (21, 37)
     assert [f["name"] for f in r.settings["precision_breakdown"]["fallbacks"]] == ["MaxPool_12", "GlobalAveragePool_246"]
+    # trtexec's own summary (its log) sits beside edgekit's statistics of the same run
+    log = r.settings["trtexec_log"]
+    assert log["build_options"]["Precision"] == "FP32+FP16+INT8"
+    assert log["performance_summary"]["GPU Compute Time"]["median"] == pytest.approx(r.latency_ms.p50, rel=0.001)
     # check, profile and report read it like any profile
     runner = CliRunner()
     res = runner.invoke(cli, ["profile", str(alone), "--json", str(tmp_path / "p.json")])

@@ -199,3 +199,48 @@ def test_real_precision_report_mobilenet_v2_titan_rtx():
     # one slow inference (0.598 ms) pushes the CV of GPU compute time over trtexec's 2.5 %
     assert r.latency_ms.max == pytest.approx(0.598404)
     assert any(w.startswith("GPU compute time varies: coefficient of variation 4.8%") for w in r.warnings)
+
+
+def trtexec_log_from_metadata(build_meta: Path, profile_meta: Path) -> str:
+    """A trtexec log in trtexec's own line format (samples/common/sampleReporting.cpp and
+    sampleOptions.cpp), RECONSTRUCTED from the values Engine Explorer kept of a real run's log."""
+    stamp = "[06/03/2022-10:00:00] [I] "
+    b, p = json.loads(build_meta.read_text()), json.loads(profile_meta.read_text())
+    lines = [f"{stamp}=== Build Options ==="] + [f"{stamp}{k}: {v}" for k, v in b["build_options"].items()]
+    lines += [f"{stamp}=== Device Information ==="] + [f"{stamp}{k}: {v}" for k, v in p["device_information"].items()]
+    lines += [f"{stamp}", f"{stamp}=== Performance summary ===", f"{stamp}Throughput: {p['performance_summary']['Throughput']} qps"]
+    for key in ("Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency"):
+        v = p["performance_summary"][key]
+        pct = ", ".join(f"percentile({q}%) = {x} ms" for q, x in zip((90, 95, 99)[-(len(v) - 4):], v[4:]))
+        lines.append(f"{stamp}{key}: min = {v[0]} ms, max = {v[1]} ms, mean = {v[2]} ms, median = {v[3]} ms, {pct}")
+    lines.append(f"{stamp}Total Host Walltime: {p['performance_summary']['Total Host Walltime']} s")
+    return "\n".join(lines + ["&&&& PASSED TensorRT.trtexec"]) + "\n"
+
+
+def test_real_build_and_profile_metadata():
+    build = tp.read_trex_metadata(f"{RESNET}.build.metadata.json")
+    assert build["build_options"]["Precision"] == "FP32+FP16+INT8"
+    prof = tp.read_trex_metadata(f"{RESNET}.profile.metadata.json")
+    assert prof["device_information"]["Selected Device"] == "NVIDIA A100 80GB PCIe"
+    assert prof["device_information"]["Compute Capability"] == 8.0
+    # TensorRT 8.2 printed min, max, mean, median and the 99th percentile ...
+    assert prof["performance_summary"]["GPU Compute Time"] == {"min": 0.878601, "max": 0.889893, "mean": 0.882274,
+                                                              "median": 0.882568, "p99": 0.884766}
+    # ... later releases the 90th and 95th too
+    mob = tp.read_trex_metadata(f"{MOBILENET}.profile.metadata.json")["performance_summary"]["Latency"]
+    assert (mob["p90"], mob["p95"], mob["p99"]) == (0.26123, 0.278473, 0.38501)
+    with pytest.raises(BadInputError, match="is not Engine Explorer metadata"):
+        tp.read_trex_metadata(f"{RESNET}.profile.json")
+
+
+def test_trtexec_log_sections(tmp_path):
+    log = tmp_path / "trtexec.log"
+    log.write_text(trtexec_log_from_metadata(Path(f"{RESNET}.build.metadata.json"), Path(f"{MOBILENET}.profile.metadata.json")))
+    sections = tp.read_trtexec_log(log)
+    assert sections["build_options"]["Precision"] == "FP32+FP16+INT8"
+    assert sections["device_information"]["Selected Device"] == "NVIDIA TITAN RTX"
+    perf = sections["performance_summary"]
+    assert perf["Throughput"] == pytest.approx(float(json.loads(Path(f"{MOBILENET}.profile.metadata.json").read_text())
+                                                     ["performance_summary"]["Throughput"]))
+    assert perf["Latency"] == {"min": 0.255981, "max": 0.901474, "mean": 0.263917, "median": 0.25824, "p90": 0.26123,
+                               "p95": 0.278473, "p99": 0.38501}

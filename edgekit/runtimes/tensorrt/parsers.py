@@ -40,9 +40,11 @@ from edgekit.runtimes.base import NodeTiming, RecordedRun
 TIMES_JSON = "trtexec_times.json"
 PROFILE_JSON = "trtexec_profile.json"
 LAYERS_JSON = "trtexec_layers.json"
+LOG_FILE = "trtexec.log"
 QUANTIZED_PRECISIONS = ("int8", "uint8", "int4", "fp8", "fp4")
-# trtexec warns when the coefficient of variation of GPU compute time exceeds this.
-TRTEXEC_CV_THRESHOLD = 0.025
+# trtexec warns when the coefficient of variation of GPU compute time exceeds 1 %
+# (kUNSTABLE_PERF_REPORTING_THRESHOLD in TensorRT's samples/common/sampleReporting.cpp).
+TRTEXEC_CV_THRESHOLD = 0.01
 
 # Ordered: more specific names first ("BFloat16" before "Float", "UInt8" before "Int8").
 _DTYPE_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -250,6 +252,74 @@ def read_layer_info(path: str | Path) -> list[LayerInfo]:
     return out
 
 
+# --- the log: build options, device, performance summary ----------------------------------------
+
+_LOG_LINE = re.compile(r"^\[\d+/\d+/\d+-\d+:\d+:\d+\] \[I\] (.*)$")
+_SECTIONS = {"Model Options": "model_options", "Build Options": "build_options",
+             "Inference Options": "inference_options", "Device Information": "device_information",
+             "Performance summary": "performance_summary"}
+_STAT = re.compile(r"(min|max|mean|median|percentile\((\d+(?:\.\d+)?)%\))\s*=\s*([-+0-9.eE]+)")
+# Engine Explorer's metadata keeps a stats line as a bare list, in trtexec's printing order.
+_TREX_STAT_ORDER = {5: ("min", "max", "mean", "median", "p99"), 7: ("min", "max", "mean", "median", "p90", "p95", "p99")}
+_STAT_LINES = ("Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency")
+
+
+def _parse_stats(text: str) -> dict[str, float]:
+    """``min = 0.87 ms, max = ..., percentile(99%) = 0.88 ms`` -> {"min", "max", ..., "p99"}."""
+    out = {}
+    for name, pct, value in _STAT.findall(text):
+        key = f"p{pct.rstrip('0').rstrip('.') if '.' in pct else pct}" if pct else name
+        out[key] = float(value)
+    return out
+
+
+def read_trtexec_log(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The option, device and performance sections of a trtexec log (``trtexec ... | tee log``):
+    {"build_options": {"Precision": "FP32+FP16+INT8", ...}, "device_information": {"Selected Device":
+    ..., "Compute Capability": "8.7", ...}, "performance_summary": {"Throughput": 1130.0,
+    "GPU Compute Time": {"min", "max", "mean", "median", "p90", "p95", "p99"}, ...}, ...}."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"trtexec log {str(p)!r} does not exist")
+    out: dict[str, dict[str, Any]] = {}
+    section: dict[str, Any] | None = None
+    for raw in p.read_text(errors="replace").splitlines():
+        m = _LOG_LINE.match(raw.strip())
+        text = m.group(1).strip() if m else ""
+        header = re.fullmatch(r"=== (.+) ===", text)
+        if header:
+            key = _SECTIONS.get(header.group(1))
+            section = out.setdefault(key, {}) if key else None
+            continue
+        if section is None or ":" not in text:
+            section = None if not m else section
+            continue
+        key, value = (x.strip() for x in text.split(":", 1))
+        if key in _STAT_LINES:
+            section[key] = _parse_stats(value)
+        elif key in ("Throughput", "Total Host Walltime", "Total GPU Compute Time"):
+            number = re.match(r"[-+0-9.eE]+", value)
+            section[key] = float(number.group(0)) if number else value
+        else:
+            section[key] = value
+    return out
+
+
+def read_trex_metadata(path: str | Path) -> dict[str, dict[str, Any]]:
+    """TensorRT Engine Explorer's ``*.build.metadata.json`` / ``*.profile.metadata.json`` (the
+    same log sections, stats as bare lists) in ``read_trtexec_log``'s form."""
+    data = _load_json(path, "Engine Explorer metadata")
+    if not isinstance(data, dict) or not any(k in data for k in _SECTIONS.values()):
+        raise BadInputError(f"{path} is not Engine Explorer metadata (no {', '.join(_SECTIONS.values())} section)")
+    out = {k: dict(v) for k, v in data.items() if k in _SECTIONS.values() and isinstance(v, dict)}
+    perf = out.get("performance_summary", {})
+    for key in _STAT_LINES:
+        values = perf.get(key)
+        if isinstance(values, list) and len(values) in _TREX_STAT_ORDER:
+            perf[key] = dict(zip(_TREX_STAT_ORDER[len(values)], (float(v) for v in values), strict=True))
+    return out
+
+
 # --- into a RecordedRun ---------------------------------------------------------------------
 
 def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo] | None) -> list[NodeTiming]:
@@ -363,6 +433,15 @@ def recorded_run_from_folder(folder: str | Path, manifest: Manifest | None = Non
         settings = {"precision": manifest.config.get("precision"), "trt_path": manifest.config.get("path"),
                     "trtexec_command": trt.get("command")}
         warmup_ms = build.get("warmup_ms")  # TensorRT 8 files keep the warm-up records
-    return recorded_run_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
-                                     engine=str(folder), target=target, model=model, settings=settings, metric=metric,
-                                     warmup_ms=warmup_ms)
+    run = recorded_run_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
+                                    engine=str(folder), target=target, model=model, settings=settings, metric=metric,
+                                    warmup_ms=warmup_ms)
+    log = found["times"].parent / LOG_FILE
+    if log.is_file():  # trtexec's own account: build options, device, its performance summary
+        sections = read_trtexec_log(log)
+        if sections:
+            run.settings["trtexec_log"] = sections
+            device = sections.get("device_information", {})
+            if device.get("Selected Device"):
+                run.machine.setdefault("gpu", device["Selected Device"])
+    return run

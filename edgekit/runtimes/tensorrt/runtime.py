@@ -386,7 +386,7 @@ class TensorRTRuntime:
         results = results_dir_of(Path(folder))
         if results is not None:  # written by a bundle's build.sh: measured on the device itself
             state, warnings = read_machine_state(results)
-            run.source, run.machine = "device", state
+            run.source, run.machine = "device", {**run.machine, **state}
             run.warnings = warnings + run.warnings
             run.settings["measured_by"] = "trtexec on the device (build.sh of an edgekit bundle)"
         return run
