@@ -1,11 +1,13 @@
-"""TensorRT runtime (issue 7): precision checks, the exact trtexec command line, build
-bundles, the engine cache, the Python-API path against a FAKE ``tensorrt`` module, the
-trtexec path against a FAKE ``trtexec`` script, and ONNX Runtime GPU provider options.
+"""TensorRT runtime: precision checks, the exact trtexec command line, build bundles, the engine
+cache, the Python-API path against a FAKE ``tensorrt`` module, the trtexec path against a FAKE
+``trtexec`` script, the device loop (bundle -> build.sh on a fake Orin -> results folder ->
+profile, check, report, run) and ONNX Runtime GPU provider options.
 
-Nothing here ran real TensorRT: it cannot be installed on these machines. The fake
-``tensorrt`` module implements exactly the calls edgekit makes (and records them); the
-fake trtexec writes the hand-written fixtures of tests/fixtures/trtexec. Tests that need
-real TensorRT are marked ``tensorrt`` and skip without it.
+Nothing here ran real TensorRT: it cannot be installed on these machines. The fake ``tensorrt``
+module implements exactly the calls edgekit makes (and records them); the fake trtexec writes
+the hand-written fixtures of tests/fixtures/trtexec, and the fake Orin's trtexec the real
+exports of tests/fixtures/trtexec/real. Tests that need real TensorRT are marked ``tensorrt``
+and skip without it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Parsers of trtexec's --exportTimes / --exportProfile / --exportLayerInfo JSON (issue 7).
+"""Parsers of trtexec's --exportTimes / --exportProfile / --exportLayerInfo JSON, its log and
+TensorRT Engine Explorer's metadata.
 
-The fixtures in tests/fixtures/trtexec/ are HAND-WRITTEN in the format documented by
-TensorRT's sampleReporting.cpp and trt-engine-explorer; no real trtexec produced them
-(TensorRT cannot be installed here). They stand for an INT8 Q/DQ CNN on a GPU and for a
-DLA engine with one layer that fell back to the GPU.
+tests/fixtures/trtexec/real/ holds files written by real TensorRT runs (NVIDIA's TensorRT Engine
+Explorer: ResNet-18 QAT on an A100, MobileNetV2 QAT on a TITAN RTX; origin and licence in its
+README); the per-layer precision report is asserted on them. The files at the top of
+tests/fixtures/trtexec/ are hand-written in the documented format (a small INT8 CNN, and a DLA
+engine with a GPU fallback, for which no real export is public).
 """
 from __future__ import annotations
 
