@@ -143,7 +143,10 @@ def test_cli_lint_exit_codes_table_and_json(tmp_path):
     assert data["exit_code"] == 1 and data["tensorrt_version"] == "8.5" and data["findings"][0]["node"] == "ln"
     same = runner.invoke(cli, ["lint", str(path), "--target", "jetson-agx-orin-64", "--tensorrt", "8.5"])
     assert same.exit_code == 1 and same.output.strip().endswith("would fail on the device: 1 errors, 0 warnings")
-    for args, message in ((["lint", str(tmp_path / "nope.onnx"), "--target", "jetson-agx-orin-64"],
+    (tmp_path / "garbage.onnx").write_text("not a model")
+    for args, message in ((["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64"],
+                           "garbage.onnx is not an ONNX model"),
+                          (["lint", str(tmp_path / "nope.onnx"), "--target", "jetson-agx-orin-64"],
                            "is neither an ONNX file nor an edgekit folder"),
                           (["lint", str(path), "--target", "cpu"], "unknown target for a TensorRT check")):
         res = runner.invoke(cli, args)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from edgekit.artifact import is_artifact, read_manifest
@@ -219,7 +220,7 @@ def lint_onnx(onnx_path: str | Path, target: Target | str, *, tensorrt_version: 
         raise BadInputError(f"ONNX file {str(path)!r} does not exist")
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except (onnx.onnx_cpp2py_export.checker.ValidationError, OSError, ValueError) as e:  # type: ignore[attr-defined]
+    except (DecodeError, OSError, ValueError) as e:
         raise BadInputError(f"{path} is not an ONNX model ({e})") from None
     if dla_core is not None:
         cores = int(target.dla_cores or 0)
