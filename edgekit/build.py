@@ -97,7 +97,7 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
         feeds = handle.sample_inputs(options.batch)
         _save_inputs(tmp / INPUTS_FILE, feeds)
         files["inputs"] = INPUTS_FILE
-        if getattr(runtime, "input_format", "onnx") == "onnx":
+        if runtime.input_format == "onnx":
             if onnx_artifact is not None:
                 shutil.copytree(onnx_artifact, tmp / ONNX_DIR)
             else:

@@ -164,7 +164,15 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
-    click.echo(f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
+    for line in m.config.get("messages", []):
+        click.echo(line)
+    check_summary = (m.metrics.get("tensorrt_check") or {}).get("summary")
+    if check_summary:
+        click.echo(check_summary)
+    for w in m.metrics.get("warnings", []):
+        click.echo(f"warning: {w}")
+    status = (m.config.get("status") or {}).get("summary")
+    click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
 
 @cli.command()
@@ -204,8 +212,46 @@ def _print_profile(result: Any, top_k: int) -> None:
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
                   f"time in float nodes: {result.float_share:.1%}")
+    breakdown = result.settings.get("precision_breakdown")
+    if breakdown:
+        con.print(_table("where the time goes, by precision", ["precision", "layers", "kind", "ms", "share"],
+                         [[r["precision"], r["layers"], r["role"], f"{r['time_ms']:.4f}", f"{r['share']:.1%}"]
+                          for r in breakdown["rows"]]))
+    if result.source == "device":
+        m = result.machine
+        clocks = {True: "clocks locked", False: "clocks NOT locked"}.get(m.get("clocks_locked"), "clocks not recorded")
+        con.print(f"measured on the device: {m.get('board') or m.get('gpu') or 'unknown device'}"
+                  + (f" ({m['sm']})" if m.get("sm") else "") + f", JetPack {m.get('jetpack') or 'not recorded'}, "
+                  f"TensorRT {m.get('tensorrt_version') or 'not recorded'}, power mode "
+                  f"{m.get('power_mode') or 'not recorded'}, {clocks}")
     for w in result.warnings:
         con.print(f"[yellow]warning:[/] {w}")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--target", "target", required=True, help="A target with the tensorrt runtime (name or YAML file).")
+@click.option("--tensorrt", "tensorrt_version", default=None,
+              help="Check against this TensorRT version (e.g. 8.5) instead of the one the target's JetPack pins.")
+@click.option("--dla-core", type=int, default=None, help="Also list the layers that fall back from this DLA core.")
+@click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
+         as_json: bool) -> int:
+    """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
+    Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
+    from edgekit.runtimes.tensorrt.lint import lint_model
+
+    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return report.exit_code
+    if report.findings:
+        _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
+                                                                                  "what to do"],
+                                [[f.severity, f.node, f.op_type, f.why, f.fix] for f in report.findings]))
+    click.echo(report.summary())
+    return report.exit_code
 
 
 @cli.command()

@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError
-from edgekit.runtimes.base import NodeTiming
+from edgekit.runtimes import RUNTIMES, get_runtime
+from edgekit.runtimes.base import NodeTiming, RecordedRun, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
 ORDERED_STATS = ("min", "p50", "p90", "p95", "p99", "max")
-PROFILE_SOURCES = ("measured", "trtexec", "estimated")
+PROFILE_SOURCES = ("measured", "device", "trtexec", "estimated")
 PROFILE_MAX_BYTES = 64 << 20
 MAX_WARMUP_MS = 600_000.0  # 10 minutes
 MAX_DURATION_S = 3600.0
@@ -152,7 +153,7 @@ class ProfileResult:
     model_size_mb: float | None = None
     machine: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    source: str = "measured"  # "measured" | "trtexec" | "estimated"
+    source: str = "measured"  # "measured" here | "device" (results from the target) | "trtexec" | "estimated"
     created: str = ""
 
     def __post_init__(self) -> None:
@@ -277,6 +278,42 @@ def measure(engine: Any, feeds: dict[str, np.ndarray], config: ProfileConfig, *,
         created=now_iso())
 
 
+def profile_from_recorded(run: RecordedRun, top_k: int | None = None) -> ProfileResult:
+    """The ProfileResult of timings a runtime's own tool recorded (trtexec on the device):
+    the same statistics, node summary and warnings as a local measurement."""
+    from edgekit.artifact import now_iso
+
+    stats = LatencyStats.from_samples(run.latency_ms)
+    total_nodes = len(run.nodes)
+    top, op_types, float_share, quantized = summarize_nodes(list(run.nodes), top_k)
+    throughput = run.throughput_per_s if run.throughput_per_s is not None else (
+        1e3 / stats.mean if stats.mean > 0 else 0.0)
+    return ProfileResult(engine=run.engine, runtime=run.runtime, target=run.target,
+                         model=run.model, settings=dict(run.settings), latency_ms=stats, throughput_per_s=throughput,
+                         nodes=top, op_types=op_types, float_share=float_share, quantized_nodes=quantized,
+                         total_nodes=total_nodes, machine=dict(run.machine), warnings=list(run.warnings),
+                         source=run.source, created=now_iso())
+
+
+def device_measurement(folder: str | os.PathLike[str], top_k: int | None = 15) -> ProfileResult | None:
+    """The device's own measurement in ``folder`` (a bundle whose script ran on the device, or
+    its results folder), or None when there is none. Pipelines prefer it over an estimate."""
+    folder = Path(folder)
+    try:
+        manifest = read_folder_manifest(folder)
+    except BadInputError:
+        return None
+    if manifest.config.get("runtime") not in RUNTIMES:
+        return None
+    try:
+        recorded = get_runtime(manifest.config["runtime"]).recorded_run(folder, manifest)
+    except BadInputError:  # a bundle whose script has not run yet
+        return None
+    if recorded is None or recorded.source != "device":
+        return None
+    return profile_from_recorded(recorded, top_k)
+
+
 def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
                    out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
     """Profile an engine folder with the trtexec method; the same for every runtime.
@@ -289,21 +326,20 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
     """
-    from edgekit.artifact import read_manifest
     from edgekit.build import load_engine, load_engine_inputs
     from edgekit.runtimes.base import check_feeds
 
     config = config or ProfileConfig()
     engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir)
-    if manifest.config.get("runtime") == "tensorrt":  # trtexec's JSON results (issue 7)
-        from edgekit.runtimes.tensorrt import RUNTIME as _tensorrt
-
-        trt_result = _tensorrt.profile(engine_dir, manifest, top_k=config.top_k)
-        if trt_result is not None:
+    manifest = read_folder_manifest(engine_dir)  # an engine, a bundle, or a device results folder
+    if manifest.kind in ("engine", "bundle") and manifest.config.get("runtime") in RUNTIMES:
+        # Timings the runtime's own tool recorded (on the device): summarized, not re-measured.
+        recorded = get_runtime(manifest.config["runtime"]).recorded_run(engine_dir, manifest)
+        if recorded is not None:
+            result = profile_from_recorded(recorded, config.top_k)
             if out_json is not None:
-                trt_result.save(out_json)
-            return trt_result
+                result.save(out_json)
+            return result
     if manifest.kind != "engine":
         raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact; profile takes an engine folder "
                             "(build one with `edgekit build`)")
@@ -316,7 +352,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         check_feeds(engine.inputs, feeds)
         with _timing_progress(config) as progress:
             result = measure(engine, feeds, config, engine_name=str(engine_dir), runtime=manifest.config.get(
-                "runtime", getattr(engine, "runtime", "?")), target=manifest.target,
+                "runtime", engine.runtime), target=manifest.target,
                 model=manifest.model.get("name"), model_size_mb=_engine_size_mb(engine_dir, manifest),
                 progress=progress)
         rss_after = _current_rss_mb()
@@ -325,7 +361,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     result.settings.update({
         "method": "trtexec: warm-up by time, then >= iterations and >= duration; separate node-profiling run",
         "cv_warning_threshold": CV_WARNING, "precision": manifest.config.get("precision"),
-        "engine_settings": getattr(engine, "settings", manifest.config.get("session", {})),
+        "engine_settings": engine.settings,
         "load_seconds": round(load_s, 3),
         "input_shapes": {k: list(v.shape) for k, v in feeds.items()},
         "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,

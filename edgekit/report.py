@@ -80,6 +80,10 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
             summary["artifacts"].append({"folder": str(folder), "kind": m.kind, "model": name, "target": m.target,
                                          "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
         lines.append("")
+        for folder, m in data.artifacts:  # what a runtime did not do (a bundle: nothing built or measured)
+            status = m.config.get("status") or {}
+            if status.get("built") is False:
+                lines += [f"> {_rel(folder, data.folder)}: {status.get('summary')}", ""]
     for path, prof in data.profiles:
         s = prof.latency_ms
         lines += [f"## Latency: {prof.model or '-'} on {prof.target or '-'} ({prof.runtime}, {prof.source})", "",
@@ -90,6 +94,12 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
                   f"| {_fmt(s.min)} | {_fmt(s.mean)} | {_fmt(s.p50)} | {_fmt(s.p90)} | {_fmt(s.p95)} | {_fmt(s.p99)} "
                   f"| {_fmt(s.max)} | {_fmt(s.std)} | {s.cv:.1%} | {prof.throughput_per_s:.1f}/s |",
                   "", f"All times in ms over {s.count} timed inferences."]
+        if prof.source == "device":
+            mc = prof.machine
+            lines.append(f"Measured on the device: {mc.get('board') or mc.get('gpu') or 'unknown'}, JetPack "
+                         f"{mc.get('jetpack') or 'not recorded'}, TensorRT {mc.get('tensorrt_version') or 'not recorded'}, "
+                         f"power mode {mc.get('power_mode') or 'not recorded'}, clocks "
+                         + {True: "locked", False: "not locked"}.get(mc.get("clocks_locked"), "not recorded") + ".")
         if prof.model_size_mb is not None or prof.peak_memory_mb is not None:
             lines.append(f"Model size {_fmt(prof.model_size_mb, 2)} MB; peak memory {_fmt(prof.peak_memory_mb, 1)} MB.")
         if prof.float_share is not None:

@@ -89,7 +89,7 @@ def test_non_finite_latency_is_bad_input_not_a_failed_check(tmp_path, literal):
     ({"latency_ms": {**STATS, "p999": 6.0}}, "latency_ms.p999: unknown field (known: count, cv, max, mean, min, p50,"),
     ({"latency_ms": [1, 2, 3]}, "latency_ms: must be a mapping of fields, got [1, 2, 3]"),
     ({"throughput_per_s": -5}, "throughput_per_s: must be >= 0, got -5"),
-    ({"source": "guessed"}, "source: unknown source 'guessed' (choose from measured, trtexec, estimated)"),
+    ({"source": "guessed"}, "source: unknown source 'guessed' (choose from measured, device, trtexec, estimated)"),
     ({"float_share": 1.5}, "float_share: must be a share in [0, 1], got 1.5"),
     ({"quantized_nodes": 5, "total_nodes": 3}, "quantized_nodes: 5 exceeds total_nodes 3"),
     ({"nodes": [{"name": "a", "op_type": "Conv", "time_ms": -1.0}]}, "nodes[0].time_ms: must be >= 0, got -1.0"),

@@ -93,7 +93,7 @@ def test_alias_bomb_is_refused_at_once_with_one_line(tmp_path, where):
     ("build", {"threds": 1}, "stage 'mlp' build.threds: unknown option (known: batch, extra, optimization_level, "
                              "precision, runtime, threads; did you mean 'threads'?)"),
     ("build", {"extra": {"workspace": 64}}, "stage 'mlp' build.extra.workspace: unknown option (known: "
-                                            "build_timeout, builder_optimization_level,"),
+                                            "accuracy_samples, build_timeout, builder_optimization_level,"),
 ])
 def test_unknown_export_and_build_options_fail_the_dry_run_and_the_run_alike(tmp_path, section, value, message):
     # Before: --dry-run said "plan OK" and the real run crashed with a TypeError traceback.

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from edgekit.errors import BadInputError, UnavailableError
-from edgekit.remote import RemoteHost, remote_build, remote_profile
+from edgekit.remote import remote_build, remote_profile
+from edgekit.runtimes.tensorrt.device import require_remote_tensorrt
+from edgekit.ssh import RemoteHost
 
 SSHD = "/usr/sbin/sshd"
 pytestmark = pytest.mark.ssh
@@ -119,7 +121,7 @@ def test_remote_errors(sshd, tmp_path):
     with pytest.raises(UnavailableError, match="command timed out after 1 s"):
         host.run("sleep 5", timeout=1)
     with pytest.raises(UnavailableError, match="lacks TensorRT"):
-        host.require_tensorrt()
+        require_remote_tensorrt(host)
     with pytest.raises(BadInputError, match=r"on .*@127.0.0.1: unknown target 'no-such-board'"):
         remote_build("efficientnet-lite0", "no-such-board", tmp_path / "x", host)
     assert not (tmp_path / "x").exists()  # nothing half-written

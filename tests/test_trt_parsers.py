@@ -1,9 +1,11 @@
-"""Parsers of trtexec's --exportTimes / --exportProfile / --exportLayerInfo JSON (issue 7).
+"""Parsers of trtexec's --exportTimes / --exportProfile / --exportLayerInfo JSON, its log and
+TensorRT Engine Explorer's metadata.
 
-The fixtures in tests/fixtures/trtexec/ are HAND-WRITTEN in the format documented by
-TensorRT's sampleReporting.cpp and trt-engine-explorer; no real trtexec produced them
-(TensorRT cannot be installed here). They stand for an INT8 Q/DQ CNN on a GPU and for a
-DLA engine with one layer that fell back to the GPU.
+tests/fixtures/trtexec/real/ holds files written by real TensorRT runs (NVIDIA's TensorRT Engine
+Explorer: ResNet-18 QAT on an A100, MobileNetV2 QAT on a TITAN RTX; origin and licence in its
+README); the per-layer precision report is asserted on them. The files at the top of
+tests/fixtures/trtexec/ are hand-written in the documented format (a small INT8 CNN, and a DLA
+engine with a GPU fallback, for which no real export is public).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import numpy as np
 import pytest
 
 from edgekit.errors import BadInputError
-from edgekit.profiling import ProfileResult
-from edgekit.runtimes import trt_parsers as tp
+from edgekit.profiling import ProfileResult, profile_from_recorded
+from edgekit.runtimes.tensorrt import parsers as tp
 
 FIX = Path(__file__).parent / "fixtures" / "trtexec"
 
@@ -71,8 +73,9 @@ def test_read_profile_and_layers():
 
 
 def test_profile_from_trtexec_int8():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "int8_profile.json",
-                                layers=FIX / "int8_layers.json", engine="e", target="h100-sxm", model="tiny")
+    r = profile_from_recorded(tp.recorded_run_from_trtexec(
+        times=FIX / "int8_times.json", profile=FIX / "int8_profile.json", layers=FIX / "int8_layers.json", engine="e",
+        target="h100-sxm", model="tiny"))
     assert r.source == "trtexec" and r.runtime == "tensorrt"
     lat = np.array([x["latencyMs"] for x in json.loads((FIX / "int8_times.json").read_text())])
     assert r.latency_ms.count == 60
@@ -97,15 +100,15 @@ def test_profile_from_trtexec_int8():
 
 
 def test_profile_compute_metric():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", metric="compute")
+    r = profile_from_recorded(tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", metric="compute"))
     assert r.latency_ms.min == pytest.approx(0.412) and r.nodes == []
     with pytest.raises(BadInputError, match="unknown trtexec metric 'gpu'"):
-        tp.profile_from_trtexec(times=FIX / "int8_times.json", metric="gpu")
+        tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", metric="gpu")
 
 
 def test_dla_fallback_reported():
-    r = tp.profile_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "dla_profile.json",
-                                layers=FIX / "dla_layers.json")
+    r = tp.recorded_run_from_trtexec(times=FIX / "int8_times.json", profile=FIX / "dla_profile.json",
+                                     layers=FIX / "dla_layers.json")
     assert any("1 layers run on the GPU, not the DLA: softmax" in w for w in r.warnings)
 
 
@@ -116,10 +119,10 @@ def test_profile_from_folder(tmp_path):
     shutil.copy(FIX / "int8_times.json", tmp_path / "results" / tp.TIMES_JSON)
     shutil.copy(FIX / "int8_profile.json", tmp_path / "results" / tp.PROFILE_JSON)
     shutil.copy(FIX / "int8_layers.json", tmp_path / "results" / tp.LAYERS_JSON)
-    r = tp.profile_from_folder(tmp_path)
+    r = profile_from_recorded(tp.recorded_run_from_folder(tmp_path))
     assert r.quantized_nodes == 3 and r.latency_ms.count == 60
     with pytest.raises(BadInputError, match="has no trtexec results"):
-        tp.profile_from_folder(tmp_path / "results" / "nothing")
+        tp.recorded_run_from_folder(tmp_path / "results" / "nothing")
 
 
 def test_bad_files(tmp_path):
@@ -137,3 +140,109 @@ def test_bad_files(tmp_path):
         tp.read_layer_info(bad)
     with pytest.raises(BadInputError, match="does not exist"):
         tp.read_profile(tmp_path / "missing.json")
+
+
+# --- real trtexec exports (NVIDIA's TensorRT Engine Explorer; see fixtures/trtexec/README.md) ---
+
+REAL = FIX / "real"
+RESNET = REAL / "resnet-qat-a100" / "resnet-qat.onnx.engine"
+MOBILENET = REAL / "mobilenet-v2-residuals-qat-titanrtx" / "mobilenet_v2_residuals.qat.onnx.engine"
+
+
+def test_real_layer_info_and_profile_resnet_qat_a100():
+    info = {li.name: li for li in tp.read_layer_info(f"{RESNET}.graph.json")}
+    count, layers = tp.read_profile(f"{RESNET}.profile.json")
+    assert len(info) == 37 and count == 1 and len(layers) == 37
+    conv = info["layer1.0.conv2.weight + QuantizeLinear_32 + Conv_34 + Add_36 + Relu_37"]
+    assert (conv.op_type, conv.layer_type, conv.precision, conv.quantized, conv.role) == (
+        "Convolution", "CaskConvolution", "int8", True, "compute")
+    q = info["QuantizeLinear_2"]  # fp32 input -> int8: a Q/DQ reformat, not int8 compute
+    assert (q.origin, q.precision, q.quantized, q.role) == ("QDQ", "fp32", False, "reformat")
+    pool = info["MaxPool_12"]  # conv1 writes fp32, so the max-pool runs in fp32
+    assert (pool.op_type, pool.precision, pool.quantized) == ("Pooling", "fp32", False)
+    assert layers[1].name == "conv1.weight + QuantizeLinear_7 + Conv_9" and layers[1].average_ms == pytest.approx(0.201728)
+
+
+def test_real_precision_report_resnet_qat_a100():
+    run = tp.recorded_run_from_trtexec(times=f"{RESNET}.timing.json", profile=f"{RESNET}.profile.json",
+                                       layers=f"{RESNET}.graph.json", warmup_ms=200)
+    r = profile_from_recorded(run)
+    # 21 convolutions (conv + Q + add + relu fused) compute in int8; 2 pooling layers fell back
+    assert (r.quantized_nodes, r.total_nodes) == (21, 37)
+    rows = {(row["precision"], row["role"]): row for row in run.settings["precision_breakdown"]["rows"]}
+    assert rows[("int8", "compute")]["layers"] == 21
+    assert rows[("int8", "compute")]["time_ms"] == pytest.approx(0.710656, abs=1e-6)
+    assert rows[("fp16", "reformat")]["layers"] == 10 and rows[("fp32", "reformat")]["layers"] == 2
+    assert rows[("int8", "noop")]["time_ms"] == 0.0
+    fallbacks = run.settings["precision_breakdown"]["fallbacks"]
+    assert [(f["name"], f["precision"]) for f in fallbacks] == [("MaxPool_12", "fp32"), ("GlobalAveragePool_246", "fp16")]
+    assert fallbacks[0]["time_ms"] == pytest.approx(0.095232)
+    assert r.float_share == pytest.approx(1 - 0.710656 / 1.095680, abs=1e-6)
+    assert any(w.startswith("2 compute layers of this quantized engine run in float: MaxPool_12 (fp32, 0.095 ms)")
+               for w in r.warnings)
+    # TensorRT 8 keeps the warm-up in --exportTimes: 222 of the first 400 records start before 200 ms
+    assert run.settings["dropped_warmup_records"] == 222 and r.latency_ms.count == 178
+    assert r.latency_ms.p50 == pytest.approx(0.88269, abs=1e-6) and r.latency_ms.max == pytest.approx(0.884735)
+    # batch 32 at 0.88 ms: the summary trtexec printed for the whole run (metadata) agrees
+    meta = json.loads(Path(f"{RESNET}.profile.metadata.json").read_text())["performance_summary"]
+    assert meta["GPU Compute Time"][3] == pytest.approx(r.latency_ms.p50, rel=0.01)
+
+
+def test_real_precision_report_mobilenet_v2_titan_rtx():
+    run = tp.recorded_run_from_trtexec(times=f"{MOBILENET}.timing.json", profile=f"{MOBILENET}.profile.json",
+                                       layers=f"{MOBILENET}.graph.json", warmup_ms=200)
+    r = profile_from_recorded(run)
+    assert run.settings["profiled_iterations"] == 8657
+    assert (r.quantized_nodes, r.total_nodes) == (53, 58)
+    assert [f["name"] for f in run.settings["precision_breakdown"]["fallbacks"]] == ["GlobalAveragePool_747"]
+    assert r.float_share == pytest.approx(0.049437, abs=1e-6)
+    assert run.settings["dropped_warmup_records"] == 0 and r.latency_ms.count == 400
+    assert r.latency_ms.p50 == pytest.approx(0.346527, abs=1e-6)
+    # one slow inference (0.598 ms) pushes the CV of GPU compute time over trtexec's 2.5 %
+    assert r.latency_ms.max == pytest.approx(0.598404)
+    assert any(w.startswith("GPU compute time varies: coefficient of variation 4.8%") for w in r.warnings)
+
+
+def trtexec_log_from_metadata(build_meta: Path, profile_meta: Path) -> str:
+    """A trtexec log in trtexec's own line format (samples/common/sampleReporting.cpp and
+    sampleOptions.cpp), RECONSTRUCTED from the values Engine Explorer kept of a real run's log."""
+    stamp = "[06/03/2022-10:00:00] [I] "
+    b, p = json.loads(build_meta.read_text()), json.loads(profile_meta.read_text())
+    lines = [f"{stamp}=== Build Options ==="] + [f"{stamp}{k}: {v}" for k, v in b["build_options"].items()]
+    lines += [f"{stamp}=== Device Information ==="] + [f"{stamp}{k}: {v}" for k, v in p["device_information"].items()]
+    lines += [f"{stamp}", f"{stamp}=== Performance summary ===", f"{stamp}Throughput: {p['performance_summary']['Throughput']} qps"]
+    for key in ("Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency"):
+        v = p["performance_summary"][key]
+        pct = ", ".join(f"percentile({q}%) = {x} ms" for q, x in zip((90, 95, 99)[-(len(v) - 4):], v[4:]))
+        lines.append(f"{stamp}{key}: min = {v[0]} ms, max = {v[1]} ms, mean = {v[2]} ms, median = {v[3]} ms, {pct}")
+    lines.append(f"{stamp}Total Host Walltime: {p['performance_summary']['Total Host Walltime']} s")
+    return "\n".join(lines + ["&&&& PASSED TensorRT.trtexec"]) + "\n"
+
+
+def test_real_build_and_profile_metadata():
+    build = tp.read_trex_metadata(f"{RESNET}.build.metadata.json")
+    assert build["build_options"]["Precision"] == "FP32+FP16+INT8"
+    prof = tp.read_trex_metadata(f"{RESNET}.profile.metadata.json")
+    assert prof["device_information"]["Selected Device"] == "NVIDIA A100 80GB PCIe"
+    assert prof["device_information"]["Compute Capability"] == 8.0
+    # TensorRT 8.2 printed min, max, mean, median and the 99th percentile ...
+    assert prof["performance_summary"]["GPU Compute Time"] == {"min": 0.878601, "max": 0.889893, "mean": 0.882274,
+                                                              "median": 0.882568, "p99": 0.884766}
+    # ... later releases the 90th and 95th too
+    mob = tp.read_trex_metadata(f"{MOBILENET}.profile.metadata.json")["performance_summary"]["Latency"]
+    assert (mob["p90"], mob["p95"], mob["p99"]) == (0.26123, 0.278473, 0.38501)
+    with pytest.raises(BadInputError, match="is not Engine Explorer metadata"):
+        tp.read_trex_metadata(f"{RESNET}.profile.json")
+
+
+def test_trtexec_log_sections(tmp_path):
+    log = tmp_path / "trtexec.log"
+    log.write_text(trtexec_log_from_metadata(Path(f"{RESNET}.build.metadata.json"), Path(f"{MOBILENET}.profile.metadata.json")))
+    sections = tp.read_trtexec_log(log)
+    assert sections["build_options"]["Precision"] == "FP32+FP16+INT8"
+    assert sections["device_information"]["Selected Device"] == "NVIDIA TITAN RTX"
+    perf = sections["performance_summary"]
+    assert perf["Throughput"] == pytest.approx(float(json.loads(Path(f"{MOBILENET}.profile.metadata.json").read_text())
+                                                     ["performance_summary"]["Throughput"]))
+    assert perf["Latency"] == {"min": 0.255981, "max": 0.901474, "mean": 0.263917, "median": 0.25824, "p90": 0.26123,
+                               "p95": 0.278473, "p99": 0.38501}

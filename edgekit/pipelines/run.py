@@ -39,7 +39,8 @@ from edgekit.artifact import (
 )
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
-from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult
+from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult, device_measurement
+from edgekit.runtimes import RUNTIMES, get_runtime
 
 RESULTS = "results.json"
 
@@ -205,24 +206,14 @@ def _kv(d: dict[str, Any]) -> str:
 
 
 def _measurable(target: Any) -> bool:
-    """Can edgekit build and time an engine for ``target`` on this machine?"""
-    if target.kind == "cpu":
-        return True
-    if "tensorrt" in target.runtimes:
+    """Can edgekit build and time an engine for ``target`` on this machine (with any of
+    the target's runtimes)?"""
+    for name in target.runtimes:
         try:
-            from edgekit.runtimes.tensorrt import _choose_path
-
-            if _choose_path(target, {})[0] in ("api", "trtexec"):
+            if name in RUNTIMES and get_runtime(name).measures_here(target):
                 return True
         except (ImportError, EdgekitError):
-            pass
-    if "torch" in target.runtimes:
-        try:
-            import torch
-
-            return bool(torch.cuda.is_available()) and target.kind == "gpu"
-        except ImportError:  # pragma: no cover
-            return False
+            continue  # a runtime that cannot load here measures nothing
     return False
 
 
@@ -370,6 +361,14 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
         bundle, why = _try_bundle(onnx_folder, target, cache, ekey, stage)
         if bundle:
             artifacts["bundle"] = bundle
+            measured = device_measurement(bundle, pconfig.top_k)  # build.sh ran on the device: prefer it
+            if measured is not None:
+                prof = measured
+                prof.model = stage.name
+            else:  # say that nothing was built or measured on the target
+                status = (read_manifest(Path(bundle)).config.get("status") or {}).get("summary")
+                if status:
+                    warnings.append(f"{status} ({bundle})")
         else:
             warnings.append(f"no TensorRT build bundle for {target.name}: {why}")
         eval_key = ekey
@@ -421,16 +420,18 @@ def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
 
 
 def _try_bundle(onnx_folder: Path, target: Any, cache: _Cache, key: str, stage: StageSpec) -> tuple[str | None, str]:
-    """A TensorRT build bundle for a device edgekit cannot reach (best effort): (folder, why not)."""
-    if "tensorrt" not in target.runtimes:
-        return None, "the target does not list the tensorrt runtime"
+    """A build bundle (what the device needs to build and time the engine itself) for a
+    target edgekit cannot measure here, from the target's preferred runtime (best effort):
+    (folder, why not)."""
     try:
         from edgekit.build import build_engine
         from edgekit.runtimes.base import BuildOptions
 
-        opts = {"precision": "best" if "int8" in target.precisions else "fp16", **stage.build, "runtime": "tensorrt"}
+        opts = {"precision": "best" if "int8" in target.precisions else "fp16", **stage.build}
         folder, _ = cache.get("bundle", cache.key({"prev": key, "bundle": opts}),
                               lambda f: build_engine(str(onnx_folder), target, f, BuildOptions(**opts)))
+        if read_manifest(folder).kind != "bundle":
+            return None, f"the target's runtime {read_manifest(folder).config.get('runtime')!r} writes no build bundle"
         return str(folder), ""
     except (EdgekitError, ImportError) as e:
         return None, str(e)

@@ -5,9 +5,13 @@ A *runtime* builds an engine folder for a target from a model and loads it back 
 runtime can) times each node. ``onnxruntime``, ``torch`` (AOTInductor) and
 ``tensorrt`` live in their own modules and are imported only there, so the package
 imports without them.
+
+Callers (build, profiling, pipelines) use only what ``Runtime`` and ``Engine`` declare;
+nothing outside ``edgekit/runtimes/`` names a runtime.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes import RUNTIMES
 from edgekit.schema import FieldError, check_fields
 from edgekit.sources.handle import InputSpec
+from edgekit.targets import Target
 
 
 @dataclass
@@ -53,7 +59,8 @@ class BuildExtras:
     strongly_typed, min_shapes / opt_shapes / max_shapes (``name:1x3x224x224`` or
     {name: dims}), dims ({axis name: size}), max_batch, trtexec (its path), trt_path
     ("api" | "trtexec" | "bundle"), remote (user@host), engine_cache_dir, and trtexec's
-    timing: warmup_ms, duration_s, iterations.
+    timing: warmup_ms, duration_s, iterations; check (False skips the offline compatibility
+    check), accuracy_samples (images that measure the INT8 Q/DQ conversion's cost).
     SSH, for remote builds: ssh_port, ssh_identity, ssh_options ("Key=Value"),
     connect_timeout, remote_timeout, build_timeout, remote_edgekit.
     PyTorch AOTInductor: device, freezing.
@@ -92,13 +99,15 @@ class BuildExtras:
     remote_edgekit: str | None = None
     device: str | None = None
     freezing: bool | None = None
+    check: bool | None = None  # TensorRT: run the offline compatibility check (default on)
+    accuracy_samples: int | None = None  # TensorRT INT8: samples that measure the Q/DQ conversion's cost
     export: dict[str, Any] | None = field(default=None, metadata={"internal": True})
     feeds: dict[str, Any] | None = field(default=None, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         check_fields(self)
         at_least = {"device_id": 0, "gpu_mem_limit_mb": 1, "workspace_mb": 1, "builder_optimization_level": 0,
-                    "dla_core": 0, "max_batch": 1, "iterations": 1, "ssh_port": 1, "connect_timeout": 1,
+                    "dla_core": 0, "max_batch": 1, "iterations": 1, "accuracy_samples": 1, "ssh_port": 1, "connect_timeout": 1,
                     "warmup_ms": 0, "duration_s": 0, "remote_timeout": 0, "build_timeout": 0}
         for name, low in at_least.items():
             value = getattr(self, name)
@@ -160,6 +169,11 @@ class Engine(Protocol):
     inputs: list[InputSpec]
     outputs: list[str]
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings the engine runs with (threads, providers, ...), for the profile record."""
+        ...
+
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
@@ -171,11 +185,57 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+# A device results folder (written by a runtime's script on the device) carries a copy of
+# the manifest of the bundle that made it under this name, so it describes itself.
+RESULTS_MANIFEST = "bundle_manifest.json"
+
+
+def read_folder_manifest(folder: Path) -> Manifest:
+    """The manifest of an edgekit folder, or of a device results folder (its bundle's copy)."""
+    folder = Path(folder)
+    copy = folder / RESULTS_MANIFEST
+    if not (folder / "manifest.json").is_file() and copy.is_file():
+        try:
+            return Manifest.from_dict(json.loads(copy.read_text()))
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise BadInputError(f"{copy} is not an edgekit manifest ({e})") from None
+    return read_manifest(folder)
+
+
+@dataclass
+class RecordedRun:
+    """Timings that a runtime's own tool recorded, usually on the device itself (trtexec's
+    exports in a results folder), for profiling to summarize like a local measurement."""
+
+    runtime: str
+    latency_ms: list[float]  # one value per timed inference
+    nodes: list[NodeTiming] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # how it was measured
+    machine: dict[str, Any] = field(default_factory=dict)  # the state of the machine that measured
+    warnings: list[str] = field(default_factory=list)
+    source: str = "device"  # "device": measured on the target | "measured": on this machine
+    throughput_per_s: float | None = None
+    engine: str = ""
+    target: str | None = None
+    model: str | None = None
+
+
 class Runtime(Protocol):
     name: str
+    input_format: str  # "onnx": build() gets an ONNX path; "module": it gets the ModelHandle
 
     def available(self) -> tuple[bool, str]:
         """(usable here, why not)."""
+        ...
+
+    def measures_here(self, target: Target) -> bool:
+        """Whether an engine built here for ``target`` can be timed here as it would run on
+        the target (same device class, or the same GPU architecture)."""
+        ...
+
+    def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
+        """Timings recorded in ``folder`` (an engine, bundle or device results folder), or None
+        when it holds none and the engine is to be timed here."""
         ...
 
     def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
@@ -190,8 +250,6 @@ def resolve_onnx(model: Any) -> Path:
     """The ONNX file a runtime builds from: a path, an ONNX artifact folder, or a handle's ``onnx_path``."""
     p = Path(str(getattr(model, "onnx_path", None) or model))
     if p.is_dir():
-        from edgekit.artifact import read_manifest
-
         return read_manifest(p).path_of(p, "onnx")
     if not p.is_file():
         raise BadInputError(f"ONNX file {str(p)!r} does not exist")

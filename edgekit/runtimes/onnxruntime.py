@@ -26,9 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds, resolve_onnx
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
 from edgekit.sources.handle import InputSpec
+from edgekit.targets import Target
 
 OPT_FILE = "model.opt.onnx"
 OPT_DATA_FILE = "model.opt.onnx.data"
@@ -150,6 +152,13 @@ class OnnxRuntime:
         except ImportError as e:  # pragma: no cover
             return False, f"onnxruntime is not installed ({e})"
         return True, ""
+
+    def measures_here(self, target: Target) -> bool:
+        """Only CPU targets: an engine timed on this host's CPU says nothing of a GPU's latency."""
+        return target.kind == "cpu"
+
+    def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
+        return None  # ONNX Runtime engines are timed here, by profiling
 
     def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""

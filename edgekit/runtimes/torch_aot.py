@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.targets import Target
 
 PACKAGE_FILE = "model.pt2"
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -95,6 +97,17 @@ class TorchAotRuntime:
         if _compiler() is None:
             return False, "AOTInductor needs a C++ compiler (g++ or clang++) on PATH"
         return True, ""
+
+    def measures_here(self, target: Target) -> bool:
+        """CPU targets, and GPU targets where this machine has a CUDA GPU."""
+        if target.kind == "cpu":
+            return True
+        import torch
+
+        return target.kind == "gpu" and bool(torch.cuda.is_available())
+
+    def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
+        return None  # compiled packages are timed here, by profiling
 
     def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         torch = _torch()

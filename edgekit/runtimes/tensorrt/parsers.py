@@ -1,4 +1,4 @@
-"""Parsers for trtexec's JSON outputs, into edgekit's ``ProfileResult``.
+"""Parsers for trtexec's JSON outputs, into a ``RecordedRun`` that profiling summarizes.
 
 trtexec writes three JSON files when asked (formats as documented by TensorRT's
 ``samples/common/sampleReporting.cpp`` and read by its ``trt-engine-explorer``):
@@ -32,15 +32,19 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import Manifest, is_artifact, read_manifest
 from edgekit.errors import BadInputError
-from edgekit.profiling import CV_WARNING, LatencyStats, ProfileResult, summarize_nodes
-from edgekit.runtimes.base import NodeTiming
+from edgekit.runtimes.base import NodeTiming, RecordedRun
 
 # The file names edgekit asks trtexec to write (build bundles and the trtexec path).
 TIMES_JSON = "trtexec_times.json"
 PROFILE_JSON = "trtexec_profile.json"
 LAYERS_JSON = "trtexec_layers.json"
+LOG_FILE = "trtexec.log"
 QUANTIZED_PRECISIONS = ("int8", "uint8", "int4", "fp8", "fp4")
+# trtexec warns when the coefficient of variation of GPU compute time exceeds 1 %
+# (kUNSTABLE_PERF_REPORTING_THRESHOLD in TensorRT's samples/common/sampleReporting.cpp).
+TRTEXEC_CV_THRESHOLD = 0.01
 
 # Ordered: more specific names first ("BFloat16" before "Float", "UInt8" before "Int8").
 _DTYPE_PATTERNS: tuple[tuple[str, str], ...] = (
@@ -182,14 +186,47 @@ class LayerInfo:
 
     @property
     def quantized(self) -> bool:
-        # A Q/DQ reformat turns float into int8; it does not compute in int8.
-        if self.op_type == "Reformat" and self.origin == "QDQ":
+        # A Q/DQ reformat turns float into int8 and a NoOp does nothing: neither computes in int8.
+        if self.role != "compute":
             return False
         return self.precision in QUANTIZED_PRECISIONS
 
     @property
+    def role(self) -> str:
+        """"compute", "reformat" (layout or Q/DQ conversion) or "noop"."""
+        return layer_role(self.op_type, self.name)
+
+    @property
     def device(self) -> str:
         return "dla" if "dla" in self.layer_type.lower() else "gpu"
+
+
+def layer_role(op_type: str, name: str) -> str:
+    if op_type == "NoOp":
+        return "noop"
+    if op_type == "Reformat" or name.startswith("Reformatting CopyNode"):
+        return "reformat"
+    return "compute"
+
+
+def precision_breakdown(nodes: list[NodeTiming]) -> dict[str, Any]:
+    """Which layers really compute in a quantized type, which in float, and their time.
+
+    Returns ``{"rows": [{"precision", "role", "layers", "time_ms", "share"}], "fallbacks":
+    [{"name", "op_type", "precision", "time_ms"}]}``: ``fallbacks`` are the compute layers
+    of a quantized engine that run in a float type (what to look at when INT8 is slow)."""
+    total = sum(n.time_ms for n in nodes) or 1.0
+    groups: dict[tuple[str, str], list[NodeTiming]] = {}
+    for n in nodes:
+        groups.setdefault((n.precision, layer_role(n.op_type, n.name)), []).append(n)
+    ordered = sorted(groups.items(), key=lambda kv: -sum(n.time_ms for n in kv[1]))
+    rows = [{"precision": p, "role": r, "layers": len(ns), "time_ms": sum(n.time_ms for n in ns),
+             "share": sum(n.time_ms for n in ns) / total} for (p, r), ns in ordered]
+    quantized = any(n.quantized for n in nodes)
+    fell_back = [n for n in nodes if quantized and not n.quantized and layer_role(n.op_type, n.name) == "compute"]
+    fallbacks = [{"name": n.name, "op_type": n.op_type, "precision": n.precision, "time_ms": n.time_ms}
+                 for n in sorted(fell_back, key=lambda n: -n.time_ms)]
+    return {"rows": rows, "fallbacks": fallbacks}
 
 
 def read_layer_info(path: str | Path) -> list[LayerInfo]:
@@ -215,7 +252,75 @@ def read_layer_info(path: str | Path) -> list[LayerInfo]:
     return out
 
 
-# --- into a ProfileResult ------------------------------------------------------------------
+# --- the log: build options, device, performance summary ----------------------------------------
+
+_LOG_LINE = re.compile(r"^\[\d+/\d+/\d+-\d+:\d+:\d+\] \[I\] (.*)$")
+_SECTIONS = {"Model Options": "model_options", "Build Options": "build_options",
+             "Inference Options": "inference_options", "Device Information": "device_information",
+             "Performance summary": "performance_summary"}
+_STAT = re.compile(r"(min|max|mean|median|percentile\((\d+(?:\.\d+)?)%\))\s*=\s*([-+0-9.eE]+)")
+# Engine Explorer's metadata keeps a stats line as a bare list, in trtexec's printing order.
+_TREX_STAT_ORDER = {5: ("min", "max", "mean", "median", "p99"), 7: ("min", "max", "mean", "median", "p90", "p95", "p99")}
+_STAT_LINES = ("Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency")
+
+
+def _parse_stats(text: str) -> dict[str, float]:
+    """``min = 0.87 ms, max = ..., percentile(99%) = 0.88 ms`` -> {"min", "max", ..., "p99"}."""
+    out = {}
+    for name, pct, value in _STAT.findall(text):
+        key = f"p{pct.rstrip('0').rstrip('.') if '.' in pct else pct}" if pct else name
+        out[key] = float(value)
+    return out
+
+
+def read_trtexec_log(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The option, device and performance sections of a trtexec log (``trtexec ... | tee log``):
+    {"build_options": {"Precision": "FP32+FP16+INT8", ...}, "device_information": {"Selected Device":
+    ..., "Compute Capability": "8.7", ...}, "performance_summary": {"Throughput": 1130.0,
+    "GPU Compute Time": {"min", "max", "mean", "median", "p90", "p95", "p99"}, ...}, ...}."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"trtexec log {str(p)!r} does not exist")
+    out: dict[str, dict[str, Any]] = {}
+    section: dict[str, Any] | None = None
+    for raw in p.read_text(errors="replace").splitlines():
+        m = _LOG_LINE.match(raw.strip())
+        text = m.group(1).strip() if m else ""
+        header = re.fullmatch(r"=== (.+) ===", text)
+        if header:
+            key = _SECTIONS.get(header.group(1))
+            section = out.setdefault(key, {}) if key else None
+            continue
+        if section is None or ":" not in text:
+            section = None if not m else section
+            continue
+        key, value = (x.strip() for x in text.split(":", 1))
+        if key in _STAT_LINES:
+            section[key] = _parse_stats(value)
+        elif key in ("Throughput", "Total Host Walltime", "Total GPU Compute Time"):
+            number = re.match(r"[-+0-9.eE]+", value)
+            section[key] = float(number.group(0)) if number else value
+        else:
+            section[key] = value
+    return out
+
+
+def read_trex_metadata(path: str | Path) -> dict[str, dict[str, Any]]:
+    """TensorRT Engine Explorer's ``*.build.metadata.json`` / ``*.profile.metadata.json`` (the
+    same log sections, stats as bare lists) in ``read_trtexec_log``'s form."""
+    data = _load_json(path, "Engine Explorer metadata")
+    if not isinstance(data, dict) or not any(k in data for k in _SECTIONS.values()):
+        raise BadInputError(f"{path} is not Engine Explorer metadata (no {', '.join(_SECTIONS.values())} section)")
+    out = {k: dict(v) for k, v in data.items() if k in _SECTIONS.values() and isinstance(v, dict)}
+    perf = out.get("performance_summary", {})
+    for key in _STAT_LINES:
+        values = perf.get(key)
+        if isinstance(values, list) and len(values) in _TREX_STAT_ORDER:
+            perf[key] = dict(zip(_TREX_STAT_ORDER[len(values)], (float(v) for v in values), strict=True))
+    return out
+
+
+# --- into a RecordedRun ---------------------------------------------------------------------
 
 def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo] | None) -> list[NodeTiming]:
     """Join per-layer times with per-layer precision by layer name."""
@@ -231,26 +336,26 @@ def nodes_from_trtexec(layer_times: list[LayerTime], layer_info: list[LayerInfo]
     return nodes
 
 
-def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None, layers: str | Path | None = None,
-                         engine: str = "", target: str | None = None, model: str | None = None,
-                         settings: dict[str, Any] | None = None, metric: str = "latency",
-                         warmup_ms: float | None = None, top_k: int | None = None) -> ProfileResult:
-    """Turn trtexec's JSON outputs into edgekit's ``ProfileResult`` (``source="trtexec"``).
+def recorded_run_from_trtexec(*, times: str | Path, profile: str | Path | None = None, layers: str | Path | None = None,
+                              engine: str = "", target: str | None = None, model: str | None = None,
+                              settings: dict[str, Any] | None = None, metric: str = "latency",
+                              warmup_ms: float | None = None, source: str = "trtexec") -> RecordedRun:
+    """trtexec's JSON outputs as a ``RecordedRun`` (profiling turns it into a ``ProfileResult``).
 
-    ``metric`` chooses what ``latency_ms`` holds: ``"latency"`` (H2D + GPU compute + D2H,
-    trtexec's "Latency") or ``"compute"`` (GPU compute time only); both are kept in
-    ``settings``.
+    ``metric`` chooses what the latency samples hold: ``"latency"`` (H2D + GPU compute + D2H,
+    trtexec's "Latency") or ``"compute"`` (GPU compute time only); the GPU compute
+    statistics are kept in ``settings`` either way.
     """
     if metric not in ("latency", "compute"):
         raise BadInputError(f"unknown trtexec metric {metric!r} (choose from 'compute', 'latency')")
     trace = read_times(times, warmup_ms=warmup_ms)
     samples = trace.latency_ms if metric == "latency" else trace.compute_ms
-    stats = LatencyStats.from_samples(samples)
-    compute = LatencyStats.from_samples(trace.compute_ms)
+    compute = np.asarray(trace.compute_ms, dtype=np.float64)
+    compute_cv = float(compute.std(ddof=1) / compute.mean()) if compute.size > 1 and compute.mean() > 0 else 0.0
     warnings: list[str] = []
-    if compute.cv > CV_WARNING:
-        warnings.append(f"GPU compute time varies: coefficient of variation {compute.cv:.1%} exceeds "
-                        f"{CV_WARNING:.1%} (trtexec's threshold); check clocks and power mode")
+    if compute_cv > TRTEXEC_CV_THRESHOLD:
+        warnings.append(f"GPU compute time varies: coefficient of variation {compute_cv:.1%} exceeds "
+                        f"{TRTEXEC_CV_THRESHOLD:.1%} (trtexec's threshold); check clocks and power mode")
     nodes: list[NodeTiming] = []
     profile_count = None
     if profile is not None:
@@ -264,15 +369,16 @@ def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None
                 if fell_back:
                     warnings.append(f"{len(fell_back)} layers run on the GPU, not the DLA: "
                                     + ", ".join(fell_back[:5]) + (" ..." if len(fell_back) > 5 else ""))
-    total_nodes = len(nodes)
-    top, op_types, float_share, quantized = summarize_nodes(nodes, top_k)
     mean_of = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    q = np.percentile(compute, [50, 90, 95, 99])
     all_settings = {
         **(settings or {}),
         "metric": metric,
         "timed_inferences": len(samples),
         "dropped_warmup_records": trace.dropped_warmup,
-        "gpu_compute_ms": compute.__dict__,
+        "gpu_compute_ms": {"min": float(compute.min()), "mean": float(compute.mean()), "p50": float(q[0]),
+                           "p90": float(q[1]), "p95": float(q[2]), "p99": float(q[3]), "max": float(compute.max()),
+                           "cv": compute_cv, "count": int(compute.size)},
         "h2d_mean_ms": mean_of(trace.h2d_ms),
         "d2h_mean_ms": mean_of(trace.d2h_ms),
         "enqueue_mean_ms": mean_of(trace.enqueue_ms),
@@ -280,12 +386,16 @@ def profile_from_trtexec(*, times: str | Path, profile: str | Path | None = None
     }
     if profile_count is not None:
         all_settings["profiled_iterations"] = profile_count
-    from edgekit.artifact import now_iso
-
-    return ProfileResult(engine=engine, runtime="tensorrt", target=target, model=model, settings=all_settings,
-                         latency_ms=stats, throughput_per_s=trace.throughput_per_s, nodes=top, op_types=op_types,
-                         float_share=float_share, quantized_nodes=quantized, total_nodes=total_nodes,
-                         warnings=warnings, source="trtexec", created=now_iso())
+    if nodes and any(n.precision != "unknown" for n in nodes):
+        breakdown = precision_breakdown(nodes)
+        all_settings["precision_breakdown"] = breakdown
+        fb = breakdown["fallbacks"]
+        if fb:
+            warnings.append(f"{len(fb)} compute layers of this quantized engine run in float: "
+                            + ", ".join(f"{f['name']} ({f['precision']}, {f['time_ms']:.3f} ms)" for f in fb[:5])
+                            + (" ..." if len(fb) > 5 else ""))
+    return RecordedRun(runtime="tensorrt", latency_ms=list(samples), nodes=nodes, settings=all_settings, warnings=warnings, source=source,
+                       throughput_per_s=trace.throughput_per_s, engine=engine, target=target, model=model)
 
 
 def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
@@ -302,14 +412,9 @@ def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
     return found
 
 
-def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: int | None = None) -> ProfileResult:
-    """A ProfileResult from a bundle or engine folder where trtexec has written its JSON.
-
-    >>> profile_from_folder("engine_dir").source  # doctest: +SKIP
-    'trtexec'
-    """
-    from edgekit.artifact import is_artifact, read_manifest
-
+def recorded_run_from_folder(folder: str | Path, manifest: Manifest | None = None, *,
+                             metric: str = "latency") -> RecordedRun:
+    """A RecordedRun from a bundle or engine folder where trtexec has written its JSON."""
     folder = Path(folder)
     found = trtexec_outputs(folder)
     if "times" not in found:
@@ -318,15 +423,25 @@ def profile_from_folder(folder: str | Path, *, metric: str = "latency", top_k: i
     target = model = None
     settings: dict[str, Any] = {}
     warmup_ms = None
-    if is_artifact(folder):
-        m = read_manifest(folder)
-        target = m.target
-        model = (m.model or {}).get("name")
-        trt = m.config.get("trtexec") or {}
-        build = m.config.get("settings") or {}
-        settings = {"precision": m.config.get("precision"), "trt_path": m.config.get("path"),
+    if manifest is None and is_artifact(folder):
+        manifest = read_manifest(folder)
+    if manifest is not None:
+        target = manifest.target
+        model = (manifest.model or {}).get("name")
+        trt = manifest.config.get("trtexec") or {}
+        build = manifest.config.get("settings") or {}
+        settings = {"precision": manifest.config.get("precision"), "trt_path": manifest.config.get("path"),
                     "trtexec_command": trt.get("command")}
         warmup_ms = build.get("warmup_ms")  # TensorRT 8 files keep the warm-up records
-    return profile_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
-                                engine=str(folder), target=target, model=model, settings=settings, metric=metric,
-                                warmup_ms=warmup_ms, top_k=top_k)
+    run = recorded_run_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
+                                    engine=str(folder), target=target, model=model, settings=settings, metric=metric,
+                                    warmup_ms=warmup_ms)
+    log = found["times"].parent / LOG_FILE
+    if log.is_file():  # trtexec's own account: build options, device, its performance summary
+        sections = read_trtexec_log(log)
+        if sections:
+            run.settings["trtexec_log"] = sections
+            device = sections.get("device_information", {})
+            if device.get("Selected Device"):
+                run.machine.setdefault("gpu", device["Selected Device"])
+    return run
