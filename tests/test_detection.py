@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgekit.detection import (
     CenterFaceDecodeConfig,
@@ -20,6 +22,7 @@ from edgekit.detection import (
 )
 from edgekit.detection.decode import dfl_distances
 from edgekit.errors import BadInputError, CheckFailedError
+from edgekit.pipelines.detection_stages import crop_faces, decode_faces
 
 
 def dets(boxes, scores=None, labels=None, names=()):
@@ -218,3 +221,58 @@ def test_make_decoder_rejects_unknown_names_and_options():
         make_decoder({"decoder": "centerface", "config": {"treshold": 0.5}})
     decode = make_decoder({"decoder": "centerface", "config": {"threshold": 0.3}})
     assert len(decode(centerface_outputs(faces=((3, 4, 0.4),)))[0]) == 1
+
+
+# ----- properties of NMS on random boxes -----
+
+
+@st.composite
+def random_boxes(draw):
+    n = draw(st.integers(0, 30))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0, 100, (n, 2))
+    wh = rng.uniform(1, 40, (n, 2))
+    return np.concatenate([xy, xy + wh], axis=1), rng.random(n), rng.integers(0, 3, n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_boxes(), st.sampled_from([0.3, 0.5, 0.7]))
+def test_nms_properties(data, thr):
+    boxes, scores, labels = data
+    keep = nms(boxes, scores, thr)
+    iou = box_iou(boxes, boxes)
+    kept = set(keep.tolist())
+    # no two kept boxes overlap more than the threshold
+    for i in keep:
+        for j in keep:
+            assert i == j or iou[i, j] <= thr
+    # every dropped box overlaps a kept box of at least its score by more than the threshold
+    for d in set(range(len(boxes))) - kept:
+        assert any(iou[d, k] > thr and scores[k] >= scores[d] for k in kept)
+    # per-class NMS in one pass equals NMS class by class
+    one_pass = set(batched_nms(boxes, scores, labels, thr).tolist())
+    by_class = {int(np.flatnonzero(labels == c)[k]) for c in range(3)
+                for k in nms(boxes[labels == c], scores[labels == c], thr)}
+    assert one_pass == by_class
+
+
+# ----- the pipeline stages' own input checks -----
+
+def test_stage_inputs_that_do_not_fit_name_what_was_expected():
+    frame = np.zeros((480, 640, 3), np.uint8)
+    with pytest.raises(BadInputError, match=r"crop_faces: input image has shape \(480, 640, 3\) and dtype float32; "
+                                            r"expected an H x W x 3 uint8 RGB image"):
+        crop_faces(frame.astype(np.float32), np.zeros((0, 15), np.float32))
+    with pytest.raises(BadInputError, match=r"crop_faces: input faces has shape \(2, 6\) and dtype float32; expected "
+                                            r"\(n, 15\) floats as decode_faces returns them"):
+        crop_faces(frame, np.zeros((2, 6), np.float32))
+    heat, scale, offset, lms = centerface_outputs(h=120, w=160, faces=((30, 40, 0.9),))
+    with pytest.raises(BadInputError, match="decode_faces: input heatmap has batch 2; this stage decodes one frame"):
+        decode_faces(np.repeat(heat, 2, axis=0), scale, offset, lms)
+    faces = decode_faces(heat, scale, offset, lms, frame_size=(480, 640))
+    assert faces.shape == (1, 15) and faces.dtype == np.float32
+    np.testing.assert_allclose(faces[0, :5], [154, 114, 170, 130, 0.9], atol=1e-5)  # input = frame: 480 x 640
+    crops = crop_faces(frame, faces)
+    assert crops.shape == (1, 3, 48, 48) and crops.dtype == np.float32
+    assert crop_faces(frame, np.zeros((0, 15), np.float32)).shape == (0, 3, 48, 48)
