@@ -43,9 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 from edgekit.detection.boxes import Detections
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, UnavailableError
 
 PAGE_SIZE = (800, 608)  # (height, width): the layout model's input, a US-letter-like page
 FRAME_SIZE = (480, 640)
@@ -79,11 +80,12 @@ def _split_range(splits: dict[str, range], split: str, what: str) -> range:
 # Layout pages.
 
 
-@functools.lru_cache(maxsize=4)
-def _font(size: int, bold: bool = False) -> object:
-    from PIL import ImageFont
-
-    return ImageFont.load_default(size=size)  # Pillow's bundled scalable font: the same everywhere
+@functools.lru_cache(maxsize=8)
+def _font(size: int) -> ImageFont.FreeTypeFont:
+    font = ImageFont.load_default(size=size)  # Pillow's bundled scalable font: the same everywhere
+    if not isinstance(font, ImageFont.FreeTypeFont):
+        raise UnavailableError("layout pages need Pillow built with FreeType (its scalable default font)")
+    return font
 
 
 @functools.lru_cache(maxsize=2)
@@ -102,8 +104,10 @@ def _photos() -> tuple[np.ndarray, ...]:
     return tuple(p[:, :, :3] if p.ndim == 3 else np.repeat(p[:, :, None], 3, axis=2) for p in sample_photos())
 
 
-def _ink_box(draw: object, xy: tuple[float, float], text: str, font: object, stroke: int = 0) -> tuple[int, int, int, int]:
-    return tuple(int(v) for v in draw.textbbox(xy, text, font=font, stroke_width=stroke))  # type: ignore[attr-defined]
+def _ink_box(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, font: ImageFont.FreeTypeFont,
+             stroke: int = 0) -> tuple[int, int, int, int]:
+    x1, y1, x2, y2 = draw.textbbox(xy, text, font=font, stroke_width=stroke)
+    return int(x1), int(y1), int(x2), int(y2)
 
 
 def _union(boxes: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
@@ -113,8 +117,6 @@ def _union(boxes: list[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
 
 def render_page(index: int) -> tuple[np.ndarray, Detections]:
     """Page ``index`` of the pool: (800 x 608 x 3 uint8 RGB, its ground-truth boxes)."""
-    from PIL import Image, ImageDraw
-
     split = next((s for s, r in PAGE_SPLITS.items() if index in r), None)
     if split is None:
         raise BadInputError(f"layout page {index} is outside the pool 0-{PAGE_SPLITS['train'].stop - 1}")
@@ -127,8 +129,8 @@ def render_page(index: int) -> tuple[np.ndarray, Detections]:
     labels: list[int] = []
     margin = int(rng.integers(36, 56))
     body = _font(int(rng.integers(11, 14)))
-    line_h = int(body.size * 1.45)  # type: ignore[attr-defined]
-    chars = int((w - 2 * margin) / (body.size * 0.5))  # type: ignore[attr-defined]
+    line_h = int(body.size * 1.45)
+    chars = int((w - 2 * margin) / (body.size * 0.5))
 
     def add(box: tuple[int, int, int, int], cls: str) -> None:
         boxes.append(box)
@@ -159,19 +161,19 @@ def render_page(index: int) -> tuple[np.ndarray, Detections]:
     if rng.random() < 0.6:  # a title on most pages
         tf = _font(int(rng.integers(18, 24)))
         words = sentences[int(rng.integers(len(sentences)))].rstrip(".").split()[: int(rng.integers(4, 9))]
-        lines = textwrap.wrap(" ".join(words), int((w - 2 * margin) / (tf.size * 0.55)))[:2]  # type: ignore[attr-defined]
+        lines = textwrap.wrap(" ".join(words), int((w - 2 * margin) / (tf.size * 0.55)))[:2]
         ink = []
         for line in lines:
             lw = draw.textlength(line, font=tf)
             x = int((w - lw) / 2)
             draw.text((x, y), line, fill=(0, 0, 0), font=tf, stroke_width=1, stroke_fill=(0, 0, 0))
             ink.append(_ink_box(draw, (x, y), line, tf, stroke=1))
-            y += int(tf.size * 1.4)  # type: ignore[attr-defined]
+            y += int(tf.size * 1.4)
         add(_union(ink), "title")
         y += 14
     blocks = ["text", "figure", "text", "table", "text"]
     rng.shuffle(blocks)
-    cap_font = _font(max(body.size - 1, 10))  # type: ignore[attr-defined]
+    cap_font = _font(max(body.size - 1, 10))
     for kind in blocks:
         if y > h - 120:
             break
@@ -252,7 +254,6 @@ def layout_pages(split: str) -> tuple[list[np.ndarray], np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def _face_photos() -> dict[str, np.ndarray]:
     import matplotlib.cbook
-    from PIL import Image
     from skimage import data as skd
 
     with Image.open(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)) as im:
@@ -286,8 +287,6 @@ def _overlaps(box: tuple[int, int, int, int], boxes: list[tuple[int, int, int, i
 
 def render_frame(index: int) -> tuple[np.ndarray, Detections]:
     """Cabin frame ``index`` of the pool: (480 x 640 x 3 uint8 RGB, its face boxes)."""
-    from PIL import Image
-
     split = next((s for s, r in FRAME_SPLITS.items() if index in r), None)
     if split is None:
         raise BadInputError(f"cabin frame {index} is outside the pool 0-{FRAME_SPLITS['train'].stop - 1}")
@@ -319,7 +318,7 @@ def render_frame(index: int) -> tuple[np.ndarray, Detections]:
     sx, sy = patch_w / (px2 - px1), patch_h / (py2 - py1)
     ox, oy = int(rng.integers(0, w - patch_w + 1)), int(rng.integers(0, h - patch_h + 1))
     patch = np.asarray(Image.fromarray(np.ascontiguousarray(photo[py1:py2, px1:px2])).resize((patch_w, patch_h),
-                                                                                          Image.BILINEAR))
+                                                                                          Image.Resampling.BILINEAR))
     frame[oy:oy + patch_h, ox:ox + patch_w] = patch
     boxes.append((round(ox + (fx1 - px1) * sx), round(oy + (fy1 - py1) * sy),
                   round(ox + (fx2 - px1) * sx), round(oy + (fy2 - py1) * sy)))
@@ -335,7 +334,7 @@ def render_frame(index: int) -> tuple[np.ndarray, Detections]:
             if not _overlaps(box, occupied):
                 face = lfw[pool.start + int(rng.integers(len(pool)))]
                 frame[y:y + size, x:x + size] = np.asarray(Image.fromarray(face).resize((size, size),
-                                                                                        Image.BILINEAR))[:, :, None]
+                                                                                        Image.Resampling.BILINEAR))[:, :, None]
                 occupied.append(box)
                 boxes.append(box)
                 break

@@ -206,7 +206,7 @@ def resize_rgb(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     rgb = to_rgb(image)
     if rgb.shape[:2] == tuple(size):
         return rgb
-    return np.asarray(Image.fromarray(rgb).resize((size[1], size[0]), Image.BILINEAR))
+    return np.asarray(Image.fromarray(rgb).resize((size[1], size[0]), Image.Resampling.BILINEAR))
 
 
 def prepare_centerface(images: list[np.ndarray], size: tuple[int, int] = CENTERFACE_FRAME) -> dict[str, np.ndarray]:
