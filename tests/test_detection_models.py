@@ -140,13 +140,13 @@ def test_detection_evaluator_errors_and_float_quality(tmp_path):
     from edgekit.sources.detectors import load_centerface
 
     handle = load_centerface(256, 320)
-    samples = load_samples("cabin-faces", handle, split="eval", limit=8)
+    samples = load_samples("cabin-faces", handle, split="eval", limit=6)
     m = evaluate(handle, samples, reference=handle)
     assert m["evaluator"] == "detection" and m["map50"] == 1.0 and m["score_drift_max_abs"] == 0.0
     assert m["map50_ground_truth"] >= 0.6  # float CenterFace at 256 x 320 against the pasted faces
     # frames without faces: the float model detects nothing -> bad input, not a mAP of 0
     blank = load_samples(str(_blank_frames(tmp_path)) + "@all", handle, split="eval")
-    with pytest.raises(BadInputError, match=r"the float model detects nothing on the 4 images of .* mAP against it "
+    with pytest.raises(BadInputError, match=r"the float model detects nothing on the 2 images of .* mAP against it "
                                             "is undefined"):
         evaluate(handle, blank, reference=handle)
     with pytest.raises(BadInputError, match="has no ground-truth boxes; detection quality needs the float model"):
@@ -158,27 +158,30 @@ def _blank_frames(tmp_path):
 
     folder = tmp_path / "blank"
     folder.mkdir()
-    for i in range(4):
+    for i in range(2):
         Image.fromarray(np.full((480, 640, 3), 40 * i, np.uint8)).save(folder / f"{i}.png")
     return folder
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,bound", [("centerface-small", 0.85), ("picodet-layout", 0.85)])
-def test_int8_detector_map_against_float(tmp_path, model, bound):
+def test_int8_centerface_map_against_float(tmp_path):
+    """INT8 CenterFace (8 calibration frames, 256 x 320 to stay quick) keeps mAP@0.5 >= 0.85
+    against the float model on 8 eval frames. (PP-PicoDet's INT8 quality is gated by
+    examples/document-layout.yaml: its calibration at 800 x 608 takes minutes.)"""
     from edgekit.compress import StepContext, compress
     from edgekit.evaluate import evaluate
     from edgekit.sources.data import load_samples
-    from edgekit.sources.detectors import load_centerface, load_picodet_layout
+    from edgekit.sources.detectors import load_centerface
     from edgekit.sources.models import load_model
     from edgekit.targets import load_target
 
-    handle = load_centerface(256, 320) if model == "centerface-small" else load_picodet_layout()
+    handle = load_centerface(256, 320)
     out = compress(handle, [("int8", {"method": "ptq", "calib_samples": 8, "eval_samples": 2})], tmp_path / "q",
                    StepContext(target=load_target("cpu"), progress=False))
     quantized = load_model(str(out))
+    assert quantized.onnx_path is not None and quantized.steps[-1].name == "int8"
     samples = load_samples(None, handle, split="eval", limit=8)
     m = evaluate(quantized, samples, reference=handle)
-    assert m["map50"] >= bound
+    assert m["map50"] >= 0.85
     assert abs(m["score_drift_mean"]) < 0.1
     assert m["map50_ground_truth"] >= m["map50_ground_truth_float"] - 0.15
