@@ -63,10 +63,10 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -368,13 +368,13 @@ def _lee_news(split: str) -> _Raw:
     return _Raw(documents=docs[r.start:r.stop], indices=np.arange(r.start, r.stop))
 
 
-def _detection_images(load: Callable[[str], tuple[list[np.ndarray], np.ndarray]]) -> Callable[[str], _Raw]:
+def _detection_images(load: Callable[[str], tuple[Sequence[np.ndarray], np.ndarray]]) -> Callable[[str], _Raw]:
     """A data set of ``edgekit.sources.detection_data`` (images with ground-truth boxes, which
-    the "detection" evaluator looks up by pool index) as raw images."""
+    the "detection" evaluator looks up by pool index) as raw images, drawn only when taken."""
 
     def raw(split: str) -> _Raw:
         images, indices = load(split)
-        return _Raw(images=images, indices=indices)
+        return _Raw(images=cast(list[np.ndarray], images), indices=indices)
 
     return raw
 

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import functools
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -68,6 +69,26 @@ class GroundTruth:
 
     detections: list[Detections]
     image_sizes: list[tuple[int, int]]
+
+
+class RenderedImages(Sequence[np.ndarray]):
+    """The images of a generated split, drawn when first indexed (a subset of a split never
+    draws the rest) and kept by the generator's cache."""
+
+    def __init__(self, render: Callable[[int], tuple[np.ndarray, Detections]], indices: range):
+        self.render, self.indices = render, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[np.ndarray]: ...
+    def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(i, slice):
+            return [self.render(j)[0] for j in self.indices[i]]
+        return self.render(self.indices[int(i)])[0]
 
 
 def _split_range(splits: dict[str, range], split: str, what: str) -> range:
@@ -241,10 +262,10 @@ def layout_page_images(split: str, n: int | None = None) -> list[np.ndarray]:
     return [_page(i)[0] for i in list(r)[:n]]
 
 
-def layout_pages(split: str) -> tuple[list[np.ndarray], np.ndarray]:
-    """(images, pool indices) of one split of ``layout-pages``."""
+def layout_pages(split: str) -> tuple[Sequence[np.ndarray], np.ndarray]:
+    """(images, pool indices) of one split of ``layout-pages`` (drawn when indexed)."""
     r = _split_range(PAGE_SPLITS, split, "layout-pages")
-    return [_page(i)[0] for i in r], np.arange(r.start, r.stop)
+    return RenderedImages(_page, r), np.arange(r.start, r.stop)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,10 +382,10 @@ def cabin_frames(split: str, n: int | None = None) -> list[np.ndarray]:
     return [_frame(i)[0] for i in list(r)[:n]]
 
 
-def cabin_faces(split: str) -> tuple[list[np.ndarray], np.ndarray]:
-    """(frames, pool indices) of one split of ``cabin-faces``."""
+def cabin_faces(split: str) -> tuple[Sequence[np.ndarray], np.ndarray]:
+    """(frames, pool indices) of one split of ``cabin-faces`` (drawn when indexed)."""
     r = _split_range(FRAME_SPLITS, split, "cabin-faces")
-    return [_frame(i)[0] for i in r], np.arange(r.start, r.stop)
+    return RenderedImages(_frame, r), np.arange(r.start, r.stop)
 
 
 def square_crop(image: np.ndarray, box: np.ndarray | tuple[float, ...]) -> np.ndarray:
@@ -389,7 +410,7 @@ def face_crops(split: str, n: int | None = None) -> list[np.ndarray]:
     return crops
 
 
-def cabin_face_crops(split: str) -> tuple[list[np.ndarray], np.ndarray]:
+def cabin_face_crops(split: str) -> tuple[Sequence[np.ndarray], np.ndarray]:
     crops = face_crops(split)
     return crops, np.arange(len(crops))
 
