@@ -14,6 +14,9 @@ Evaluators (``EVALUATORS``):
   KL(reference || model) of the softmax outputs.
 * ``cosine``: encoders against a reference: mean and minimum cosine similarity of the
   outputs (sentence embeddings), per sample.
+* ``detection``: detectors (``evaluate_detection.py``): decoded boxes matched to the
+  float model's (IoU >= 0.5) and to ground truth where the data has it: mAP@0.5 per
+  class then the mean, score drift of the matched pairs.
 * ``perplexity``: causal LMs on non-overlapping token windows (the GPTQ protocol):
   PPL = exp(mean next-token NLL over every predicted token of every window); the
   result names the window size (``seqlen``) and the number of windows and tokens.
@@ -33,11 +36,12 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.evaluate_detection import evaluate_detector
 from edgekit.progress import progress_bar
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle
 
-EVALUATORS = ("accuracy", "agreement", "cosine", "perplexity")
+EVALUATORS = ("accuracy", "agreement", "cosine", "perplexity", "detection")
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 _DEFAULT_BATCH = {"causal-lm": 1, "text-encoder": 32, "image-classifier": 32}
 
@@ -320,6 +324,9 @@ def evaluate(model: Any, samples: Samples, reference: Any = None, *, evaluator: 
         out["n"] = n
         out["source"] = samples.source
         return out
+    if name == "detection":
+        return evaluate_detector(model, samples, reference, batch_size=batch_size, progress=progress,
+                                 runner_of=lambda m: (make_runner(m, list(samples.inputs)), _fixed_batch(m)))
     if name in ("agreement", "cosine") and reference is None:
         raise BadInputError(f"the {name} evaluation compares against a reference model; pass reference=")
     if name == "accuracy" and samples.labels is None:

@@ -272,8 +272,11 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
     work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
     work.mkdir(parents=True, exist_ok=True)
     dst = work / "model.int8.onnx"
+    # The observation pass returns every calibrated tensor of a batch at once: a model with large
+    # activations (a detector at 800 x 608: ~2 GB per image) names a smaller batch in its handle.
     info = quantize_onnx_file(Path(handle.onnx_path), dst, samples, names, config.calib_method,  # type: ignore[arg-type]
-                              config.percentile, scheme, placement=config.placement)
+                              config.percentile, scheme, placement=config.placement,
+                              batch_size=int(handle.extra.get("calib_batch", 8)))
     seconds = time.perf_counter() - t0
     metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples), "ptq_seconds": round(seconds, 3),
                                **info}

