@@ -4,4 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q "$@"
+if [ $# -gt 0 ]; then
+  python -m pytest -q "$@"
+else
+  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests.
+  python -m pytest -q
+  python -m pytest -q -m slow
+fi
