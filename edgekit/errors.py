@@ -5,6 +5,7 @@ missing capability.
 """
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 
 
@@ -40,3 +41,17 @@ def choices(valid: Iterable[object]) -> str:
 def bad_choice(what: str, value: object, valid: Iterable[object]) -> BadInputError:
     """``unknown calibration method 'foo' (choose from 'minmax', 'mse')``."""
     return BadInputError(f"unknown {what} {str(value)!r} (choose from {choices(sorted(map(str, valid)))})")
+
+
+# What an operating-system error means for the user, by errno (the default: "cannot access").
+_OS_WHAT = {errno.ENOSPC: "cannot write", errno.EROFS: "cannot write", errno.EDQUOT: "cannot write",
+            errno.EFBIG: "cannot write", errno.ENOTDIR: "cannot use", errno.EISDIR: "cannot use"}
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an OSError: ``cannot write out/model: No space left on device``.
+    Names the path (both paths of a rename) and the system's reason, never a traceback."""
+    what = getattr(e, "what", None) or _OS_WHAT.get(e.errno or 0, "cannot access")
+    reason = e.strerror or str(e) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{what} {' -> '.join(paths)}: {reason}" if paths else f"file system error: {reason}"

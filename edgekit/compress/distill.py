@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import work_folder
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -430,7 +431,7 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
     s = load_model(student)
     ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,
                       work_dir=Path(work_dir) if work_dir is not None else
-                      (Path(f"{os.fspath(out_dir)}.work") if out_dir is not None else None),
+                      (work_folder(out_dir) if out_dir is not None else None),
                       progress=True if progress is None else progress)
     if out_dir is not None:
         compress(s, [("distill", config)], out_dir, ctx)
