@@ -249,9 +249,7 @@ def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()) -> I
         try:
             yield stage.path
         except OSError as e:
-            if e.filename is None:
-                raise _os_error(e, "cannot write", given) from None
-            raise
+            raise _in_output(e, stage.path, given) from None
         interrupts.raise_if_seen()  # a SIGINT that the block's libraries swallowed: do not commit
         with interrupts.deferred(), _dir_lock(final.parent):
             check_output_dir(given, protect)  # again: the folder may have changed while the work ran
@@ -377,6 +375,22 @@ def _file_mode(path: Path) -> int:
         if stat.S_ISREG(st.st_mode):
             return stat.S_IMODE(st.st_mode)  # replacing a file keeps its permissions
     return 0o666 & ~umask()
+
+
+def _in_output(e: OSError, staging: Path, given: Path) -> OSError:
+    """An OSError from a staged block, naming the output (``given``/...) instead of the
+    temporary staging folder; errors about other paths (an input) are kept as they are."""
+    if e.filename is None:
+        return _os_error(e, "cannot write", given)
+    for name in (e.filename2, e.filename):  # a copy's destination is filename2
+        if name is None:
+            continue
+        try:
+            rel = Path(os.fsdecode(name)).relative_to(staging)
+        except (ValueError, TypeError):
+            continue
+        return _os_error(e, "cannot write", given / rel if rel.parts else given)
+    return e
 
 
 def _os_error(e: OSError, what: str, path: str | os.PathLike[str]) -> OSError:
@@ -505,6 +519,8 @@ def not_replaceable(folder: Path) -> str | None:
     holder = lock_holder(folder)
     if holder is not None:
         return f"is in use by another edgekit process (PID {holder})"
+    if not os.access(folder, os.W_OK):
+        return "is read-only"
     return None
 
 

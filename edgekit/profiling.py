@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,11 @@ class ProfileResult:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str], *, protect: Iterable[object] | None = None) -> Path:
+        """Write the JSON atomically; ``protect``: see ``atomic_write_bytes``."""
         from edgekit.artifact import atomic_write_json
 
-        return atomic_write_json(path, self.to_dict())
+        return atomic_write_json(path, self.to_dict(), protect=protect)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProfileResult:
@@ -235,12 +237,14 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
     """
-    from edgekit.artifact import read_manifest
+    from edgekit.artifact import check_output_file, read_manifest
     from edgekit.build import load_engine, load_engine_inputs
     from edgekit.runtimes.base import check_feeds
 
     config = config or ProfileConfig()
     engine_dir = Path(engine_dir)
+    if out_json is not None:
+        check_output_file(out_json, (engine_dir,))  # before the measurement
     manifest = read_manifest(engine_dir)
     if manifest.config.get("runtime") == "tensorrt":  # trtexec's JSON results (issue 7)
         from edgekit.runtimes.tensorrt import RUNTIME as _tensorrt
@@ -248,7 +252,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         trt_result = _tensorrt.profile(engine_dir, manifest, top_k=config.top_k)
         if trt_result is not None:
             if out_json is not None:
-                trt_result.save(out_json)
+                trt_result.save(out_json, protect=(engine_dir,))
             return trt_result
     if manifest.kind != "engine":
         raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact; profile takes an engine folder "
@@ -277,7 +281,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,
     })
     if out_json is not None:
-        result.save(out_json)
+        result.save(out_json, protect=(engine_dir,))
     return result
 
 
