@@ -226,7 +226,8 @@ def _json_default(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()) -> Iterator[Path]:
+def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
+               own_entry: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Yield a temporary folder that becomes ``out`` only if the block succeeds.
 
     ``out`` is checked first (``check_output_dir``): it must be new, empty or an edgekit
@@ -235,11 +236,12 @@ def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()) -> I
     The old ``out`` is replaced only after the new one is complete. On any exception,
     KeyboardInterrupt included, and when a SIGINT was seen during the block, ``out`` is
     left as it was and nothing is left beside it: interrupts are held back while the
-    folders are swapped and cleaned up.
+    folders are swapped and cleaned up. own_entry: how a cache recognises its own entries
+    (which carry no manifest) so they may be replaced too.
     """
     global _open_stages
     given = Path(out)
-    final = check_output_dir(given, protect)
+    final = check_output_dir(given, protect, own_entry)
     _recover_debris(final)
     stage = _Stage(final)
     _open_stages += 1
@@ -250,9 +252,10 @@ def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()) -> I
             yield stage.path
         except OSError as e:
             raise _in_output(e, stage.path, given) from None
+        apply_umask(stage.path)  # libraries that write through temporary files leave 0600 behind
         interrupts.raise_if_seen()  # a SIGINT that the block's libraries swallowed: do not commit
         with interrupts.deferred(), _dir_lock(final.parent):
-            check_output_dir(given, protect)  # again: the folder may have changed while the work ran
+            check_output_dir(given, protect, own_entry)  # again: the folder may have changed meanwhile
             stage.commit()
             if _open_stages == 1:  # not a folder inside another staged output
                 interrupts.note_written(given)
@@ -369,6 +372,19 @@ def umask() -> int:
     return mask
 
 
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the permissions the umask gives new files
+    (executables stay executable), whatever the writing library chose."""
+    mask = umask()
+    for dirpath, _subdirs, filenames in os.walk(folder):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(path, (0o777 if st.st_mode & stat.S_IXUSR else 0o666) & ~mask)
+
+
 def _file_mode(path: Path) -> int:
     with contextlib.suppress(OSError):
         st = os.stat(path)
@@ -475,7 +491,8 @@ def _check_location(given: Path, real: Path, protect: Iterable[object], what: st
         raise BadInputError(f"cannot write {str(given)!r}: {p} is a file, not a folder")
 
 
-def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()) -> Path:
+def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
+                     own_entry: Callable[[Path], bool] | None = None) -> Path:
     """The real path of output folder ``out`` if edgekit may write it, else BadInputError.
 
     Refused: a symbolic link; the working directory, a folder holding it; an input in
@@ -493,7 +510,7 @@ def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()
     if os.path.lexists(real):
         if not real.is_dir():
             raise BadInputError(f"output {str(given)!r} is a file, not a folder; choose a new folder")
-        why = not_replaceable(real)
+        why = None if own_entry is not None and own_entry(real) else not_replaceable(real)
         if why:
             raise BadInputError(f"output folder {str(given)!r} already exists and {why}; edgekit replaces only "
                                 "its own output folders or empty ones: choose a new folder or remove it yourself")

@@ -283,6 +283,24 @@ def test_outputs_get_the_umask_permissions(tmp_path: Path, mask: int) -> None:
 MANIFEST_NAME = artifact.MANIFEST
 
 
+def test_files_a_library_wrote_0600_get_the_umask_permissions(tmp_path: Path) -> None:
+    """safetensors and others write through temporary files (0600); outputs follow the umask."""
+    old_mask = os.umask(0o022)
+    try:
+        with staged_dir(tmp_path / "out") as tmp:
+            write_new(tmp)
+            (tmp / "sub").mkdir(mode=0o700)
+            for name, mode in (("weights.safetensors", 0o600), ("sub/build.sh", 0o700)):
+                (tmp / name).write_text("x")
+                (tmp / name).chmod(mode)
+    finally:
+        os.umask(old_mask)
+    modes = {p.relative_to(tmp_path / "out").as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in (tmp_path / "out").rglob("*")}
+    assert modes == {"data.txt": 0o644, "manifest.json": 0o644, "sub": 0o755, "weights.safetensors": 0o644,
+                     "sub/build.sh": 0o755}
+
+
 def test_replacing_a_file_keeps_its_permissions(tmp_path: Path) -> None:
     path = tmp_path / "report.md"
     path.write_text("old")
@@ -400,3 +418,34 @@ def test_file_lock_makes_a_cached_entry_once(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert built == [1] and (entry / "data.txt").read_text() == "new"
+
+
+def test_engine_cache_stores_whole_entries_concurrently(tmp_path: Path) -> None:
+    """Two builds storing the same engine used to share one `.partial` folder and delete
+    each other's files; now each entry is whole, and only the cache's own entries are
+    replaced."""
+    from edgekit.engine_cache import ENGINE_FILE, EngineCache, EngineKey
+
+    cache = EngineCache(tmp_path / "cache")
+    key = EngineKey("10.3", "Orin", "sm_87", "fp16")
+    plans = []
+    for i in range(4):
+        plans.append(tmp_path / f"plan{i}")
+        plans[-1].write_bytes(bytes([i]) * 100_000)
+    errors: list[BaseException] = []
+
+    def store(plan: Path) -> None:
+        try:
+            cache.store(key, {ENGINE_FILE: plan})
+        except BaseException as e:  # collected: a thread's exception would not fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=store, args=(p,)) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    entry = cache.lookup(key)
+    assert entry is not None and (entry / ENGINE_FILE).read_bytes() in {p.read_bytes() for p in plans}
+    assert sorted(os.listdir(cache.root)) == [".locks", entry.name]
