@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.artifact import work_folder
+from edgekit.artifact import check_output_dir, work_folder
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -427,6 +427,8 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
     from edgekit.sources.models import load_model
 
     config = config or DistillConfig()
+    if out_dir is not None:
+        check_output_dir(out_dir, (teacher, student, data, eval_data))  # before training; the inputs stay
     t = load_model(teacher)
     s = load_model(student)
     ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,
