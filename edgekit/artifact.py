@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit import interrupts
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, shown_path
 
 try:
     import fcntl
@@ -165,6 +165,13 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: It
 
     protect: for a file the user named (``--json``, ``-o``), the command's inputs: then
     ``path`` also may not be one of them or a file an edgekit folder's manifest records."""
+    if _is_special(path):  # /dev/null, /dev/stdout, a FIFO: written into, never replaced
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise _os_error(e, "cannot write", path) from None
+        return Path(path)
     path = check_output_file(path, protect) if protect is not None else _plain_output_file(path)
     state: dict[str, Any] = {"tmp": None, "created": [], "done": False}
 
@@ -476,7 +483,8 @@ def _check_location(given: Path, real: Path, protect: Iterable[object], what: st
     if real == cwd:
         raise BadInputError(f"{what} {str(given)!r} is the working directory; choose a new folder")
     if real in cwd.parents:
-        raise BadInputError(f"{what} {str(given)!r} contains the working directory {cwd}; choose a new folder")
+        raise BadInputError(f"{what} {str(given)!r} contains the working directory {shown_path(cwd)}; "
+                            "choose a new folder")
     for name, p in _existing_paths(protect):
         if real == p:
             raise BadInputError(f"{what} {str(given)!r} is the input {name!r}; choose another output")
@@ -488,7 +496,7 @@ def _check_location(given: Path, real: Path, protect: Iterable[object], what: st
     while not os.path.lexists(p):
         p = p.parent
     if not p.is_dir():
-        raise BadInputError(f"cannot write {str(given)!r}: {p} is a file, not a folder")
+        raise BadInputError(f"cannot write {str(given)!r}: {shown_path(p)} is a file, not a folder")
 
 
 def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
@@ -541,6 +549,17 @@ def not_replaceable(folder: Path) -> str | None:
     return None
 
 
+def _is_special(path: str | os.PathLike[str]) -> bool:
+    """A device, FIFO or socket (or a /dev or /proc name for one): not a file to replace."""
+    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _plain_output_file(path: str | os.PathLike[str]) -> Path:
     given = Path(path)
     if not os.fspath(path):
@@ -552,7 +571,7 @@ def _plain_output_file(path: str | os.PathLike[str]) -> Path:
     while not os.path.lexists(p):
         p = p.parent
     if not p.is_dir():
-        raise BadInputError(f"cannot write {str(given)!r}: {p} is a file, not a folder")
+        raise BadInputError(f"cannot write {str(given)!r}: {shown_path(p)} is a file, not a folder")
     return real
 
 

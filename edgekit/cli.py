@@ -27,6 +27,7 @@ class EdgekitGroup(click.Group):
             rv = super().main(*args, **kwargs)
             interrupts.raise_if_seen()
         except (click.exceptions.Abort, KeyboardInterrupt):
+            interrupts.exiting()
             _fail("", interrupts.EXIT_INTERRUPTED)
         except EdgekitError as e:
             _fail(str(e), e.exit_code)
@@ -668,6 +669,9 @@ def main() -> None:
         if e.code == interrupts.EXIT_INTERRUPTED:
             interrupts.exit_interrupted()
         raise
+    except KeyboardInterrupt:  # Ctrl-C again before the first one was reported
+        click.echo(f"error: {interrupts.interrupted_message()}", err=True)
+        interrupts.exit_interrupted()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from types import FrameType
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
 
 _installed = False
+_exiting = False  # the interrupt is being reported: further SIGINTs change nothing
 _running = False  # False while the command line is still importing: nothing can have been written yet
 _seen = 0  # SIGINTs received since install()
 _defer_depth = 0
@@ -54,6 +55,8 @@ def running() -> None:
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global _seen, _pending
     _seen += 1
+    if _exiting:
+        return
     if not _running:
         os.write(2, b"\nerror: interrupted during start-up; nothing was written\n")
         os._exit(EXIT_INTERRUPTED)
@@ -137,10 +140,18 @@ def deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)  # delivered to the previous handler now
 
 
+def exiting() -> None:
+    """The command is stopping and reporting why: from now on a SIGINT (Ctrl-C pressed
+    again) is only counted, so the one-line message and the exit code come out whole."""
+    global _exiting
+    _exiting = True
+
+
 def exit_interrupted() -> None:
     """End the process with exit 130. Python would otherwise end it by re-raising SIGINT
     (no exit code) when a KeyboardInterrupt once passed through C code that runs Python
     (pybind11 modules do), even after it was handled."""
+    exiting()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

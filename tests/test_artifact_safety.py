@@ -449,3 +449,33 @@ def test_engine_cache_stores_whole_entries_concurrently(tmp_path: Path) -> None:
     entry = cache.lookup(key)
     assert entry is not None and (entry / ENGINE_FILE).read_bytes() in {p.read_bytes() for p in plans}
     assert sorted(os.listdir(cache.root)) == [".locks", entry.name]
+
+
+def test_special_files_are_written_into_not_replaced(tmp_path: Path) -> None:
+    """`--json /dev/null` must not replace the device (root could) with a regular file."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write_json(fifo, {"ok": 1}, protect=())
+    reader.join()
+    assert json.loads(received[0]) == {"ok": 1} and stat.S_ISFIFO(fifo.lstat().st_mode)
+    atomic_write_json("/dev/null", {"ok": 1}, protect=())
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert siblings(tmp_path) == ["fifo"]
+
+
+@pytest.mark.parametrize("error, message", [
+    (PermissionError(13, "Permission denied", "/ci/out"), "cannot access /ci/out: Permission denied"),
+    (OSError(28, "No space left on device", "/ci/out/model.onnx"), "cannot write /ci/out/model.onnx: No space left on device"),
+    (OSError(30, "Read-only file system", "/mnt/ro/x"), "cannot write /mnt/ro/x: Read-only file system"),
+    (NotADirectoryError(20, "Not a directory", "notes.txt/x"), "cannot use notes.txt/x: Not a directory"),
+    (OSError(18, "Invalid cross-device link", "a", None, "b"), "cannot access a -> b: Invalid cross-device link"),
+    (FileNotFoundError(2, "No such file or directory", "new\nline"), "cannot access 'new\\nline': No such file or directory"),
+    (OSError(28, "No space left on device"), "file system error: No space left on device"),
+])
+def test_os_error_message_is_one_line(error: OSError, message: str) -> None:
+    from edgekit.errors import os_error_message
+
+    assert os_error_message(error) == message

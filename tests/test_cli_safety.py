@@ -100,6 +100,7 @@ def profile_json(tmp_path: Path) -> Path:
     ("..", "error: output folder '..' contains the working directory PWD; choose a new folder"),
     ("notes.txt", "error: output 'notes.txt' is a file, not a folder; choose a new folder"),
     ("notes.txt/onnx", "error: cannot write 'notes.txt/onnx': PWD/notes.txt is a file, not a folder"),
+    ("notes.txt/a\nb", "error: cannot write 'notes.txt/a\\nb': PWD/notes.txt is a file, not a folder"),
     ("src", "error: output folder 'src' already exists and is not an edgekit output folder (no manifest.json); "
             "edgekit replaces only its own output folders or empty ones: choose a new folder or remove it yourself"),
 ])
@@ -227,35 +228,54 @@ def test_read_only_folder_and_file_too_large_are_one_line(tmp_path: Path) -> Non
 # --- Ctrl-C: a real SIGINT at chosen moments ----------------------------------------------------------
 
 DRIVER = textwrap.dedent("""
-    # Run `python -m edgekit.cli ARGS` and send this process a real SIGINT when WHEN happens:
-    # "import:M" = just before module M is first imported; "rename" = just before the first
-    # rename of a staging folder into place. Writes the output's parent folder listing at that
-    # moment to SNAPSHOT (to show that staging was under way).
-    import json, os, signal, sys
-    when, snapshot, watch, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    # Run `python -m edgekit.cli ARGS` and send this process a real SIGINT at each moment in
+    # WHEN ("+"-joined): "import:M" = just before module M is first imported; "rename" = just
+    # before a staging folder is renamed into place; "copy" = just before a file is copied into
+    # a staging folder; "rmtree" = just before a staging folder is removed; "echo" = just
+    # before the CLI prints its error line. The first SIGINT writes
+    # the output's parent folder listing to SNAPSHOT (to show that staging was under way).
+    import json, os, shutil, signal, sys
+    when, snapshot, watch, args = sys.argv[1].split("+"), sys.argv[2], sys.argv[3], sys.argv[4:]
     fired = []
 
-    def fire():
-        if not fired:
-            fired.append(1)
-            with open(snapshot, "w") as f:
-                json.dump(sorted(os.listdir(watch)) if os.path.isdir(watch) else [], f)
+    def fire(tag):
+        if tag in when and tag not in fired:
+            if not fired:
+                with open(snapshot, "w") as f:
+                    json.dump(sorted(os.listdir(watch)) if os.path.isdir(watch) else [], f)
+            fired.append(tag)
             os.kill(os.getpid(), signal.SIGINT)
 
     class Hook:
         def find_spec(self, name, path=None, target=None):
-            if when == "import:" + name:
-                fire()
+            fire("import:" + name)
             return None
 
     sys.meta_path.insert(0, Hook())
-    if when == "rename":
-        real_rename = os.rename
-        def rename(src, dst, *a, **k):
-            if str(src).endswith(".partial"):
-                fire()
-            return real_rename(src, dst, *a, **k)
-        os.rename = rename
+    if "echo" in when:  # watch what the CLI prints
+        import click
+        real_echo = click.echo
+        def echo(message=None, *a, **k):
+            if str(message).startswith("error:"):
+                fire("echo")
+            return real_echo(message, *a, **k)
+        click.echo = echo
+    import atexit
+    atexit.register(lambda: open(snapshot + ".fired", "w").write(json.dumps(fired)))
+    real_rename, real_rmtree, real_copyfile = os.rename, shutil.rmtree, shutil.copyfile
+    def rename(src, dst, *a, **k):
+        if str(src).endswith(".partial"):
+            fire("rename")
+        return real_rename(src, dst, *a, **k)
+    def rmtree(path, *a, **k):
+        if str(path).endswith(".partial"):
+            fire("rmtree")
+        return real_rmtree(path, *a, **k)
+    def copyfile(src, dst, *a, **k):
+        if ".partial" in str(dst):
+            fire("copy")
+        return real_copyfile(src, dst, *a, **k)
+    os.rename, shutil.rmtree, shutil.copyfile = rename, rmtree, copyfile
     sys.argv = ["-m", *args]  # what `python -m edgekit.cli` sees while the module is located
     import runpy
     runpy.run_module("edgekit.cli", run_name="__main__", alter_sys=True)
@@ -300,21 +320,25 @@ def interrupt_setup(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("when, model, message", [
-    ("import:click", "safety_models:plain", "interrupted during start-up; nothing was written"),
-    ("import:torch", "safety_models:plain", "interrupted; outputs were left as they were before this command"),
-    ("import:onnxruntime", "safety_models:plain", "interrupted; outputs were left as they were before this command"),
-    ("never", "safety_models:swallowing", "interrupted; outputs were left as they were before this command"),
-    ("rename", "TINY_ONNX", "interrupted; outputs completed before the interrupt were kept (out/onnx), "
-                            "nothing half-written was left"),
+KEPT = "interrupted; outputs were left as they were before this command"
+
+
+@pytest.mark.parametrize("when, model, staging, message", [
+    ("import:click", "safety_models:plain", False, "interrupted during start-up; nothing was written"),
+    ("import:torch", "safety_models:plain", False, KEPT),
+    ("import:onnxruntime", "safety_models:plain", True, KEPT),
+    ("never", "safety_models:swallowing", False, KEPT),
+    ("rename", "TINY_ONNX", True, "interrupted; outputs completed before the interrupt were kept (out/onnx), "
+                                  "nothing half-written was left"),
+    ("copy+rmtree+echo", "TINY_ONNX", True, KEPT),  # Ctrl-C pressed three times: mid-copy, mid-cleanup, mid-message
 ])
 def test_sigint_at_any_moment_exits_130_and_leaves_outputs(tmp_path: Path, interrupt_setup: Path, tiny_onnx: Path,
-                                                            when: str, model: str, message: str) -> None:
+                                                            when: str, model: str, staging: bool, message: str) -> None:
     """One Ctrl-C during start-up was swallowed and the command completed with exit 0.
     Here a real SIGINT arrives while the CLI loads, before the work, while the output is
     being staged (ONNX Runtime is first imported for the parity check), inside a model whose
-    code swallows the KeyboardInterrupt, and between the two renames that swap the old
-    output for the new one."""
+    code swallows the KeyboardInterrupt, between the two renames that swap the old output
+    for the new one, and three times in a row."""
     old = make_output(tmp_path / "out" / "onnx")
     before = tree_hash(tmp_path)
     snapshot = tmp_path.parent / f"{tmp_path.name}-snapshot.json"
@@ -330,8 +354,10 @@ def test_sigint_at_any_moment_exits_130_and_leaves_outputs(tmp_path: Path, inter
         assert sorted(os.listdir(old.parent)) == ["onnx"]
     else:
         assert tree_hash(tmp_path) == before
-    if when in ("rename", "import:onnxruntime"):  # the output was being staged when the SIGINT came
+    if staging:  # a staging folder stood beside the old output when the (first) SIGINT came
         assert any(name.endswith(".partial") for name in json.loads(snapshot.read_text()))
+    if "+" in when:
+        assert json.loads(Path(f"{snapshot}.fired").read_text()) == when.split("+")
 
 
 # --- one run per run folder ---------------------------------------------------------------------------
