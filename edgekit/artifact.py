@@ -105,7 +105,10 @@ def cache_dir() -> Path:
     """Where edgekit caches derived files (a float copy of a GGUF model, trained
     benchmark weights, timing caches): ``$EDGEKIT_CACHE`` or ``~/.cache/edgekit``."""
     path = Path(os.environ.get("EDGEKIT_CACHE") or Path.home() / ".cache" / "edgekit")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _os_error(e, "cannot use the cache folder ($EDGEKIT_CACHE)", path) from None
     return path
 
 
