@@ -12,9 +12,18 @@ The Python API mirrors the CLI; each command calls one of these functions::
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
+from edgekit import interrupts
+
 __version__ = "0.1.0"
+
+# Started as the command line (`edgekit ...`, or `python -m edgekit.cli`, whose argv[0]
+# is "-m" while the module is located): a Ctrl-C while the modules load ends the process
+# with exit 130 and one line, instead of a traceback. The API never changes SIGINT.
+if sys.argv[:1] == ["-m"] or interrupts.program_name_is("edgekit"):
+    interrupts.install(starting=True)
 
 # Public name -> "module:attribute". Resolved lazily so `import edgekit` stays cheap
 # and works without the optional runtimes.

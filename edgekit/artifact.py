@@ -9,6 +9,11 @@ manifests alone.
 Writes are atomic: a file is written to a temporary sibling and renamed; a folder is
 staged as a temporary sibling and renamed into place only when the step succeeded,
 so an interrupted or failed step never leaves a half-written output.
+
+Outputs never destroy what edgekit did not write: an existing output folder is replaced
+only when it is an edgekit output folder (its manifest says so) or empty, and never when
+it is, holds or lies inside the working directory or the command's input. New files and
+folders get the permissions the umask gives.
 """
 from __future__ import annotations
 
@@ -17,21 +22,35 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import logging
 import os
 import platform
+import re
+import secrets
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from edgekit.errors import BadInputError
-from edgekit.schema import FieldError, Loc, check_entries, check_keys, show
+from edgekit import interrupts
+from edgekit.errors import BadInputError, shown_path
+from edgekit.schema import FieldError, Loc, check_entries, check_keys, read_json, show
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no advisory locks
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
+LOCK_FILE = ".edgekit.lock"  # held by the process working in a run or sweep folder
+_open_stages = 0  # staged_dir blocks open in this process
 
 # What each artifact kind holds in ``files`` (role -> relative path).
 KINDS = ("model", "onnx", "engine", "bundle", "profile", "report", "run", "sweep", "estimate", "adapter")
@@ -105,7 +124,10 @@ def cache_dir() -> Path:
     """Where edgekit caches derived files (a float copy of a GGUF model, trained
     benchmark weights, timing caches): ``$EDGEKIT_CACHE`` or ``~/.cache/edgekit``."""
     path = Path(os.environ.get("EDGEKIT_CACHE") or Path.home() / ".cache" / "edgekit")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _os_error(e, "cannot use the cache folder ($EDGEKIT_CACHE)", path) from None
     return path
 
 
@@ -158,29 +180,61 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: Iterable[object] | None = None) -> Path:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename: readers see
+    the old file or the new one, never part of either. A file that exists keeps its
+    permissions; a new one gets the umask's. ``path`` may not be a folder.
+
+    protect: for a file the user named (``--json``, ``-o``), the command's inputs: then
+    ``path`` also may not be one of them or a file an edgekit folder's manifest records."""
+    if _is_special(path):  # /dev/null, /dev/stdout, a FIFO: written into, never replaced
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise _os_error(e, "cannot write", path) from None
+        return Path(path)
+    path = check_output_file(path, protect) if protect is not None else _plain_output_file(path)
+    state: dict[str, Any] = {"tmp": None, "created": [], "done": False}
+
+    def discard() -> None:
+        if state["tmp"] is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(state["tmp"])
+            state["tmp"] = None
+        if not state["done"]:
+            _remove_empty(state["created"])
+            state["created"] = []
+
     try:
+        with interrupts.deferred():
+            state["created"] = _make_parents(path.parent)
+            fd, state["tmp"] = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), _file_mode(path))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        interrupts.raise_if_seen()
+        with interrupts.deferred():
+            os.replace(state["tmp"], path)
+            state["tmp"], state["done"] = None, True
+    except OSError as e:
+        if e.filename is not None and e.filename != state["tmp"]:
+            raise
+        raise _os_error(e, "cannot write", path) from None
+    finally:
+        _settle(discard)
     return path
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    return atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, protect: Iterable[object] | None = None) -> Path:
+    return atomic_write_bytes(path, text.encode(), protect=protect)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, protect: Iterable[object] | None = None) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n",
+                             protect=protect)
 
 
 def _json_default(obj: Any) -> Any:
@@ -201,28 +255,507 @@ def _json_default(obj: Any) -> Any:
 
 
 @contextlib.contextmanager
-def staged_dir(out: str | os.PathLike[str]) -> Iterator[Path]:
+def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
+               own_entry: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Yield a temporary folder that becomes ``out`` only if the block succeeds.
 
-    An existing ``out`` is replaced only after the new one is complete. On any
-    exception, KeyboardInterrupt included, the staged folder is removed and ``out`` is
-    left as it was.
+    ``out`` is checked first (``check_output_dir``): it must be new, empty or an edgekit
+    output folder, and may not be, hold or lie inside the working directory or an input
+    named in ``protect`` (paths or specs; those that are not existing paths are ignored).
+    The old ``out`` is replaced only after the new one is complete. On any exception,
+    KeyboardInterrupt included, and when a SIGINT was seen during the block, ``out`` is
+    left as it was and nothing is left beside it: interrupts are held back while the
+    folders are swapped and cleaned up. own_entry: how a cache recognises its own entries
+    (which carry no manifest) so they may be replaced too.
     """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    global _open_stages
+    given = Path(out)
+    final = check_output_dir(given, protect, own_entry)
+    _recover_debris(final)
+    stage = _Stage(final)
+    _open_stages += 1
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with interrupts.deferred():
+            stage.begin()
+        try:
+            yield stage.path
+        except OSError as e:
+            raise _in_output(e, stage.path, given) from None
+        apply_umask(stage.path)  # libraries that write through temporary files leave 0600 behind
+        interrupts.raise_if_seen()  # a SIGINT that the block's libraries swallowed: do not commit
+        with interrupts.deferred(), _dir_lock(final.parent):
+            check_output_dir(given, protect, own_entry)  # again: the folder may have changed meanwhile
+            stage.commit()
+            if _open_stages == 1:  # not a folder inside another staged output
+                interrupts.note_written(given)
+    finally:
+        _open_stages -= 1
+        _settle(stage.finish)
+
+
+class _Stage:
+    """The staging folder of one ``staged_dir``; every step is idempotent, so a cleanup
+    cut short by a second interrupt is simply run again."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.tmp: Path | None = None
+        self.old: Path | None = None
+        self.created: list[Path] = []
+        self.committed = False
+
+    @property
+    def path(self) -> Path:
+        if self.tmp is None:
+            raise RuntimeError("the staging folder is gone")  # an invariant, not user input
+        return self.tmp
+
+    def begin(self) -> None:
+        self.created = _make_parents(self.final.parent)
+        try:
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.{os.getpid()}-", suffix=".partial",
+                                             dir=self.final.parent))
+        except OSError as e:
+            raise _os_error(e, "cannot create a folder in", self.final.parent) from None
+        os.chmod(self.tmp, 0o777 & ~umask())  # mkdtemp makes it 0700
+
+    def commit(self) -> None:
+        if os.path.lexists(self.final):
+            old = self.final.parent / f".{self.final.name}.{os.getpid()}-{secrets.token_hex(4)}.old"
+            os.rename(self.final, old)
+            self.old = old
+        os.rename(self.path, self.final)
+        self.tmp, self.committed = None, True
+
+    def finish(self) -> None:
+        if self.old is not None and os.path.lexists(self.old):
+            if not self.committed and not os.path.lexists(self.final):
+                os.rename(self.old, self.final)  # the swap failed half-way: put the old output back
+            else:
+                shutil.rmtree(self.old, ignore_errors=True)
+        self.old = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+        if not self.committed:
+            _remove_empty(self.created)
+            self.created = []
+
+
+def _settle(step: Callable[[], None]) -> None:
+    """Run a cleanup step with SIGINT held back; a SIGINT that slipped in before the hold
+    began runs the (idempotent) step again, then propagates."""
+    interrupted = False
+    for _ in range(100):
+        try:
+            with interrupts.deferred():
+                step()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _recover_debris(final: Path) -> None:
+    """Staging debris of ``final`` left by a process that was killed outright (SIGKILL,
+    power loss): put an old output back if the swap was cut, remove the rest. Only names
+    that ``staged_dir`` makes, and only of processes that are gone."""
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.(\d+)-[a-z0-9_]+\.(partial|old)")
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _alive(int(m[1])):
+            continue
+        debris = final.parent / name
+        with contextlib.suppress(OSError):
+            if m[2] == "old" and not os.path.lexists(final):
+                os.rename(debris, final)
+            else:
+                shutil.rmtree(debris)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the permissions the umask gives new files
+    (executables stay executable), whatever the writing library chose."""
+    mask = umask()
+    for dirpath, _subdirs, filenames in os.walk(folder):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(path, (0o777 if st.st_mode & stat.S_IXUSR else 0o666) & ~mask)
+
+
+def _file_mode(path: Path) -> int:
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)  # replacing a file keeps its permissions
+    return 0o666 & ~umask()
+
+
+def _in_output(e: OSError, staging: Path, given: Path) -> OSError:
+    """An OSError from a staged block, naming the output (``given``/...) instead of the
+    temporary staging folder; errors about other paths (an input) are kept as they are."""
+    if e.filename is None:
+        return _os_error(e, "cannot write", given)
+    for name in (e.filename2, e.filename):  # a copy's destination is filename2
+        if name is None:
+            continue
+        try:
+            rel = Path(os.fsdecode(name)).relative_to(staging)
+        except (ValueError, TypeError):
+            continue
+        return _os_error(e, "cannot write", given / rel if rel.parts else given)
+    return e
+
+
+def _os_error(e: OSError, what: str, path: str | os.PathLike[str]) -> OSError:
+    """``e`` again, naming ``path`` (the output the user gave, not a temporary name)."""
+    err = type(e)(e.errno, e.strerror or str(e), str(path))
+    err.what = what  # type: ignore[attr-defined]  # read by the CLI's one-line message
+    return err
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return the ones created (outermost first)."""
+    missing: list[Path] = []
+    p = folder
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    created: list[Path] = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            _remove_empty(created)
+            raise _os_error(e, "cannot create folder", d) from None
+        created.append(d)
+    return created
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+@contextlib.contextmanager
+def _dir_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on a folder itself (no lock file), held while two outputs in it
+    are swapped, so two processes writing the same output commit one after the other."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # file systems without flock: commit unlocked
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _existing_paths(candidates: Iterable[object]) -> list[tuple[str, Path]]:
+    """(as given, real path) for the candidates that are existing files or folders."""
+    out = []
+    for c in candidates:
+        if isinstance(c, (str, os.PathLike)) and os.fspath(c) and os.path.exists(c):
+            out.append((os.fspath(c), Path(os.path.realpath(c))))
+    return out
+
+
+def _check_location(given: Path, real: Path, protect: Iterable[object], what: str) -> None:
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if real == cwd:
+        raise BadInputError(f"{what} {str(given)!r} is the working directory; choose a new folder")
+    if real in cwd.parents:
+        raise BadInputError(f"{what} {str(given)!r} contains the working directory {shown_path(cwd)}; "
+                            "choose a new folder")
+    for name, p in _existing_paths(protect):
+        if real == p:
+            raise BadInputError(f"{what} {str(given)!r} is the input {name!r}; choose another output")
+        if real in p.parents:
+            raise BadInputError(f"{what} {str(given)!r} contains the input {name!r}; choose another output")
+        if p.is_dir() and p in real.parents:
+            raise BadInputError(f"{what} {str(given)!r} is inside the input folder {name!r}; choose another output")
+    p = real.parent
+    while not os.path.lexists(p):
+        p = p.parent
+    if not p.is_dir():
+        raise BadInputError(f"cannot write {str(given)!r}: {shown_path(p)} is a file, not a folder")
+
+
+def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
+                     own_entry: Callable[[Path], bool] | None = None) -> Path:
+    """The real path of output folder ``out`` if edgekit may write it, else BadInputError.
+
+    Refused: a symbolic link; the working directory, a folder holding it; an input in
+    ``protect`` (paths or specs), a folder holding one, a folder inside an input folder;
+    a path whose parent is a file; an existing file; an existing folder that is neither
+    empty nor an edgekit output folder (no flag overrides this: edgekit never deletes what
+    it did not write); an edgekit folder another edgekit process is working in."""
+    given = Path(out)
+    if not os.fspath(out):
+        raise BadInputError("the output folder is an empty path")
+    if os.path.islink(given):
+        raise BadInputError(f"output {str(given)!r} is a symbolic link; give the folder it points to")
+    real = Path(os.path.realpath(given))
+    _check_location(given, real, protect, "output folder")
+    if os.path.lexists(real):
+        if not real.is_dir():
+            raise BadInputError(f"output {str(given)!r} is a file, not a folder; choose a new folder")
+        why = None if own_entry is not None and own_entry(real) else not_replaceable(real)
+        if why:
+            raise BadInputError(f"output folder {str(given)!r} already exists and {why}; edgekit replaces only "
+                                "its own output folders or empty ones: choose a new folder or remove it yourself")
+    return real
+
+
+def not_replaceable(folder: Path) -> str | None:
+    """Why edgekit may not replace an existing ``folder`` (None when it may)."""
+    try:
+        entries = os.listdir(folder)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not entries:
+        return None
+    if MANIFEST not in entries:
+        return f"is not an edgekit output folder (no {MANIFEST})"
+    try:
+        read_manifest(folder)
+    except BadInputError as e:
+        return f"is not an edgekit output folder ({e})"
+    except OSError as e:
+        return f"is not an edgekit output folder ({MANIFEST} cannot be read: {e.strerror})"
+    holder = lock_holder(folder)
+    if holder is not None:
+        return f"is in use by another edgekit process (PID {holder})"
+    if not os.access(folder, os.W_OK):
+        return "is read-only"
+    return None
+
+
+def _is_special(path: str | os.PathLike[str]) -> bool:
+    """A device, FIFO or socket (or a /dev or /proc name for one): not a file to replace."""
+    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _plain_output_file(path: str | os.PathLike[str]) -> Path:
+    given = Path(path)
+    if not os.fspath(path):
+        raise BadInputError("the output file is an empty path")
+    real = Path(os.path.realpath(given))
+    if real.is_dir():
+        raise BadInputError(f"output file {str(given)!r} is a folder; give a file name")
+    p = real.parent
+    while not os.path.lexists(p):
+        p = p.parent
+    if not p.is_dir():
+        raise BadInputError(f"cannot write {str(given)!r}: {shown_path(p)} is a file, not a folder")
+    return real
+
+
+def check_output_file(path: str | os.PathLike[str], protect: Iterable[object] = ()) -> Path:
+    """The real path of output file ``path`` if edgekit may write it, else BadInputError.
+    Overwriting the file the user named is fine; a folder, an input in ``protect`` or a
+    file recorded in an edgekit output folder's manifest is refused. A symbolic link is
+    followed (the file it points to is written)."""
+    given = Path(path)
+    real = _plain_output_file(path)
+    for name, p in _existing_paths(protect):
+        if real == p:
+            raise BadInputError(f"output file {str(given)!r} is the input {name!r}; choose another output")
+    if real.exists() and _recorded_in_folder(real):
+        raise BadInputError(f"output file {str(given)!r} belongs to the edgekit output folder "
+                            f"{str(real.parent)!r}; choose another file")
+    return real
+
+
+def _recorded_in_folder(path: Path) -> bool:
+    """Whether ``path`` is the manifest or a file recorded in it, of an edgekit folder."""
+    if not (path.parent / MANIFEST).is_file():
+        return False
+    try:
+        m = read_manifest(path.parent)
+    except (BadInputError, OSError):
+        return False
+    return path.name == MANIFEST or path.name in {f for f in m.files.values() if "/" not in f}
+
+
+def lock_holder(folder: str | os.PathLike[str]) -> str | None:
+    """The PID (as recorded) of the edgekit process holding ``folder``'s lock, else None."""
+    path = Path(folder) / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _recorded_pid(fd)
+        except OSError:
+            return None
+        return None
+    finally:
+        os.close(fd)
+
+
+def _recorded_pid(fd: int) -> str:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = os.pread(fd, 32, 0).decode().strip()
+        if text.isdigit():
+            return text
+    return "unknown"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike[str], *, wait: bool = False, hint: str = "") -> Iterator[None]:
+    """Hold an exclusive advisory lock (fcntl) on an edgekit folder that a process works
+    in place (a run or sweep folder), through ``LOCK_FILE`` inside it, which records the
+    holder's PID. A second process gets BadInputError naming the folder and that PID, or
+    with ``wait`` blocks until the first is done. The lock ends with the process, however
+    it ends."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise _os_error(e, "cannot write", path) from None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _recorded_pid(fd)
+                if not wait:
+                    raise BadInputError(f"{str(folder)!r} is in use by another edgekit process (PID {holder}); "
+                                        f"wait for it to finish{hint}, or choose another folder") from None
+                log.warning("waiting for edgekit process %s, which is working in %s", holder, folder)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing), waiting for it: two
+    processes that would derive the same cached entry make it once, one after the other."""
+    path = Path(path)
+    _make_parents(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# Folders that runs and sweeps wrote before they carried a manifest: file -> keys it holds.
+_LEGACY_RECORDS = {"run": ("results.json", ("recipe", "stages")), "sweep": ("sweep.json", ("grid", "rows"))}
+
+
+def _folder_kind(folder: Path) -> str | None:
+    """The edgekit kind of an existing folder (its manifest's, or a run or sweep folder
+    recognised by its results), None when it is not edgekit's."""
+    if (folder / MANIFEST).is_file():
+        try:
+            return read_manifest(folder).kind
+        except (BadInputError, OSError):
+            return None
+    for kind, (name, keys) in _LEGACY_RECORDS.items():
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads((folder / name).read_text())
+            if isinstance(data, dict) and all(k in data for k in keys):
+                return kind
+    return None
+
+
+def work_folder(out: str | os.PathLike[str]) -> Path:
+    """Where a long command keeps checkpoints between attempts: ``<out>.work`` beside
+    the output. BadInputError when something other than a folder has that name."""
+    work = Path(f"{os.fspath(out)}.work")
+    if os.path.lexists(work) and (os.path.islink(work) or not work.is_dir()):
+        raise BadInputError(f"checkpoint folder {str(work)!r} exists and is not a folder; "
+                            "move it away or choose another output")
+    return work
+
+
+def claim_work_folder(out: str | os.PathLike[str], kind: str, *, wait: bool = False,
+                      protect: Iterable[object] = (), hint: str = "") -> contextlib.AbstractContextManager[Path]:
+    """Lock and return folder ``out`` that a process fills in place (a run or sweep
+    folder). It must be new, empty or an edgekit folder of this ``kind``; a new one gets a
+    manifest at once, so that an interrupted first run is still recognised as edgekit's."""
+    return _claim(out, kind, wait, tuple(protect), hint)
+
+
+@contextlib.contextmanager
+def _claim(out: str | os.PathLike[str], kind: str, wait: bool, protect: tuple[object, ...], hint: str) -> Iterator[Path]:
+    given = Path(out)
+    if os.path.islink(given):
+        raise BadInputError(f"output {str(given)!r} is a symbolic link; give the folder it points to")
+    real = Path(os.path.realpath(given))
+    _check_location(given, real, protect, f"{kind} folder")
+    if os.path.lexists(real) and not real.is_dir():
+        raise BadInputError(f"output {str(given)!r} is a file, not a folder; choose a new folder")
+    if real.is_dir() and os.listdir(real):
+        found = _folder_kind(real)
+        if found != kind:
+            what = f"an edgekit {found} folder" if found else f"not an edgekit {kind} folder (no {MANIFEST})"
+            raise BadInputError(f"output folder {str(given)!r} already exists and is {what}; edgekit works only in "
+                                f"its own {kind} folders or empty ones: choose a new folder or remove it yourself")
+    _make_parents(real)
+    with folder_lock(real, wait=wait, hint=hint):
+        if not (real / MANIFEST).is_file():
+            write_manifest(real, Manifest(kind=kind))
+        yield real
 
 
 def write_manifest(folder: str | os.PathLike[str], manifest: Manifest) -> Path:
@@ -244,10 +777,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     mf = folder / MANIFEST
     if not mf.is_file():
         raise BadInputError(f"{folder} is not an edgekit output folder (no {MANIFEST})")
-    try:
-        data = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInputError(f"{mf} is not valid JSON: {e}") from None
+    data = read_json(mf, "manifest")  # bounded; corrupt, deep or non-UTF-8 JSON is one line
     if not isinstance(data, dict) or data.get("kind") not in KINDS:
         raise BadInputError(f"{mf} has unknown kind {data.get('kind') if isinstance(data, dict) else None!r} "
                             f"(known: {', '.join(KINDS)})")

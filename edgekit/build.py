@@ -91,7 +91,7 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
     handle = load_model(model)
     inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
     t0 = time.perf_counter()
-    with staged_dir(out_dir) as tmp:
+    with staged_dir(out_dir, (model, handle.source, handle.onnx_path)) as tmp:
         files: dict[str, str] = {}
         metrics: dict[str, Any] = {}
         feeds = handle.sample_inputs(options.batch)

@@ -6,40 +6,52 @@ capability. Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from edgekit import __version__
-from edgekit.errors import BadInputError, EdgekitError
+from edgekit import __version__, interrupts
+from edgekit.errors import BadInputError, EdgekitError, os_error_message
 
 
 class EdgekitGroup(click.Group):
-    """Turns edgekit errors and click usage errors into one line and an exit code."""
+    """Turns edgekit errors, OS errors, click usage errors and Ctrl-C into one line and an
+    exit code (130 for Ctrl-C, also when a library swallowed the KeyboardInterrupt)."""
 
     def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
+            interrupts.raise_if_seen()
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            interrupts.exiting()
+            _fail("", interrupts.EXIT_INTERRUPTED)
         except EdgekitError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
+            _fail(str(e), e.exit_code)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except click.ClickException as e:
-            click.echo(f"error: {e.format_message()}", err=True)
-            sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("error: interrupted; outputs were left as they were before this command", err=True)
-            sys.exit(130)
-        except KeyboardInterrupt:
-            click.echo("error: interrupted; outputs were left as they were before this command", err=True)
-            sys.exit(130)
+            _fail(e.format_message(), e.exit_code)
+        except BrokenPipeError:  # the reader went away (`edgekit zoo | head -1`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        except OSError as e:  # permissions, a full disk, a read-only file system, a file where a folder goes
+            _fail(os_error_message(e), 2)
         if isinstance(rv, int) and rv:
             sys.exit(rv)
         sys.exit(0)
+
+
+def _fail(message: str, code: int) -> None:
+    """One line on stderr and the exit code; after a Ctrl-C (even one a library turned
+    into another error) the interrupt is what is reported, with exit 130."""
+    if interrupts.seen() or code == interrupts.EXIT_INTERRUPTED:
+        message, code = interrupts.interrupted_message(), interrupts.EXIT_INTERRUPTED
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
 
 
 def _console() -> Any:
@@ -268,7 +280,7 @@ def check(profile: str, budget_ms: float, percentile: str, max_jitter: float | N
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        atomic_write_json(json_out, {**verdict.to_dict(), "message": verdict.message()})
+        atomic_write_json(json_out, {**verdict.to_dict(), "message": verdict.message()}, protect=(profile,))
     click.echo(verdict.message())
     return 0 if verdict.passed else 1
 
@@ -413,7 +425,9 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
 @click.option("--force", is_flag=True, help="Rebuild every cached step.")
 @click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
-def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_dir: str | None) -> int:
+@click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
+              "exiting with status 2.")
+def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_dir: str | None, wait: bool) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
@@ -427,7 +441,7 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force)
+    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force, wait=wait)
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
         click.echo(f"{name}: {target_verdict(t)}")
@@ -616,7 +630,8 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None})
+        atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None},
+                          protect=(model,))
         click.echo(f"wrote {json_out}")
 
 
@@ -693,7 +708,16 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
 
 
 def main() -> None:
-    cli()
+    interrupts.install()
+    try:
+        cli()
+    except SystemExit as e:
+        if e.code == interrupts.EXIT_INTERRUPTED:
+            interrupts.exit_interrupted()
+        raise
+    except KeyboardInterrupt:  # Ctrl-C again before the first one was reported
+        click.echo(f"error: {interrupts.interrupted_message()}", err=True)
+        interrupts.exit_interrupted()
 
 
 if __name__ == "__main__":

@@ -27,10 +27,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from edgekit.artifact import atomic_write_bytes, read_manifest, staged_dir, work_folder, write_manifest
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import ModelHandle
+
+if TYPE_CHECKING:
+    from edgekit.compress.lora import LoraConfig
 
 REQUANT_STEPS = ("int4", "int8")
 
@@ -63,9 +67,6 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     >>> finetune("smollm2-135m-q4/", None, {"qlora": True, "steps": 200}, "out/q4-lora")  # doctest: +SKIP
     PosixPath('out/q4-lora')
     """
-    from edgekit.compress import StepContext, compress, load_compressed
-    from edgekit.compress.lora import LoadedData
-    from edgekit.sources.data import resolve_samples
     from edgekit.sources.models import load_model
 
     cfg = _config(config)
@@ -83,15 +84,31 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     out = Path(out_dir)
     if eval_data is None and isinstance(data, (str, os.PathLike)):
         eval_data = data  # its eval split: never overlaps the train split
+    with staged_dir(out, (model, handle.source, handle.onnx_path, data, eval_data)) as staging:
+        _finetune_into(staging, handle, steps, cfg, data, eval_data, seed, work_folder(out), resume, progress,
+                       final_eval)
+    with_work = work_folder(out)
+    if with_work.is_dir() and not any(with_work.iterdir()):
+        with_work.rmdir()
+    return out
+
+
+def _finetune_into(folder: Path, handle: ModelHandle, steps: list[tuple[str, Any]], cfg: LoraConfig, data: Any,
+                   eval_data: Any, seed: int, work_dir: Path, resume: bool, progress: bool, final_eval: bool) -> None:
+    """Train, compress and write the artifact into ``folder`` (a staging folder: the
+    output appears complete, adapter and final metrics included, or not at all)."""
+    from edgekit.compress import StepContext, compress, load_compressed
+    from edgekit.compress.lora import LoadedData
+    from edgekit.sources.data import resolve_samples
+
     train = resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
     val = resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
-    ctx = StepContext(train=LoadedData(train, _spec(data)), eval=LoadedData(val, _spec(eval_data)), seed=seed, progress=progress, work_dir=Path(f"{out}.work"))
+    ctx = StepContext(train=LoadedData(train, _spec(data)), eval=LoadedData(val, _spec(eval_data)), seed=seed,
+                      progress=progress, work_dir=work_dir)
     ctx.resume = resume  # type: ignore[attr-defined]  # read by the lora step's training loop
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    folder = compress(handle, steps, out, ctx)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    compress(handle, steps, folder, ctx)
     adapter = handle.extra.pop("lora_adapter", None)
-    from edgekit.artifact import atomic_write_bytes, read_manifest, write_manifest
-
     manifest = read_manifest(folder)
     if adapter:
         from safetensors.torch import save
@@ -105,10 +122,6 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
         reloaded = load_compressed(folder)
         manifest.metrics["final"] = final_metrics(reloaded, val)
     write_manifest(folder, manifest)
-    with_work = Path(f"{out}.work")
-    if with_work.is_dir() and not any(with_work.iterdir()):
-        with_work.rmdir()
-    return folder
 
 
 def _spec(data: Any) -> str | None:

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,10 +190,11 @@ class ProfileResult:
         field."""
         return from_mapping(cls, d, Loc(where), noun="field")
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str], *, protect: Iterable[object] | None = None) -> Path:
+        """Write the JSON atomically; ``protect``: see ``atomic_write_bytes``."""
         from edgekit.artifact import atomic_write_json
 
-        return atomic_write_json(path, self.to_dict())
+        return atomic_write_json(path, self.to_dict(), protect=protect)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProfileResult:
@@ -326,11 +328,14 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
     """
+    from edgekit.artifact import check_output_file
     from edgekit.build import load_engine, load_engine_inputs
     from edgekit.runtimes.base import check_feeds
 
     config = config or ProfileConfig()
     engine_dir = Path(engine_dir)
+    if out_json is not None:
+        check_output_file(out_json, (engine_dir,))  # before the measurement
     manifest = read_folder_manifest(engine_dir)  # an engine, a bundle, or a device results folder
     if manifest.kind in ("engine", "bundle") and manifest.config.get("runtime") in RUNTIMES:
         # Timings the runtime's own tool recorded (on the device): summarized, not re-measured.
@@ -338,7 +343,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         if recorded is not None:
             result = profile_from_recorded(recorded, config.top_k)
             if out_json is not None:
-                result.save(out_json)
+                result.save(out_json, protect=(engine_dir,))
             return result
     if manifest.kind != "engine":
         raise BadInputError(f"{engine_dir} holds a {manifest.kind!r} artifact; profile takes an engine folder "
@@ -367,7 +372,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,
     })
     if out_json is not None:
-        result.save(out_json)
+        result.save(out_json, protect=(engine_dir,))
     return result
 
 

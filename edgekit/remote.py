@@ -40,6 +40,9 @@ def remote_build(model: str, target: str, out: str | os.PathLike[str], host: Rem
 
     >>> remote_build("model.onnx", "jetson-agx-orin-64", "engine", RemoteHost("me@orin"))  # doctest: +SKIP
     """
+    from edgekit.artifact import check_output_dir
+
+    check_output_dir(out, (model, target))  # before the remote build
     with host:
         return _remote_build(model, target, out, host, precision, runtime, threads, extra_args)
 
@@ -62,7 +65,7 @@ def _remote_build(model: str, target: str, out: str | os.PathLike[str], host: Re
             argv += ["--threads", str(threads)]
         argv += list(extra_args or [])
         host.run(f"{host.edgekit} {shlex.join(argv)}", timeout=host.build_timeout)
-        with staged_dir(out) as tmp:
+        with staged_dir(out, (model, target)) as tmp:
             host.get(f"{wd}/out", None, tmp)
     return Path(out)
 

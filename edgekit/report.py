@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.artifact import MANIFEST, Manifest, atomic_write_json, atomic_write_text, read_manifest
+from edgekit.artifact import (
+    MANIFEST,
+    Manifest,
+    atomic_write_json,
+    atomic_write_text,
+    check_output_file,
+    read_manifest,
+)
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.profiling import ProfileResult
 
@@ -50,7 +57,7 @@ def collect(folder: str | os.PathLike[str]) -> ReportData:
             continue
         if isinstance(obj, dict) and "latency_ms" in obj and "runtime" in obj:
             try:
-                data.profiles.append((p, ProfileResult.from_dict(obj)))
+                data.profiles.append((p, ProfileResult.from_dict(obj, f"profile {str(p)!r}")))
             except (KeyError, TypeError):
                 continue
         elif isinstance(obj, dict) and "budget_ms" in obj and "passed" in obj:
@@ -167,9 +174,38 @@ def render_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | 
     data = collect(folder)
     md, summary = render_markdown(data, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
     out_md = Path(out) if out else data.folder / "report.md"
-    atomic_write_text(out_md, md)
-    atomic_write_json(out_md.with_suffix(".json"), summary)
+    check_report_outputs(out_md, (".json",), folder)
+    atomic_write_text(out_md, md, protect=(folder,))
+    atomic_write_json(out_md.with_suffix(".json"), summary, protect=(folder,))
     return out_md
+
+
+def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | os.PathLike[str]) -> None:
+    """Before anything is written: the Markdown file is the one the user named (or the
+    default), but its ``.json`` / ``.html`` siblings are replaced only when they are
+    edgekit reports, so a report never overwrites a file it did not write."""
+    check_output_file(out_md, (folder,))
+    for suffix in siblings:
+        path = out_md.with_suffix(suffix)
+        check_output_file(path, (folder,))
+        if path.is_file() and not _is_report_file(path):
+            raise BadInputError(f"the report {out_md} also writes {path}, which exists and is not an edgekit "
+                                "report; choose another -o")
+
+
+def _is_report_file(path: Path) -> bool:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if path.suffix == ".html":
+        return text.startswith("<!doctype html>") and "<title>edgekit " in text[:2000]
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and ({"folder", "artifacts", "profiles"} <= set(data)
+                                       or {"recipe", "stages", "run_dir"} <= set(data))
 
 
 def _render_run(folder: Path, out: str | os.PathLike[str] | None) -> Path:
@@ -180,7 +216,8 @@ def _render_run(folder: Path, out: str | os.PathLike[str] | None) -> Path:
     data["stages"] = [StageResult(**s) for s in data["stages"]]
     result = RunResult(**data)
     out_md = Path(out) if out else folder / "report.md"
-    atomic_write_text(out_md, markdown_summary(result))
-    atomic_write_json(out_md.with_suffix(".json"), result.to_dict())
+    check_report_outputs(out_md, (".json", ".html"), folder)
+    atomic_write_text(out_md, markdown_summary(result), protect=(folder,))
+    atomic_write_json(out_md.with_suffix(".json"), result.to_dict(), protect=(folder,))
     render_run_html(result, out_md.with_suffix(".html"))
     return out_md

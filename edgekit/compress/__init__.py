@@ -229,7 +229,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
 
     >>> compress("efficientnet-lite0", [("int8", {"method": "ptq"})], "out/int8")  # doctest: +SKIP
     """
-    from edgekit.artifact import Manifest, input_record, staged_dir, write_manifest
+    from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, work_folder, write_manifest
     from edgekit.sources.models import load_model
 
     if not steps:
@@ -238,15 +238,18 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
     handle = load_model(model)
+    protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
+               getattr(ctx.reference, "source", None))
+    check_output_dir(out_dir, protect)  # before hours of work
     if ctx.work_dir is None:
-        ctx.work_dir = Path(f"{os.fspath(out_dir)}.work")
+        ctx.work_dir = work_folder(out_dir)
     metrics: dict[str, Any] = {}
     for name, config in configs:
         t0 = time.perf_counter()
         handle = get_step(name).apply(handle, config, ctx)
         metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
     metrics.update(ctx.metrics)
-    with staged_dir(out_dir) as tmp:
+    with staged_dir(out_dir, protect) as tmp:
         files = save_model_files(handle, tmp)
         inputs = {}
         src = Path(str(model)) if not isinstance(model, ModelHandle) else None

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import check_output_dir, work_folder
 from edgekit.errors import BadInputError
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -428,11 +429,13 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
     from edgekit.sources.models import load_model
 
     config = config or DistillConfig()
+    if out_dir is not None:
+        check_output_dir(out_dir, (teacher, student, data, eval_data))  # before training; the inputs stay
     t = load_model(teacher)
     s = load_model(student)
     ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,
                       work_dir=Path(work_dir) if work_dir is not None else
-                      (Path(f"{os.fspath(out_dir)}.work") if out_dir is not None else None),
+                      (work_folder(out_dir) if out_dir is not None else None),
                       progress=True if progress is None else progress)
     if out_dir is not None:
         compress(s, [("distill", config)], out_dir, ctx)

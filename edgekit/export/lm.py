@@ -388,7 +388,7 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     export_s = time.perf_counter() - t0
     proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
     out_dir = Path(out_dir)
-    with staged_dir(out_dir) as folder:
+    with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder:
         large = proto.ByteSize() > 2**31 - 2**20
         onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                         location="model.onnx.data" if large else None)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgekit import interrupts
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle
@@ -96,19 +97,21 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
     >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
     True
     """
-    from edgekit.artifact import Manifest, staged_dir, write_manifest
+    from edgekit.artifact import Manifest, check_output_dir, staged_dir, write_manifest
     from edgekit.sources.models import load_model
 
     config = config or ExportConfig()
     out_dir = Path(out_dir)
     handle = load_model(model)
+    protect = (model, handle.source, handle.onnx_path)  # the output may not touch these
+    check_output_dir(out_dir, protect)  # before any work
     inputs = _input_records(model, handle)
     t0 = time.perf_counter()
     steps = [dataclasses.asdict(s) for s in handle.steps]
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX file to export")
-        with staged_dir(out_dir) as tmp:
+        with staged_dir(out_dir, protect) as tmp:
             files = _copy_onnx(Path(handle.onnx_path), tmp)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
@@ -121,7 +124,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
     proto = _apply_rewrites(proto, handle)
     trace_s = time.perf_counter() - t0
     failed = Path(f"{out_dir}.failed.onnx")
-    with staged_dir(out_dir) as tmp:
+    with staged_dir(out_dir, protect) as tmp:
         files = _save_checked(proto, tmp)
         onnx_path = tmp / files["onnx"]
         parity: dict[str, Any] = {"skipped": True}
@@ -201,6 +204,7 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
         except EdgekitError:
             raise
         except Exception as e:
+            interrupts.reraise(e)  # the exporter wraps a Ctrl-C in its own error
             log.warning("the dynamo ONNX exporter failed on %s (%s: %s); falling back to the legacy "
                         "TorchScript exporter", handle.name, type(e).__name__, _first_line(e))
     try:

@@ -31,6 +31,8 @@ import numpy as np
 from edgekit.artifact import (
     atomic_write_json,
     atomic_write_text,
+    claim_work_folder,
+    file_lock,
     package_versions,
     read_manifest,
     sha256_json,
@@ -114,11 +116,17 @@ class _Cache:
 
     def get(self, kind: str, key: str, build: Any) -> tuple[Path, bool]:
         folder = self.folder(kind, key)
-        if folder.exists() and (folder / "manifest.json").exists() and not (self.force and key not in self.rebuilt):
+        if self._reusable(folder, key):
             return folder, True
-        build(folder)
+        with file_lock(self.root / ".locks" / f"{kind}-{key}"):  # runs sharing the cache build an entry once
+            if self._reusable(folder, key):
+                return folder, True
+            build(folder)
         self.rebuilt.add(key)
         return folder, False
+
+    def _reusable(self, folder: Path, key: str) -> bool:
+        return (folder / "manifest.json").is_file() and not (self.force and key not in self.rebuilt)
 
 
 def _model_identity(spec: str) -> str:
@@ -222,16 +230,26 @@ def _runtime_for(target: Any) -> str:
 
 
 def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
-               force: bool = False, progress: bool = True) -> RunResult:
+               force: bool = False, progress: bool = True, wait: bool = False) -> RunResult:
     """Run every stage of ``recipe`` on every target; write results, JUnit, Markdown, HTML.
+
+    The run folder is locked for the whole run: a second run on it exits with an error
+    naming the first one's PID, or with ``wait`` waits for it (and then reuses what it
+    cached). It must be new, empty or a run folder.
 
     >>> result = run_recipe(load_recipe("examples/perception.yaml"), "runs/perception")  # doctest: +SKIP
     >>> result.passed
     True
     """
+    recipe = validate_recipe(recipe)  # the dry run's validation, whoever built the Recipe; before any write
+    with claim_work_folder(run_dir, "run", wait=wait, hint=" (edgekit run --wait waits for it)"):
+        return _run_locked(recipe, run_dir, cache_dir, force, progress)
+
+
+def _run_locked(recipe: Recipe, run_dir: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None,
+                force: bool, progress: bool) -> RunResult:
     from edgekit.targets import load_target
 
-    recipe = validate_recipe(recipe)  # the dry run's validation, whoever built the Recipe
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.artifact import atomic_write_json, atomic_write_text, sha256_json
+from edgekit.artifact import atomic_write_json, atomic_write_text, claim_work_folder, sha256_json
 from edgekit.compress import get_step
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
@@ -267,15 +267,16 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
             raise BadInputError(f"{path} with {given}: {e}") from None
         run_dir = out / "runs" / sha256_json(params)[:12]
         tasks.append((data, str(run_dir), str(cache), str(path), force))
-    results = _execute(tasks, jobs, executor, address, _resources(base))
-    rows = []
-    for params, (_data, result_dict, seconds) in zip(combos, results):
-        result_dict["stages"] = [StageResult(**s) for s in result_dict["stages"]]
-        rows.append(_row_from_result(params, RunResult(**result_dict), seconds))
-    targets = sorted({t for r in rows for t in r.latency_ms})
-    for t in targets[:1]:
-        _pareto(rows, t)
-    write_sweep_outputs(rows, out, grid_map, str(path))
+    with claim_work_folder(out, "sweep", protect=(path,)):  # one sweep at a time in a folder
+        results = _execute(tasks, jobs, executor, address, _resources(base))
+        rows = []
+        for params, (_data, result_dict, seconds) in zip(combos, results):
+            result_dict["stages"] = [StageResult(**s) for s in result_dict["stages"]]
+            rows.append(_row_from_result(params, RunResult(**result_dict), seconds))
+        targets = sorted({t for r in rows for t in r.latency_ms})
+        for t in targets[:1]:
+            _pareto(rows, t)
+        write_sweep_outputs(rows, out, grid_map, str(path))
     return rows
 
 

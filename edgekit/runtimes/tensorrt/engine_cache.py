@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.artifact import atomic_write_bytes, atomic_write_json, cache_dir, sha256_json
+from edgekit.artifact import atomic_write_bytes, atomic_write_json, cache_dir, file_lock, sha256_json, staged_dir
 from edgekit.errors import BadInputError
 
 ENGINE_FILE = "model.plan"
@@ -81,16 +81,14 @@ class EngineCache:
         if ENGINE_FILE not in files:
             raise BadInputError(f"an engine cache entry needs {ENGINE_FILE}")
         final = self.entry(key)
-        tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for rel, src in files.items():
-            dst = tmp / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
-        atomic_write_json(tmp / KEY_FILE, key.to_dict())
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        # Processes sharing the cache store an entry one at a time, each entry whole.
+        with file_lock(self.root / ".locks" / final.name), \
+                staged_dir(final, own_entry=lambda p: (p / KEY_FILE).is_file()) as tmp:
+            for rel, src in files.items():
+                dst = tmp / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+            atomic_write_json(tmp / KEY_FILE, key.to_dict())
         return final
 
     def timing_cache_path(self, tensorrt_version: str, gpu: str, sm: str) -> Path:
