@@ -321,6 +321,14 @@ def test_truncated_pt2_is_one_line(good_pt2, tmp_path, cut):
     assert_bad_input(bad, "cut.pt2")
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".ckpt", ".bin", ".pkl"])
+def test_pickled_checkpoints_are_never_loaded(suffix, tmp_path, marker):
+    path = tmp_path / f"model{suffix}"
+    torch.save({"weight": Payload(marker)}, path)
+    assert_refused(run_cli("export", path, "-o", tmp_path / "out"), tmp_path, marker,
+                   f"is of a kind edgekit does not load ({suffix})", "edgekit never unpickles a checkpoint")
+
+
 def test_good_pt2_with_constants_loads_and_matches(good_pt2):
     torch.manual_seed(0)
     reference = ConstantModel().eval()
@@ -574,7 +582,7 @@ def test_huge_declared_safetensors_sizes_are_refused(tmp_path_factory, length, s
 # GGUF
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, nan_in: str | None = None) -> Path:
     """A one-layer Llama with a 32-token GPT-2-style vocabulary, written with the gguf
     package's writer: about 16 kB, converted by transformers in well under a second."""
     import gguf
@@ -605,7 +613,10 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
               "blk.0.ffn_up.weight": (ff, hidden), "blk.0.ffn_down.weight": (hidden, ff),
               "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
     for name, shape in shapes.items():
-        w.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+        values = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        if name == nan_in:
+            values.flat[0] = np.nan
+        w.add_tensor(name, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -661,6 +672,12 @@ def test_bit_flipped_gguf_header_loads_or_is_one_line(tiny_gguf, tmp_path_factor
         assert "\n" not in str(e)
     else:
         assert all(bool(torch.isfinite(p).all()) for p in handle.module.parameters())
+
+
+def test_gguf_with_nan_weights_is_one_line(tmp_path, marker):
+    bad = write_tiny_gguf(tmp_path / "nan.gguf", nan_in="blk.0.ffn_up.weight")
+    assert_refused(run_cli("export", bad, "-o", tmp_path / "out"), tmp_path, marker,
+                   "nan.gguf: weight model.layers.0.mlp.up_proj.weight holds 1 NaN or infinite values of 512")
 
 
 # offsets in the tiny file: magic 0-3, version 4-7, tensor count 8-15, metadata count 16-23,

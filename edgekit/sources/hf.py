@@ -31,6 +31,7 @@ torch.Size([1, 8, 49152])
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import time
@@ -166,9 +167,11 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
         check_parameter_budget(tf.AutoModelForCausalLM, config, info.elements, str(gguf))
         try:
             tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
-            model, loading = tf.AutoModelForCausalLM.from_pretrained(
-                str(folder), gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False,
-                output_loading_info=True)
+            # transformers' GGUF converter draws its own tqdm bar on stderr, which carries only edgekit's errors
+            with contextlib.redirect_stderr(io.StringIO()):
+                model, loading = tf.AutoModelForCausalLM.from_pretrained(
+                    str(folder), gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False,
+                    output_loading_info=True)
         except Exception as e:  # as above; the message names the file
             raise BadInputError(f"transformers cannot load {gguf} as a causal LM: {first_line(e)}") from None
     _require_all_weights(loading, gguf.name, str(gguf))

@@ -28,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib")  # torch.save / pickle files
 
 
 def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
@@ -65,6 +66,12 @@ def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
 
     if text in ZOO:
         return load_zoo_model(text)
+    if path.is_file():
+        hint = (" (edgekit never unpickles a checkpoint: save the model with torch.export.save, or load it in a "
+                "Python entry point pkg.mod:fn)" if path.suffix.lower() in PICKLE_SUFFIXES else "")
+        raise BadInputError(f"model file {text!r} is of a kind edgekit does not load ({path.suffix or 'no suffix'}); "
+                            f"give a .onnx, .pt2 or .gguf file, a Hugging Face folder, an edgekit output folder, a "
+                            f"Python entry point pkg.mod:fn or a built-in name{hint}")
     if "/" in text or "\\" in text or "." in Path(text).name:
         raise BadInputError(f"model file {text!r} does not exist")
     raise bad_choice("model", text, ZOO)
