@@ -531,6 +531,23 @@ def test_missing_and_non_finite_weights_are_refused(hf_folders, tmp_path):
     assert_bad_input(folder, "weight model.norm.weight holds 1 NaN or infinite values of 16")
 
 
+def test_sentence_transformers_modules_are_read_strictly(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    folder = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=32)).save_pretrained(folder)
+    _tiny_tokenizer(folder)
+    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Pooling",
+                                                      "path": "../../elsewhere"}]))
+    assert_bad_input(folder, "modules.json points the pooling module at '../../elsewhere', outside the folder")
+    (folder / "modules.json").write_text("[{")
+    assert_bad_input(folder, "modules.json is not valid JSON")
+    (folder / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Normalize"}]))
+    assert load_model(str(folder)).extra["normalize"] is True
+
+
 # --- safetensors headers, property-based ------------------------------------------------------
 
 

@@ -84,6 +84,7 @@ DEFAULT_SEQLEN = 512
 DEFAULT_SENTENCE_LEN = 128
 MAX_PREPARED_BYTES = 4 * 2**30  # refuse to build more model-ready image data than this in memory
 MAX_ARRAY_BYTES = 4 * 2**30  # refuse .npy/.npz files declaring more array data than this
+MAX_TEXT_BYTES = 2**30  # refuse text files larger than this (read whole, then tokenized)
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -420,6 +421,10 @@ def _read_image(path: Path) -> np.ndarray:
 def _read_text_file(path: Path) -> list[str]:
     """The non-empty lines of a UTF-8 text file (a byte-order mark is dropped)."""
     try:
+        size = path.stat().st_size
+        if size > MAX_TEXT_BYTES:
+            raise BadInputError(f"text file {path} is {size / 2**30:.1f} GiB; edgekit reads at most "
+                                f"{MAX_TEXT_BYTES / 2**30:.0f} GiB of text")
         raw = path.read_bytes()
     except OSError as e:
         raise BadInputError(f"cannot read text file {path}: {e.strerror or e}") from None

@@ -468,18 +468,23 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
 
 
 def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
-    """(pooling, normalize) from a sentence-transformers folder; mean + normalize otherwise."""
-    pooling, normalize = "mean", True
+    """(pooling, normalize) from a sentence-transformers folder; mean + normalize otherwise.
+    A modules.json that is there but unreadable is an error, not a silent default."""
     modules = folder / "modules.json"
-    if modules.is_file():
-        with contextlib.suppress(OSError, json.JSONDecodeError, KeyError, TypeError):
-            mods = json.loads(modules.read_text())
-            normalize = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
-            for m in mods:
-                if str(m.get("type", "")).endswith("Pooling"):
-                    cfg = json.loads((folder / m["path"] / "config.json").read_text())
-                    if cfg.get("pooling_mode_cls_token") and not cfg.get("pooling_mode_mean_tokens"):
-                        pooling = "cls"
+    if not modules.is_file():
+        return "mean", True
+    mods = read_json_file(modules)
+    if not isinstance(mods, list) or not all(isinstance(m, dict) for m in mods):
+        raise BadInputError(f"{modules} is not a list of modules")
+    pooling, normalize = "mean", any(str(m.get("type", "")).endswith("Normalize") for m in mods)
+    for m in mods:
+        if str(m.get("type", "")).endswith("Pooling"):
+            sub = str(m.get("path", ""))
+            if Path(sub).is_absolute() or ".." in Path(sub).parts:
+                raise BadInputError(f"{modules} points the pooling module at {sub[:80]!r}, outside the folder")
+            cfg = read_json_file(folder / sub / "config.json") if (folder / sub / "config.json").is_file() else {}
+            if isinstance(cfg, dict) and cfg.get("pooling_mode_cls_token") and not cfg.get("pooling_mode_mean_tokens"):
+                pooling = "cls"
     return pooling, normalize
 
 
