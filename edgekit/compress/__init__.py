@@ -26,6 +26,7 @@ from typing import Any
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
 # steps named by flags: structure first (prune, distill), then fine-tune, then quantize.
@@ -304,6 +305,8 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         return handle
     if not manifest.source:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
+    weights = manifest.path_of(folder, "weights")
+    check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
     handle = load_model(manifest.source)
     for rec in manifest.steps:
         record = StepRecord(**rec)
@@ -311,7 +314,6 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         if step.rebuild is not None:
             handle = step.rebuild(handle, make_config(record.name, record.config), record)
         handle.steps.append(record)
-    weights = manifest.path_of(folder, "weights")
     try:
         from safetensors.torch import load_model as load_st
 

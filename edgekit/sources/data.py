@@ -63,6 +63,7 @@ import json
 import os
 import re
 import struct
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,8 @@ TEXT_SUFFIXES = (".txt", ".text", ".md", ".cor", ".csv", ".tsv", ".json", ".json
 DEFAULT_SEQLEN = 512
 DEFAULT_SENTENCE_LEN = 128
 MAX_PREPARED_BYTES = 4 * 2**30  # refuse to build more model-ready image data than this in memory
+MAX_ARRAY_BYTES = 4 * 2**30  # refuse .npy/.npz files declaring more array data than this
+MAX_TEXT_BYTES = 2**30  # refuse text files larger than this (read whole, then tokenized)
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -408,36 +411,153 @@ def _image_files(folder: Path) -> list[Path]:
 
 
 def _read_image(path: Path) -> np.ndarray:
+    """One image as uint8 HW (grey) or HWC (RGB). A file PIL cannot decode, or one of more
+    than ``Image.MAX_IMAGE_PIXELS`` pixels (a decompression bomb), is one line naming it."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
-            img = img.convert("L") if img.mode in ("L", "I;16", "I", "1") else img.convert("RGB")
-            return np.asarray(img, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError) as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                mode = "L" if img.mode in ("L", "I;16", "I", "1") else "RGB"
+                return np.asarray(img.convert(mode), dtype=np.uint8)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadInputError(f"cannot read image {path}: {e}") from None
+    except UnidentifiedImageError:
+        raise BadInputError(f"cannot read image {path}: not an image format PIL recognises") from None
+    # PIL's decoders report damage as OSError, ValueError, SyntaxError (PNG chunks), EOFError or struct.error
+    except (OSError, ValueError, SyntaxError, EOFError, struct.error, MemoryError) as e:
+        raise BadInputError(f"cannot read image {path}: {str(e).strip() or type(e).__name__} "
+                            "(damaged or truncated?)") from None
 
 
 def _read_text_file(path: Path) -> list[str]:
+    """The non-empty lines of a UTF-8 text file (a byte-order mark is dropped)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        size = path.stat().st_size
+        if size > MAX_TEXT_BYTES:
+            raise BadInputError(f"text file {path} is {size / 2**30:.1f} GiB; edgekit reads at most "
+                                f"{MAX_TEXT_BYTES / 2**30:.0f} GiB of text")
+        raw = path.read_bytes()
     except OSError as e:
-        raise BadInputError(f"cannot read text file {path}: {e}") from None
+        raise BadInputError(f"cannot read text file {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"text file {path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start:,}); "
+                            "save it as UTF-8") from None
+    if "\x00" in text:
+        raise BadInputError(f"text file {path} holds NUL bytes (offset {text.index(chr(0)):,}); it is binary, not text")
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _npy_header(f: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:
+    """dtype and shape from a .npy header (numpy caps the header's length), refusing object arrays."""
+    from numpy.lib import format as npy
+
     try:
-        loaded = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise BadInputError(f"cannot read {path} as a NumPy file: {str(e).splitlines()[0]}") from None
-    if isinstance(loaded, np.ndarray):
-        return {"": loaded}, None
-    with loaded:
-        arrays = {k: loaded[k] for k in loaded.files}
+        version = npy.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = npy.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = npy.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unknown .npy format version {version}")
+    except (ValueError, OSError, EOFError, SyntaxError, struct.error) as e:
+        raise BadInputError(f"{where} is not a valid .npy array: {str(e).strip().splitlines()[0]}") from None
+    if dtype.hasobject:
+        raise BadInputError(f"{where} holds Python objects (dtype {dtype}), which only unpickling can load; "
+                            "edgekit reads numeric arrays only (allow_pickle=False)")
+    return dtype, tuple(shape)
+
+
+def _check_declared(where: str, dtype: np.dtype, shape: tuple[int, ...], available: int) -> int:
+    """An array header's bytes against what the file holds and ``MAX_ARRAY_BYTES``."""
+    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if need > MAX_ARRAY_BYTES:
+        raise BadInputError(f"{where} declares a {dtype} array of shape {shape} ({need / 2**30:.1f} GiB); edgekit "
+                            f"reads at most {MAX_ARRAY_BYTES / 2**30:.0f} GiB of arrays")
+    if need > available:
+        raise BadInputError(f"{where} declares a {dtype} array of shape {shape} ({need:,} bytes) but holds "
+                            f"{available:,} bytes of data (truncated?)")
+    return need
+
+
+def _check_headers(path: Path) -> None:
+    """Headers of a .npy file, or of every array in a .npz archive, before numpy loads them:
+    no object arrays, declared sizes within the file and within ``MAX_ARRAY_BYTES`` in all."""
+    import zipfile
+
+    try:
+        if path.suffix.lower() == ".npy":
+            with open(path, "rb") as f:
+                dtype, shape = _npy_header(f, str(path))
+                _check_declared(str(path), dtype, shape, path.stat().st_size - f.tell())
+            return
+        total = 0
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                where = f"{path}: array {info.filename.removesuffix('.npy')!r}"
+                if not info.filename.endswith(".npy"):
+                    raise BadInputError(f"{path}: member {info.filename!r} is not a .npy array (an .npz archive "
+                                        "holds only arrays, as written by numpy.savez)")
+                with z.open(info) as f:
+                    dtype, shape = _npy_header(f, where)
+                    header = f.tell()
+                total += _check_declared(where, dtype, shape, info.file_size - header)
+                if total > MAX_ARRAY_BYTES:
+                    raise BadInputError(f"{path} holds more than {MAX_ARRAY_BYTES / 2**30:.0f} GiB of arrays; "
+                                        "edgekit reads at most that")
+    except BadInputError:
+        raise
+    except OSError as e:
+        raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+        raise BadInputError(f"{path} is not a valid .npz archive: {str(e).strip() or type(e).__name__}") from None
+
+
+NUMERIC_KINDS = {"b": "bool", "i": "int", "u": "uint", "f": "float"}
+
+
+def _check_array(where: str, name: str, a: np.ndarray) -> None:
+    """A usable data array: numeric, at least one axis (samples), finite."""
+    label = f"{where}: array {name!r}" if name else where
+    if a.dtype.kind not in NUMERIC_KINDS:
+        raise BadInputError(f"{label} has dtype {a.dtype}; data arrays are numeric "
+                            f"({', '.join(NUMERIC_KINDS.values())})")
+    if a.ndim == 0:
+        raise BadInputError(f"{label} is a single {a.dtype} value; data arrays hold samples along axis 0")
+    if a.dtype.kind == "f":
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        if bad:
+            raise BadInputError(f"{label} holds {bad:,} NaN or infinite values of {a.size:,}; calibration and "
+                                "evaluation data must be finite")
+
+
+def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    import zipfile
+
+    _check_headers(path)
+    try:
+        if path.suffix.lower() == ".npy":
+            arrays = {"": np.load(path, allow_pickle=False)}
+        else:
+            with np.load(path, allow_pickle=False) as loaded:
+                arrays = {k: loaded[k] for k in loaded.files}
+    except OSError as e:
+        raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
+        raise BadInputError(f"cannot read {path} as a NumPy file: {str(e).strip().splitlines()[0]}") from None
     labels = arrays.pop("labels", None)
     if not arrays:
         raise BadInputError(f"{path} holds no arrays besides 'labels'")
+    for name, a in arrays.items():
+        _check_array(str(path), name, a)
+    if labels is not None and (labels.dtype.kind not in "iu" or labels.ndim != 1):
+        raise BadInputError(f"{path}: array 'labels' has dtype {labels.dtype} and shape {labels.shape}; labels are "
+                            "one integer class per sample")
     return arrays, labels
 
 
@@ -788,7 +908,12 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
         if (model is not None and model.prepare is not None and len(arrays) == 1
                 and next(iter(arrays.values())).dtype == np.uint8
                 and model.inputs and model.inputs[0].dtype.startswith("float")):
-            inputs = model.prepare(list(next(iter(arrays.values()))))  # raw uint8 images
+            pixels: np.ndarray = next(iter(arrays.values()))
+            if pixels.ndim not in (3, 4) or (pixels.ndim == 4 and pixels.shape[-1] not in (1, 3, 4)):
+                raise BadInputError(f"{where}: uint8 array of shape {pixels.shape} is taken as images, which are "
+                                    "(N, H, W) or (N, H, W, C) with C 1, 3 or 4; give float arrays shaped "
+                                    f"{_describe_inputs(model)} instead")
+            inputs = model.prepare(list(pixels))  # raw uint8 images
             meta = {"kind": "images"}
         else:
             inputs = arrays

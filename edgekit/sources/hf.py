@@ -14,6 +14,16 @@ SmolLM2-135M), so the float32 model and its tokenizer are cached as a Hugging Fa
 folder under ``cache_dir()/hf-float/`` keyed by the GGUF's name, size and mtime, and
 reloaded from there (~0.1 s) next time.
 
+Nothing in a folder or GGUF file runs: ``trust_remote_code=False`` everywhere (so
+transformers never asks "Do you wish to run the custom code?"), a folder whose
+``auto_map`` names classes transformers does not ship is refused, safetensors are read
+when present (their headers checked first, ``edgekit.sources.weights``), a
+``pytorch_model.bin`` is read only through the weights-only unpickler, a GGUF header is
+checked before transformers parses it, the architecture the config declares must fit in
+the tensors the files hold (a config cannot make edgekit allocate more than the weights
+it brings), every weight the architecture needs must be in the files (nothing silently
+random), and every weight must be finite.
+
 >>> h = load_hf(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
 >>> h.module(**{k: torch.from_numpy(v) for k, v in h.sample_inputs(1, sequence=8).items()}).shape  # doctest: +SKIP
 torch.Size([1, 8, 49152])
@@ -21,9 +31,12 @@ torch.Size([1, 8, 49152])
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +44,26 @@ import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.weights import (
+    check_finite_parameters,
+    check_gguf,
+    check_safetensors,
+    first_line,
+    refused_by_unpickler,
+    unpickler_reason,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DEFAULT_SEQUENCE = 32  # tokens in make_inputs() when no length is asked
+MAX_CONFIG_BYTES = 16 * 2**20  # config.json / tokenizer_config.json / index files larger than this are refused
+MAX_LAYERS = 1024  # a config declaring more layers (or experts) than this is refused before anything is built
+MODULE_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+                     "num_local_experts", "num_experts", "n_routed_experts")
+# The architecture a config declares may hold at most this many parameters beyond what the
+# weight files carry (slack for buffers and small heads some checkpoints leave out).
+PARAMETER_SLACK = (1.1, 1_000_000)
 SAMPLE_SENTENCES = (  # real sentences (from gensim's Lee news corpus) for example inputs
     "Hundreds of people have been forced to vacate their homes in the Southern Highlands of New South Wales "
     "as strong winds today pushed a huge bushfire towards the town of Hill Top.",
@@ -95,6 +123,7 @@ def _transformers() -> Any:
     except ImportError as e:  # pragma: no cover - a core dependency
         raise UnavailableError(f"Hugging Face models need the transformers package: {e}") from None
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # stderr carries edgekit's one-line errors, not tqdm bars
     return transformers
 
 
@@ -127,17 +156,26 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
     from edgekit.artifact import staged_dir
 
     gguf = folder / gguf_file
+    info = check_gguf(gguf)  # bounded header check before transformers parses it
     tf = _transformers()
-    try:
-        config = tf.AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
-    except Exception as e:
-        raise BadInputError(f"{gguf} is not a GGUF model transformers can load: {str(e).splitlines()[0]}") from None
-    del config  # parsing it checks the file; GGUF configs carry no architectures (all are causal LMs)
-    try:
-        tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
-        model = tf.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf_file, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
-        raise BadInputError(f"transformers cannot load {gguf} as a causal LM: {str(e).splitlines()[0]}") from None
+    with _no_remote_code():
+        try:
+            config = tf.AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+        except Exception as e:  # transformers raises ValueError, KeyError, OSError, ...: all mean "cannot read"
+            raise BadInputError(f"{gguf} is not a GGUF model transformers can load: {first_line(e)}") from None
+        # GGUF configs carry no architectures: all are causal LMs
+        check_parameter_budget(tf.AutoModelForCausalLM, config, info.elements, str(gguf))
+        try:
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+            # transformers' GGUF converter draws its own tqdm bar on stderr, which carries only edgekit's errors
+            with contextlib.redirect_stderr(io.StringIO()):
+                model, loading = tf.AutoModelForCausalLM.from_pretrained(
+                    str(folder), gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False,
+                    output_loading_info=True)
+        except Exception as e:  # as above; the message names the file
+            raise BadInputError(f"transformers cannot load {gguf} as a causal LM: {first_line(e)}") from None
+    _require_all_weights(loading, gguf.name, str(gguf))
+    check_finite_parameters(model, str(gguf))
     # save_pretrained refuses a GGUF-loaded model while it still looks quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -147,6 +185,186 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "edgekit-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
+
+
+@contextlib.contextmanager
+def _no_remote_code() -> Iterator[None]:
+    """Some tokenizers unpickle their vocabulary when the TRUST_REMOTE_CODE environment
+    variable says so; while edgekit loads a model it says no."""
+    old = os.environ.get("TRUST_REMOTE_CODE")
+    os.environ["TRUST_REMOTE_CODE"] = "False"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRUST_REMOTE_CODE", None)
+        else:
+            os.environ["TRUST_REMOTE_CODE"] = old
+
+
+def read_json_file(path: Path) -> Any:
+    """A small JSON file of a model folder (at most ``MAX_CONFIG_BYTES``)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise BadInputError(f"{path} is {size / 2**20:.0f} MiB; at most {MAX_CONFIG_BYTES // 2**20} MiB is read")
+        return json.loads(path.read_bytes())
+    except BadInputError:
+        raise
+    except OSError as e:
+        raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise BadInputError(f"{path} is not valid JSON: {first_line(e)}") from None
+
+
+@dataclass
+class FolderWeights:
+    """The weight files of a Hugging Face folder, checked: which format, which files, and
+    how many elements they hold in all."""
+
+    safetensors: bool
+    files: list[Path]
+    elements: int
+
+
+def check_hf_folder(folder: Path) -> tuple[dict[str, Any], FolderWeights]:
+    """``config.json`` and the weight files of a folder, checked before transformers sees them:
+    no custom code needed, safetensors headers sound (else ``pytorch_model.bin`` through the
+    weights-only unpickler). Returns (config dict, weights)."""
+    config = read_json_file(folder / "config.json")
+    if not isinstance(config, dict):
+        raise BadInputError(f"{folder}/config.json is not a JSON object")
+    _refuse_custom_code(folder, config)
+    check_module_counts(config, f"{folder}/config.json")
+    return config, _weight_files(folder)
+
+
+def check_module_counts(config: dict[str, Any], where: str) -> None:
+    """Counts of repeated modules (layers, experts) within ``MAX_LAYERS``: building even an
+    empty (meta-device) model loops over them."""
+    for key in MODULE_COUNT_KEYS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LAYERS):
+            raise BadInputError(f"{where} declares {key} = {value!r} (edgekit loads at most {MAX_LAYERS})")
+
+
+def _refuse_custom_code(folder: Path, config: dict[str, Any]) -> None:
+    """transformers runs Python files shipped in a folder when ``auto_map`` points at them and
+    the class is not one it ships itself; edgekit refuses such folders instead."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map")
+    if auto_map and model_type not in CONFIG_MAPPING:
+        classes = ", ".join(f"{k} -> {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else auto_map
+        raise BadInputError(f"{folder} needs custom code to load (config.json auto_map: {str(classes)[:200]}; "
+                            f"model_type {model_type!r} is not built into transformers); edgekit never runs code "
+                            "from a model folder: load it through a Python entry point pkg.mod:fn")
+    tok_path = folder / "tokenizer_config.json"
+    if tok_path.is_file():
+        tok = read_json_file(tok_path)
+        tok_map = tok.get("auto_map") if isinstance(tok, dict) else None
+        if tok_map and not _native_tokenizer(tok.get("tokenizer_class")):
+            raise BadInputError(f"{folder} needs custom code for its tokenizer (tokenizer_config.json auto_map: "
+                                f"{str(tok_map)[:200]}); edgekit never runs code from a model folder: load it "
+                                "through a Python entry point pkg.mod:fn")
+
+
+def _native_tokenizer(name: Any) -> bool:
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    return isinstance(name, str) and tokenizer_class_from_name(name) is not None
+
+
+def _weight_files(folder: Path) -> FolderWeights:
+    """Safetensors (one file or an index of shards) when present, else pytorch_model.bin
+    (one or sharded), each checked."""
+    for index, single, safe in (("model.safetensors.index.json", "model.safetensors", True),
+                                ("pytorch_model.bin.index.json", "pytorch_model.bin", False)):
+        if (folder / index).is_file():
+            files = _shards(folder, index)
+        elif (folder / single).is_file():
+            files = [folder / single]
+        else:
+            continue
+        if safe:
+            return FolderWeights(True, files, sum(check_safetensors(f).elements for f in files))
+        return FolderWeights(False, files, sum(_check_torch_bin(f) for f in files))
+    raise BadInputError(f"{folder} has no weights (model.safetensors, model.safetensors.index.json or "
+                        "pytorch_model.bin)")
+
+
+def _shards(folder: Path, index: str) -> list[Path]:
+    data = read_json_file(folder / index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise BadInputError(f"{folder}/{index} has no weight_map")
+    names = sorted({str(v) for v in weight_map.values()})
+    for name in names:
+        if Path(name).name != name or not (folder / name).is_file():
+            raise BadInputError(f"{folder}/{index} names shard {name[:80]!r}, which is not a file in the folder")
+    return [folder / n for n in names]
+
+
+def _check_torch_bin(path: Path) -> int:
+    """A ``pytorch_model.bin`` must load with the weights-only unpickler (memory-mapped:
+    nothing is read but the pickle); returns its element count."""
+    import warnings
+    import zipfile
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # UnpicklingError for a refused global; anything else for a corrupt file
+        if refused_by_unpickler(e):
+            raise BadInputError(f"{path} holds a pickle that only arbitrary code can load ({unpickler_reason(e)}); "
+                                "edgekit reads .bin weights only through the weights-only unpickler") from None
+        raise BadInputError(f"{path} is not a readable PyTorch checkpoint ({first_line(e)})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise BadInputError(f"{path} is not a state dict (a mapping of names to tensors)")
+    return sum(v.numel() for v in state.values())
+
+
+def check_parameter_budget(auto_class: Any, config: Any, available: int, where: str) -> None:
+    """The architecture ``config`` describes, counted on the meta device (nothing allocated),
+    must fit in the ``available`` elements the weight files hold."""
+    check_module_counts(config.to_dict(), where)
+    with torch.device("meta"):
+        try:
+            model = auto_class.from_config(config, trust_remote_code=False)
+        except Exception as e:  # a config transformers cannot build a model from
+            raise BadInputError(f"{where}: transformers cannot build the architecture its config describes: "
+                                f"{first_line(e)}") from None
+    declared = sum(p.numel() for p in model.parameters())
+    factor, extra = PARAMETER_SLACK
+    if declared > factor * available + extra:
+        raise BadInputError(f"{where}: the config describes {declared:,} parameters but the weight files hold "
+                            f"{available:,} values; refusing to build it")
+
+
+def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, optional: tuple[str, ...] = ()) -> Any:
+    """``auto_class.from_pretrained`` with nothing trusted; every weight must come from the files."""
+    try:
+        model, info = auto_class.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False,
+                                                 use_safetensors=weights.safetensors, weights_only=True,
+                                                 output_loading_info=True)
+    except Exception as e:  # OSError, ValueError, RuntimeError, SafetensorError, ...: all mean "cannot load"
+        raise BadInputError(f"{folder}: transformers cannot load the weights "
+                            f"({', '.join(f.name for f in weights.files)}): {first_line(e)}") from None
+    _require_all_weights(info, ", ".join(f.name for f in weights.files), str(folder), optional)
+    check_finite_parameters(model, str(folder))
+    return model
+
+
+def _require_all_weights(info: dict[str, Any], files: str, where: str, optional: tuple[str, ...] = ()) -> None:
+    """transformers fills weights missing from the files with random values and only logs
+    it; edgekit refuses instead (names starting with ``optional`` may be missing)."""
+    missing = [k for k in info.get("missing_keys", []) if not k.startswith(optional)]
+    if missing or info.get("mismatched_keys"):
+        problem = (f"lacks {len(missing)} weights the architecture needs (first: {', '.join(sorted(missing)[:3])})"
+                   if missing else f"has weights of the wrong shape ({str(info['mismatched_keys'][:2])[:200]})")
+        raise BadInputError(f"{where}: {files} {problem}")
 
 
 def _is_causal_lm(config: Any) -> bool:
@@ -160,7 +378,8 @@ def _is_encoder(config: Any) -> bool:
 
 
 def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> ModelHandle:
-    """A local Hugging Face folder (``config.json``) or a GGUF file in ``folder``, offline."""
+    """A local Hugging Face folder (``config.json``) or a GGUF file in ``folder``, offline;
+    nothing from the folder or file is executed (see the module docstring)."""
     folder = Path(folder)
     source = str(folder / gguf_file) if gguf_file else str(folder)
     t0 = time.perf_counter()
@@ -172,20 +391,32 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
             raise BadInputError(f"{folder} is not a Hugging Face model folder (no config.json)")
         hf_folder = folder
         name = folder.name if folder.name != "model" else folder.parent.name
+    _, weights = check_hf_folder(hf_folder)
     tf = _transformers()
-    try:
-        config = tf.AutoConfig.from_pretrained(str(hf_folder))
-    except Exception as e:
-        raise BadInputError(f"{hf_folder}/config.json cannot be read: {str(e).splitlines()[0]}") from None
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder))
-    if _is_causal_lm(config):
-        handle = _causal_lm_handle(tf, hf_folder, config, tokenizer, name, source)
-    elif _is_encoder(config):
-        handle = _encoder_handle(tf, hf_folder, config, tokenizer, name, source)
-    else:
-        archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
-        raise BadInputError(f"unsupported Hugging Face architecture {archs[0]!r} in {folder} (edgekit loads causal "
-                            "LMs, *ForCausalLM, and BERT-style sentence encoders)")
+    with _no_remote_code():
+        try:
+            config = tf.AutoConfig.from_pretrained(str(hf_folder), trust_remote_code=False)
+        except Exception as e:  # transformers raises ValueError, KeyError, OSError, ...
+            raise BadInputError(f"{hf_folder}/config.json cannot be read: {first_line(e)}") from None
+        if _is_causal_lm(config):
+            auto_class = tf.AutoModelForCausalLM
+        elif _is_encoder(config):
+            auto_class = tf.AutoModel
+        else:
+            archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
+            raise BadInputError(f"unsupported Hugging Face architecture {archs[0]!r} in {folder} (edgekit loads causal "
+                                "LMs, *ForCausalLM, and BERT-style sentence encoders)")
+        check_parameter_budget(auto_class, config, weights.elements, str(hf_folder))
+        try:
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder), trust_remote_code=False)
+        except Exception as e:  # OSError, ValueError, TypeError, tokenizers' Exception: the tokenizer files are bad
+            raise BadInputError(f"{hf_folder}: the tokenizer cannot be loaded: {first_line(e)}") from None
+        if auto_class is tf.AutoModelForCausalLM:
+            model = _from_pretrained(auto_class, hf_folder, weights)
+            handle = _causal_lm_handle(model, config, tokenizer, name, source)
+        else:
+            model = _from_pretrained(auto_class, hf_folder, weights, optional=("pooler.",))
+            handle = _encoder_handle(model, hf_folder, config, tokenizer, name, source)
     handle.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     handle.extra["hf_folder"] = str(hf_folder)
     return handle
@@ -198,8 +429,7 @@ def _repeat_text(texts: tuple[str, ...], min_chars: int) -> str:
     return text
 
 
-def _causal_lm_handle(tf: Any, folder: Path, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
-    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
     model.eval()
     model.config.use_cache = False
     wrapper = CausalLMWrapper(model).eval()
@@ -238,23 +468,27 @@ def _causal_lm_handle(tf: Any, folder: Path, config: Any, tokenizer: Any, name: 
 
 
 def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
-    """(pooling, normalize) from a sentence-transformers folder; mean + normalize otherwise."""
-    pooling, normalize = "mean", True
+    """(pooling, normalize) from a sentence-transformers folder; mean + normalize otherwise.
+    A modules.json that is there but unreadable is an error, not a silent default."""
     modules = folder / "modules.json"
-    if modules.is_file():
-        with contextlib.suppress(OSError, json.JSONDecodeError, KeyError, TypeError):
-            mods = json.loads(modules.read_text())
-            normalize = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
-            for m in mods:
-                if str(m.get("type", "")).endswith("Pooling"):
-                    cfg = json.loads((folder / m["path"] / "config.json").read_text())
-                    if cfg.get("pooling_mode_cls_token") and not cfg.get("pooling_mode_mean_tokens"):
-                        pooling = "cls"
+    if not modules.is_file():
+        return "mean", True
+    mods = read_json_file(modules)
+    if not isinstance(mods, list) or not all(isinstance(m, dict) for m in mods):
+        raise BadInputError(f"{modules} is not a list of modules")
+    pooling, normalize = "mean", any(str(m.get("type", "")).endswith("Normalize") for m in mods)
+    for m in mods:
+        if str(m.get("type", "")).endswith("Pooling"):
+            sub = str(m.get("path", ""))
+            if Path(sub).is_absolute() or ".." in Path(sub).parts:
+                raise BadInputError(f"{modules} points the pooling module at {sub[:80]!r}, outside the folder")
+            cfg = read_json_file(folder / sub / "config.json") if (folder / sub / "config.json").is_file() else {}
+            if isinstance(cfg, dict) and cfg.get("pooling_mode_cls_token") and not cfg.get("pooling_mode_mean_tokens"):
+                pooling = "cls"
     return pooling, normalize
 
 
-def _encoder_handle(tf: Any, folder: Path, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
-    model = tf.AutoModel.from_pretrained(str(folder), dtype=torch.float32)
+def _encoder_handle(model: Any, folder: Path, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
     model.eval()
     pooling, normalize = _sentence_transformers_pooling(folder)
     wrapper = SentenceEncoderWrapper(model, pooling=pooling, normalize=normalize).eval()

@@ -4,7 +4,7 @@ A spec is, in the order tried:
   * a previous step's output folder (has ``manifest.json``): a compressed model is
     rebuilt from its base model and its step chain; an ONNX artifact loads its graph;
   * a ``.onnx`` file (goes straight to build);
-  * a ``.pt2`` file from ``torch.export.save``;
+  * a ``.pt2`` file from ``torch.export.save`` (inspected: nothing in it is unpickled or run);
   * a ``.gguf`` file, or a local Hugging Face folder (``config.json``), via transformers
     with ``HF_HUB_OFFLINE=1``;
   * a Python entry point ``package.module:factory``;
@@ -22,11 +22,13 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
+from edgekit.sources.pt2 import load_exported_program
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib")  # torch.save / pickle files
 
 
 def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
@@ -64,6 +66,12 @@ def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
 
     if text in ZOO:
         return load_zoo_model(text)
+    if path.is_file():
+        hint = (" (edgekit never unpickles a checkpoint: save the model with torch.export.save, or load it in a "
+                "Python entry point pkg.mod:fn)" if path.suffix.lower() in PICKLE_SUFFIXES else "")
+        raise BadInputError(f"model file {text!r} is of a kind edgekit does not load ({path.suffix or 'no suffix'}); "
+                            f"give a .onnx, .pt2 or .gguf file, a Hugging Face folder, an edgekit output folder, a "
+                            f"Python entry point pkg.mod:fn or a built-in name{hint}")
     if "/" in text or "\\" in text or "." in Path(text).name:
         raise BadInputError(f"model file {text!r} does not exist")
     raise bad_choice("model", text, ZOO)
@@ -176,27 +184,55 @@ def _onnx_dtype(elem_type: int) -> str:
 
 
 def _load_pt2(path: Path) -> ModelHandle:
+    """A ``.pt2`` file from ``torch.export.save``, inspected first (``edgekit.sources.pt2``):
+    nothing in it is unpickled unsafely or run."""
     import torch
 
     _require_file(path)
-    try:
-        ep = torch.export.load(str(path))
-    except Exception as e:
-        raise BadInputError(f"{path} is not a loadable torch.export program: {str(e).splitlines()[0]}") from None
+    ep = load_exported_program(path)
     args, kwargs = ep.example_inputs if ep.example_inputs is not None else ((), {})
     if kwargs or not args:
         raise BadInputError(f"{path} has no positional example inputs saved; re-export with example args")
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        kinds = sorted({type(a).__name__ for a in args if not isinstance(a, torch.Tensor)})
+        raise BadInputError(f"{path}: example inputs must be tensors, found {', '.join(kinds)}; "
+                            "re-export with a tuple of tensors")
     names = [f"input_{i}" if len(args) > 1 else "input" for i in range(len(args))]
-    specs = [InputSpec(n, ("batch", *tuple(a.shape[1:])), str(a.numpy().dtype)) for n, a in zip(names, args)]
+    shapes = _pt2_input_shapes(ep, args)
+    specs = [InputSpec(n, shape, str(a.numpy().dtype)) for n, shape, a in zip(names, shapes, args)]
     example = {n: a.detach().numpy() for n, a in zip(names, args)}
+    dynamic = {n: {ax: d for ax, d in enumerate(shape) if isinstance(d, str)} for n, shape in zip(names, shapes)}
 
     def make_inputs(batch: int = 1, **_: int) -> dict[str, Any]:
+        """The saved example inputs; ``batch`` rows of its first sample where the batch is dynamic."""
         import numpy as np
 
-        return {k: np.repeat(v[:1], batch, axis=0) for k, v in example.items()}
+        return {k: np.repeat(v[:1], batch, axis=0) if dynamic[k].get(0) == "batch" else v
+                for k, v in example.items()}
 
-    return ModelHandle(name=path.stem, source=str(path), module=ep.module(), inputs=specs,
-                       make_inputs=make_inputs, dynamic_axes={n: {0: "batch"} for n in names})
+    module = ep.module()
+    # ExportedProgram.module() forbids .train()/.eval(); the graph is already in inference form,
+    # and every later step calls .eval(), so give back nn.Module's own methods.
+    for method in ("train", "eval"):
+        module.__dict__.pop(method, None)
+    return ModelHandle(name=path.stem, source=str(path), module=module, inputs=specs,
+                       make_inputs=make_inputs, dynamic_axes={n: d for n, d in dynamic.items() if d})
+
+
+def _pt2_input_shapes(ep: Any, args: tuple[Any, ...]) -> list[tuple[int | str, ...]]:
+    """Each user input's shape as the program was exported: static dimensions as ints,
+    dynamic ones named ("batch" for a dynamic first dimension, else "dim<i>")."""
+    import torch
+
+    user_inputs = list(ep.graph_signature.user_inputs)
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    shapes = []
+    for i, a in enumerate(args):
+        val = vals.get(user_inputs[i]) if i < len(user_inputs) else None
+        dims = tuple(val.shape) if isinstance(val, torch.Tensor) else tuple(a.shape)
+        shapes.append(tuple(("batch" if ax == 0 else f"dim{ax}") if isinstance(d, torch.SymInt) else int(d)
+                            for ax, d in enumerate(dims)))
+    return shapes
 
 
 def _load_entry_point(spec: str) -> ModelHandle:
