@@ -26,6 +26,7 @@ import numpy as np
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine
+from edgekit.sources.data import read_arrays
 from edgekit.sources.handle import ModelHandle
 
 INPUTS_FILE = "inputs.npz"
@@ -168,8 +169,7 @@ def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = N
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     path = manifest.path_of(engine_dir, "inputs")
-    with np.load(path, allow_pickle=False) as data:
-        feeds = {k: data[k] for k in data.files}
+    feeds = read_arrays(path)  # header-checked: a corrupt or crafted inputs.npz is one line
     if batch is None:
         return feeds
     dynamic = {s["name"] for s in manifest.model.get("inputs", []) if s.get("shape") and s["shape"][0] == "batch"}

@@ -536,7 +536,10 @@ def _check_array(where: str, name: str, a: np.ndarray) -> None:
                                 "evaluation data must be finite")
 
 
-def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a ``.npy`` (under the name ``""``) or ``.npz`` file, read safely: headers
+    checked before numpy loads anything (no pickles, declared sizes within the file), every
+    array numeric, with a sample axis, and finite. Anything else is one ``BadInputError``."""
     import zipfile
 
     _check_headers(path)
@@ -550,11 +553,17 @@ def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
         raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
         raise BadInputError(f"cannot read {path} as a NumPy file: {str(e).strip().splitlines()[0]}") from None
+    for name, a in arrays.items():
+        if name != "labels":
+            _check_array(str(path), name, a)
+    return arrays
+
+
+def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    arrays = read_arrays(path)
     labels = arrays.pop("labels", None)
     if not arrays:
         raise BadInputError(f"{path} holds no arrays besides 'labels'")
-    for name, a in arrays.items():
-        _check_array(str(path), name, a)
     if labels is not None and (labels.dtype.kind not in "iu" or labels.ndim != 1):
         raise BadInputError(f"{path}: array 'labels' has dtype {labels.dtype} and shape {labels.shape}; labels are "
                             "one integer class per sample")
