@@ -18,15 +18,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
 from edgekit.runtimes.base import BuildOptions, NodeTiming, check_feeds, resolve_onnx
 from edgekit.sources.handle import InputSpec
 
@@ -426,6 +428,107 @@ def _size_mb(folder: Path, files: dict[str, str]) -> float:
             if data.is_file() and data.name not in files.values():
                 total += data.stat().st_size
     return total / 2**20
+
+
+# --- every ONNX file edgekit writes is loaded and run once before it is committed ------------
+
+
+@dataclass
+class VerifiedRun:
+    """A session that loaded a graph and the outputs of its one run (reuse both)."""
+
+    session: Any
+    outputs: list[np.ndarray]
+
+
+def verify_onnx_runs(path: str | os.PathLike[str], feeds: dict[str, np.ndarray], *, label: str | None = None,
+                     error: type[EdgekitError] = CheckFailedError, level: str = "all",
+                     threads: int | None = None, session: Any = None) -> VerifiedRun:
+    """Load ``path`` in ONNX Runtime (CPU, graph optimizations at ``level``) and run it once on
+    ``feeds``; raise ``error`` (CheckFailedError: edgekit wrote a graph that does not work)
+    naming the file (``label``, else the path), the node and op, and ORT's one-line reason.
+    ``session``: one the caller already has for this file (then only the run is checked).
+
+    >>> run = verify_onnx_runs("out/model.onnx", handle.sample_inputs(1))  # doctest: +SKIP
+    >>> run.outputs[0].shape  # doctest: +SKIP
+    """
+    ort = _ort()
+    name = label or str(path)
+    if session is None:
+        so = session_options(level, threads)
+        so.log_severity_level = 4  # the reason goes into the error, not onto stderr
+        try:
+            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except ORT_ERRORS as e:
+            raise error(f"{name} does not load in ONNX Runtime: {ort_failure(e)}") from None
+    wanted = [i.name for i in session.get_inputs()]
+    missing = [n for n in wanted if n not in feeds]
+    if missing:
+        raise error(f"{name} takes inputs {wanted}; no sample input for {missing}")
+    chosen = {n: feeds[n] for n in wanted}
+    try:
+        outputs = list(session.run(None, chosen))
+    except ORT_ERRORS as e:
+        shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in chosen.items())
+        raise error(f"{name} does not run in ONNX Runtime on sample inputs ({shapes}): {ort_failure(e)}") from None
+    return VerifiedRun(session, outputs)
+
+
+def _ort_errors() -> tuple[type[BaseException], ...]:
+    """ONNX Runtime's exception classes (pybind11 derives them from Exception), and what its
+    Python wrapper raises on bad feeds."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as C
+    except ImportError:  # pragma: no cover - a hard dependency
+        return (RuntimeError, ValueError)
+    names = ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException", "InvalidProtobuf",
+             "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail", "NotFound", "ModelRequiresCompilation")
+    return tuple(getattr(C, n) for n in names if hasattr(C, n)) + (RuntimeError, ValueError, MemoryError)
+
+
+ORT_ERRORS = _ort_errors()
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_LOAD_PREFIX = re.compile(r"^Load model from .*? failed:\s*")
+_NODE_PATTERNS = (
+    re.compile(r"Node \((?P<node>[^)]*)\) Op \((?P<op>[^)]*)\)\s*(?P<reason>.*)"),
+    re.compile(r"In Node, \(\"(?P<node>[^\"]*)\", (?P<op>[^,]+),.*?, Error (?P<reason>.*)"),
+    re.compile(r"running (?P<op>\S+) node\. Name:'(?P<node>[^']*)' Status Message: (?P<reason>.*)"),
+)
+_SOURCE_LOCATION = re.compile(r"[\w/-]+\.(?:cc|h|cpp|hpp|cu):\d+\s+")
+
+
+def ort_failure(e: BaseException) -> str:
+    """ONNX Runtime's exception as one line: ``node 'x' (QLinearMul): <reason>`` when ORT names
+    the node, without its error-code prefix, source locations and C++ signatures."""
+    text = " ".join(str(e).split())
+    text = _LOAD_PREFIX.sub("", _ORT_PREFIX.sub("", text))
+    where = ""
+    for pattern in _NODE_PATTERNS:
+        m = pattern.search(text)
+        if m:
+            where = f"node {m.group('node')!r} ({m.group('op').strip()}): "
+            text = m.group("reason")
+            break
+    text = _strip_source_location(text).strip() or type(e).__name__
+    return where + (text if len(text) <= 300 else text[:297] + "...")
+
+
+def _strip_source_location(text: str) -> str:
+    """``reshape_helper.h:91 onnxruntime::ReshapeHelper::ReshapeHelper(args) input_shape_size ...``
+    -> ``input_shape_size ...``."""
+    m = _SOURCE_LOCATION.search(text)
+    if m is None:
+        return text
+    rest = text[m.end():]
+    head = rest.split("(", 1)[0]
+    if "::" in head:  # a C++ signature precedes the message: drop it up to its closing parenthesis
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += (c == "(") - (c == ")")
+            if c == ")" and depth == 0:
+                rest = rest[i + 1:]
+                break
+    return text[:m.start()] + rest.strip()
 
 
 RUNTIME = OnnxRuntime()
