@@ -16,6 +16,7 @@ node fed int8/uint8 tensors).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -459,8 +460,8 @@ def verify_onnx_runs(path: str | os.PathLike[str], feeds: dict[str, np.ndarray],
         so.log_severity_level = 4  # the reason goes into the error, not onto stderr
         try:
             session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        except ORT_ERRORS as e:
-            raise error(f"{name} does not load in ONNX Runtime: {ort_failure(e)}") from None
+        except ort_errors() as e:
+            raise error(f"{name} does not load in ONNX Runtime: {ort_failure(e, path)}") from None
     wanted = [i.name for i in session.get_inputs()]
     missing = [n for n in wanted if n not in feeds]
     if missing:
@@ -468,15 +469,16 @@ def verify_onnx_runs(path: str | os.PathLike[str], feeds: dict[str, np.ndarray],
     chosen = {n: feeds[n] for n in wanted}
     try:
         outputs = list(session.run(None, chosen))
-    except ORT_ERRORS as e:
+    except ort_errors() as e:
         shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in chosen.items())
         raise error(f"{name} does not run in ONNX Runtime on sample inputs ({shapes}): {ort_failure(e)}") from None
     return VerifiedRun(session, outputs)
 
 
-def _ort_errors() -> tuple[type[BaseException], ...]:
+@functools.cache
+def ort_errors() -> tuple[type[BaseException], ...]:
     """ONNX Runtime's exception classes (pybind11 derives them from Exception), and what its
-    Python wrapper raises on bad feeds."""
+    Python wrapper raises on bad feeds: ``except ort_errors() as e`` (imports ORT on first use)."""
     try:
         from onnxruntime.capi import onnxruntime_pybind11_state as C
     except ImportError:  # pragma: no cover - a hard dependency
@@ -486,7 +488,6 @@ def _ort_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(C, n) for n in names if hasattr(C, n)) + (RuntimeError, ValueError, MemoryError)
 
 
-ORT_ERRORS = _ort_errors()
 _ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 _LOAD_PREFIX = re.compile(r"^Load model from .*? failed:\s*")
 _NODE_PATTERNS = (
@@ -494,14 +495,17 @@ _NODE_PATTERNS = (
     re.compile(r"In Node, \(\"(?P<node>[^\"]*)\", (?P<op>[^,]+),.*?, Error (?P<reason>.*)"),
     re.compile(r"running (?P<op>\S+) node\. Name:'(?P<node>[^']*)' Status Message: (?P<reason>.*)"),
 )
+_FATAL_PREFIX = re.compile(r"^Fatal error: ")
+_UNREGISTERED_OP = re.compile(r"^(?:(?P<domain>[\w.]+):)?(?P<op>\w+)\(-?\d+\) is not a registered function/op")
 _SOURCE_LOCATION = re.compile(r"[\w/-]+\.(?:cc|h|cpp|hpp|cu):\d+\s+")
 
 
-def ort_failure(e: BaseException) -> str:
+def ort_failure(e: BaseException, path: str | os.PathLike[str] | None = None) -> str:
     """ONNX Runtime's exception as one line: ``node 'x' (QLinearMul): <reason>`` when ORT names
-    the node, without its error-code prefix, source locations and C++ signatures."""
+    the node, without its error-code prefix, source locations and C++ signatures. When ORT names
+    only an op it has no kernel for, the node is looked up in the graph at ``path``."""
     text = " ".join(str(e).split())
-    text = _LOAD_PREFIX.sub("", _ORT_PREFIX.sub("", text))
+    text = _FATAL_PREFIX.sub("", _LOAD_PREFIX.sub("", _ORT_PREFIX.sub("", text)))
     where = ""
     for pattern in _NODE_PATTERNS:
         m = pattern.search(text)
@@ -509,8 +513,25 @@ def ort_failure(e: BaseException) -> str:
             where = f"node {m.group('node')!r} ({m.group('op').strip()}): "
             text = m.group("reason")
             break
+    m = _UNREGISTERED_OP.match(text)
+    if not where and m and path is not None:
+        nodes = _nodes_of_op(Path(path), m.group("domain") or "", m.group("op"))
+        if nodes:
+            more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
+            where = f"node {nodes[0]!r}{more} ({m.group(0).split('(')[0]}): "
+            text = "no such op in this ONNX Runtime (not a registered function or op)"
     text = _strip_source_location(text).strip() or type(e).__name__
     return where + (text if len(text) <= 300 else text[:297] + "...")
+
+
+def _nodes_of_op(path: Path, domain: str, op: str) -> list[str]:
+    import onnx
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except (OSError, ValueError, RuntimeError):  # the graph ORT could not load may not decode either
+        return []
+    return [n.name or f"#{k}" for k, n in enumerate(graph.node) if n.op_type == op and n.domain == domain]
 
 
 def _strip_source_location(text: str) -> str:

@@ -24,7 +24,13 @@ import onnx
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
-from edgekit.sources.onnx_file import constants_to_initializers, external_tensors, integer_input_bounds, read_onnx
+from edgekit.sources.onnx_file import (
+    constants_to_initializers,
+    external_tensors,
+    graph_inputs,
+    integer_input_bounds,
+    read_onnx,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -86,23 +92,7 @@ def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> Mod
     path = Path(path)
     _require_file(path)
     model = read_onnx(path)
-    init_names = {i.name for i in model.graph.initializer}
-    inputs, dyn = [], {}
-    for vi in model.graph.input:
-        if vi.name in init_names:
-            continue
-        tt = vi.type.tensor_type
-        shape: list[int | str] = []
-        for ax, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value"):
-                shape.append(int(d.dim_value))
-            else:
-                axis_name = d.dim_param or f"dim{ax}"
-                if ax == 0 and axis_name not in ("batch",):
-                    axis_name = "batch" if axis_name in ("N", "batch_size", "unk__0", "dim0") else axis_name
-                shape.append(axis_name)
-                dyn.setdefault(vi.name, {})[ax] = axis_name
-        inputs.append(InputSpec(vi.name, tuple(shape), _onnx_dtype(tt.elem_type)))
+    inputs, dyn = graph_inputs(model)
     outputs = [o.name for o in model.graph.output]
     if any(i.name.startswith("past_key_values.") for i in inputs):  # a causal LM exported with its KV cache
         return ModelHandle(name=name or path.stem, source=str(path), kind="causal-lm", onnx_path=path,
@@ -191,15 +181,6 @@ def borrow_io(handle: ModelHandle, source: str | None) -> None:
     handle.default_calib, handle.default_eval, handle.default_train = (base.default_calib, base.default_eval,
                                                                        base.default_train)
     handle.evaluator = handle.evaluator or base.evaluator
-
-
-def _onnx_dtype(elem_type: int) -> str:
-    import onnx
-
-    try:
-        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-    except Exception:
-        return "float32"
 
 
 def _load_pt2(path: Path) -> ModelHandle:

@@ -31,6 +31,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from edgekit.errors import BadInputError
+from edgekit.sources.handle import InputSpec
 
 # One sample of one input, its symbolic dims taken as 1: edgekit makes such arrays for
 # tracing, parity and timing, so a declared 10^12-element image is refused up front.
@@ -371,7 +372,38 @@ def find_quantized(model: onnx.ModelProto) -> QuantizedGraph:
     return QuantizedGraph(ops=ops, activation_pairs=pairs, weights=weights, region=frozenset(region))
 
 
-# --- sample inputs that fit the graph ------------------------------------------------------------
+# --- inputs ---------------------------------------------------------------------------------------
+
+
+def graph_inputs(model: onnx.ModelProto) -> tuple[list[InputSpec], dict[str, dict[int, str]]]:
+    """The graph's inputs (initializers excluded) as InputSpecs, and their symbolic axes; a
+    symbolic first axis named like a batch ("N", "batch_size", ...) is called "batch"."""
+    init_names = {i.name for i in model.graph.initializer}
+    inputs, dyn = [], {}
+    for vi in model.graph.input:
+        if vi.name in init_names:
+            continue
+        tt = vi.type.tensor_type
+        shape: list[int | str] = []
+        for ax, d in enumerate(tt.shape.dim):
+            if d.HasField("dim_value"):
+                shape.append(int(d.dim_value))
+            else:
+                axis_name = d.dim_param or f"dim{ax}"
+                if ax == 0 and axis_name in ("N", "batch_size", "unk__0", "dim0"):
+                    axis_name = "batch"
+                shape.append(axis_name)
+                dyn.setdefault(vi.name, {})[ax] = axis_name
+        inputs.append(InputSpec(vi.name, tuple(shape), numpy_dtype(tt.elem_type)))
+    return inputs, dyn
+
+
+def numpy_dtype(elem_type: int) -> str:
+    """numpy's name for an ONNX element type ("float32" where numpy has none)."""
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return "float32"
 
 
 def integer_input_bounds(model: onnx.ModelProto) -> dict[str, int]:
