@@ -193,7 +193,7 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def fold_batch_norms(model: onnx.ModelProto, workdir: Path) -> tuple[onnx.ModelProto, bool]:
+def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, bool]:
     """Fold BatchNormalization into the Conv before it, with ONNX Runtime's basic graph
     optimizations (constant folding, Conv+BatchNormalization/Mul/Add fusion: standard ONNX
     ops only, the same result up to float rounding). Graphs without BatchNormalization, or
@@ -211,7 +211,7 @@ def fold_batch_norms(model: onnx.ModelProto, workdir: Path) -> tuple[onnx.ModelP
     try:
         ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:
-        raise BadInputError(f"the graph does not load in ONNX Runtime: {ort_failure(e)}") from None
+        raise BadInputError(f"{label} does not load in ONNX Runtime: {ort_failure(e, src)}") from None
     folded = onnx.load(str(dst))
     return folded, not any(n.op_type == "BatchNormalization" for n in folded.graph.node)
 
@@ -304,7 +304,7 @@ def quantize_and_verify(src: Path, dst: Path, samples: Any, input_names: list[st
     found = find_quantized(model)  # what the file holds, before any rewriting
     notes = prepare_graph(model)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
-        model, folded = fold_batch_norms(model, Path(tmp))
+        model, folded = fold_batch_norms(model, Path(tmp), str(src))
     if folded:
         notes["batch_norm_folded"] = True
     try:
@@ -375,7 +375,7 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Any, input_nam
         try:
             sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
         except ort_errors() as e:
-            raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e)}") from None
+            raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
         out_names = [o.name for o in sess.get_outputs()]
         for b in samples.batches(batch_size):
             feeds = {k: b[k] for k in input_names}
@@ -524,6 +524,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
                                     placement=config.placement)
     metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples),
                                "ptq_seconds": round(time.perf_counter() - t0, 3), **info}
+    if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
+        metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
     ev, on = comparison_samples(view, config, ctx, samples)
     fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
     got = run_graph(run.session, ev, names, fixed or 16, fixed is not None)
@@ -596,7 +598,7 @@ def _float_session(path: Path) -> Any:
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:
-        raise BadInputError(f"{path} does not load in ONNX Runtime: {ort_failure(e)}") from None
+        raise BadInputError(f"{path} does not load in ONNX Runtime: {ort_failure(e, path)}") from None
 
 
 def output_drift(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:

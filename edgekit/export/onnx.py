@@ -139,7 +139,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             except Exception as e:  # ONNX Runtime cannot even run the graph
                 _keep_failed(onnx_path, failed)
                 raise CheckFailedError(f"parity failed: ONNX Runtime could not run the exported graph "
-                                       f"({ort_failure(e)}); kept it at {failed}") from None
+                                       f"({ort_failure(e, onnx_path)}); kept it at {failed}") from None
             if not report.passed:
                 _keep_failed(onnx_path, failed)
                 raise CheckFailedError(f"{report.message()}; the failing graph is kept at {failed}")
