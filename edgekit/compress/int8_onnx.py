@@ -143,19 +143,23 @@ def dequant_chains_to_dq(model: onnx.ModelProto) -> int:
         if axis is None:
             continue
         qtype = helper.tensor_dtype_to_np_dtype(q.data_type)
-        zp = np.zeros(scale.shape, np.float32) if not chain.zero_point else numpy_helper.to_array(inits[chain.zero_point])
-        zp = np.broadcast_to(zp, np.broadcast_shapes(zp.shape, scale.shape)) if zp.size <= scale.size else None
-        if zp is None or zp.shape != scale.shape or not np.array_equal(zp, np.round(zp)) or \
-                zp.min() < np.iinfo(qtype).min or zp.max() > np.iinfo(qtype).max:
+        zp: np.ndarray = np.zeros(scale.shape, np.float32) if not chain.zero_point else \
+            numpy_helper.to_array(inits[chain.zero_point])
+        if zp.size > scale.size or np.broadcast_shapes(zp.shape, scale.shape) != scale.shape:
+            continue
+        zp = np.broadcast_to(zp, scale.shape)
+        if not np.array_equal(zp, np.round(zp)) or zp.min() < np.iinfo(qtype).min or zp.max() > np.iinfo(qtype).max:
             continue
         flat = (-1,) if axis >= 0 else ()
         s_name, z_name = f"{chain.output}_dq_scale", f"{chain.output}_dq_zero_point"
         new_inits += [numpy_helper.from_array(scale.reshape(flat).astype(np.float32), s_name),
                       helper.make_tensor(z_name, q.data_type, list(scale.reshape(flat).shape),
                                          zp.reshape(flat).astype(np.int64).tolist())]
-        attrs = {"axis": axis} if axis >= 0 else {}
-        replaced[chain.nodes[0]] = helper.make_node("DequantizeLinear", [chain.quantized, s_name, z_name],
-                                                    [chain.output], name=f"{chain.nodes[-1]}_dq", **attrs)
+        dq = helper.make_node("DequantizeLinear", [chain.quantized, s_name, z_name], [chain.output],
+                              name=f"{chain.nodes[-1]}_dq")
+        if axis >= 0:
+            dq.attribute.append(helper.make_attribute("axis", axis))
+        replaced[chain.nodes[0]] = dq
         dropped.update(chain.nodes)
     if not replaced:
         return 0
@@ -470,10 +474,10 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
             w = numpy_helper.to_array(inits[w_name]).astype(np.float32)
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
             axis = 0 if trans_b else 1  # the output-channel axis: (in, out), or (out, in) for Gemm transB
-            q, scale = quantize_weight_per_channel(w, axis)
+            q, w_scale = quantize_weight_per_channel(w, axis)
             q_name, s_name, z_name = unique(f"{w_name}_quantized"), unique(f"{w_name}_scale"), unique(f"{w_name}_zero_point")
-            new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(scale, s_name),
-                          numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name)]
+            new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(w_scale, s_name),
+                          numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), z_name)]
             dq_out = unique(f"{w_name}_dequantized")
             pending.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                             name=unique(f"{w_name}_DQ"), axis=axis))

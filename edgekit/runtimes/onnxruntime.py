@@ -114,9 +114,8 @@ def _session(path: Path, so: Any, providers: list[Any]) -> Any:
     ort = _ort()
     try:
         return ort.InferenceSession(str(path), so, providers=providers)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInputError(f"onnxruntime cannot load {path}: {msg}") from None
+    except Exception as e:  # ORT's pybind errors, and provider-option errors: all mean "cannot load"
+        raise BadInputError(f"onnxruntime cannot load {path}: {ort_failure(e, path)}") from None
 
 
 def _inputs_of(sess: Any) -> list[InputSpec]:

@@ -196,8 +196,9 @@ def constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:
         t = TensorProto()
         t.CopyFrom(attr.t)
         return None if t.data_type == TensorProto.STRING else t
-    values = {"value_float": np.array(attr.f, np.float32), "value_floats": np.array(list(attr.floats), np.float32),
-              "value_int": np.array(attr.i, np.int64), "value_ints": np.array(list(attr.ints), np.int64)}
+    values: dict[str, np.ndarray] = {
+        "value_float": np.array(attr.f, np.float32), "value_floats": np.array(list(attr.floats), np.float32),
+        "value_int": np.array(attr.i, np.int64), "value_ints": np.array(list(attr.ints), np.int64)}
     return numpy_helper.from_array(values[attr.name]) if attr.name in values else None
 
 
@@ -379,7 +380,8 @@ def graph_inputs(model: onnx.ModelProto) -> tuple[list[InputSpec], dict[str, dic
     """The graph's inputs (initializers excluded) as InputSpecs, and their symbolic axes; a
     symbolic first axis named like a batch ("N", "batch_size", ...) is called "batch"."""
     init_names = {i.name for i in model.graph.initializer}
-    inputs, dyn = [], {}
+    inputs: list[InputSpec] = []
+    dyn: dict[str, dict[int, str]] = {}
     for vi in model.graph.input:
         if vi.name in init_names:
             continue
