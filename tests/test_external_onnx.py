@@ -546,7 +546,7 @@ def test_picodet_compresses_end_to_end_and_keeps_its_detections(tmp_path):
     assert m["compared_on"]["samples"] == 8 and "eval split" in m["compared_on"]["data"]
     assert set(m["outputs"]) == {f"transpose_{k}.tmp_0" for k in range(8)}
     boxes = [m["outputs"][f"transpose_{k}.tmp_0"]["mean_cosine"] for k in (1, 3, 5, 7)]
-    assert min(boxes) > 0.8  # DFL box distributions; measured 0.84-0.95
+    assert min(boxes) > 0.8  # DFL box distributions; measured mean cosine 0.955-0.964 (class scores 0.85-0.92)
     pages = document_pages(range(1000, 1008))
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "int8.opt.onnx")
@@ -558,6 +558,6 @@ def test_picodet_compresses_end_to_end_and_keeps_its_detections(tmp_path):
         ref, got = detections(f.run(None, {"image": x}), x), detections(q.run(None, {"image": x}), x)
         found, kept, made = found + len(ref[0]), kept + matched(ref, got), made + len(got[0])
     assert found >= 40  # the float model finds text, titles, figures, tables and captions on these pages
-    assert kept / found > 0.8 and kept / made > 0.75  # measured recall 0.89, precision 0.87 on 12 pages
+    assert kept / found > 0.8 and kept / made > 0.75  # measured recall 0.87, precision 0.875 on 12 pages
     ops = [n.op_type for n in onnx.load(str(tmp_path / "int8.opt.onnx")).graph.node]
     assert ops.count("QLinearConv") >= 90  # of 102 Convs: the backbone and heads compute in int8

@@ -345,7 +345,8 @@ def test_partly_quantized_graph_quantizes_only_the_float_layer(tmp_path, placeme
 
 @pytest.mark.parametrize("placement", ["auto", "linear", "all"])
 def test_weight_only_graph_keeps_its_integer_weights_and_quantizes_activations(tmp_path, placement):
-    """The MiniLM INT8 package's form: with "all" this once wrote a QLinearMul ONNX Runtime refused."""
+    """The MiniLM INT8 package's form (the real file, on which "all" once wrote a graph ONNX Runtime
+    refused, is the slow test below): the stored integers are kept, the activations quantized."""
     src = _weight_only(tmp_path / "w.onnx")
     dst = tmp_path / "q.onnx"
     info = quantize_onnx_file(src, dst, _samples(32, 1, ids=True), ["ids"], None, 99.99, "u8s8", placement=placement)
