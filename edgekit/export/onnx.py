@@ -109,7 +109,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX file to export")
         with staged_dir(out_dir) as tmp:
             files = _copy_onnx(Path(handle.onnx_path), tmp)
-            verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=handle.source, error=BadInputError)
+            given = handle.source if isinstance(model, ModelHandle) else str(model)  # the file or folder named
+            verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=given, error=BadInputError)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
                 inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
