@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.weights import check_safetensors
@@ -281,6 +282,7 @@ def save_model_files(handle: ModelHandle, folder: Path) -> dict[str, str]:
         large = model.ByteSize() > 2**31 - 2**20
         onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=large,
                         location="model.onnx.data" if large else None)
+        verify_onnx_runs(folder / "model.onnx", handle.sample_inputs(1), label=f"the compressed graph of {handle.name}")
         files["onnx"] = "model.onnx"
     return files
 

@@ -19,50 +19,90 @@ Where the Q/DQ go (``placement``):
   QLinearAdd ... end to end in integers).
 - "auto" (the default): "all" when the graph has a Conv, else "linear".
 
+Graphs as they come:
+
+- Already quantized parts stay as they are; only the float parts are quantized. Integer
+  ops, Q/DQ regions and their nodes are left out of the placement. Integer weights that
+  the graph dequantizes (``DequantizeLinear``, or ``Cast`` [- zero point] ``* scale``, the
+  form of some weight-only exporters) keep their stored values and grid: a Cast+Mul chain
+  feeding a MatMul / Gemm / Conv weight becomes the equal ``DequantizeLinear`` (same
+  integers, same scales, bit-identical result), and only the activation is quantized, so
+  the weight-only MatMuls become integer MatMuls without rounding the weights twice.
+  A graph with nothing float left to quantize is refused (``BadInputError``) naming what
+  is quantized already.
+- ``BatchNormalization`` that an exporter left after a Conv is folded first (ONNX
+  Runtime's basic, hardware-independent optimizations): a Conv whose output feeds a float
+  BatchNormalization cannot become a QLinearConv.
+- A static batch dimension is honoured: calibration runs that many samples at a time.
+
+The quantized graph is loaded and run once by ONNX Runtime before it is returned
+(``verify_onnx_runs``), and compared with the float graph on data it was not calibrated
+on where there is any (every output: cosine, largest and mean absolute difference).
+
     >>> quantize_onnx_file(Path("bert.onnx"), Path("bert.int8.onnx"), samples, ["input_ids", "attention_mask"],
     ...                    "percentile", 99.99, "u8s8", placement="linear")  # doctest: +SKIP
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress.calibration import HistogramObserver, choose_range
+from edgekit.compress.calibration import HistogramObserver, choose_range, qparams
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
+from edgekit.sources.data import Samples, resolve_samples
+from edgekit.sources.handle import InputSpec, ModelHandle, StepRecord
+from edgekit.sources.onnx_file import (
+    ONNX_LOAD_ERRORS,
+    QuantizedGraph,
+    constants_to_initializers,
+    find_quantized,
+    first_line,
+    weight_dequant_chains,
+)
 
 OP_TYPES = ["Conv", "MatMul", "Gemm", "Add", "Mul", "GlobalAveragePool", "AveragePool", "MaxPool",
             "Relu", "Clip", "Concat", "Reshape", "Flatten", "Transpose", "Sigmoid", "Resize"]
 PLACEMENTS = ("auto", "linear", "all")
 LINEAR_OPS = ("MatMul", "Gemm")
+WEIGHT_OPS = ("MatMul", "Gemm", "Conv")  # input 1 is the weight
 # Calibration when the config leaves it open. MiniLM-L6, linear placement, 533 sentences: mean cosine
 # to FP32 mse 0.993, minmax 0.992, percentile 99.99 0.961, entropy 0.961 (percentile and entropy clip
 # BERT's few outlier hidden channels; benchmarks/RESULTS.md).
 DEFAULT_CALIB_METHOD = {"linear": "mse", "all": "percentile"}
+# DequantizeLinear takes int8/uint8 from opset 13 (per-axis scales too), 16-bit and 4-bit from opset 21.
+DQ_MIN_OPSET = {TensorProto.INT8: 13, TensorProto.UINT8: 13, TensorProto.INT16: 21, TensorProto.UINT16: 21,
+                TensorProto.INT4: 21, TensorProto.UINT4: 21}
 
 
-def weight_linear_nodes(model: Any) -> list[Any]:
-    """MatMul / Gemm nodes whose B operand is a 2-d float32 weight initializer and whose A operand
-    is not (the Linear layers of a transformer; attention-score MatMuls have two activations)."""
-    from onnx import TensorProto
-
+def weight_linear_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """MatMul / Gemm nodes whose B operand is a 2-d weight, a float32 initializer or an integer
+    one dequantized by a ``DequantizeLinear``, and whose A operand is not (the Linear layers of
+    a transformer; attention-score MatMuls have two activations)."""
     inits = {i.name: i for i in model.graph.initializer}
+    dequantized = {c.output: inits[c.quantized] for c in weight_dequant_chains(model) if c.form == "DequantizeLinear"}
     out = []
     for n in model.graph.node:
-        if n.op_type not in LINEAR_OPS or len(n.input) < 2:
+        if n.op_type not in LINEAR_OPS or len(n.input) < 2 or n.input[0] in inits:
             continue
         w = inits.get(n.input[1])
-        if w is not None and len(w.dims) == 2 and w.data_type == TensorProto.FLOAT and n.input[0] not in inits:
+        if w is not None and len(w.dims) == 2 and w.data_type == TensorProto.FLOAT:
+            out.append(n)
+        elif n.input[1] in dequantized and len(dequantized[n.input[1]].dims) == 2:
             out.append(n)
     return out
 
 
-def resolve_placement(model: Any, placement: str) -> str:
+def resolve_placement(model: onnx.ModelProto, placement: str) -> str:
     """"auto" -> "all" for graphs with a Conv (CNNs), else "linear" (transformers, MLPs)."""
     if placement not in PLACEMENTS:
         raise bad_choice("INT8 placement", placement, PLACEMENTS)
@@ -71,49 +111,228 @@ def resolve_placement(model: Any, placement: str) -> str:
     return "all" if any(n.op_type == "Conv" for n in model.graph.node) else "linear"
 
 
-def _ort_dtype_ok(name: str, types: dict[str, int]) -> bool:
-    import onnx
+def _opset(model: onnx.ModelProto) -> int:
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
 
-    return types.get(name, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT
+
+def dequant_chains_to_dq(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, each ``Cast(q) [- zero_point] * scale`` chain that feeds only weight
+    inputs (MatMul / Gemm / Conv input 1) as the equal ``DequantizeLinear(q, scale, zero_point)``:
+    the stored integers and scales are kept, (q - zp) * scale is computed exactly as before.
+    Chains whose scales are not per-tensor or per-axis (blocked grids) or whose types
+    DequantizeLinear does not take at this opset stay as they are. Returns how many became DQ."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in graph.node:
+        for k, i in enumerate(n.input):
+            consumers.setdefault(i, []).append((n, k))
+    opset = _opset(model)
+    replaced: dict[str, onnx.NodeProto] = {}  # first node of a chain -> its DequantizeLinear
+    dropped: set[str] = set()
+    new_inits: list[onnx.TensorProto] = []
+    for chain in weight_dequant_chains(model):
+        users = consumers.get(chain.output, [])
+        if chain.form != "Cast+Mul" or not users or any(u.op_type not in WEIGHT_OPS or k != 1 for u, k in users):
+            continue
+        q = inits[chain.quantized]
+        scale = numpy_helper.to_array(inits[chain.scale])
+        if opset < DQ_MIN_OPSET.get(q.data_type, 99) or scale.dtype != np.float32:
+            continue
+        axis = _broadcast_axis(scale.shape, tuple(q.dims))
+        if axis is None:
+            continue
+        qtype = helper.tensor_dtype_to_np_dtype(q.data_type)
+        zp: np.ndarray = np.zeros(scale.shape, np.float32) if not chain.zero_point else \
+            numpy_helper.to_array(inits[chain.zero_point])
+        if zp.size > scale.size or np.broadcast_shapes(zp.shape, scale.shape) != scale.shape:
+            continue
+        zp = np.broadcast_to(zp, scale.shape)
+        if not np.array_equal(zp, np.round(zp)) or zp.min() < np.iinfo(qtype).min or zp.max() > np.iinfo(qtype).max:
+            continue
+        flat = (-1,) if axis >= 0 else ()
+        s_name, z_name = f"{chain.output}_dq_scale", f"{chain.output}_dq_zero_point"
+        new_inits += [numpy_helper.from_array(scale.reshape(flat).astype(np.float32), s_name),
+                      helper.make_tensor(z_name, q.data_type, list(scale.reshape(flat).shape),
+                                         zp.reshape(flat).astype(np.int64).tolist())]
+        dq = helper.make_node("DequantizeLinear", [chain.quantized, s_name, z_name], [chain.output],
+                              name=f"{chain.nodes[-1]}_dq")
+        if axis >= 0:
+            dq.attribute.append(helper.make_attribute("axis", axis))
+        replaced[chain.nodes[0]] = dq
+        dropped.update(chain.nodes)
+    if not replaced:
+        return 0
+    nodes = []
+    for n in graph.node:
+        if n.name in replaced:
+            nodes.append(replaced[n.name])
+        elif n.name not in dropped:
+            nodes.append(n)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(new_inits)
+    _drop_unused_initializers(graph)
+    return len(replaced)
+
+
+def _broadcast_axis(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> int | None:
+    """The weight axis a scale of ``scale_shape`` varies along under numpy broadcasting: -1 for
+    one value (per-tensor), None when it varies along more than one axis or does not fit."""
+    if int(np.prod(scale_shape)) == 1:
+        return -1
+    if len(scale_shape) > len(weight_shape):
+        return None
+    padded = (1,) * (len(weight_shape) - len(scale_shape)) + tuple(scale_shape)
+    varying = [k for k, d in enumerate(padded) if d != 1]
+    if len(varying) != 1 or padded[varying[0]] != weight_shape[varying[0]]:
+        return None
+    return varying[0]
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, bool]:
+    """Fold BatchNormalization into the Conv before it, with ONNX Runtime's basic graph
+    optimizations (constant folding, Conv+BatchNormalization/Mul/Add fusion: standard ONNX
+    ops only, the same result up to float rounding). Graphs without BatchNormalization, or
+    too large to pass through one protobuf, are returned as they are."""
+    import onnxruntime as ort
+
+    if not any(n.op_type == "BatchNormalization" for n in model.graph.node) or model.ByteSize() > 2**31 - 2**24:
+        return model, False
+    src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
+    onnx.save_model(model, str(src))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.optimized_model_filepath = str(dst)
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    except ort_errors() as e:
+        raise BadInputError(f"{label} does not load in ONNX Runtime: {ort_failure(e, src)}") from None
+    folded = onnx.load(str(dst))
+    return folded, not any(n.op_type == "BatchNormalization" for n in folded.graph.node)
+
+
+def static_batch(model: onnx.ModelProto, input_names: list[str]) -> int | None:
+    """The batch every input fixes in its first dimension (a graph exported for batch 1), if any."""
+    dims = set()
+    for vi in model.graph.input:
+        if vi.name in input_names:
+            shape = vi.type.tensor_type.shape.dim
+            dims.add(int(shape[0].dim_value) if shape and shape[0].HasField("dim_value") else None)
+    return dims.pop() if len(dims) == 1 and None not in dims else None
+
+
+def _region_refusal(src: Path, found: QuantizedGraph, placement: str) -> BadInputError:
+    ops = "MatMul or Gemm with a weight" if placement == "linear" else "Conv, MatMul or Gemm"
+    return BadInputError(f"{src} is already quantized ({found.describe()}; {len(found.region)} nodes): no float "
+                         f"{ops} is left to quantize with placement {placement!r}; compress its float model, or build "
+                         "and profile this one as it is")
 
 
 def quantize_onnx_file(src: Path, dst: Path, samples: Any, input_names: list[str], method: str | None,
                        percentile: float, scheme: str, batch_size: int = 8, placement: str = "auto") -> dict[str, Any]:
-    """Calibrate ``src`` on ``samples`` and write the QDQ model to ``dst`` (Q/DQ per ``placement``).
+    """Calibrate ``src`` on ``samples`` and write the QDQ model to ``dst`` (Q/DQ per ``placement``),
+    loaded and run once by ONNX Runtime on the first calibration batch.
     ``method`` None: "mse" for the linear placement, "percentile" for "all"."""
-    import onnx
+    info, _ = quantize_and_verify(src, dst, samples, input_names, method, percentile, scheme, batch_size, placement)
+    return info
 
-    model = onnx.load(str(src))
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
-    except Exception:
-        pass
-    inits = {i.name for i in model.graph.initializer}
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(model.graph.value_info) +
-             list(model.graph.input) + list(model.graph.output)}
+
+def prepare_graph(model: onnx.ModelProto) -> dict[str, Any]:
+    """Rewrite ``model`` in place into what the placement expects (same outputs): Constant
+    weights as initializers, Cast+Mul weight dequantization as DequantizeLinear. Returns notes."""
+    notes: dict[str, Any] = {}
+    moved = constants_to_initializers(model)
+    if moved:
+        notes["constants_to_initializers"] = moved
+    converted = dequant_chains_to_dq(model)
+    if converted:
+        notes["cast_mul_weights_as_dequantize_linear"] = converted
+    return notes
+
+
+def plan_placement(model: onnx.ModelProto, placement: str, src: Path,
+                   found: QuantizedGraph) -> tuple[str, list[onnx.NodeProto]]:
+    """(resolved placement, the float nodes to quantize) of a prepared graph; BadInputError when
+    nothing is left to quantize, naming what ``found`` (the file as given) holds quantized."""
     placement = resolve_placement(model, placement)
+    region = find_quantized(model).region
     if placement == "linear":
-        quantizable = weight_linear_nodes(model)
+        quantizable = [n for n in weight_linear_nodes(model) if n.name not in region]
         if not quantizable:
+            if found:
+                raise _region_refusal(src, found, placement)
             raise BadInputError(f"{src} has no quantizable layers for placement 'linear' (no MatMul or Gemm "
                                 "with a weight initializer)")
-        opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        opset = _opset(model)
         if opset < 13:
             raise BadInputError(f"{src} has opset {opset}; per-channel DequantizeLinear needs opset 13 or newer "
                                 "(re-export with a newer opset)")
+        return placement, quantizable
+    quantizable = [n for n in model.graph.node if n.op_type in OP_TYPES and n.name not in region]
+    if not any(n.op_type in ("Conv", "MatMul", "Gemm") for n in quantizable):
+        if found:
+            raise _region_refusal(src, found, placement)
+        raise BadInputError(f"{src} has no quantizable layers (no Conv, MatMul or Gemm node)")
+    return placement, quantizable
+
+
+def load_graph(src: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(src))
+    except ONNX_LOAD_ERRORS as e:
+        raise BadInputError(f"{src} is not a valid ONNX model: {first_line(e)}") from None
+
+
+def check_quantizable(src: Path, placement: str) -> None:
+    """Refuse, before any calibration data is read, a graph with nothing float left to quantize."""
+    model = load_graph(src)
+    found = find_quantized(model)
+    prepare_graph(model)
+    plan_placement(model, placement, src, found)
+
+
+def quantize_and_verify(src: Path, dst: Path, samples: Any, input_names: list[str], method: str | None,
+                        percentile: float, scheme: str, batch_size: int = 8,
+                        placement: str = "auto") -> tuple[dict[str, Any], VerifiedRun]:
+    """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
+    model = load_graph(src)
+    found = find_quantized(model)  # what the file holds, before any rewriting
+    notes = prepare_graph(model)
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
+        model, folded = fold_batch_norms(model, Path(tmp), str(src))
+    if folded:
+        notes["batch_norm_folded"] = True
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except ONNX_LOAD_ERRORS:
+        pass  # shapes only decide the dtype filter below; ORT infers its own
+    inits = {i.name for i in model.graph.initializer}
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(model.graph.value_info) +
+             list(model.graph.input) + list(model.graph.output)}
+    placement, quantizable = plan_placement(model, placement, src, found)
+    if placement == "linear":
         candidates = [n.input[0] for n in quantizable]
     else:
-        quantizable = [n for n in model.graph.node if n.op_type in OP_TYPES]
-        if not any(n.op_type in ("Conv", "MatMul", "Gemm") for n in quantizable):
-            raise BadInputError(f"{src} has no quantizable layers (no Conv, MatMul or Gemm node)")
         candidates = [t for n in quantizable for t in list(n.input) + list(n.output)]
     if method is None:
         method = DEFAULT_CALIB_METHOD[placement]
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     tensors: list[str] = []
     for t in candidates:
-        if t and t not in inits and t not in tensors and _ort_dtype_ok(t, types):
+        if t and t not in inits and t not in dequantized and t not in tensors and \
+                types.get(t, TensorProto.FLOAT) == TensorProto.FLOAT:
             tensors.append(t)
-    observers = _observe(model, tensors, samples, input_names, batch_size)
+    fixed = static_batch(model, input_names)
+    observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src)
     symmetric = scheme == "trt"
     qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
     ranges = {}
@@ -123,18 +342,24 @@ def quantize_onnx_file(src: Path, dst: Path, samples: Any, input_names: list[str
         lo, hi = choose_range(obs, method, percentile, qmin, qmax, symmetric)
         ranges[t] = (np.float32(lo), np.float32(hi))
     if placement == "linear":
-        quantized = insert_linear_qdq(model, quantizable, ranges, scheme)
-        onnx.save(quantized, str(dst))
+        onnx.save(insert_linear_qdq(model, quantizable, ranges, scheme), str(dst))
     else:
-        _quantize_all(model, ranges, scheme, dst)
-    return {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
-            "quantized_nodes": len(quantizable)}
+        _quantize_all(model, ranges, scheme, dst, sorted(find_quantized(model).region))
+    run = verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
+    info: dict[str, Any] = {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
+                            "quantized_nodes": len(quantizable)}
+    if found:
+        info["already_quantized"] = {**found.to_dict(), "kept": found.describe()}
+    if notes:
+        info["preprocessed"] = notes
+    return info, run
 
 
-def _observe(model: Any, tensors: list[str], samples: Any, input_names: list[str],
-             batch_size: int) -> dict[str, HistogramObserver]:
-    """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``."""
-    import onnx
+def _observe(model: onnx.ModelProto, tensors: list[str], samples: Any, input_names: list[str],
+             batch_size: int, static: bool, src: Path) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
+    """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
+    first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
+    exactly ``batch_size`` samples, so a smaller last batch is left out."""
     import onnxruntime as ort
     import torch
 
@@ -142,26 +367,42 @@ def _observe(model: Any, tensors: list[str], samples: Any, input_names: list[str
     have = {o.name for o in augmented.graph.output}
     for t in tensors:
         if t not in have:
-            augmented.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+            augmented.graph.output.append(helper.make_empty_tensor_value_info(t))
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
+    so.log_severity_level = 4
     observers = {t: HistogramObserver(t) for t in tensors}
+    first: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
         aug_path = Path(tmp) / "augmented.onnx"
-        onnx.save(augmented, str(aug_path))
-        sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
+        onnx.save(augmented, str(aug_path), save_as_external_data=augmented.ByteSize() > 2**31 - 2**24)
+        try:
+            sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
+        except ort_errors() as e:
+            raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
         out_names = [o.name for o in sess.get_outputs()]
         for b in samples.batches(batch_size):
-            outs = sess.run(None, {k: b[k] for k in input_names})
+            feeds = {k: b[k] for k in input_names}
+            if static and len(next(iter(feeds.values()))) != batch_size:
+                continue
+            try:
+                outs = sess.run(None, feeds)
+            except ort_errors() as e:
+                shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
+                raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
+                                    f"{ort_failure(e)}") from None
+            first = first or feeds
             for name, arr in zip(out_names, outs, strict=True):
                 if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
                     observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
-    return observers
+    return observers, first
 
 
-def _quantize_all(model: Any, ranges: dict[str, tuple[Any, Any]], scheme: str, dst: Path) -> None:
-    """Placement "all": ONNX Runtime's QDQQuantizer on every op of OP_TYPES, from edgekit's ranges."""
+def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], scheme: str, dst: Path,
+                  exclude: list[str]) -> None:
+    """Placement "all": ONNX Runtime's QDQQuantizer on every op of OP_TYPES, from edgekit's ranges,
+    leaving out the ``exclude`` nodes (already quantized regions). Tensors a DequantizeLinear
+    produces (weights stored as integers already) are not quantized again by it."""
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData
     from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
@@ -169,7 +410,7 @@ def _quantize_all(model: Any, ranges: dict[str, tuple[Any, Any]], scheme: str, d
     tensors_range = TensorsData(CalibrationMethod.MinMax, {k: (v[0], v[1]) for k, v in ranges.items()})
     act = QuantType.QUInt8 if scheme == "u8s8" else QuantType.QInt8
     extra = {"ActivationSymmetric": scheme == "trt", "WeightSymmetric": True}
-    quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], [], OP_TYPES, extra)
+    quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES, extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
 
@@ -185,23 +426,20 @@ def quantize_weight_per_channel(w: np.ndarray, axis: int) -> tuple[np.ndarray, n
     return q, scale
 
 
-def insert_linear_qdq(model: Any, nodes: list[Any], ranges: dict[str, tuple[Any, Any]], scheme: str) -> Any:
+def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], ranges: dict[str, tuple[Any, Any]],
+                      scheme: str) -> onnx.ModelProto:
     """Placement "linear": Q/DQ on the activation input and per-channel int8 DQ on the weight of
-    each node of ``nodes`` (MatMul / Gemm with a weight initializer); only these nodes read the
-    dequantized tensors, every other consumer (residual Adds, LayerNorm) keeps the float one.
-    The output stays float, so ONNX Runtime fuses each into ``MatMulIntegerToFloat``."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    from edgekit.compress.calibration import qparams
-
+    each node of ``nodes`` (MatMul / Gemm with a weight initializer; a weight a DequantizeLinear
+    already produces keeps its stored grid); only these nodes read the dequantized tensors, every
+    other consumer (residual Adds, LayerNorm) keeps the float one. The output stays float, so
+    ONNX Runtime fuses each into ``MatMulIntegerToFloat``."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     symmetric = scheme == "trt"
     qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
     zp_type = TensorProto.UINT8 if scheme == "u8s8" else TensorProto.INT8
-    new_inits: list[Any] = []
-    new_nodes: dict[str, list[Any]] = {}  # consumer node name -> Q/DQ nodes to insert before it
+    new_inits: list[onnx.TensorProto] = []
+    new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
     done: dict[str, str] = {}  # float tensor -> its dequantized name
     used = {n.name for n in graph.node}
 
@@ -214,7 +452,7 @@ def insert_linear_qdq(model: Any, nodes: list[Any], ranges: dict[str, tuple[Any,
     for k, n in enumerate(nodes):
         if not n.name:
             n.name = unique(f"edgekit_linear_{k}")
-        pending: list[Any] = []
+        pending: list[onnx.NodeProto] = []
         x = n.input[0]
         if x in ranges and x not in done:
             scale, zp = qparams(float(ranges[x][0]), float(ranges[x][1]), qmin, qmax, symmetric)
@@ -229,14 +467,17 @@ def insert_linear_qdq(model: Any, nodes: list[Any], ranges: dict[str, tuple[Any,
         if x in done:
             n.input[0] = done[x]
         w_name = n.input[1]
+        if w_name not in inits:  # stored as integers already (a DequantizeLinear output): kept as it is
+            new_nodes[n.name] = pending
+            continue
         if w_name not in done:
             w = numpy_helper.to_array(inits[w_name]).astype(np.float32)
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
             axis = 0 if trans_b else 1  # the output-channel axis: (in, out), or (out, in) for Gemm transB
-            q, scale = quantize_weight_per_channel(w, axis)
+            q, w_scale = quantize_weight_per_channel(w, axis)
             q_name, s_name, z_name = unique(f"{w_name}_quantized"), unique(f"{w_name}_scale"), unique(f"{w_name}_zero_point")
-            new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(scale, s_name),
-                          numpy_helper.from_array(np.zeros(scale.shape, np.int8), z_name)]
+            new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(w_scale, s_name),
+                          numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), z_name)]
             dq_out = unique(f"{w_name}_dequantized")
             pending.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                             name=unique(f"{w_name}_DQ"), axis=axis))
@@ -258,49 +499,127 @@ def insert_linear_qdq(model: Any, nodes: list[Any], ranges: dict[str, tuple[Any,
 
 
 def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str) -> ModelHandle:
+    """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
+    with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an
+    ``Int8Config`` and ``ctx`` a ``StepContext`` (typed loosely: ``int8`` imports this module)."""
     from edgekit.compress import config_to_dict
-    from edgekit.compress.int8 import _calibration_samples
+    from edgekit.compress.int8 import MIN_CALIB_SAMPLES, load_split, score  # int8 imports this module
 
     if config.method != "ptq":
         raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
                             "is possible (QAT needs the PyTorch model)")
     if config.max_accuracy_drop is not None:
         raise BadInputError(f"--max-accuracy-drop needs the PyTorch model; {handle.name!r} is ONNX-only")
+    if handle.onnx_path is None:
+        raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")
     t0 = time.perf_counter()
-    samples, _ = _calibration_samples(handle, config, ctx)  # (calib, held-out): no fallback here
+    src = Path(handle.onnx_path)
+    check_quantizable(src, config.placement)
+    view = data_view(handle)
+    samples = load_split(view, ctx, "calib", config.calib_samples)
+    need = min(MIN_CALIB_SAMPLES, config.calib_samples)
+    if len(samples) < need:
+        raise BadInputError(f"calibration data {samples.source!r} has {len(samples)} samples; INT8 calibration "
+                            f"needs at least {need}")
     names = [s.name for s in handle.inputs]
-    work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
-    work.mkdir(parents=True, exist_ok=True)
-    dst = work / "model.int8.onnx"
+    workdir = tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-")  # lives as long as the returned handle
+    dst = Path(workdir.name) / "model.int8.onnx"
     # The observation pass returns every calibrated tensor of a batch at once: a model with large
     # activations (a detector at 800 x 608: ~2 GB per image) names a smaller batch in its handle.
-    info = quantize_onnx_file(Path(handle.onnx_path), dst, samples, names, config.calib_method,  # type: ignore[arg-type]
-                              config.percentile, scheme, placement=config.placement,
-                              batch_size=int(handle.extra.get("calib_batch", 8)))
-    seconds = time.perf_counter() - t0
-    metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples), "ptq_seconds": round(seconds, 3),
-                               **info}
-    from edgekit.compress.int8 import load_split, score
-
-    ev = None
-    try:  # the given eval data, else the model's default eval split when it has one
-        ev = load_split(handle, ctx, "eval", config.eval_samples)
-    except BadInputError:
-        if ctx.eval is not None:
-            raise
-    if ev is not None:
-        import onnxruntime as ort
-
-        def run(path: Path) -> np.ndarray:
-            sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            return np.concatenate([sess.run(None, {k: b[k] for k in names})[0] for b in ev.batches(16)])
-
-        metrics["int8"] = score(run(dst), run(Path(handle.onnx_path)), ev.labels, handle.evaluator)
+    info, run = quantize_and_verify(src, dst, samples, names, config.calib_method, config.percentile, scheme,
+                                    batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement)
+    metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples),
+                               "ptq_seconds": round(time.perf_counter() - t0, 3), **info}
+    if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
+        metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
+    ev, on = comparison_samples(view, config, ctx, samples)
+    fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
+    got = run_graph(run.session, ev, names, fixed or 16, fixed is not None)
+    ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
+    metrics["compared_on"] = {"data": on, "samples": len(ev)}
+    metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
+                                                                         strict=True)}
+    metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None
+    new.extra = {**handle.extra, "int8_workdir": workdir}
+    if handle.make_inputs is None:  # random inputs: the verified real calibration batch serves better
+        new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config),
                                            {"scheme": scheme, "from": "onnx", "float_layers": [],
                                             "placement": info["placement"], "calib_method": info["calib_method"]})]
     ctx.metrics["int8"] = metrics
     return new
+
+
+def data_view(handle: ModelHandle) -> ModelHandle:
+    """``handle`` with a fixed first dimension shown as "batch": data sources stack samples on
+    that axis (a graph exported for batch 1 still calibrates on many samples, one at a time)."""
+    specs = [InputSpec(s.name, ("batch", *s.shape[1:]), s.dtype) if s.shape and isinstance(s.shape[0], int) else s
+             for s in handle.inputs]
+    return dataclasses.replace(handle, inputs=specs)
+
+
+def comparison_samples(view: ModelHandle, config: Any, ctx: Any, calib: Samples) -> tuple[Samples, str]:
+    """Data to compare the INT8 graph with the float one on: the eval data (given, or the
+    model's default); else the eval split of the calibration source (disjoint from its calib
+    split); only when neither exists, the calibration samples themselves (said so)."""
+    from edgekit.compress.int8 import load_split  # int8 imports this module
+
+    try:
+        return load_split(view, ctx, "eval", config.eval_samples), "eval data"
+    except BadInputError:
+        if ctx.eval is not None:
+            raise
+    if isinstance(ctx.calib, (str, os.PathLike)):
+        try:
+            ev = resolve_samples(ctx.calib, view, "eval", config.eval_samples, None, ctx.seed)
+        except BadInputError:
+            ev = None
+        if ev is not None and len(ev):
+            return ev, f"the eval split of {ctx.calib} (disjoint from its calibration split)"
+    return calib, "the calibration samples (no held-out data given: pass eval data for an unbiased comparison)"
+
+
+def run_graph(session: Any, samples: Samples, names: list[str], batch_size: int, static: bool) -> list[np.ndarray]:
+    """Every output of ``session`` over ``samples``, concatenated along the sample axis."""
+    outs: list[list[np.ndarray]] = []
+    for b in samples.batches(batch_size):
+        feeds = {k: b[k] for k in names}
+        if static and len(next(iter(feeds.values()))) != batch_size:
+            continue
+        for k, o in enumerate(session.run(None, feeds)):
+            if k == len(outs):
+                outs.append([])
+            outs[k].append(np.asarray(o))
+    return [np.concatenate(o) for o in outs]
+
+
+def _float_session(path: Path) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except ort_errors() as e:
+        raise BadInputError(f"{path} does not load in ONNX Runtime: {ort_failure(e, path)}") from None
+
+
+def output_drift(got: np.ndarray, ref: np.ndarray) -> dict[str, float]:
+    """How far one INT8 output is from the float one: per-sample cosine (mean, min), largest and
+    mean absolute difference, and the float output's largest magnitude for scale."""
+    a = got.reshape(len(got), -1).astype(np.float64)
+    b = ref.reshape(len(ref), -1).astype(np.float64)
+    cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-12)
+    diff = np.abs(a - b)
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean()), "ref_max_abs": float(np.abs(b).max())}
+
+
+def _repeat_first(first: dict[str, np.ndarray]) -> Any:
+    def make_inputs(batch: int = 1, **_: int) -> dict[str, np.ndarray]:
+        return {k: np.repeat(v, batch, axis=0) for k, v in first.items()}
+
+    return make_inputs

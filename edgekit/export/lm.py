@@ -40,6 +40,9 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.runtimes.onnxruntime import verify_onnx_runs
+from edgekit.sources.models import decode_step_inputs
+from edgekit.sources.onnx_file import graph_inputs
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +395,8 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
         large = proto.ByteSize() > 2**31 - 2**20
         onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                         location="model.onnx.data" if large else None)
+        step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+        verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
         metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),
                                    "onnx_bytes": sum(f.stat().st_size for f in folder.iterdir())}
         if parity and accuracy_level:

@@ -30,6 +30,7 @@ from typing import Any
 
 from edgekit import interrupts
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle
 
@@ -113,6 +114,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX file to export")
         with staged_dir(out_dir, protect) as tmp:
             files = _copy_onnx(Path(handle.onnx_path), tmp)
+            given = handle.source if isinstance(model, ModelHandle) else str(model)  # the file or folder named
+            verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=given, error=BadInputError)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
                 inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
@@ -128,7 +131,9 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
         files = _save_checked(proto, tmp)
         onnx_path = tmp / files["onnx"]
         parity: dict[str, Any] = {"skipped": True}
-        if not config.skip_parity:
+        if config.skip_parity:  # then at least loaded and run once
+            verify_onnx_runs(onnx_path, handle.sample_inputs(1), label=f"the exported graph of {handle.name}")
+        else:
             from edgekit.export.parity import check_parity
 
             try:
@@ -140,7 +145,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             except Exception as e:  # ONNX Runtime cannot even run the graph
                 _keep_failed(onnx_path, failed)
                 raise CheckFailedError(f"parity failed: ONNX Runtime could not run the exported graph "
-                                       f"({type(e).__name__}: {_first_line(e)}); kept it at {failed}") from None
+                                       f"({ort_failure(e, onnx_path)}); kept it at {failed}") from None
             if not report.passed:
                 _keep_failed(onnx_path, failed)
                 raise CheckFailedError(f"{report.message()}; the failing graph is kept at {failed}")

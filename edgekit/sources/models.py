@@ -15,13 +15,22 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
+from edgekit.sources.onnx_file import (
+    constants_to_initializers,
+    external_tensors,
+    graph_inputs,
+    integer_input_bounds,
+    read_onnx,
+)
 from edgekit.sources.pt2 import load_exported_program
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,43 +92,51 @@ def _require_file(path: Path) -> None:
 
 
 def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> ModelHandle:
-    """An ONNX file as a handle: checked, its inputs and outputs read from the graph."""
-    import onnx
-
+    """An ONNX file as a handle: validated (``onnx_file.read_onnx``), its inputs and outputs
+    read from the graph. A graph that keeps its weights in ``Constant`` nodes is normalized
+    (weights become initializers, outputs unchanged) into a copy that lives as long as the
+    handle (``handle.onnx_path``; ``handle.source`` stays the file given). Integer inputs
+    that index an embedding table get sample ids inside it, masks get ones."""
     path = Path(path)
     _require_file(path)
-    try:
-        # Load without external data: the checker and I/O reading need only the graph.
-        model = onnx.load(str(path), load_external_data=False)
-        has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
-        # The path form checks external data too (and works above 2 GB).
-        onnx.checker.check_model(str(path) if has_external or path.stat().st_size >= 2**31 else model)
-    except Exception as e:  # onnx raises DecodeError, ValidationError, ...; all mean "corrupt"
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BadInputError(f"{path} is not a valid ONNX model: {msg}") from None
-    init_names = {i.name for i in model.graph.initializer}
-    inputs, dyn = [], {}
-    for vi in model.graph.input:
-        if vi.name in init_names:
-            continue
-        tt = vi.type.tensor_type
-        shape: list[int | str] = []
-        for ax, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value"):
-                shape.append(int(d.dim_value))
-            else:
-                axis_name = d.dim_param or f"dim{ax}"
-                if ax == 0 and axis_name not in ("batch",):
-                    axis_name = "batch" if axis_name in ("N", "batch_size", "unk__0", "dim0") else axis_name
-                shape.append(axis_name)
-                dyn.setdefault(vi.name, {})[ax] = axis_name
-        inputs.append(InputSpec(vi.name, tuple(shape), _onnx_dtype(tt.elem_type)))
+    model = read_onnx(path)
+    inputs, dyn = graph_inputs(model)
     outputs = [o.name for o in model.graph.output]
     if any(i.name.startswith("past_key_values.") for i in inputs):  # a causal LM exported with its KV cache
         return ModelHandle(name=name or path.stem, source=str(path), kind="causal-lm", onnx_path=path,
                            inputs=inputs, outputs=outputs, dynamic_axes=dyn, make_inputs=decode_step_inputs(inputs))
-    return ModelHandle(name=name or path.stem, source=str(path), kind="generic", onnx_path=path,
-                       inputs=inputs, outputs=outputs, dynamic_axes=dyn)
+    handle = ModelHandle(name=name or path.stem, source=str(path), kind="generic", onnx_path=path,
+                         inputs=inputs, outputs=outputs, dynamic_axes=dyn,
+                         make_inputs=graph_sample_inputs(inputs, integer_input_bounds(model)))
+    external = any(True for _ in external_tensors(model.graph))
+    moved = 0 if external else constants_to_initializers(model)
+    if moved:
+        workdir = tempfile.TemporaryDirectory(prefix="edgekit-onnx-")  # removed with the handle, or at exit
+        handle.onnx_path = Path(workdir.name) / path.name
+        onnx.save_model(model, str(handle.onnx_path))
+        handle.extra.update(onnx_workdir=workdir, normalized={"constants_to_initializers": moved})
+    return handle
+
+
+def graph_sample_inputs(specs: list[InputSpec], bounds: dict[str, int]) -> Any:
+    """``make_inputs`` for an ONNX graph: random values of the declared shapes and dtypes,
+    except ids that index a table (``bounds``: input -> rows) stay below its size and
+    integer masks are ones. None when no input needs that (plain random inputs)."""
+    masks = [s.name for s in specs if "mask" in s.name.lower() and np.dtype(s.dtype).kind in "iub"]
+    if not bounds and not masks:
+        return None
+
+    def make_inputs(batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
+        feeds = random_inputs(specs, batch, **dims)
+        rng = np.random.default_rng(0)
+        for s in specs:
+            if s.name in bounds:
+                feeds[s.name] = rng.integers(0, max(1, bounds[s.name]), size=feeds[s.name].shape).astype(s.dtype)
+            elif s.name in masks:
+                feeds[s.name] = np.ones_like(feeds[s.name])
+        return feeds
+
+    return make_inputs
 
 
 DEFAULT_PAST = 128  # tokens already in the KV cache when a decode step is timed
@@ -172,15 +189,6 @@ def borrow_io(handle: ModelHandle, source: str | None) -> None:
     handle.default_calib, handle.default_eval, handle.default_train = (base.default_calib, base.default_eval,
                                                                        base.default_train)
     handle.evaluator = handle.evaluator or base.evaluator
-
-
-def _onnx_dtype(elem_type: int) -> str:
-    import onnx
-
-    try:
-        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-    except Exception:
-        return "float32"
 
 
 def _load_pt2(path: Path) -> ModelHandle:
