@@ -92,8 +92,14 @@ def zoo() -> None:
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="Packed low-bit layers (with --kv-cache): MatMulNBits compute precision on ONNX Runtime's CPU; "
                    "4 = int8 compute (default: 11.6x faster one-token decode on SmolLM2 than 0), 0 = fp32 compute.")
+@click.option("--graph", type=click.Choice(["auto", "fused", "traced"]), default="auto", show_default=True,
+              help="Causal LMs (with --kv-cache): fused = ONNX Runtime's fused decoder graph (GroupQueryAttention, "
+                   "fused norms and matmuls, in-place KV cache), traced = optimum's export; auto = fused where the "
+                   "architecture has it (Llama family).")
+@click.option("--block-size", type=int, default=None,
+              help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None) -> None:
+           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -106,11 +112,14 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
             raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} model")
         tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
         level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
-        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, **level, **tol)
+        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+                                  block_size=block_size, **level, **tol)
         _print_parity(folder)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
+    if graph != "auto" or block_size is not None:
+        raise BadInputError("--graph and --block-size apply to the KV-cache export of a causal LM (add --kv-cache)")
 
     fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
     if opset is not None:

@@ -6,8 +6,9 @@ Concat, attention as MatMul/Softmax/Where, the KV cache as Concat). On a CPU eac
 few microseconds of dispatch whatever its size, and the cache is copied every step. This module
 writes the graph ONNX Runtime's GenAI model builder writes, from edgekit's packed weights:
 
-* ``SimplifiedLayerNormalization`` / ``com.microsoft::SkipSimplifiedLayerNormalization`` (RMSNorm
-  fused with the residual add);
+* ``com.microsoft::SkipSimplifiedLayerNormalization`` (RMSNorm fused with the residual add; the
+  first layer's norm, which has no residual, is written in standard ops that ONNX Runtime fuses
+  into ``SimplifiedLayerNormalization``);
 * one ``com.microsoft::MatMulNBits`` for q, k and v together, one for gate and up together
   (packed rows concatenated: exact, no re-quantization), one each for o and down;
 * ``com.microsoft::GroupQueryAttention`` with the rotary embedding inside (``do_rotary``) and the
@@ -47,6 +48,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
 MS = "com.microsoft"
+MIN_ROTARY_POSITIONS = 4096  # rows of the cos/sin caches for models trained on shorter sequences
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def supports_fused_graph(hf_model: nn.Module) -> tuple[bool, str]:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return False, f"activation {cfg.hidden_act!r} is not SiLU"
     scaling = getattr(cfg, "rope_scaling", None) or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3", "dynamic"):
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3"):
         return False, f"rope scaling {scaling!r} is not supported by the fused graph"
     for name, m in hf_model.named_modules():
         if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
@@ -174,6 +176,18 @@ class _Writer:
             return self._concat([self.linear(x, [m], f"{name}_{i}") for i, m in enumerate(layers)], name)
         raise BadInputError(f"{name}: {type(layers[0]).__name__} is neither nn.Linear nor a packed QuantLinear")
 
+    def rms_norm(self, x: str, gamma: str, eps: float, out: str) -> str:
+        """RMSNorm in standard ops (the first layer's, which has no residual to fuse with; ONNX Runtime's
+        optimizer fuses the pattern into SimplifiedLayerNormalization, and the ONNX checker knows it)."""
+        sq = self.node("Mul", [x, x], [f"{out}/sq"], f"{out}/sq")[0]
+        ms = self.node("ReduceMean", [sq, self.init(f"{out}/axes", np.array([-1], np.int64))], [f"{out}/ms"],
+                       f"{out}/mean", keepdims=1)[0]
+        var = self.node("Add", [ms, self.init(f"{out}/eps", np.array(eps, np.float32))], [f"{out}/var"], f"{out}/eps")[0]
+        rstd = self.node("Reciprocal", [self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]], [f"{out}/rstd"],
+                         f"{out}/rstd")[0]
+        normed = self.node("Mul", [x, rstd], [f"{out}/normed"], f"{out}/normed")[0]
+        return self.node("Mul", [normed, gamma], [out], f"{out}/gamma")[0]
+
     def _concat(self, parts: list[str], name: str) -> str:
         return self.node("Concat", parts, [f"{name}/out"], f"{name}/concat", axis=-1)[0]
 
@@ -247,7 +261,8 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None:
         raise BadInputError("the model has no rotary embedding module (model.rotary_emb)")
-    cos, sin = _rotary_caches(rotary, int(cfg.max_position_embeddings), head_dim)
+    # positions past the trained length still get their rotation (as in the traced graph), up to a floor
+    cos, sin = _rotary_caches(rotary, max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS), head_dim)
     w.init("cos_cache", cos)
     w.init("sin_cache", sin)
 
@@ -257,8 +272,7 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
         attn, mlp = layer.self_attn, layer.mlp
         gamma = w.init(f"{p}.input_layernorm.weight", layer.input_layernorm.weight.detach().float().numpy())
         if residual is None:
-            w.node("SimplifiedLayerNormalization", [hidden, gamma], [f"{p}/ln1"], f"{p}/input_layernorm",
-                   axis=-1, epsilon=eps, stash_type=1)
+            w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
             residual = hidden
         else:
             w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], [f"{p}/ln1", "", "", f"{p}/res1"],
