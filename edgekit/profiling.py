@@ -118,6 +118,7 @@ class ProfileResult:
     warnings: list[str] = field(default_factory=list)
     source: str = "measured"  # "measured" | "trtexec" | "estimated"
     created: str = ""
+    generation: dict[str, Any] | None = None  # causal LMs: time to first token, decode tokens/s (profiling_lm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
