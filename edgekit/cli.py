@@ -104,8 +104,14 @@ def zoo() -> None:
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="Packed low-bit layers (with --kv-cache): MatMulNBits compute precision on ONNX Runtime's CPU; "
                    "4 = int8 compute (default: 11.6x faster one-token decode on SmolLM2 than 0), 0 = fp32 compute.")
+@click.option("--graph", type=click.Choice(["auto", "fused", "traced"]), default="auto", show_default=True,
+              help="Causal LMs (with --kv-cache): fused = ONNX Runtime's fused decoder graph (GroupQueryAttention, "
+                   "fused norms and matmuls, in-place KV cache), traced = optimum's export; auto = fused where the "
+                   "architecture has it (Llama family).")
+@click.option("--block-size", type=int, default=None,
+              help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None) -> None:
+           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -118,11 +124,14 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
             raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} model")
         tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
         level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
-        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, **level, **tol)
+        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+                                  block_size=block_size, **level, **tol)
         _print_parity(folder)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
+    if graph != "auto" or block_size is not None:
+        raise BadInputError("--graph and --block-size apply to the KV-cache export of a causal LM (add --kv-cache)")
 
     fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
     if opset is not None:
@@ -197,17 +206,57 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--top-k", type=int, default=15, show_default=True)
 @click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
+@click.option("--prompt-lengths", default="128,512", show_default=True,
+              help="Causal LMs: prompt lengths whose prefill (time to first token) is timed.")
+@click.option("--contexts", default="128,1024", show_default=True,
+              help="Causal LMs: context lengths after which decode tokens/s is measured.")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Causal LMs: tokens generated per run.")
 def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
-            top_k: int, no_nodes: bool, json_out: str | None) -> None:
-    """Measure latency percentiles and per-node times of an engine (the trtexec method)."""
-    from edgekit.profiling import ProfileConfig, profile_engine
+            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str,
+            contexts: str, new_tokens: int) -> None:
+    """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
+    with a KV cache also time to first token, decode tokens/s and peak memory."""
+    from edgekit.profiling import ProfileConfig
+    from edgekit.profiling_lm import GenerationConfig, profile_with_generation
 
     config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
                            batch=batch, node_profile=not no_nodes, top_k=top_k)
-    result = profile_engine(engine_dir, config, out_json=json_out)
+    generation = None if no_generation else GenerationConfig(
+        prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
+        new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
+    result = profile_with_generation(engine_dir, config, generation, out_json=json_out)
     _print_profile(result, top_k)
+    if result.generation:
+        _print_generation(result.generation)
     if json_out:
         click.echo(f"wrote {json_out}")
+
+
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise BadInputError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise BadInputError(f"{option} takes comma-separated whole numbers >= 1, got {text!r}")
+    return values
+
+
+def _print_generation(gen: dict[str, Any]) -> None:
+    con = _console()
+    rows = [[f"time to first token, {n} prompt tokens", f"{r['wall_ms']['p50']:.2f}", f"{r['wall_ms']['p90']:.2f}",
+             f"{r['wall_ms']['p99']:.2f}", f"{r['wall_ms']['cv']:.1%}", f"{r['cpu_ms']['p50']:.2f}", ""]
+            for n, r in gen["time_to_first_token_ms"].items()]
+    rows += [[f"decode step, context {c} (+{r['new_tokens']})", f"{r['step']['wall_ms']['p50']:.2f}",
+              f"{r['step']['wall_ms']['p90']:.2f}", f"{r['step']['wall_ms']['p99']:.2f}",
+              f"{r['step']['wall_ms']['cv']:.1%}", f"{r['step']['cpu_ms']['p50']:.2f}",
+              f"{r['tokens_per_s']:.1f} ({r['cpu_tokens_per_s']:.1f} CPU)"]
+             for c, r in gen["decode"].items()]
+    con.print(_table(f"generation (KV cache {gen['kv_cache']})",
+                     ["phase", "p50 ms", "p90 ms", "p99 ms", "CV", "CPU p50 ms", "tokens/s"], rows))
+    if gen.get("peak_memory_mb"):
+        con.print(f"peak memory (RSS): {gen['peak_memory_mb']:.0f} MB")
 
 
 def _print_profile(result: Any, top_k: int) -> None:
@@ -268,21 +317,38 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
 
 @cli.command()
 @click.argument("profile", type=click.Path())
-@click.option("--budget-ms", type=float, required=True, help="Latency budget in milliseconds.")
+@click.option("--budget-ms", type=float, default=None,
+              help="Latency budget in milliseconds (for a causal LM: one decode step after a 128-token past).")
 @click.option("--percentile", default="p99", show_default=True, help="min|mean|p50|p90|p95|p99|max")
 @click.option("--max-jitter", type=float, default=None, help="Gate on p99/p50 (e.g. 1.2).")
+@click.option("--min-tokens-per-s", type=float, default=None,
+              help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
+@click.option("--max-ttft-ms", type=float, default=None,
+              help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the verdict JSON here.")
-def check(profile: str, budget_ms: float, percentile: str, max_jitter: float | None, json_out: str | None) -> int:
+def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
+          min_tokens_per_s: float | None, max_ttft_ms: float | None, json_out: str | None) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
     from edgekit.check import check_budget
+    from edgekit.profiling_lm import check_generation
 
-    verdict = check_budget(profile, budget_ms, percentile, max_jitter)
+    if budget_ms is None and min_tokens_per_s is None and max_ttft_ms is None:
+        raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms")
+    verdicts: list[Any] = []
+    if budget_ms is not None:
+        verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter))
+    if min_tokens_per_s is not None or max_ttft_ms is not None:
+        verdicts.append(check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile))
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        atomic_write_json(json_out, {**verdict.to_dict(), "message": verdict.message()}, protect=(profile,))
-    click.echo(verdict.message())
-    return 0 if verdict.passed else 1
+        record = {**verdicts[0].to_dict(), "message": verdicts[0].message()}
+        if len(verdicts) > 1:
+            record["generation"] = {**verdicts[1].to_dict(), "message": verdicts[1].message()}
+        atomic_write_json(json_out, record, protect=(profile,))
+    for v in verdicts:
+        click.echo(v.message())
+    return 0 if all(v.passed for v in verdicts) else 1
 
 
 @cli.command()

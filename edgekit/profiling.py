@@ -156,6 +156,7 @@ class ProfileResult:
     warnings: list[str] = field(default_factory=list)
     source: str = "measured"  # "measured" here | "device" (results from the target) | "trtexec" | "estimated"
     created: str = ""
+    generation: dict[str, Any] | None = None  # causal LMs: time to first token, decode tokens/s (profiling_lm)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -39,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
-from edgekit.runtimes.onnxruntime import verify_onnx_runs
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
+from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph
+from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs
 from edgekit.sources.onnx_file import graph_inputs
 
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 MATMULNBITS_BITS = (2, 3, 4, 8)
 _MATCH_TYPES = (2, 6, 7, 1)  # onnx UINT8, INT32, INT64, FLOAT  # 3-bit codes are stored (and run) as 4-bit
 FORMATS = ("matmulnbits", "qdq")
+GRAPHS = ("auto", "fused", "traced")
 # MatMulNBits' accuracy_level: 4 lets ONNX Runtime's CPU kernel quantize the activations to int8 per block
 # and run integer dot products. Measured on SmolLM2 W4 g128 (RESULTS.md, issue 4): one-token decode 17.6 ms
 # against 204.8 ms with fp32 compute (level 0) and 46.8 ms for FP32; perplexity 27.50 vs 27.29. The CUDA
@@ -165,8 +167,6 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     from edgekit.compress.packing import QuantEmbedding, QuantLinear
 
     if fmt not in FORMATS:
-        from edgekit.errors import bad_choice
-
         raise bad_choice("int4 ONNX format", fmt, FORMATS)
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
     if not layers:
@@ -359,37 +359,56 @@ def _hf_model(module: Any) -> Any:
     raise BadInputError("KV-cache export needs a Hugging Face causal LM (a CausalLMWrapper or *ForCausalLM)")
 
 
+def choose_graph(handle: Any, graph: str, *, with_past: bool = True, fmt: str = "matmulnbits") -> str:
+    """The graph ``export_causal_lm`` writes: ``"fused"`` (``lm_graph``: GroupQueryAttention, fused
+    norms and matmuls, in-place KV cache) where the architecture and settings allow it, else
+    ``"traced"`` (optimum's export with the packed layers rewritten). ``graph="auto"`` chooses."""
+    if graph not in GRAPHS:
+        raise bad_choice("causal-LM graph", graph, GRAPHS)
+    if graph == "traced":
+        return graph
+    ok, why = supports_fused_graph(_hf_model(handle.module))
+    if ok and not with_past:
+        ok, why = False, "the fused graph always carries the KV cache"
+    if ok and fmt != "matmulnbits":
+        ok, why = False, f"the fused graph writes MatMulNBits, not {fmt!r}"
+    if graph == "fused" and not ok:
+        raise BadInputError(f"--graph fused is not available for {handle.name}: {why} (use --graph traced)")
+    if not ok:
+        log.info("writing the traced graph: %s", why)
+    return "fused" if ok else "traced"
+
+
 def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past: bool = True,
                      fmt: str = "matmulnbits", accuracy_level: int | None = DEFAULT_ACCURACY_LEVEL, opset: int = 21,
-                     parity: bool = True, atol: float = 2e-3, rtol: float = 2e-3) -> Path:
+                     parity: bool = True, atol: float = 2e-3, rtol: float = 2e-3, graph: str = "auto",
+                     block_size: int | None = None) -> Path:
     """Export a (packed or float) causal LM to an ``onnx`` artifact folder with its KV cache.
+
+    ``graph``: ``"fused"`` writes ONNX Runtime's fused decoder graph (``lm_graph``) from the
+    weights, ``"traced"`` traces the model with optimum and rewrites the packed layers, ``"auto"``
+    (default) takes the fused graph where the architecture has one. ``block_size``: the fused
+    graph's MatMulNBits block (default: the quantization group).
 
     >>> export_causal_lm(load_model("out/w4"), "out/w4-onnx")  # doctest: +SKIP
     """
     import onnx
-    import torch
 
     from edgekit.artifact import Manifest, staged_dir, write_manifest
 
-    try:
-        from optimum.exporters.onnx import onnx_export_from_model
-    except ImportError as e:
-        raise UnavailableError(f"causal-LM export with the KV cache needs optimum-onnx: {e}") from None
-    hf = _hf_model(handle.module)
+    graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="edgekit-lm-") as tmp:
-        use_cache = hf.config.use_cache
-        hf.config.use_cache = with_past
-        try:
-            with torch.no_grad(), float_placeholders(handle.module):
-                onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
-                                       no_post_process=True)
-        finally:
-            hf.config.use_cache = use_cache
-        proto = onnx.load(os.path.join(tmp, "model.onnx"))
-    export_s = time.perf_counter() - t0
-    proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
+    if graph == "fused":
+        proto = build_fused_decoder(_hf_model(handle.module), FusedGraphConfig(
+            block_size=block_size, accuracy_level=accuracy_level, opset=opset))
+        export_s = time.perf_counter() - t0
+    else:
+        if block_size is not None:
+            raise BadInputError("--block-size applies to the fused graph (--graph fused)")
+        proto = _traced_graph(handle, task, with_past, opset)
+        export_s = time.perf_counter() - t0
+        proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
     out_dir = Path(out_dir)
     with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder:
         large = proto.ByteSize() > 2**31 - 2**20
@@ -420,8 +439,39 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
                    "outputs": [o.name for o in proto.graph.output], "kv_cache": with_past},
             steps=[{"name": s.name, "config": s.config, "meta": {k: v for k, v in s.meta.items() if k != "layers"}}
                    for s in handle.steps],
-            config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset}))
+            config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset, "graph": graph,
+                    "block_size": _graph_block_size(proto)}))
     return out_dir
+
+
+def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
+    """optimum's traced export of the model (packed layers as float placeholders)."""
+    import onnx
+    import torch
+
+    try:
+        from optimum.exporters.onnx import onnx_export_from_model
+    except ImportError as e:
+        raise UnavailableError(f"causal-LM export with the KV cache needs optimum-onnx: {e}") from None
+    hf = _hf_model(handle.module)
+    with tempfile.TemporaryDirectory(prefix="edgekit-lm-") as tmp:
+        use_cache = hf.config.use_cache
+        hf.config.use_cache = with_past
+        try:
+            with torch.no_grad(), float_placeholders(handle.module):
+                onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
+                                       no_post_process=True)
+        finally:
+            hf.config.use_cache = use_cache
+        return onnx.load(os.path.join(tmp, "model.onnx"))
+
+
+def _graph_block_size(proto: Any) -> list[int]:
+    """The MatMulNBits block sizes in a graph (empty for a float graph)."""
+    from onnx import helper
+
+    return sorted({int(helper.get_attribute_value(a)) for n in proto.graph.node if n.op_type == "MatMulNBits"
+                   for a in n.attribute if a.name == "block_size"})
 
 
 @contextlib.contextmanager
@@ -525,6 +575,12 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
                    "argmax_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
                    "tokens": int(ids.shape[1])})
     report["passed"] = bool(report["max_abs_diff"] <= atol + rtol * scale)
+    if with_past:  # the IO-bound loop (in-place KV cache where the graph allows it) must give the same logits
+        decoder = KVCacheDecoder(sess, max_length=prompt_len + 8)
+        bound = np.concatenate([decoder.forward(ids[:, :prompt_len]), decoder.forward(ids[:, prompt_len:])], axis=1)
+        report["io_binding"] = {"kv_cache": "in place (shared buffer)" if decoder.shared else "bound presents",
+                                "max_abs_diff_to_plain_loop": float(np.abs(bound - got).max())}
+        report["passed"] = report["passed"] and bool(np.abs(bound - got).max() <= atol)
     if not report["passed"]:
         log.warning("LM parity failed: %s", report)
     return report

@@ -1,0 +1,326 @@
+"""A fused ONNX decoder graph for Llama-family causal LMs, written from the model's own weights.
+
+The traced graph of a causal LM (``export_causal_lm`` with ``graph="optimum"``) holds about a
+thousand small nodes (RMSNorm as Pow/ReduceMean/Sqrt/Div/Mul, rotary embeddings as Slice/Neg/
+Concat, attention as MatMul/Softmax/Where, the KV cache as Concat). On a CPU each node costs a
+few microseconds of dispatch whatever its size, and the cache is copied every step. This module
+writes the graph ONNX Runtime's GenAI model builder writes, from edgekit's packed weights:
+
+* ``com.microsoft::SkipSimplifiedLayerNormalization`` (RMSNorm fused with the residual add; the
+  first layer's norm, which has no residual, is written in standard ops that ONNX Runtime fuses
+  into ``SimplifiedLayerNormalization``);
+* one ``com.microsoft::MatMulNBits`` for q, k and v together, one for gate and up together
+  (packed rows concatenated: exact, no re-quantization), one each for o and down;
+* ``com.microsoft::GroupQueryAttention`` with the rotary embedding inside (``do_rotary``) and the
+  KV cache as ``past``/``present`` (BNSH); fed a past buffer of the maximum length and bound to
+  the same memory as its present output, it appends in place (no copy per step);
+* ``com.microsoft::QuickGelu`` with ``alpha = 1`` (x * sigmoid(x): SiLU) for the gate;
+* the LM head as ``MatMulNBits`` (the packed 8-bit or 4-bit head) or a float MatMul, the
+  embedding as ``com.microsoft::GatherBlockQuantized`` or a float Gather.
+
+Inputs and outputs keep the names of the traced graph (``input_ids``, ``attention_mask``,
+``past_key_values.{i}.key/value`` -> ``logits``, ``present.{i}.key/value``), so every caller of
+an exported causal LM runs either graph (``position_ids`` feeds the rotary embedding inside the
+attention; sequences are left-aligned, without padding inside a row).
+
+Float ``nn.Linear`` layers (an FP32 model) become float MatMuls in the same layout, so the FP32
+baseline gets the same fusions. ``block_size`` chooses the MatMulNBits block (16..256, dividing
+the quantization group: a group's scale repeats over its blocks, exact); ``accuracy_level=4``
+lets the CPU kernel quantize activations to int8 per block and run integer dot products.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+from torch import nn
+
+from edgekit.compress.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
+from edgekit.errors import BadInputError
+from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
+
+# Architectures this builder writes (HF ``model_type``); others use the traced graph.
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
+MS = "com.microsoft"
+MIN_ROTARY_POSITIONS = 4096  # rows of the cos/sin caches for models trained on shorter sequences
+
+
+@dataclass(frozen=True)
+class FusedGraphConfig:
+    """How the fused decoder graph is written.
+
+    ``block_size``: MatMulNBits block (None: the group size when it is a valid block, else the
+    largest valid block dividing it). ``accuracy_level``: MatMulNBits compute (4: int8, 0/None:
+    fp32). ``fuse_qkv`` / ``fuse_gate_up``: one matmul for q/k/v and for gate/up.
+    """
+
+    block_size: int | None = None
+    accuracy_level: int | None = 4
+    fuse_qkv: bool = True
+    fuse_gate_up: bool = True
+    opset: int = 21
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
+            raise BadInputError(f"MatMulNBits block size {self.block_size} is not one of {BLOCK_SIZES}")
+        if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
+            raise BadInputError(f"accuracy level {self.accuracy_level!r} is not one of 0, 1, 2, 3, 4")
+        if self.opset < 18:
+            raise BadInputError(f"the fused graph needs opset >= 18 (Split with num_outputs), got {self.opset}")
+
+
+def supports_fused_graph(hf_model: nn.Module) -> tuple[bool, str]:
+    """(whether ``build_fused_decoder`` can write this model, why not)."""
+    cfg = getattr(hf_model, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return False, f"architecture {model_type!r} has no fused graph (fused: {', '.join(ARCHITECTURES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return False, f"activation {cfg.hidden_act!r} is not SiLU"
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3"):
+        return False, f"rope scaling {scaling!r} is not supported by the fused graph"
+    for name, m in hf_model.named_modules():
+        if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
+            return False, f"{name} has {m.bits}-bit weights (the fused graph takes {KERNEL_BITS})"
+    return True, ""
+
+
+def _choose_block(layer: QuantLinear, requested: int | None) -> int:
+    group = layer.in_features if layer.group_size == -1 else layer.group_size
+    if requested is not None:
+        if layer.group_size != -1 and group % requested:
+            raise BadInputError(f"MatMulNBits block size {requested} does not divide the quantization group "
+                                f"{group} of a {layer.in_features}-input layer (choose one of "
+                                f"{[b for b in BLOCK_SIZES if group % b == 0]})")
+        return requested
+    valid = [b for b in BLOCK_SIZES if group % b == 0] if layer.group_size != -1 else list(BLOCK_SIZES)
+    if not valid:
+        raise BadInputError(f"quantization group {group} has no MatMulNBits block (a power of two in 16..256 "
+                            "dividing it)")
+    return group if group in valid else max(valid)
+
+
+def blocked_weights(layer: QuantLinear, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits ``B`` (N, blocks, block*bits/8), ``scales`` (N, blocks), ``zero_points`` (N, zp bytes)
+    of a packed layer at ``block`` (a divisor of its group, or any block for per-channel layers);
+    the last block is padded with zero codes when ``block`` does not divide K (the kernel reads K)."""
+    bits = storage_bits(layer.bits)
+    K = layer.in_features
+    group = K if layer.group_size == -1 else layer.group_size
+    nb = -(-K // block)
+    codes = torch.nn.functional.pad(layer.codes(), (0, nb * block - K))
+    B = pack_codes(codes, bits).reshape(codes.shape[0], nb, block * bits // 8)
+    gidx = torch.arange(nb) * block // group
+    scales = layer.scales[:, gidx].float()
+    zeros = pack_codes(layer.zeros()[:, gidx], bits)
+    return B.numpy(), scales.numpy(), zeros.numpy()
+
+
+class _Writer:
+    """Nodes and initializers of the graph being written."""
+
+    def __init__(self, config: FusedGraphConfig) -> None:
+        self.config = config
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+
+    def init(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs
+
+    def linear(self, x: str, layers: list[nn.Module], name: str) -> str:
+        """One matmul over ``layers`` stacked along their outputs (q/k/v, gate/up)."""
+        out = f"{name}/out"
+        if all(isinstance(m, QuantLinear) for m in layers):
+            first = layers[0]
+            if any((m.bits, m.group_size, m.in_features) != (first.bits, first.group_size, first.in_features)
+                   for m in layers):
+                return self._concat([self.linear(x, [m], f"{name}_{i}") for i, m in enumerate(layers)], name)
+            block = _choose_block(first, self.config.block_size)
+            parts = [blocked_weights(m, block) for m in layers]
+            B, S, Z = (np.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+            N = B.shape[0]
+            attrs: dict[str, Any] = {"K": first.in_features, "N": N, "bits": storage_bits(first.bits),
+                                     "block_size": block}
+            if self.config.accuracy_level:
+                attrs["accuracy_level"] = self.config.accuracy_level
+            ins = [x, self.init(f"{name}.qweight", B), self.init(f"{name}.scales", S.reshape(-1)),
+                   self.init(f"{name}.qzeros", Z.reshape(-1))]
+            bias = [m.bias for m in layers]
+            if any(b is not None for b in bias):
+                ins += ["", "", self.init(f"{name}.bias", np.concatenate(
+                    [(b if b is not None else torch.zeros(m.out_features)).detach().float().numpy()
+                     for b, m in zip(bias, layers, strict=True)]))]
+            self.node("MatMulNBits", ins, [out], name, MS, **attrs)
+            return out
+        if all(isinstance(m, nn.Linear) for m in layers):
+            W = torch.cat([m.weight.detach().float() for m in layers], 0).T.contiguous().numpy()  # (K, N)
+            mm = self.node("MatMul", [x, self.init(f"{name}.weight", W)], [out if layers[0].bias is None else
+                                                                           f"{name}/mm"], name)[0]
+            if layers[0].bias is not None:
+                b = torch.cat([m.bias.detach().float() for m in layers]).numpy()
+                self.node("Add", [mm, self.init(f"{name}.bias", b)], [out], f"{name}/bias")
+            return out
+        if len(layers) > 1:  # mixed packed and float layers: one matmul each
+            return self._concat([self.linear(x, [m], f"{name}_{i}") for i, m in enumerate(layers)], name)
+        raise BadInputError(f"{name}: {type(layers[0]).__name__} is neither nn.Linear nor a packed QuantLinear")
+
+    def rms_norm(self, x: str, gamma: str, eps: float, out: str) -> str:
+        """RMSNorm in standard ops (the first layer's, which has no residual to fuse with; ONNX Runtime's
+        optimizer fuses the pattern into SimplifiedLayerNormalization, and the ONNX checker knows it)."""
+        sq = self.node("Mul", [x, x], [f"{out}/sq"], f"{out}/sq")[0]
+        ms = self.node("ReduceMean", [sq, self.init(f"{out}/axes", np.array([-1], np.int64))], [f"{out}/ms"],
+                       f"{out}/mean", keepdims=1)[0]
+        var = self.node("Add", [ms, self.init(f"{out}/eps", np.array(eps, np.float32))], [f"{out}/var"], f"{out}/eps")[0]
+        rstd = self.node("Reciprocal", [self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]], [f"{out}/rstd"],
+                         f"{out}/rstd")[0]
+        normed = self.node("Mul", [x, rstd], [f"{out}/normed"], f"{out}/normed")[0]
+        return self.node("Mul", [normed, gamma], [out], f"{out}/gamma")[0]
+
+    def _concat(self, parts: list[str], name: str) -> str:
+        return self.node("Concat", parts, [f"{name}/out"], f"{name}/concat", axis=-1)[0]
+
+
+def _rotary_caches(attn_rotary: nn.Module, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin caches (max_positions, rotary_dim / 2) from the model's own rotary embedding."""
+    inv_freq = attn_rotary.inv_freq.detach().double().cpu()  # (rotary_dim / 2,)
+    scale = float(getattr(attn_rotary, "attention_scaling", 1.0))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return ((freqs.cos() * scale).float().numpy(), (freqs.sin() * scale).float().numpy())
+
+
+def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = None) -> ModelProto:
+    """The fused with-past ONNX graph of a Llama-family causal LM (packed or float weights).
+
+    >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
+    """
+    config = config or FusedGraphConfig()
+    ok, why = supports_fused_graph(hf_model)
+    if not ok:
+        raise BadInputError(f"no fused graph for this model: {why}")
+    cfg = hf_model.config
+    body = hf_model.model
+    n_layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    eps = float(cfg.rms_norm_eps)
+    w = _Writer(config)
+    b, s, past, total = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
+
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b, s]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [b, total]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [b, s])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [b, s, cfg.vocab_size])]
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT,
+                                                        [b, kv_heads, past, head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT,
+                                                         [b, kv_heads, total, head_dim]))
+
+    # sequence lengths for GroupQueryAttention: seqlens_k = tokens seen - 1 (per row), total length
+    w.node("ReduceSum", ["attention_mask", w.init("one_axis", np.array([1], np.int64))], ["mask_sum"],
+           "seqlens/sum", keepdims=0)
+    w.node("Sub", ["mask_sum", w.init("one_i64", np.array(1, np.int64))], ["seqlens_minus1"], "seqlens/sub")
+    w.node("Cast", ["seqlens_minus1"], ["seqlens_k"], "seqlens/cast", to=TensorProto.INT32)
+    w.node("Shape", ["attention_mask"], ["mask_shape"], "total/shape")
+    w.node("Gather", ["mask_shape", w.init("one_idx", np.array(1, np.int64))], ["total_i64"], "total/gather", axis=0)
+    w.node("Cast", ["total_i64"], ["total_seq_len"], "total/cast", to=TensorProto.INT32)
+
+    # embedding
+    emb = body.embed_tokens
+    if isinstance(emb, QuantEmbedding):
+        if storage_bits(emb.bits) not in KERNEL_BITS:
+            raise BadInputError(f"{emb.bits}-bit embedding tables have no GatherBlockQuantized kernel")
+        D = emb.embedding_dim
+        group = D if emb.group_size == -1 else emb.group_size
+        block = max(bs for bs in BLOCK_SIZES if group % bs == 0 and D % bs == 0)
+        gidx = np.arange(D // block) * block // group
+        data = emb.qweight.numpy() if storage_bits(emb.bits) == 8 else pack_codes(emb.codes(), 4).numpy()
+        w.node("GatherBlockQuantized", [w.init("embed.qweight", data), "input_ids",
+                                        w.init("embed.scales", emb.scales.float().numpy()[:, gidx]),
+                                        w.init("embed.qzeros", pack_codes(emb.zeros()[:, gidx], emb.bits).numpy())],
+               ["embeddings"], "embed", MS, gather_axis=0, quantize_axis=1, block_size=block,
+               bits=storage_bits(emb.bits))
+    else:
+        w.node("Gather", [w.init("embed.weight", emb.weight.detach().float().numpy()), "input_ids"], ["embeddings"],
+               "embed", axis=0)
+
+    rotary = getattr(body, "rotary_emb", None)
+    if rotary is None:
+        raise BadInputError("the model has no rotary embedding module (model.rotary_emb)")
+    # positions past the trained length still get their rotation (as in the traced graph), up to a floor
+    cos, sin = _rotary_caches(rotary, max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS), head_dim)
+    w.init("cos_cache", cos)
+    w.init("sin_cache", sin)
+
+    hidden, residual = "embeddings", None
+    for i, layer in enumerate(body.layers):
+        p = f"layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        gamma = w.init(f"{p}.input_layernorm.weight", layer.input_layernorm.weight.detach().float().numpy())
+        if residual is None:
+            w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
+            residual = hidden
+        else:
+            w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], [f"{p}/ln1", "", "", f"{p}/res1"],
+                   f"{p}/input_layernorm", MS, epsilon=eps)
+            residual = f"{p}/res1"
+        qkv_layers = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if config.fuse_qkv:
+            qkv = w.linear(f"{p}/ln1", qkv_layers, f"{p}.attn.qkv_proj")
+            gqa_in = [qkv, "", ""]
+        else:
+            gqa_in = [w.linear(f"{p}/ln1", [m], f"{p}.attn.{n}") for m, n in zip(qkv_layers, "qkv", strict=True)]
+        scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(head_dim)))
+        w.node("GroupQueryAttention", [*gqa_in, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
+                                       "seqlens_k", "total_seq_len", "cos_cache", "sin_cache", "position_ids"],
+               [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], f"{p}/attn", MS,
+               num_heads=heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0)
+        o = w.linear(f"{p}/attn", [attn.o_proj], f"{p}.attn.o_proj")
+        gamma2 = w.init(f"{p}.post_attention_layernorm.weight",
+                        layer.post_attention_layernorm.weight.detach().float().numpy())
+        w.node("SkipSimplifiedLayerNormalization", [o, residual, gamma2], [f"{p}/ln2", "", "", f"{p}/res2"],
+               f"{p}/post_attention_layernorm", MS, epsilon=eps)
+        residual = f"{p}/res2"
+        if config.fuse_gate_up:
+            gu = w.linear(f"{p}/ln2", [mlp.gate_proj, mlp.up_proj], f"{p}.mlp.gate_up_proj")
+            w.node("Split", [gu], [f"{p}/gate", f"{p}/up"], f"{p}/mlp/split", axis=-1, num_outputs=2)
+            gate, up = f"{p}/gate", f"{p}/up"
+        else:
+            gate = w.linear(f"{p}/ln2", [mlp.gate_proj], f"{p}.mlp.gate_proj")
+            up = w.linear(f"{p}/ln2", [mlp.up_proj], f"{p}.mlp.up_proj")
+        w.node("QuickGelu", [gate], [f"{p}/silu"], f"{p}/mlp/silu", MS, alpha=1.0)
+        w.node("Mul", [f"{p}/silu", up], [f"{p}/gated"], f"{p}/mlp/mul")
+        hidden = w.linear(f"{p}/gated", [mlp.down_proj], f"{p}.mlp.down_proj")
+
+    gamma = w.init("norm.weight", body.norm.weight.detach().float().numpy())
+    w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
+           "norm", MS, epsilon=eps)
+    head = hf_model.lm_head
+    logits = w.linear("final_norm", [head], "lm_head")
+    w.node("Identity", [logits], ["logits"], "logits")
+
+    graph = helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs, w.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", config.opset),
+                                                    helper.make_opsetid(MS, 1)],
+                              producer_name="edgekit")
+    model.ir_version = min(model.ir_version, 10)
+    helper.set_model_props(model, {KV_CACHE_METADATA: KV_SHARED_BUFFER})
+    return model
+
+
+__all__ = ["ARCHITECTURES", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
+           "supports_fused_graph"]
