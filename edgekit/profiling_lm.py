@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
@@ -180,8 +181,6 @@ def profile_generation(engine_dir: str | os.PathLike[str], config: GenerationCon
 
 def is_causal_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
     """Whether an engine folder holds a causal LM with the KV cache (from its recorded inputs)."""
-    from edgekit.artifact import read_manifest
-
     manifest = read_manifest(Path(engine_dir))
     return bool(manifest.model.get("kv_cache")) or any(
         str(i.get("name", "")).startswith("past_key_values.") for i in manifest.model.get("inputs", []) or [])
@@ -197,8 +196,11 @@ def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileC
     >>> r = profile_with_generation("out/engine", generation=GenerationConfig())  # doctest: +SKIP
     >>> r.generation["decode"]["128"]["tokens_per_s"]  # doctest: +SKIP
     """
+    if out_json is not None:
+        check_output_file(out_json, (engine_dir,))  # before the measurement
     result = profile_engine(engine_dir, config, out_json=None)
-    if generation is not None and is_causal_lm_engine(engine_dir):
+    # Generation is timed here, on engines this machine runs; a device's recorded run is summarized as it is.
+    if generation is not None and result.source == "measured" and is_causal_lm_engine(engine_dir):
         threads = generation.threads if generation.threads is not None else (config.threads if config else None)
         gen = GenerationConfig(**{**asdict(generation), "threads": threads})
         result.generation = profile_generation(engine_dir, gen)
@@ -206,7 +208,7 @@ def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileC
         result.peak_memory_mb = max(filter(None, [result.peak_memory_mb, result.generation["peak_memory_mb"]]),
                                     default=None)
     if out_json is not None:
-        result.save(out_json)
+        result.save(out_json, protect=(engine_dir,))
     return result
 
 

@@ -135,7 +135,7 @@ def _qlinear_graph() -> onnx.ModelProto:
              helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"], name="dq")]
     g = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
 def _per_channel_activation_graph() -> onnx.ModelProto:
