@@ -93,6 +93,7 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
     import torch
 
     from edgekit.compress import lora
+    from edgekit.evaluate import first_output, task_loss, torch_batch
     from edgekit.sources.data import load_samples
 
     if variant != "qlora":
@@ -136,8 +137,8 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
     with lora.frozen_packed_forwards(module):  # as lora's training loop does
         for i in range(steps):
             t0 = time.perf_counter()
-            xs, y = lora._batch(handle, train, __import__("numpy").arange(i * batch, (i + 1) * batch))
-            loss, _ = lora._loss(handle, module, xs, y)
+            xs, y = torch_batch(handle, train, __import__("numpy").arange(i * batch, (i + 1) * batch))
+            loss, _ = task_loss(handle, first_output(module(*xs)), xs, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -178,6 +179,7 @@ def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from edgekit.compress import StepContext, lora
+    from edgekit.evaluate import evaluate_loss
     from edgekit.sources.data import load_samples
 
     base = load_smollm2()
@@ -188,7 +190,7 @@ def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
                            "train": {"source": "wikipedia", "split": "train", "windows": len(train_s),
                                      "seqlen": args.seqlen}}
     t0 = time.perf_counter()
-    res["fp32"] = lora.evaluate_loss(base, eval_s, batch_size=1)
+    res["fp32"] = evaluate_loss(base, eval_s, batch_size=1)
     res["fp32"]["eval_seconds"] = round(time.perf_counter() - t0, 1)
     print(f"[ppl] FP32 {res['fp32']['perplexity']:.2f}", flush=True)
     del base
@@ -204,7 +206,7 @@ def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
         m = ctx.metrics["lora"]
         t1 = time.perf_counter()
         merge_stats = lora.merge_adapters(handle)
-        merged = lora.evaluate_loss(handle, eval_s, batch_size=1)
+        merged = evaluate_loss(handle, eval_s, batch_size=1)
         rec = {"bits": bits, "group_size": 128, "method": "rtn", "before": m["before"], "after_fold": m["after"],
                "after_merge": merged, "merge": merge_stats, "trainable_params": m["trainable_params"],
                "total_params": m["total_params"], "steps": m["steps"], "seconds_per_step": m["seconds_per_step"],

@@ -117,8 +117,10 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
 
     if kv_cache:
         from edgekit.export.lm import export_causal_lm
+        from edgekit.artifact import check_output_dir
         from edgekit.sources.models import load_model
 
+        check_output_dir(out, (model,))  # before loading the model
         handle = load_model(model)
         if handle.kind != "causal-lm":
             raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} model")

@@ -1,4 +1,5 @@
-"""Evaluate a model, or an engine, on samples: ``evaluate`` and ``perplexity``.
+"""Evaluate a model, or an engine, on samples: ``evaluate`` and ``perplexity``; ``evaluate_loss``
+for a torch module's training loss on validation data (fine-tuning).
 
 The model is a ``ModelHandle`` (its torch ``module`` runs; an ONNX-only handle runs in
 ONNX Runtime on the CPU), a plain ``nn.Module`` (inputs passed positionally in the
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from edgekit.evaluate_detection import evaluate_detector
 from edgekit.progress import progress_bar
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle
+
+if TYPE_CHECKING:  # torch is imported where it runs: ONNX-only evaluations never load it
+    import torch
 
 EVALUATORS = ("accuracy", "agreement", "cosine", "perplexity", "detection")
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
@@ -344,3 +348,82 @@ def evaluate(model: Any, samples: Samples, reference: Any = None, *, evaluator: 
         result.update(cosine_metrics(outputs, ref) if name == "cosine" else agreement_metrics(outputs, ref))
     return result
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The task loss in torch: what fine-tuning minimises, and its value on validation data.
+
+
+def sample_count(samples: Samples) -> int:
+    """Number of samples (axis 0 of the first input; 0 when there are no inputs)."""
+    arrays = list(samples.inputs.values())
+    return int(arrays[0].shape[0]) if arrays else 0
+
+
+def torch_batch(handle: ModelHandle, samples: Samples, idx: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The samples at ``idx`` as the model's positional input tensors, and their labels (or None)."""
+    import torch
+
+    names = [s.name for s in handle.inputs] or list(samples.inputs)
+    missing = [n for n in names if n not in samples.inputs]
+    if missing:
+        raise BadInputError(f"data {getattr(samples, 'source', '?')!r} has inputs {sorted(samples.inputs)}, "
+                            f"but the model takes {names}")
+    xs = [torch.from_numpy(np.ascontiguousarray(samples.inputs[n][idx])) for n in names]
+    labels = samples.labels
+    y = torch.from_numpy(np.ascontiguousarray(labels[idx])).long() if labels is not None else None
+    return xs, y
+
+
+def first_output(out: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """A module's first output (logits)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def task_loss(handle: ModelHandle, out: torch.Tensor, inputs: list[torch.Tensor],
+              labels: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Mean loss of one batch and its number of scored targets (tokens or samples): the
+    next-token cross-entropy over unmasked positions for a causal LM (``inputs`` =
+    input_ids, attention_mask), else the cross-entropy of ``out`` against ``labels``."""
+    import torch
+    import torch.nn.functional as F
+
+    if handle.kind == "causal-lm":
+        ids = inputs[0]
+        mask = inputs[1] if len(inputs) > 1 else torch.ones_like(ids)
+        logits = out[:, :-1].reshape(-1, out.shape[-1]).float()
+        target = ids[:, 1:].reshape(-1).clone()
+        target[mask[:, 1:].reshape(-1) == 0] = -100
+        n = int((target != -100).sum())
+        return F.cross_entropy(logits, target, ignore_index=-100), n
+    if labels is None:
+        raise BadInputError(f"fine-tuning {handle.name!r} ({handle.kind}) needs labelled data "
+                            "(an image classification set such as fashion-mnist, or .npz with labels)")
+    return F.cross_entropy(out.float(), labels), int(labels.shape[0])
+
+
+def evaluate_loss(handle: ModelHandle, samples: Samples, batch_size: int = 8, limit: int | None = None
+                  ) -> dict[str, float]:
+    """Mean ``task_loss`` of the handle's torch module on ``samples`` (the first ``limit``),
+    and the matching task metric: perplexity (exp of the mean token loss) or accuracy."""
+    import torch
+
+    module = handle.module
+    was_training = module.training
+    module.eval()
+    n = sample_count(samples) if limit is None else min(limit, sample_count(samples))
+    total, count, correct = 0.0, 0, 0
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            xs, y = torch_batch(handle, samples, np.arange(start, min(n, start + batch_size)))
+            out = first_output(module(*xs))
+            loss, k = task_loss(handle, out, xs, y)
+            total += float(loss) * k
+            count += k
+            if handle.kind != "causal-lm" and y is not None:
+                correct += int((out.argmax(-1) == y).sum())
+    module.train(was_training)
+    mean = total / max(count, 1)
+    if handle.kind == "causal-lm":
+        return {"loss": mean, "perplexity": float(math.exp(min(mean, 50.0)))}
+    return {"loss": mean, "accuracy": correct / max(count, 1)}

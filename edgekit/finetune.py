@@ -27,34 +27,40 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgekit.artifact import atomic_write_bytes, read_manifest, staged_dir, work_folder, write_manifest
+from edgekit.build import build_engine
+from edgekit.compress import StepContext, compress, load_compressed, make_config
+from edgekit.compress.lora import LoadedData, LoraConfig
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.evaluate import evaluate
+from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.runtimes.base import BuildOptions
+from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle
-
-if TYPE_CHECKING:
-    from edgekit.compress.lora import LoraConfig
+from edgekit.sources.models import load_model
 
 REQUANT_STEPS = ("int4", "int8")
 
 
-def _config(config: Any) -> Any:
-    from edgekit.compress import make_config
-    from edgekit.compress.lora import LoraConfig
-
+def _config(config: LoraConfig | dict[str, Any] | None) -> LoraConfig:
     if config is None:
         return LoraConfig()
     if isinstance(config, LoraConfig):
         return config
     if isinstance(config, dict):
-        return make_config("lora", config)
+        made = make_config("lora", config)
+        assert isinstance(made, LoraConfig)
+        return made
     raise BadInputError(f"finetune config must be a LoraConfig or a dict, got {type(config).__name__}")
 
 
-def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any, out_dir: str | os.PathLike[str], *,
-             eval_data: Any = None, requant: str | None = None, requant_config: dict[str, Any] | None = None,
-             seed: int = 0, resume: bool = True, progress: bool = True, final_eval: bool = True) -> Path:
+def finetune(model: str | os.PathLike[str] | ModelHandle, data: str | os.PathLike[str] | Samples | None,
+             config: LoraConfig | dict[str, Any] | None, out_dir: str | os.PathLike[str], *,
+             eval_data: str | os.PathLike[str] | Samples | None = None, requant: str | None = None,
+             requant_config: dict[str, Any] | None = None, seed: int = 0, resume: bool = True, progress: bool = True,
+             final_eval: bool = True) -> Path:
     """Fine-tune ``model`` with LoRA (or QLoRA) on ``data`` and write the artifact to ``out_dir``.
 
     model: zoo name, file, entry point, artifact folder (e.g. ``compress --bits 4`` output
@@ -67,8 +73,6 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: Any, config: Any
     >>> finetune("smollm2-135m-q4/", None, {"qlora": True, "steps": 200}, "out/q4-lora")  # doctest: +SKIP
     PosixPath('out/q4-lora')
     """
-    from edgekit.sources.models import load_model
-
     cfg = _config(config)
     steps: list[tuple[str, Any]] = [("lora", cfg)]
     if requant is not None:
@@ -97,10 +101,6 @@ def _finetune_into(folder: Path, handle: ModelHandle, steps: list[tuple[str, Any
                    eval_data: Any, seed: int, work_dir: Path, resume: bool, progress: bool, final_eval: bool) -> None:
     """Train, compress and write the artifact into ``folder`` (a staging folder: the
     output appears complete, adapter and final metrics included, or not at all)."""
-    from edgekit.compress import StepContext, compress, load_compressed
-    from edgekit.compress.lora import LoadedData
-    from edgekit.sources.data import resolve_samples
-
     train = resolve_samples(data, handle, "train", cfg.train_samples, cfg.seqlen, seed)
     val = resolve_samples(eval_data, handle, "eval", cfg.eval_samples, cfg.seqlen, seed)
     ctx = StepContext(train=LoadedData(train, _spec(data)), eval=LoadedData(val, _spec(eval_data)), seed=seed,
@@ -124,15 +124,12 @@ def _finetune_into(folder: Path, handle: ModelHandle, steps: list[tuple[str, Any
     write_manifest(folder, manifest)
 
 
-def _spec(data: Any) -> str | None:
+def _spec(data: str | os.PathLike[str] | Samples | None) -> str | None:
     return str(data) if isinstance(data, (str, os.PathLike)) else None
 
 
-def final_metrics(handle: ModelHandle, samples: Any) -> dict[str, Any]:
+def final_metrics(handle: ModelHandle, samples: Samples) -> dict[str, Any]:
     """The task metric of a (reloaded) model on ``samples`` via ``edgekit.evaluate``."""
-    from edgekit.evaluate import evaluate
-    from edgekit.sources.data import Samples
-
     if not isinstance(samples, Samples):
         samples = Samples(getattr(samples, "source", "data"), "eval", dict(samples.inputs),
                           getattr(samples, "labels", None), meta=dict(getattr(samples, "meta", {}) or {}))
@@ -152,9 +149,6 @@ def deploy(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], t
     >>> deploy("out/q4-lora", "out/q4-lora-deploy")  # doctest: +SKIP
     """
     from edgekit.artifact import read_manifest
-    from edgekit.build import build_engine
-    from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.runtimes.base import BuildOptions
 
     out = Path(out_dir)
     onnx_dir = export_onnx(model_dir, out / "onnx", ExportConfig(atol=atol, rtol=rtol))

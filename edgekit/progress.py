@@ -1,10 +1,11 @@
-"""Rich progress bars that turn themselves off when not on a terminal or when asked."""
+"""Progress for long loops: rich bars on a terminal, plain timed lines in logs, off when asked."""
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -13,8 +14,9 @@ def progress_enabled() -> bool:
     return os.environ.get("EDGEKIT_PROGRESS", "1") != "0" and sys.stderr.isatty()
 
 
-def rich_progress(*extra_columns: Any) -> Any:
-    """edgekit's rich progress display: description, bar, done/total, ``extra_columns``, elapsed, remaining."""
+def rich_progress(*extra_columns: Any, console: Any = None) -> Any:
+    """edgekit's rich progress display: description, bar, done/total, ``extra_columns``, elapsed, remaining
+    (on ``console``, a ``rich.console.Console``; None: rich's default)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -25,7 +27,7 @@ def rich_progress(*extra_columns: Any) -> Any:
     )
 
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), *extra_columns,
-                    TimeElapsedColumn(), TimeRemainingColumn())
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console)
 
 
 def progress_bar(items: Iterable[T], description: str, total: int | None = None,
@@ -43,3 +45,89 @@ def progress_bar(items: Iterable[T], description: str, total: int | None = None,
         for item in items:
             yield item
             bar.advance(task)
+
+
+def format_seconds(seconds: float) -> str:
+    """``h:mm:ss`` (as rich's time columns show it)."""
+    s = max(0, int(round(seconds)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class StepProgress:
+    """Progress of a long loop of steps (training): a rich bar with a status field on a
+    terminal; elsewhere (CI logs, pipes, nohup) a plain line on stderr at least every
+    ``interval`` seconds with the steps done, the status, the elapsed and the remaining
+    time. ``enabled=False`` (or ``EDGEKIT_PROGRESS=0`` when ``enabled`` is None) shows nothing.
+
+    ``done`` is where the loop starts (a resumed run); the remaining time is estimated
+    from the steps taken since then.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> with StepProgress("train", total=4, enabled=True, interval=0.0, stream=out) as p:
+    ...     p.update(2, "loss 0.5")
+    >>> out.getvalue().splitlines()[0].split(", elapsed")[0]
+    'train: step 2/4 (50%), loss 0.5'
+    """
+
+    def __init__(self, description: str, total: int | None, *, done: int = 0, enabled: bool | None = None,
+                 interval: float = 30.0, stream: TextIO | None = None) -> None:
+        self.description, self.total, self.interval = description, total, interval
+        self.stream = stream if stream is not None else sys.stderr
+        if enabled is False or (enabled is None and os.environ.get("EDGEKIT_PROGRESS", "1") == "0"):
+            self.mode = "off"
+        else:
+            self.mode = "bar" if self.stream.isatty() else "lines"
+        self.start_done = self.done = done
+        self.status = ""
+        self._started = self._last_line = time.monotonic()
+        self._lines = 0
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> StepProgress:
+        self._started = self._last_line = time.monotonic()
+        if self.mode == "bar":
+            from rich.console import Console
+            from rich.progress import TextColumn
+
+            self._bar = rich_progress(TextColumn("{task.fields[status]}"), console=Console(file=self.stream))
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, completed=self.done, status="")
+        return self
+
+    def update(self, done: int, status: str = "") -> None:
+        """``done`` steps so far (of the whole run); ``status``: a short note (epoch, loss)."""
+        self.done, self.status = done, status
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, status=status)
+        elif self.mode == "lines" and time.monotonic() - self._last_line >= self.interval:
+            self._line()
+
+    def note(self, message: str) -> None:
+        """A line for the user (above the bar on a terminal), unless progress is off."""
+        if self._bar is not None:
+            self._bar.console.print(f"{self.description}: {message}", markup=False, highlight=False)
+        elif self.mode == "lines":
+            print(f"{self.description}: {message}", file=self.stream, flush=True)
+
+    def _line(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self._started
+        steps = f"step {self.done}"
+        remaining = "?"
+        if self.total:
+            steps += f"/{self.total} ({100 * self.done // self.total}%)"
+            taken = self.done - self.start_done
+            if taken > 0:
+                remaining = format_seconds(elapsed / taken * max(self.total - self.done, 0))
+        status = f", {self.status}" if self.status else ""
+        print(f"{self.description}: {steps}{status}, elapsed {format_seconds(elapsed)}, remaining {remaining}",
+              file=self.stream, flush=True)
+        self._last_line, self._lines = now, self._lines + 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+        elif self.mode == "lines" and self._lines:  # a closing line where earlier lines were written
+            self._line()

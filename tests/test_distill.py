@@ -1,4 +1,4 @@
-"""Knowledge distillation (issue 5): KD loss, chained after pruning, standalone, LM logits, errors."""
+"""Knowledge distillation: KD loss, chained after pruning, standalone, LM logits, errors."""
 from __future__ import annotations
 
 import json

@@ -316,7 +316,7 @@ def test_qat_trains_checkpoints_and_resumes(tiny_mlp, tmp_path):
     apply(tiny_mlp, cfg, ctx)
     info = ctx.metrics["int8"]["qat"]
     assert info["steps"] == 8 and not info["resumed"]
-    assert list((tmp_path / "work").glob("int8_qat_*.pt"))
+    assert list((tmp_path / "work").glob("int8_qat_*/state.json"))
     ctx2 = dataclasses.replace(ctx, metrics={})
     apply(tiny_mlp, cfg, ctx2)  # same config: resumes from the finished checkpoint
     assert ctx2.metrics["int8"]["qat"]["resumed"] and ctx2.metrics["int8"]["qat"]["steps"] == 0

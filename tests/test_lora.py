@@ -1,4 +1,4 @@
-"""LoRA / QLoRA (issue 6): adapters on float, packed 4-bit and NF4 bases; merge, fold,
+"""LoRA / QLoRA: adapters on float, packed 4-bit and NF4 bases; merge, fold,
 save/reload, resume, bad input. Tiny models (a Linear MLP, a CNN, a 2-layer Llama with
 random weights); one real-model smoke test (slow)."""
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from edgekit.compress import StepContext, compress, load_compressed, lora
+from edgekit.compress.lora import packed
+from edgekit.compress.lora import train as lora_train
 from edgekit.errors import BadInputError
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import InputSpec, ModelHandle
@@ -214,7 +216,7 @@ def test_lora_float_llama_unmerged_roundtrip(tmp_path: Path) -> None:
     ids = _pattern_windows(2, 12, 5)
     want = _logits(h, ids)
     back = load_compressed(out)
-    names = [n for n, _ in lora._lora_layers(back.module)]
+    names = [n for n, _ in lora.lora_layers(back.module)]
     assert len(names) == 14
     torch.testing.assert_close(_logits(back, ids), want)
 
@@ -225,7 +227,7 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
     ref = lora.apply(tiny_mlp(), cfg, _ctx(train, val, tmp_path / "a"))
     want = ref.extra["lora_adapter"]
 
-    real_loss, calls = lora._loss, {"n": 0}
+    real_loss, calls = lora_train.task_loss, {"n": 0}
 
     def flaky(*args, **kwargs):
         if torch.is_grad_enabled():
@@ -234,15 +236,15 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
                 raise KeyboardInterrupt
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(lora, "_loss", flaky)
+    monkeypatch.setattr(lora_train, "task_loss", flaky)
     with pytest.raises(KeyboardInterrupt):
         lora.apply(tiny_mlp(), cfg, _ctx(train, val, tmp_path / "b"))
-    assert (tmp_path / "b" / lora.CHECKPOINT).is_file()
-    monkeypatch.setattr(lora, "_loss", real_loss)
+    assert (tmp_path / "b" / lora.CHECKPOINT_DIR / "state.json").is_file()
+    monkeypatch.setattr(lora_train, "task_loss", real_loss)
     ctx = _ctx(train, val, tmp_path / "b")
     got = lora.apply(tiny_mlp(), cfg, ctx)
     assert ctx.metrics["lora"]["resumed_from"] == 4
-    assert not (tmp_path / "b" / lora.CHECKPOINT).exists()
+    assert not (tmp_path / "b" / lora.CHECKPOINT_DIR).exists()
     for k, v in want.items():
         torch.testing.assert_close(got.extra["lora_adapter"][k], v)
 
@@ -256,8 +258,8 @@ def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monk
     from edgekit.compress.packing import QuantLinear
 
     if chunked:  # the LM-head path: dequantize in row chunks
-        monkeypatch.setattr(lora, "_CHUNK_ABOVE", 0)
-        monkeypatch.setattr(lora, "_CHUNK_ROWS", 3)
+        monkeypatch.setattr(packed, "CHUNK_ABOVE", 0)
+        monkeypatch.setattr(packed, "CHUNK_ROWS", 3)
 
     torch.manual_seed(0)
     q = QuantLinear.from_linear(nn.Linear(32, 8, bias=True), bits=4, group_size=16)
@@ -290,7 +292,7 @@ def test_repack_with_zero_update_keeps_codes() -> None:
     torch.manual_seed(0)
     q = QuantLinear.from_linear(nn.Linear(40, 6), bits=3, group_size=16)  # last group shorter, 3-bit unpacked
     codes = q.qweight.clone()
-    lora._repack(q, q.dequantize())
+    lora.repack(q, q.dequantize())
     assert torch.equal(q.qweight, codes)
 
 

@@ -13,25 +13,34 @@ matched to the teacher's by MSE, through a learned 1x1 adapter when the widths d
 As a chained step (``edgekit compress --prune 0.5 --distill``) the teacher is
 ``ctx.reference`` (else the reloaded base model: the model before the chain); alone,
 ``distill(teacher, student, data, config, out_dir)``. Training uses
-``edgekit.compress.training.fit``: seeds, progress bars, per-epoch checkpoints in the
-work folder (resume by running again), early stopping on a validation split carved
-from the training split, then a final evaluation on the eval split.
+``edgekit.training.fit``: seeds, progress, checkpoints in the work folder (after every
+epoch and on Ctrl-C; resume by running again), early stopping on a validation split
+carved from the training split, then a final evaluation on the eval split.
 
 >>> distill("fmnist-cnn-wide", "fmnist-cnn", "fashion-mnist", DistillConfig(epochs=2), "out/kd")  # doctest: +SKIP
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from edgekit.artifact import check_output_dir, work_folder
+from edgekit.artifact import check_output_dir, sha256_json, work_folder
+from edgekit.compress import Step, StepContext, compress, config_to_dict
+from edgekit.compress.prune import find_output_layers
 from edgekit.errors import BadInputError
 from edgekit.schema import check_fields
+from edgekit.sources.data import Samples, load_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.sources.models import load_model
+from edgekit.training import Checkpoints, FitConfig, array_batches, fit, num_batches, seed_everything
 
 
 @dataclass(frozen=True)
@@ -87,14 +96,12 @@ class DistillConfig:
 # ----------------------------------------------------------------------------- losses
 
 
-def kd_loss(student: Any, teacher: Any, labels: Any | None, temperature: float, alpha: float,
-            mask: Any | None = None) -> Any:
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor | None, temperature: float,
+            alpha: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """alpha * T^2 * KL(p_t || p_s) + (1 - alpha) * CE(student, labels).
 
     student/teacher: logits (N, C) or (N, L, C); labels: (N,) / (N, L) class ids, -100
     ignored; mask: (N, L) positions that count for the soft loss (None: all)."""
-    import torch.nn.functional as F
-
     c = student.shape[-1]
     s = student.reshape(-1, c)
     t = teacher.reshape(-1, c).detach()
@@ -113,10 +120,8 @@ def kd_loss(student: Any, teacher: Any, labels: Any | None, temperature: float, 
     return loss
 
 
-def _lm_labels(input_ids: Any, attention_mask: Any | None) -> Any:
+def _lm_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Next-token targets aligned with logits[:, t]: ids[:, t+1]; the last position -100."""
-    import torch
-
     labels = torch.full_like(input_ids, -100)
     labels[:, :-1] = input_ids[:, 1:]
     if attention_mask is not None:
@@ -127,21 +132,19 @@ def _lm_labels(input_ids: Any, attention_mask: Any | None) -> Any:
 class FeatureTap:
     """Captures the input of a layer (the features entering the output layer)."""
 
-    def __init__(self, module: Any, layer_name: str) -> None:
-        self.value = None
+    def __init__(self, module: nn.Module, layer_name: str) -> None:
+        self.value: torch.Tensor | None = None
         self.handle = module.get_submodule(layer_name).register_forward_hook(self._hook)
 
-    def _hook(self, mod: Any, args: Any, out: Any) -> None:
+    def _hook(self, mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         self.value = args[0]
 
     def close(self) -> None:
         self.handle.remove()
 
 
-def make_adapter(student_dim: int, teacher_dim: int, ndim: int) -> Any:
+def make_adapter(student_dim: int, teacher_dim: int, ndim: int) -> nn.Module:
     """A 1x1 adapter from student to teacher width (identity when equal)."""
-    import torch
-
     if student_dim == teacher_dim:
         return torch.nn.Identity()
     if ndim == 4:
@@ -152,25 +155,21 @@ def make_adapter(student_dim: int, teacher_dim: int, ndim: int) -> Any:
 # ----------------------------------------------------------------------------- data
 
 
-def _as_samples(data: Any, handle: ModelHandle, split: str, config: DistillConfig, limit: int | None,
-                seed: int) -> Any:
+def _as_samples(data: str | os.PathLike[str] | Samples | None, handle: ModelHandle, split: str,
+                config: DistillConfig, limit: int | None, seed: int) -> Samples:
     if data is not None and not isinstance(data, (str, os.PathLike)):
         return data  # Samples (or anything with .inputs / .labels)
-    from edgekit.sources.data import load_samples
-
     spec = None if data is None else str(data)
     if spec is None:
         spec = {"train": handle.default_train, "eval": handle.default_eval}.get(split) or handle.default_calib
-    kwargs: dict[str, Any] = {"split": split, "seed": seed}
-    if handle.kind == "causal-lm":
-        kwargs["seqlen"] = config.seqlen
-    samples = load_samples(spec, handle, **kwargs)
+    samples = load_samples(spec, handle, split=split, seed=seed,
+                           seqlen=config.seqlen if handle.kind == "causal-lm" else None)
     if limit is not None and len(samples) > limit:  # a cap, not a demand
         samples = samples.subset(np.arange(limit))
     return samples
 
 
-def _ordered(handle: ModelHandle, batch: dict[str, Any]) -> tuple[Any, ...]:
+def _ordered(handle: ModelHandle, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     names = [i.name for i in handle.inputs]
     missing = [n for n in names if n not in batch]
     if missing:
@@ -178,16 +177,16 @@ def _ordered(handle: ModelHandle, batch: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(batch[n] for n in names)
 
 
-def _logits(out: Any) -> Any:
+def _logits(out: object) -> torch.Tensor:
     if isinstance(out, (tuple, list)):
         out = out[0]
-    return getattr(out, "logits", out)
+    logits = getattr(out, "logits", out)  # a Hugging Face output, or the tensor itself
+    assert isinstance(logits, torch.Tensor)
+    return logits
 
 
 def check_compatible(teacher: ModelHandle, student: ModelHandle, arrays: dict[str, np.ndarray]) -> None:
     """Teacher and student must map the same inputs to outputs of the same shape."""
-    import torch
-
     one = {k: torch.from_numpy(np.ascontiguousarray(v[:2])) for k, v in arrays.items()}
     with torch.no_grad():
         t = _logits(teacher.module(*_ordered(teacher, one)))
@@ -200,16 +199,11 @@ def check_compatible(teacher: ModelHandle, student: ModelHandle, arrays: dict[st
 # ----------------------------------------------------------------------------- training
 
 
-def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, evaluation: Any | None,
+def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Samples, evaluation: Samples | None,
                      config: DistillConfig, *, work_dir: Path | None = None, progress: bool | None = None,
                      fingerprint: str = "") -> dict[str, Any]:
     """Distill ``teacher`` into ``student`` (in place) on ``train`` samples; validate on a
     held-out part of them; evaluate both models on ``evaluation``. Returns the metrics."""
-    import torch
-
-    from edgekit.compress.prune import find_output_layers
-    from edgekit.compress.training import array_batches, fit, num_batches, seed_everything
-
     if student.module is None or teacher.module is None:
         raise BadInputError("distillation needs PyTorch teacher and student models (not ONNX-only)")
     is_lm = student.kind == "causal-lm"
@@ -235,28 +229,12 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, eva
     teacher.module.eval()
     for p in teacher.module.parameters():
         p.requires_grad_(False)
-    adapter = None
-    taps = None
-    if config.feature_loss:
-        ex = {k: torch.from_numpy(v[:2]) for k, v in inputs.items()}
-        t_head = find_output_layers(teacher.module, _ordered(teacher, ex))
-        s_head = find_output_layers(student.module, _ordered(student, ex))
-        if not t_head or not s_head:
-            raise BadInputError("feature loss needs an output layer (linear/conv head) in teacher and student")
-        taps = (FeatureTap(teacher.module, t_head[0]), FeatureTap(student.module, s_head[0]))
-        with torch.no_grad():
-            teacher.module(*_ordered(teacher, ex))
-            student.module(*_ordered(student, ex))
-        tf, sf = taps[0].value, taps[1].value
-        axis = 1 if tf.dim() == 4 else -1
-        adapter = make_adapter(sf.shape[axis], tf.shape[axis], tf.dim())
+    adapter, taps = _feature_taps(teacher, student, inputs) if config.feature_loss else (None, None)
     params = list(student.module.parameters()) + (list(adapter.parameters()) if adapter is not None else [])
     for p in student.module.parameters():
         p.requires_grad_(True)
 
-    def loss_fn(batch: dict[str, Any]) -> Any:
-        import torch.nn.functional as F
-
+    def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         y = batch.pop("__labels__", None)
         with torch.no_grad():
             t = _logits(teacher.module(*_ordered(teacher, batch)))
@@ -266,7 +244,9 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, eva
             y = _lm_labels(batch[student.inputs[0].name], mask)
         loss = kd_loss(s, t, y, config.temperature, config.alpha, mask=mask)
         if adapter is not None and taps is not None:
-            loss = loss + config.feature_weight * F.mse_loss(adapter(taps[1].value), taps[0].value.detach())
+            t_feat, s_feat = taps[0].value, taps[1].value
+            assert t_feat is not None and s_feat is not None  # the forward passes above ran the hooks
+            loss = loss + config.feature_weight * F.mse_loss(adapter(s_feat), t_feat.detach())
         return loss
 
     def validate() -> float:
@@ -283,19 +263,20 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, eva
             count += len(s)
         return total / max(count, 1)
 
-    mode = "max" if (not is_lm and labels is not None) else "min"
+    fit_config = FitConfig(epochs=config.epochs, lr=config.lr, schedule=config.schedule,
+                           steps_per_epoch=num_batches(len(tr_idx), config.batch_size), max_steps=config.max_steps,
+                           patience=config.patience, mode="max" if (not is_lm and labels is not None) else "min",
+                           seed=config.seed)
+    # the adapter trains beside the student: both go into checkpoints
+    trained = student.module if adapter is None else nn.ModuleDict({"student": student.module, "adapter": adapter})
     try:
-        result = fit(student.module, loss_fn, lambda epoch: array_batches(tr, config.batch_size, seed=config.seed,
-                                                                         epoch=epoch),
-                     epochs=config.epochs, lr=config.lr, params=params,
-                     steps_per_epoch=num_batches(len(tr_idx), config.batch_size), validate=validate, mode=mode,
-                     patience=config.patience, max_steps=config.max_steps, work_dir=work_dir,
-                     fingerprint=fingerprint, seed=config.seed, progress=progress, description="distill",
-                     schedule=config.schedule)
+        result = fit(trained, loss_fn,
+                     lambda epoch: array_batches(tr, config.batch_size, seed=config.seed, epoch=epoch), fit_config,
+                     params=params, validate=validate, progress=progress, description="distill",
+                     checkpoints=Checkpoints(work_dir, fingerprint) if work_dir is not None else None)
     finally:
-        if taps is not None:
-            for tap in taps:
-                tap.close()
+        for tap in taps or ():
+            tap.close()
     metrics: dict[str, Any] = {"train_samples": int(len(tr_idx)), "val_samples": int(len(va_idx)),
                                "fit": result.to_dict(), "validation": "nll" if is_lm else
                                ("accuracy" if labels is not None else "kd_loss")}
@@ -304,11 +285,25 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Any, eva
     return metrics
 
 
+def _feature_taps(teacher: ModelHandle, student: ModelHandle, inputs: dict[str, np.ndarray]
+                  ) -> tuple[nn.Module, tuple[FeatureTap, FeatureTap]]:
+    """Hooks on the features entering both output layers, and the adapter between their widths."""
+    ex = {k: torch.from_numpy(v[:2]) for k, v in inputs.items()}
+    t_head = find_output_layers(teacher.module, _ordered(teacher, ex))
+    s_head = find_output_layers(student.module, _ordered(student, ex))
+    if not t_head or not s_head:
+        raise BadInputError("feature loss needs an output layer (linear/conv head) in teacher and student")
+    taps = (FeatureTap(teacher.module, t_head[0]), FeatureTap(student.module, s_head[0]))
+    with torch.no_grad():
+        teacher.module(*_ordered(teacher, ex))
+        student.module(*_ordered(student, ex))
+    tf, sf = taps[0].value, taps[1].value
+    assert tf is not None and sf is not None  # the forward passes above ran the hooks
+    axis = 1 if tf.dim() == 4 else -1
+    return make_adapter(sf.shape[axis], tf.shape[axis], tf.dim()), taps
+
+
 def _accuracy(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: int) -> float:
-    import torch
-
-    from edgekit.compress.training import array_batches
-
     right, total = 0, 0
     with torch.no_grad():
         for b in array_batches(arrays, batch_size, shuffle=False):
@@ -321,11 +316,6 @@ def _accuracy(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: in
 
 def _lm_nll(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: int) -> float:
     """Mean next-token negative log-likelihood (exp of it is the perplexity)."""
-    import torch
-    import torch.nn.functional as F
-
-    from edgekit.compress.training import array_batches
-
     nll, count = 0.0, 0
     with torch.no_grad():
         for b in array_batches(arrays, batch_size, shuffle=False):
@@ -339,15 +329,9 @@ def _lm_nll(handle: ModelHandle, arrays: dict[str, np.ndarray], batch_size: int)
     return nll / max(count, 1)
 
 
-def evaluate_pair(teacher: ModelHandle, student: ModelHandle, samples: Any, batch_size: int = 64) -> dict[str, Any]:
+def evaluate_pair(teacher: ModelHandle, student: ModelHandle, samples: Samples, batch_size: int = 64) -> dict[str, Any]:
     """Accuracy (labelled data) or perplexity (causal LM) of teacher and student, and their
     top-1 agreement."""
-    import math
-
-    import torch
-
-    from edgekit.compress.training import array_batches
-
     arrays = {k: np.asarray(v) for k, v in samples.inputs.items()}
     out: dict[str, Any] = {"samples": int(len(next(iter(arrays.values()))))}
     if student.kind == "causal-lm":
@@ -372,32 +356,17 @@ def evaluate_pair(teacher: ModelHandle, student: ModelHandle, samples: Any, batc
 # ----------------------------------------------------------------------------- step and API
 
 
-def _teacher_for(handle: ModelHandle, ctx: Any) -> ModelHandle:
-    ref = getattr(ctx, "reference", None)
-    if ref is not None:
-        return ref
-    from edgekit.sources.models import load_model
-
-    return load_model(handle.source)
-
-
-def apply(handle: ModelHandle, config: DistillConfig, ctx: Any) -> ModelHandle:
+def apply(handle: ModelHandle, config: DistillConfig, ctx: StepContext) -> ModelHandle:
     """The chained step: distill ``ctx.reference`` (the model before the chain) into
     ``handle`` on ``ctx.train`` (a data spec or Samples; None: the model's default)."""
-    from edgekit.artifact import sha256_json
-    from edgekit.compress import config_to_dict
-
-    teacher = _teacher_for(handle, ctx)
-    seed = getattr(ctx, "seed", 0)
-    train = _as_samples(getattr(ctx, "train", None), handle, "train", config, config.limit, seed)
-    train_spec, ev = getattr(ctx, "train", None), getattr(ctx, "eval", None)
-    if ev is not None:
-        evaluation = _as_samples(ev, handle, "eval", config, config.eval_limit, seed)
-    elif train_spec is None or isinstance(train_spec, (str, os.PathLike)):
-        evaluation = _as_samples(train_spec, handle, "eval", config, config.eval_limit, seed)
+    teacher = ctx.reference if ctx.reference is not None else load_model(handle.source)
+    train = _as_samples(ctx.train, handle, "train", config, config.limit, ctx.seed)
+    if ctx.eval is not None:
+        evaluation = _as_samples(ctx.eval, handle, "eval", config, config.eval_limit, ctx.seed)
+    elif ctx.train is None or isinstance(ctx.train, (str, os.PathLike)):
+        evaluation = _as_samples(ctx.train, handle, "eval", config, config.eval_limit, ctx.seed)
     else:
         evaluation = None
-    work = getattr(ctx, "work_dir", None)
     # what the run's weights depend on; epochs, max_steps and patience may grow on a resumed run
     same_run = {k: v for k, v in config_to_dict(config).items() if k not in ("epochs", "max_steps", "patience",
                                                                               "eval_limit")}
@@ -405,29 +374,25 @@ def apply(handle: ModelHandle, config: DistillConfig, ctx: Any) -> ModelHandle:
                                "steps": [[s.name, s.config] for s in handle.steps], "data": getattr(train, "source", None),
                                "n": len(next(iter(train.inputs.values())))})
     metrics = run_distillation(teacher, handle, train, evaluation, config,
-                               work_dir=Path(work) / "distill" if work is not None else None,
-                               progress=None if getattr(ctx, "progress", True) else False, fingerprint=fingerprint)
+                               work_dir=Path(ctx.work_dir) / "distill" if ctx.work_dir is not None else None,
+                               progress=None if ctx.progress else False, fingerprint=fingerprint)
     metrics["teacher"] = teacher.name
     metrics["data"] = getattr(train, "source", None)
     handle.steps.append(StepRecord("distill", config_to_dict(config), metrics))
-    if ctx is not None and hasattr(ctx, "metrics"):
-        ctx.metrics["distill"] = {k: v for k, v in metrics.items() if k != "fit"}
+    ctx.metrics["distill"] = {k: v for k, v in metrics.items() if k != "fit"}
     return handle
 
 
 def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.PathLike[str] | ModelHandle,
-            data: Any, config: DistillConfig | None = None, out_dir: str | os.PathLike[str] | None = None, *,
-            eval_data: Any = None, work_dir: str | os.PathLike[str] | None = None,
-            progress: bool | None = None) -> ModelHandle:
+            data: str | os.PathLike[str] | Samples | None, config: DistillConfig | None = None,
+            out_dir: str | os.PathLike[str] | None = None, *, eval_data: str | os.PathLike[str] | Samples | None = None,
+            work_dir: str | os.PathLike[str] | None = None, progress: bool | None = None) -> ModelHandle:
     """Distill ``teacher`` into ``student`` on ``data`` (a spec such as "fashion-mnist",
     or Samples); with ``out_dir`` write the student as a model artifact (reloadable
     with ``load_compressed``). Returns the trained student handle.
 
     >>> distill("fmnist-cnn-wide", "fmnist-cnn", "fashion-mnist", DistillConfig(epochs=1))  # doctest: +SKIP
     """
-    from edgekit.compress import StepContext, compress
-    from edgekit.sources.models import load_model
-
     config = config or DistillConfig()
     if out_dir is not None:
         check_output_dir(out_dir, (teacher, student, data, eval_data))  # before training; the inputs stay
@@ -443,13 +408,6 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
     return apply(s, config, ctx)
 
 
-def _make_step() -> Any:
-    from edgekit.compress import Step
-
-    return Step("distill", DistillConfig, apply,
-                "knowledge distillation from the model before the chain (or a named teacher)",
-                rebuild=None, transitions={"float": "float"})
-
-
-STEP = _make_step()
+STEP = Step("distill", DistillConfig, apply, "knowledge distillation from the model before the chain (or a named teacher)",
+            rebuild=None, transitions={"float": "float"})
 __all__ = ["DistillConfig", "distill", "kd_loss", "run_distillation", "evaluate_pair", "STEP"]

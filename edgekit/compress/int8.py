@@ -39,6 +39,7 @@ import numpy as np
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.calibration import METHODS
 from edgekit.compress.int8_onnx import PLACEMENTS  # the ONNX-graph path's Q/DQ placement
+from edgekit.compress.qat import train_qat
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -368,9 +369,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
 
     if config.method == "qat":
-        from edgekit.compress.qat import train_qat
-
-        metrics["qat"] = train_qat(gm, reference, handle, config, ctx, names)
+        metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config, ctx, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
 
     float_layers: list[str] = list(kept_float)

@@ -89,6 +89,10 @@ def _exporting() -> bool:
 class _PackedTable(nn.Module):
     """Buffers and dequantization shared by QuantLinear and QuantEmbedding."""
 
+    qweight: torch.Tensor  # buffers (registered in _init_buffers), declared for type checkers
+    scales: torch.Tensor
+    qzeros: torch.Tensor
+
     def _init_buffers(self, rows: int, cols: int, bits: int, group_size: int, device=None) -> None:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
@@ -128,6 +132,11 @@ class _PackedTable(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight (rows, cols) this layer computes with."""
         w = self._dequant_rows(self.qweight, self.scales, self.qzeros)
+        return w if dtype is None else w.to(dtype)
+
+    def dequantize_rows(self, lo: int, hi: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows lo:hi of ``dequantize()``, without dequantizing the others."""
+        w = self._dequant_rows(self.qweight[lo:hi], self.scales[lo:hi], self.qzeros[lo:hi])
         return w if dtype is None else w.to(dtype)
 
     def check(self, name: str = "") -> None:

@@ -103,6 +103,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
 
     config = config or ExportConfig()
     out_dir = Path(out_dir)
+    if not isinstance(model, ModelHandle):
+        check_output_dir(out_dir, (model,))  # before loading: a zoo model may be trained on first use
     handle = load_model(model)
     protect = (model, handle.source, handle.onnx_path)  # the output may not touch these
     check_output_dir(out_dir, protect)  # before any work

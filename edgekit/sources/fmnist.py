@@ -10,9 +10,9 @@ pruning can rebuild shapes from a channel list: ``FashionCNN(channels=(c1, c2, c
 
 Weights are trained with a fixed seed on the Fashion-MNIST train split (the calib slice
 held out), checked on the 10,000 test images, and cached as safetensors under
-``cache_dir()/fmnist/``. The training pieces are public so distillation and QAT reuse
-them: ``fmnist_tensors`` (normalised tensors of a split), ``train_fmnist_cnn`` (the loop,
-with an optional custom loss) and ``accuracy_of``.
+``cache_dir()/fmnist/``. ``train_fmnist_cnn`` trains through ``edgekit.training.fit``
+(with an optional custom loss); ``fmnist_tensors`` (normalised tensors of a split) and
+``accuracy_of`` are public for experiments and benchmarks.
 
 >>> model, info = train_fmnist_cnn(channels=(8, 16, 32), epochs=1, limit=2000)  # doctest: +SKIP
 >>> info["test_accuracy"] > 0.6                                                 # doctest: +SKIP
@@ -20,19 +20,27 @@ True
 """
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 from torch import nn
+from torch.optim.lr_scheduler import OneCycleLR
 
-from edgekit.errors import BadInputError
+from edgekit.artifact import atomic_write_bytes, cache_dir, sha256_json
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.data import DATASETS, FASHION_MNIST_CLASSES, fashion_mnist
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.zoo import cache_lock
+from edgekit.training import FitConfig, fit
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST train pixel statistics (x / 255)
 
@@ -62,8 +70,6 @@ class ConvBlock(nn.Sequential):
         ]
         if pool:
             layers.append(("pool", nn.MaxPool2d(2)))
-        from collections import OrderedDict
-
         super().__init__(OrderedDict(layers))
 
 
@@ -91,10 +97,8 @@ def normalize_images(images: np.ndarray) -> np.ndarray:
     return ((x - MEAN) / STD)[:, None]
 
 
-def prepare_fmnist(images: Any) -> dict[str, np.ndarray]:
+def prepare_fmnist(images: Sequence[np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:
     """Raw images (grey or RGB, any size) -> the model's 1x28x28 normalised input."""
-    from PIL import Image
-
     out = []
     for im in images:
         a = np.asarray(im)
@@ -111,9 +115,7 @@ def prepare_fmnist(images: Any) -> dict[str, np.ndarray]:
 def fmnist_tensors(split: str, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised (N, 1, 28, 28) float tensor and int64 labels of a Fashion-MNIST split
     (the same splits as ``load_samples("fashion-mnist")``)."""
-    from edgekit.sources.data import _fashion_mnist
-
-    raw = _fashion_mnist(split)
+    raw = DATASETS["fashion-mnist"](split)
     assert raw.images is not None and raw.labels is not None
     x, y = np.asarray(raw.images), np.asarray(raw.labels)
     if limit is not None:
@@ -145,72 +147,64 @@ def train_fmnist_cnn(model: nn.Module | None = None, *, channels: Sequence[int] 
                      augment: bool = False, threads: int | None = 1, progress: bool | None = None,
                      description: str = "train fmnist-cnn") -> tuple[nn.Module, dict[str, Any]]:
     """Train ``model`` (a new ``FashionCNN(channels)`` if None) on the Fashion-MNIST train
-    split with AdamW and a one-cycle schedule; returns (model in eval mode, info with
-    test_accuracy, seconds, epochs, losses).
+    split with AdamW and a one-cycle schedule (through ``edgekit.training.fit``); returns
+    (model in eval mode, info with test_accuracy, seconds, epochs, losses).
 
-    ``loss_fn(model, x, y) -> loss`` replaces the cross-entropy (distillation passes the
-    teacher-aware loss, QAT passes a fake-quantized model). ``limit`` trains on the first
-    ``limit`` images only, ``eval_limit`` tests on the first test images only (tests).
+    ``loss_fn(model, x, y) -> loss`` replaces the cross-entropy. ``limit`` trains on the
+    first ``limit`` images only, ``eval_limit`` tests on the first test images only (tests).
     ``augment``: random 2-pixel shifts and left-right flips (off by default: at 4 epochs
     it slowed convergence, 89.4% after 3 epochs with it versus 91.6% after 4 without). ``threads``: torch threads
     while training (default 1: these small convolutions gain little from a second
     thread, and one thread degrades gracefully on a shared machine; None keeps torch's).
     """
+    if epochs < 1 or batch_size < 1 or lr <= 0:
+        raise BadInputError(f"epochs, batch_size and lr must be positive (got {epochs}, {batch_size}, {lr})")
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _train(model, channels, epochs, batch_size, lr, weight_decay, seed, loss_fn, limit, eval_limit,
-                      augment, progress, description)
+        return _train(model, channels, epochs, batch_size, lr, weight_decay, seed, loss_fn or cross_entropy_loss,
+                      limit, eval_limit, augment, progress, description)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _train(model: nn.Module | None, channels: Sequence[int], epochs: int, batch_size: int, lr: float,
-           weight_decay: float, seed: int, loss_fn: LossFn | None, limit: int | None, eval_limit: int | None,
+           weight_decay: float, seed: int, loss_fn: LossFn, limit: int | None, eval_limit: int | None,
            augment: bool, progress: bool | None, description: str) -> tuple[nn.Module, dict[str, Any]]:
-    if epochs < 1 or batch_size < 1 or lr <= 0:
-        raise BadInputError(f"epochs, batch_size and lr must be positive (got {epochs}, {batch_size}, {lr})")
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    if model is None:
-        model = FashionCNN(channels)
-    loss_fn = loss_fn or cross_entropy_loss
+    gen = torch.Generator().manual_seed(seed)  # batch order and augmentation, in the order they are drawn
+    trained = model if model is not None else FashionCNN(channels)
     x, y = fmnist_tensors("train", limit)
     xt, yt = fmnist_tensors("eval", eval_limit)
-    steps_per_epoch = math.ceil(len(x) / batch_size)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps_per_epoch, pct_start=0.25)
-    losses: list[float] = []
-    t0, c0 = time.perf_counter(), time.process_time()
-    model.train()
-    model.to(memory_format=torch.channels_last)  # ~1.5x faster convolutions on CPU
+    trained.to(memory_format=torch.channels_last)  # ~1.5x faster convolutions on CPU
     x = x.contiguous(memory_format=torch.channels_last)
-    with _Progress(epochs * steps_per_epoch, description, progress) as bar:
-        for epoch in range(epochs):
-            order = torch.randperm(len(x), generator=gen)
-            running, count = 0.0, 0
-            for i in range(0, len(x), batch_size):
-                idx = order[i:i + batch_size]
-                xb, yb = x[idx], y[idx]
-                if augment:
-                    xb = _augment(xb, gen)
-                loss = loss_fn(model, xb, yb)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                running += float(loss.detach()) * len(idx)
-                count += len(idx)
-                bar.advance(f"epoch {epoch + 1}/{epochs} loss {running / count:.3f}")
-            losses.append(running / count)
+    sizes = [min(batch_size, len(x) - i) for i in range(0, len(x), batch_size)]
+
+    def batches(epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(len(x), generator=gen)
+        for i in range(0, len(x), batch_size):
+            idx = order[i:i + batch_size]
+            yield (_augment(x[idx], gen) if augment else x[idx]), y[idx]
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fit(trained, lambda batch: loss_fn(trained, *batch), batches,
+                 FitConfig(epochs=epochs, lr=lr, weight_decay=weight_decay, steps_per_epoch=len(sizes),
+                           grad_clip=None, seed=None),
+                 scheduler=lambda opt: OneCycleLR(opt, max_lr=lr, total_steps=epochs * len(sizes), pct_start=0.25),
+                 progress=progress, description=description)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    model.to(memory_format=torch.contiguous_format)
-    model.eval()
-    acc = accuracy_of(model, xt, yt)
-    return model, {"test_accuracy": acc, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
-                   "epochs": epochs, "losses": losses,
-                   "train_images": len(x), "seed": seed, "threads": torch.get_num_threads()}
+    trained.to(memory_format=torch.contiguous_format)
+    losses = []  # per epoch, weighted by batch size (the last batch is short)
+    for epoch in range(epochs):
+        running = 0.0
+        for size, loss in zip(sizes, result.step_losses[epoch * len(sizes):(epoch + 1) * len(sizes)], strict=True):
+            running += loss * size
+        losses.append(running / len(x))
+    acc = accuracy_of(trained, xt, yt)
+    return trained, {"test_accuracy": acc, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+                     "epochs": epochs, "losses": losses,
+                     "train_images": len(x), "seed": seed, "threads": torch.get_num_threads()}
 
 
 def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -223,42 +217,10 @@ def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return pad[:, :, dy:dy + 28, dx:dx + 28]
 
 
-class _Progress:
-    """A rich progress bar over training steps (quiet when not on a terminal)."""
-
-    def __init__(self, total: int, description: str, enabled: bool | None) -> None:
-        from edgekit.progress import progress_enabled
-
-        self.enabled = progress_enabled() if enabled is None else enabled
-        self.total, self.description = total, description
-        self._bar: Any = None
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.progress import TextColumn
-
-            from edgekit.progress import rich_progress
-
-            self._bar = rich_progress(TextColumn("{task.fields[status]}"))
-            self._bar.__enter__()
-            self._task = self._bar.add_task(self.description, total=self.total, status="")
-        return self
-
-    def advance(self, status: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, status=status)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-
 # --- cached weights and the zoo handle -------------------------------------------------------------
 
 
 def weights_path(variant: str) -> Path:
-    from edgekit.artifact import cache_dir, sha256_json
-
     v = VARIANTS[variant]
     key = sha256_json({"channels": v.channels, "epochs": v.epochs, "seed": TRAIN_SEED, "augment": False,
                        "version": 2})[:12]
@@ -267,19 +229,11 @@ def weights_path(variant: str) -> Path:
 
 def load_fmnist_weights(variant: str, progress: bool | None = None) -> tuple[FashionCNN, dict[str, str]]:
     """The variant's trained model: from the cache, else trained now (and cached)."""
-    from safetensors.torch import load_file, save
-
-    from edgekit.artifact import atomic_write_bytes
-
     if variant not in VARIANTS:
-        from edgekit.errors import bad_choice
-
         raise bad_choice("Fashion-MNIST model", variant, VARIANTS)
     v = VARIANTS[variant]
     path = weights_path(variant)
     model = FashionCNN(v.channels)
-    from edgekit.sources.zoo import cache_lock
-
     with cache_lock(path.with_suffix(".lock")):  # two processes train once, not twice
         if not path.is_file():
             trained, info = train_fmnist_cnn(channels=v.channels, epochs=v.epochs, progress=progress,
@@ -289,8 +243,6 @@ def load_fmnist_weights(variant: str, progress: bool | None = None) -> tuple[Fas
                     "epochs": str(v.epochs), "seed": str(TRAIN_SEED), "threads": str(info["threads"])}
             state = {k: t.contiguous() for k, t in trained.state_dict().items()}
             atomic_write_bytes(path, save(state, metadata=meta))
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         meta = dict(f.metadata() or {})
     model.load_state_dict(load_file(str(path)), strict=True)
@@ -302,7 +254,6 @@ def fmnist_handle(variant: str, module: nn.Module | None = None) -> ModelHandle:
     meta: dict[str, str] = {}
     if module is None:
         module, meta = load_fmnist_weights(variant)
-    from edgekit.sources.data import FASHION_MNIST_CLASSES, fashion_mnist
 
     def make_inputs(batch: int = 1, **_: int) -> dict[str, np.ndarray]:
         images, _labels = fashion_mnist("test")
