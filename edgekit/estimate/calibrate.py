@@ -36,54 +36,16 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
-from edgekit.estimate.roofline import (
-    ESTIMATE_NOTE,
-    Estimate,
-    NodeEstimate,
-    estimate,
-    load_graph,
-    resolve_efficiency,
-    strip_weights,
-)
-
-CALIBRATION_SUFFIX = ".efficiency.json"
+from edgekit.estimate.efficiency import calibration_path, load_calibration, roofs_for
+from edgekit.estimate.graph import load_graph, strip_weights
+from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate
+from edgekit.targets import load_target
 
 
 # --- the saved factors -----------------------------------------------------------------------------
-def calibration_path(target: Any) -> Path:
-    """Where a target's fitted factors live: next to a user's YAML, else in the cache."""
-    from edgekit.artifact import cache_dir
-    from edgekit.targets import TARGETS_DIR, load_target
-
-    tgt = load_target(target)
-    if tgt.path and Path(tgt.path).resolve().parent != Path(TARGETS_DIR).resolve():
-        p = Path(tgt.path)
-        return p.with_name(p.stem + CALIBRATION_SUFFIX)
-    return cache_dir() / "targets" / f"{tgt.name}{CALIBRATION_SUFFIX}"
-
-
-def load_calibration(target: Any) -> dict[str, Any] | None:
-    """The saved calibration of a target (with ``path``), or None. A file for another
-    target name, or one that does not parse, is ignored."""
-    path = calibration_path(target)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    from edgekit.targets import load_target
-
-    if not isinstance(data, dict) or data.get("target") != load_target(target).name:
-        return None
-    data["path"] = str(path)
-    return data
-
-
 def save_calibration(target: Any, efficiency: dict[str, float], kernel_overhead_us: float,
                      meta: dict[str, Any]) -> Path:
     from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions
-    from edgekit.targets import load_target
 
     tgt = load_target(target)
     path = calibration_path(tgt)
@@ -341,7 +303,6 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     >>> report = calibrate(["model.onnx"], "cpu")  # doctest: +SKIP
     >>> print(report.render())  # doctest: +SKIP
     """
-    from edgekit.targets import load_target
 
     tgt = load_target(target)
     cases = [c if isinstance(c, CalibrationCase) else CalibrationCase(c) for c in cases]
@@ -353,7 +314,8 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
             measurements = [measure_gpu(c.model, tgt, batch=c.batch, dims=c.dims, name=c.name) for c in cases]
     if not measurements:
         raise BadInputError("calibration needs at least one model to measure")
-    prior, _, prior_overhead_us = resolve_efficiency(tgt, calibrated=False)
+    prior_roofs = roofs_for(tgt, calibrated=False)
+    prior, prior_overhead_us = dict(prior_roofs.eff), prior_roofs.overhead_us
     runtime = measurements[0].runtime
     notes: list[str] = []
     before: list[Estimate | None] = []
@@ -508,7 +470,6 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
                               calibrate: bool = False) -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
     with ``model`` (only where edgekit can measure it), then estimate."""
-    from edgekit.targets import load_target
 
     tgt = load_target(target)
     report = None
