@@ -82,12 +82,13 @@ class NodeCost:
         return sum(self.input_bytes.values()) + sum(self.output_bytes.values())
 
 
-def op_class(node: Node) -> str:
-    """The efficiency class of an op: conv, depthwise-conv, matmul, attention, elementwise,
-    normalization, reduction, data-movement or other (unknown ops)."""
-    op = node.op
+def op_class(node: Node | str) -> str:
+    """The efficiency class of an op (a node, or an op type: convolutions then count as
+    ``conv``): conv, depthwise-conv, matmul, attention, elementwise, normalization,
+    reduction, data-movement or other (unknown ops)."""
+    op = node if isinstance(node, str) else node.op
     if op in CONV_OPS:
-        return "depthwise-conv" if is_depthwise(node) else "conv"
+        return "depthwise-conv" if not isinstance(node, str) and is_depthwise(node) else "conv"
     if op in MATMUL_OPS:
         return "matmul"
     if op in ATTENTION_OPS:
@@ -126,11 +127,12 @@ def tensor_bits(graph: Graph) -> dict[str, float]:
         src = node.inputs[0]
         src_bits = bits.get(src.name, ELEM_BITS.get(src.elem, 32))
         if node.op == "DequantizeLinear" or (src.const and node.op in VIEW_OPS | {"Transpose", "Cast"}):
+            extra = 0.0  # scales and zero points of a constant weight, spread over its elements
+            if node.op == "DequantizeLinear" and src.const and src.numel:
+                extra = sum(t.stored_bytes * 8 for t in node.inputs[1:] if t is not None) / src.numel
             for t in node.outputs:
                 if t is not None:
-                    bits[t.name] = min(src_bits, ELEM_BITS.get(t.elem, 32))
-        if node.op == "MatMulNBits":
-            bits[node.inputs[1].name if len(node.inputs) > 1 and node.inputs[1] else ""] = float(node.attr("bits", 4))
+                    bits[t.name] = min(src_bits + extra, ELEM_BITS.get(t.elem, 32))
     return bits
 
 
@@ -179,10 +181,14 @@ def _precision(node: Node, bits: dict[str, float], prec: Precision, cls: str) ->
     if node.op.startswith("QLinear") or node.op in ("ConvInteger", "MatMulInteger", "MatMulIntegerToFloat",
                                                     "DynamicQuantizeMatMul", "QGemm"):
         return "int8"
-    if cls in ("conv", "depthwise-conv", "matmul"):
-        read = [bits.get(t.name, ELEM_BITS.get(t.elem, 32)) for t in node.inputs[:2] if t is not None]
-        if read and max(read) <= 8:
+    if cls in ("conv", "depthwise-conv", "matmul") and len(node.inputs) > 1:
+        a, w = node.inputs[0], node.inputs[1]
+        a_bits = bits.get(a.name, ELEM_BITS.get(a.elem, 32)) if a is not None else 32
+        w_bits = bits.get(w.name, ELEM_BITS.get(w.elem, 32)) if w is not None else 32
+        if a_bits < 16 and w_bits < 16:  # 8-bit codes (plus their scales)
             return "int8"
+        if w_bits < 8:
+            return "int4"
     return prec.float_precision
 
 

@@ -23,19 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.artifact import cache_dir
-from edgekit.targets import TARGETS_DIR, Target
+from edgekit.targets import TARGETS_DIR, Target, load_target
 
 # Fraction of peak per class before any tuning (tuned values live in the target YAML files).
 DEFAULT_EFFICIENCY: dict[str, dict[str, float]] = {
     "cpu": {"conv": 0.6, "depthwise-conv": 0.15, "matmul": 0.7, "attention": 0.4, "elementwise": 0.3,
             "normalization": 0.3, "reduction": 0.3, "data-movement": 0.5, "other": 0.3, "memory": 0.6},
-    "gpu": {"conv": 0.6, "depthwise-conv": 0.3, "matmul": 0.7, "attention": 0.5, "elementwise": 0.7,
+    "gpu": {"conv": 0.5, "depthwise-conv": 0.3, "matmul": 0.6, "attention": 0.4, "elementwise": 0.7,
             "normalization": 0.5, "reduction": 0.5, "data-movement": 0.6, "other": 0.3, "memory": 0.8},
     "jetson": {"conv": 0.6, "depthwise-conv": 0.3, "matmul": 0.65, "attention": 0.45, "elementwise": 0.6,
                "normalization": 0.45, "reduction": 0.45, "data-movement": 0.5, "other": 0.3, "memory": 0.75},
 }
 # Hardware tile (M, N) and the K over which the pipeline fills, per target kind.
-TILES: dict[str, tuple[int, int, int]] = {"cpu": (6, 16, 16), "gpu": (64, 64, 64), "jetson": (64, 64, 64)}
+TILES: dict[str, tuple[int, int, int]] = {"cpu": (6, 16, 16), "gpu": (16, 32, 32), "jetson": (16, 32, 32)}
 CALIBRATION_SUFFIX = ".efficiency.json"
 
 
@@ -62,6 +62,14 @@ class Roofs:
                 return self.peak_tops[p] * 1e12
         return 1e12
 
+    def memory_eff(self, cls: str, precision: str) -> float:
+        """Fraction of bandwidth: ``class:precision@mem`` / ``class@mem`` where a calibration
+        fitted one, else the target's ``memory``."""
+        for key in (f"{cls}:{precision}@mem", f"{cls}@mem", "memory"):
+            if self.eff.get(key, 0) > 0:
+                return float(self.eff[key])
+        return 0.7
+
     def class_eff(self, cls: str, precision: str) -> float:
         for key in (f"{cls}:{precision}", cls, "other"):
             if self.eff.get(key, 0) > 0:
@@ -69,8 +77,9 @@ class Roofs:
         return 0.3
 
 
-def roofs_for(target: Target, calibrated: bool = True) -> Roofs:
+def roofs_for(target: Target | str, calibrated: bool = True) -> Roofs:
     """The roofs of a target: kind defaults, then its YAML, then a saved calibration."""
+    target = load_target(target)
     eff = dict(DEFAULT_EFFICIENCY[target.kind])
     eff.update({k: float(v) for k, v in target.efficiency.items()})
     overhead = float(target.kernel_overhead_us)
@@ -93,7 +102,8 @@ def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, d
     batch, m, n, k = (max(1.0, x) for x in gemm)
     tm, tn, tk = TILES[roofs.kind]
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    f = (m / (tiles_m * tm)) * (n / (tiles_n * tn)) * (k / (k + tk))
+    # a skinny product (M under one tile) runs a GEMV-style kernel: no padding penalty on M
+    f = (m / (tiles_m * tm) if m >= tm else 1.0) * (n / (tiles_n * tn)) * (k / (k + tk))
     if roofs.kind != "cpu":
         tiles = batch * tiles_m * tiles_n
         f *= tiles / (math.ceil(tiles / roofs.sm_count) * roofs.sm_count)
@@ -101,17 +111,19 @@ def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, d
 
 
 # --- saved calibrations (written by calibrate.py) ---------------------------------------------------
-def calibration_path(target: Target) -> Path:
+def calibration_path(target: Target | str) -> Path:
     """Where a target's fitted factors live: next to a user's YAML, else in the cache."""
+    target = load_target(target)
     if target.path and Path(target.path).resolve().parent != Path(TARGETS_DIR).resolve():
         p = Path(target.path)
         return p.with_name(p.stem + CALIBRATION_SUFFIX)
     return cache_dir() / "targets" / f"{target.name}{CALIBRATION_SUFFIX}"
 
 
-def load_calibration(target: Target) -> dict[str, Any] | None:
+def load_calibration(target: Target | str) -> dict[str, Any] | None:
     """The saved calibration of a target (with ``path``), or None. A file for another
     target name, or one that does not parse, is ignored."""
+    target = load_target(target)
     path = calibration_path(target)
     if not path.is_file():
         return None

@@ -93,7 +93,7 @@ def fuse(graph: Graph, runtime: str) -> Fused:
     status: dict[int, str] = {}
     for node in graph.nodes:
         outs = [t for t in node.outputs if t is not None]
-        if node.op == "Constant" or (outs and all(t.const for t in outs)):
+        if node.op == "Constant" or (runtime != "none" and outs and all(t.const for t in outs)):
             status[node.index] = "folded"
         elif node.op in VIEW_OPS or _is_free(node, runtime, graph):
             status[node.index] = "view"
@@ -228,6 +228,9 @@ def _ort_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets,
         r = rs[0]
         if r.op in _ORT_EPILOGUE and not activation:
             activation = r.op != "BatchNormalization"
+        elif r.op == "QuantizeLinear":  # QDQ fusion: the kernel writes the 8-bit tensor
+            chain.append(r)
+            break
         elif r.op in ("Add", "Mul", "Sub") and not activation and any(t is not None and t.const for t in r.inputs):
             pass  # bias, scale (ONNX Runtime's conv-add and conv-mul fusions)
         elif r.op == "Add" and n.op in CONV_OPS and not residual and not activation:
@@ -260,7 +263,8 @@ def _island_pattern(nodes: list[Node]) -> str:
 def _is_free(node: Node, runtime: str, graph: Graph | None = None) -> bool:
     """Nodes that move no data in this runtime's engine."""
     if node.op == "DequantizeLinear" and node.inputs and node.inputs[0] is not None and not node.inputs[0].const:
-        return runtime != "none"  # the consumer reads the 8-bit tensor
+        outs = {t.name for t in node.outputs if t is not None}
+        return runtime != "none" and not (graph is not None and outs & graph.outputs)  # the consumer reads int8
     if node.op == "Cast" and node.inputs and node.inputs[0] is not None and node.outputs and node.outputs[0] is not None:
         if node.inputs[0].elem == node.outputs[0].elem:
             return True

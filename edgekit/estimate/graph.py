@@ -280,6 +280,7 @@ def read_graph(model_or_onnx: Any, batch: int = 1, dims: dict[str, int] | None =
     for init in m.graph.initializer:
         table[init.name] = Tensor(init.name, tuple(int(d) for d in init.dims), init.data_type, const=True)
     nodes: list[Node] = []
+    assumed_ops: list[str] = []
     g = Graph(name=name, nodes=nodes, dims=bound, outputs={o.name for o in m.graph.output}, warnings=warnings)
     for idx, n in enumerate(m.graph.node):
         ins = [table.get(i) if i else None for i in n.input]
@@ -294,6 +295,12 @@ def read_graph(model_or_onnx: Any, batch: int = 1, dims: dict[str, int] | None =
             for t in outs:
                 if t is not None:
                     t.const = True
+        if outs and outs[0] is not None and outs[0].shape is None and ins and ins[0] is not None \
+                and ins[0].shape is not None and n.domain not in ("", "ai.onnx"):
+            outs[0].shape = ins[0].shape  # an op no inference knows: assumed shape-preserving (reported below)
+            if outs[0].elem == 0:
+                outs[0].elem = ins[0].elem
+            assumed_ops.append(n.op_type)
         node = Node(idx, n.name or f"{n.op_type}_{idx}", n.op_type, n.domain, ins, outs, _attrs(n), stage_of(n))
         nodes.append(node)
         for t in outs:
@@ -302,6 +309,9 @@ def read_graph(model_or_onnx: Any, batch: int = 1, dims: dict[str, int] | None =
         for t in ins:
             if t is not None:
                 g.consumers.setdefault(t.name, []).append(node)
+    if assumed_ops:
+        warnings.append(f"{len(assumed_ops)} nodes of ops no shape inference knows ({', '.join(sorted(set(assumed_ops)))}) "
+                        "were given their first input's shape")
     shapeless = [n.op for n in nodes if n.op != "Constant" and any(t is not None and t.shape is None
                                                                      for t in n.outputs)]
     if shapeless:

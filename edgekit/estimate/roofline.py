@@ -17,8 +17,10 @@ and the total carries a range from the validation errors of its target and opera
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
@@ -147,7 +149,8 @@ class Estimate:
                              latency_ms=stats, throughput_per_s=1e3 * self.batch / t if t else 0.0, nodes=nodes,
                              op_types=self.op_types, total_nodes=self.kernels,
                              quantized_nodes=sum(1 for n in self.nodes if n.quantized and n.status == "runs"),
-                             warnings=[f"{ESTIMATE_NOTE}: {self.low_ms:.3g}-{self.high_ms:.3g} ms", *self.warnings],
+                             warnings=[ESTIMATE_NOTE, f"estimated range {self.low_ms:.3g}-{self.high_ms:.3g} ms "
+                                       f"({self.basis})", *self.warnings],
                              source="estimated")
 
     def range_text(self) -> str:
@@ -234,31 +237,54 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
             raise BadInputError(bad_choice("precision", precision, PRECISIONS))
         tgt.require_precision(precision)
     rt = fusion_runtime(tgt, runtime, fuse)
-    graph = read_graph(model_or_onnx, batch, dims)
+    graph, fused = _graph_and_kernels(model_or_onnx, batch, dims, rt)
     roofs = roofs_for(tgt, calibrated=calibrated)
     if efficiency:
         roofs = dataclasses.replace(roofs, eff={**roofs.eff, **efficiency})
     if kernel_overhead_us is not None:
         roofs = dataclasses.replace(roofs, overhead_us=kernel_overhead_us)
     prec = Precision(_float_precision(tgt, precision), {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
-    fused = fuse_graph_for(graph, rt)
     nodes = estimate_kernels(graph, fused, roofs, prec)
     return _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch)
 
 
-def fuse_graph_for(graph: Graph, runtime: str) -> Fused:
-    return fuse(graph, runtime)
+_MEMO: dict[tuple[Any, ...], tuple[Graph, Fused]] = {}  # ONNX file, size, mtime, batch, dims, runtime -> read
+
+
+def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | None, rt: str) -> tuple[Graph, Fused]:
+    """The shape-inferred graph and its kernels; an ONNX file's are kept for the next
+    estimate of the same file and settings (sweeps over targets and efficiency fits)."""
+    key = None
+    if isinstance(model_or_onnx, (str, os.PathLike)) and str(model_or_onnx).endswith(".onnx"):
+        p = Path(model_or_onnx)
+        if p.is_file():
+            st = p.stat()
+            key = (str(p.resolve()), st.st_size, st.st_mtime_ns, batch, tuple(sorted((dims or {}).items())), rt)
+            if key in _MEMO:
+                return _MEMO[key]
+    graph = read_graph(model_or_onnx, batch, dims)
+    out = (graph, fuse(graph, rt))
+    if key is not None:
+        while len(_MEMO) >= 32:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = out
+    return out
 
 
 def estimate_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) -> list[NodeEstimate]:
     """One ``NodeEstimate`` per node: kernel heads carry their kernel's time."""
     bits = tensor_bits(graph)
+    for n in graph.nodes:  # a DequantizeLinear that runs (as written) writes its float output
+        if n.op == "DequantizeLinear" and fused.status.get(n.index) == "runs":
+            for t in n.outputs:
+                if t is not None:
+                    bits.pop(t.name, None)
     costs = {n.index: node_cost(n, bits, prec) for n in graph.nodes}
     total_weights = sum(c.weight_bytes for i, c in costs.items() if fused.status.get(i) in ("runs", "fused"))
     cache_bytes = roofs.cache_mb * 1e6
     weights_cached = cache_bytes > 0 and total_weights <= cache_bytes
-    dram = roofs.dram_gbs * 1e9 * roofs.eff.get("memory", 0.7)
-    cache = roofs.cache_gbs * 1e9 * roofs.eff.get("memory", 0.7)
+    dram = roofs.dram_gbs * 1e9
+    cache = roofs.cache_gbs * 1e9
     out: dict[int, NodeEstimate] = {}
     for k in fused.kernels:
         out.update(_kernel_estimate(k, graph, costs, roofs, dram, cache, cache_bytes, weights_cached))
@@ -288,10 +314,13 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
     del produced
     weight = sum(costs[n.index].weight_bytes for n in k.nodes)
     ops = sum(costs[n.index].ops for n in k.nodes)
+    head = costs[k.head.index]
+    cls = "attention" if k.pattern == "attention" else head.op_class
+    mem_eff = roofs.memory_eff(cls, head.precision)
+    dram, cache = dram * mem_eff, cache * mem_eff
     memory_s = weight / (cache if weights_cached else dram)
     for b in [*reads.values(), *writes.values()]:
         memory_s += b / (cache if 0 < b <= cache_bytes / 2 else dram)
-    head = costs[k.head.index]
     compute_s = 0.0
     head_eff = 0.0
     for n in k.nodes:
@@ -310,14 +339,13 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
     time_s = max(compute_s, memory_s) + overhead_s
     act = sum(reads.values()) + sum(writes.values())
     bytes_ = act + weight
-    crossover = roofs.peak(head.precision) / dram if dram else 0.0
+    crossover = roofs.peak(head.precision) / (roofs.dram_gbs * 1e9) if roofs.dram_gbs else 0.0
     bound = "overhead" if max(compute_s, memory_s) < overhead_s and not ops else \
         ("compute" if compute_s >= memory_s else "memory")
-    cls = "attention" if k.pattern == "attention" else head.op_class
     out = {k.head.index: NodeEstimate(
         k.head.name, k.head.op, cls, head.precision, ops, weight, act, ops / bytes_ if bytes_ else 0.0, crossover,
         bound, compute_s * 1e3, memory_s * 1e3, overhead_s * 1e3, time_s * 1e3, head_eff,
-        memory_efficiency=roofs.eff.get("memory", 0.7), stage=k.head.stage,
+        memory_efficiency=mem_eff, stage=k.head.stage,
         known=all(costs[n.index].known for n in k.nodes), quantized=head.precision in ("int8", "int4"),
         status="runs", kernel=k.pattern)}
     for n in k.nodes[1:]:
