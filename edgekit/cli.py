@@ -674,12 +674,18 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
+@click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
+              "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
 @click.option("--top-k", type=int, default=10, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the estimate JSON here.")
-def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...], calibrate: bool,
-                 top_k: int, json_out: str | None) -> None:
-    """Roofline latency ESTIMATE of a model on a target, per node and in total (not a measurement)."""
+def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
+                 runtime: str | None, calibrate: bool, top_k: int, json_out: str | None) -> None:
+    """Latency ESTIMATE of a model on a target, with its range (not a measurement).
+
+    The graph is read as the target's runtime runs it (its fusions), costed kernel by
+    kernel against the target's roofs; the range comes from the estimator's validation
+    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
     from edgekit.errors import BadInputError
     from edgekit.estimate.calibrate import estimate_with_calibration
 
@@ -690,7 +696,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
             raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
         bound[name] = int(value)
     est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                            calibrate=calibrate)
+                                            calibrate=calibrate, runtime=runtime)
     if report is not None:
         click.echo(report.render())
         click.echo("")

@@ -466,8 +466,8 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
 
 
 def estimate_with_calibration(model: Any, target: Any, *, precision: str | None = None, batch: int = 1,
-                              dims: dict[str, int] | None = None,
-                              calibrate: bool = False) -> tuple[Estimate, CalibrationReport | None]:
+                              dims: dict[str, int] | None = None, calibrate: bool = False,
+                              runtime: str | None = None) -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
     with ``model`` (only where edgekit can measure it), then estimate."""
 
@@ -488,8 +488,8 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
         with tempfile.TemporaryDirectory(prefix="edgekit-estimate-") as tmp:
             source = _as_onnx_file(model, Path(tmp))  # export once, for the measurement and the estimate
             report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
-            return estimate(source, tgt, precision, batch, dims=dims), report
-    return estimate(model, tgt, precision, batch, dims=dims), report
+            return estimate(source, tgt, precision, batch, dims=dims, runtime=runtime), report
+    return estimate(model, tgt, precision, batch, dims=dims, runtime=runtime), report
 
 
 def _as_onnx_file(model: Any, tmp: Path) -> Any:

@@ -155,12 +155,6 @@ def fuse(graph: Graph, runtime: str) -> Fused:
     members: dict[int, list[Node]] = {}
     for n in live:
         members.setdefault(sets.find(n.index), []).append(n)
-    if runtime == "onnxruntime":  # only recognised patterns fuse; other element-wise ops run one by one
-        for root, ns in list(members.items()):
-            if ns[0].index in pointwise and len(ns) > 1 and _island_pattern(ns) == "pointwise":
-                for n in ns:
-                    sets.split(n.index)
-                    members[n.index] = [n]
     # Attention: MatMul(Q, K) -> island with Softmax -> MatMul(P, V), both products of activations.
     attention: set[int] = set()
     for n in live:
@@ -174,6 +168,19 @@ def fuse(graph: Graph, runtime: str) -> Fused:
             for m in (qk[0], av[0]):
                 sets.union(island, m.index)
             attention = {sets.find(a) for a in attention} | {sets.find(island)}
+    if runtime == "onnxruntime":  # only recognised patterns fuse; other element-wise ops run one by one
+        in_attention = {sets.find(a) for a in attention}
+        for root, ns in list(members.items()):
+            if root not in in_attention and ns[0].index in pointwise and len(ns) > 1 \
+                    and _island_pattern(ns) == "pointwise":
+                for n in ns:
+                    sets.split(n.index)
+        for n in live:  # x * sigmoid(x): its QuickGelu/SiLU fusion
+            if n.op == "Sigmoid" and n.inputs and n.inputs[0] is not None and sets.size(n.index) == 1:
+                readers = consumers(n)
+                if len(readers) == 1 and readers[0].op == "Mul" and sets.size(readers[0].index) == 1 and \
+                        n.inputs[0].name in {t.name for t in readers[0].inputs if t is not None}:
+                    sets.union(n.index, readers[0].index)
     # Epilogues: a convolution or matrix product takes the island that reads its output.
     anchored = set(attention)
     for n in live:
