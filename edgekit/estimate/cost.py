@@ -162,7 +162,10 @@ def node_cost(node: Node, bits: dict[str, float], prec: Precision) -> NodeCost:
     for i, t in enumerate(node.inputs):
         if t is None:
             continue
-        if t.const:
+        if t.const and i == 0 and node.op in ("Gather", "GatherElements", "GatherND", "GatherBlockQuantized"):
+            out = node.outputs[0] if node.outputs else None  # a table lookup reads only the rows it returns
+            weight += _bytes(out, bits, prec) if out is not None else 0.0
+        elif t.const:
             b = _bytes(t, bits, prec, weight=True)
             if prec.mode == "int4" and cls == "matmul" and i == 1:
                 b = t.numel * 0.5

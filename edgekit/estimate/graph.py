@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit import interrupts
 from edgekit.artifact import read_manifest
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.export.onnx import export_onnx
@@ -142,6 +141,8 @@ def strip_weights(proto: Any, min_bytes: int = _BIG_INITIALIZER) -> Any:
     import onnx
 
     for init in proto.graph.initializer:
+        if init.data_type in (6, 7) and len(init.raw_data) <= 1 << 20:
+            continue  # int32/int64 tables (positions, indices): shape inference may need their values
         if init.raw_data and len(init.raw_data) > min_bytes:
             init.ClearField("raw_data")
             init.data_location = onnx.TensorProto.EXTERNAL
@@ -204,25 +205,60 @@ def bind_dims(model: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any,
 
 
 def infer_shapes(model: Any) -> tuple[Any, list[str]]:
-    """Shapes by ONNX Runtime's symbolic shape inference (contrib ops included), or by
-    ``onnx.shape_inference`` with data propagation where that fails."""
+    """Shapes by ONNX Runtime's symbolic shape inference (contrib ops included), node by
+    node: a node it cannot infer keeps what onnx's own inference gives it and the rest of
+    the graph goes on. Without ONNX Runtime, ``onnx.shape_inference`` with data propagation."""
     import onnx
 
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True), []
     except ImportError:
-        reason = "onnxruntime is not installed"
-    except Exception as e:  # its errors are plain Exceptions: fall back to onnx's inference, and say so
-        interrupts.reraise(e)
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    warning = f"ONNX Runtime's symbolic shape inference failed ({reason}); used onnx.shape_inference"
+        try:
+            return onnx.shape_inference.infer_shapes(model, data_prop=True), [
+                "onnxruntime is not installed: shapes from onnx.shape_inference"]
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
+            return model, [f"onnx shape inference failed ({str(e).splitlines()[0][:120]}): shapes are those "
+                           "stored in the file"]
+    # SymbolicShapeInference.infer_shapes, without its debris: on an incomplete inference it
+    # saves the model into the working directory and raises; here each node is tolerated.
+    sym = SymbolicShapeInference(2**31 - 1, True, True, 0)
+    failed: list[str] = []
+    for op, fn in list(sym.dispatcher_.items()):
+        sym.dispatcher_[op] = _tolerant(fn, op, failed)
+    sym._preprocess(model)
+    warnings = []
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True), [warning]
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as e:
-        return model, [warning, f"onnx shape inference failed too ({str(e).splitlines()[0][:120]}): shapes are "
-                                "those stored in the file"]
+        while sym.run_:
+            sym._infer_impl()
+        sym._update_output_from_vi()
+        out = sym.out_mp_
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError) as e:
+        # it stopped part-way: what it inferred, then onnx's inference for the rest
+        warnings.append(f"symbolic shape inference stopped ({type(e).__name__}: {str(e)[:80]}); the nodes after "
+                        "that point take onnx.shape_inference's shapes")
+        try:
+            out = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+            out = onnx.ModelProto()
+            out.CopyFrom(model)
+        known = {name: vi for name, vi in sym.known_vi_.items() if vi.type.tensor_type.HasField("shape")}
+        keep = [vi for vi in out.graph.value_info if vi.name not in known]
+        del out.graph.value_info[:]
+        out.graph.value_info.extend(keep + list(known.values()))
+    if failed:
+        warnings.append(f"symbolic shape inference could not infer {len(failed)} nodes "
+                        f"({', '.join(sorted(set(failed)))}); their outputs keep onnx's inference")
+    return out, warnings
+
+
+def _tolerant(fn: Any, op: str, failed: list[str]) -> Any:
+    def run(node: Any) -> None:
+        try:
+            fn(node)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError):
+            failed.append(op)  # reported by infer_shapes; the node's outputs keep onnx's inference
+
+    return run
 
 
 def _shape_of(type_proto: Any) -> tuple[int, ...] | None:

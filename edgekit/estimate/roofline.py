@@ -273,13 +273,7 @@ def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | No
 
 def estimate_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) -> list[NodeEstimate]:
     """One ``NodeEstimate`` per node: kernel heads carry their kernel's time."""
-    bits = tensor_bits(graph)
-    for n in graph.nodes:  # a DequantizeLinear that runs (as written) writes its float output
-        if n.op == "DequantizeLinear" and fused.status.get(n.index) == "runs":
-            for t in n.outputs:
-                if t is not None:
-                    bits.pop(t.name, None)
-    costs = {n.index: node_cost(n, bits, prec) for n in graph.nodes}
+    costs = _costs(graph, fused, prec)
     total_weights = sum(c.weight_bytes for i, c in costs.items() if fused.status.get(i) in ("runs", "fused"))
     cache_bytes = roofs.cache_mb * 1e6
     weights_cached = cache_bytes > 0 and total_weights <= cache_bytes
@@ -295,6 +289,29 @@ def estimate_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) 
                                         0.0, 0.0, 0.0, 0.0, 0.0, stage=n.stage, known=c.known,
                                         status=fused.status.get(n.index, "view"))
     return [out[n.index] for n in graph.nodes]
+
+
+_COSTS: dict[tuple[int, int, Precision], tuple[Graph, Fused, dict[int, Any]]] = {}
+
+
+def _costs(graph: Graph, fused: Fused, prec: Precision) -> dict[int, Any]:
+    """Each node's cost (independent of the target's roofs, so kept for the next estimate
+    of the same read graph)."""
+    key = (id(graph), id(fused), prec)
+    hit = _COSTS.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is fused:
+        return hit[2]
+    bits = tensor_bits(graph)
+    for n in graph.nodes:  # a DequantizeLinear that runs (as written) writes its float output
+        if n.op == "DequantizeLinear" and fused.status.get(n.index) == "runs":
+            for t in n.outputs:
+                if t is not None:
+                    bits.pop(t.name, None)
+    costs = {n.index: node_cost(n, bits, prec) for n in graph.nodes}
+    while len(_COSTS) >= 32:
+        _COSTS.pop(next(iter(_COSTS)))
+    _COSTS[key] = (graph, fused, costs)
+    return costs
 
 
 def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roofs, dram: float, cache: float,
