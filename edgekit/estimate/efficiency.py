@@ -52,6 +52,7 @@ class Roofs:
     sm_count: int
     eff: dict[str, float]
     calibration: str | None = None
+    host_copy_gbs: float = 0.0  # graph inputs and outputs copied between host and device (0: not counted)
 
     def peak(self, precision: str) -> float:
         """Ops per second at a precision (the nearest the target has: int4 computes as int8
@@ -92,7 +93,8 @@ def roofs_for(target: Target | str, calibrated: bool = True) -> Roofs:
                 overhead = float(cal["kernel_overhead_us"])
             path = str(cal.get("path"))
     return Roofs(target.kind, dict(target.peak_tops), target.memory_bandwidth_gbs, target.cache_mb,
-                 target.cache_bandwidth_gbs or target.memory_bandwidth_gbs, overhead, target.sm_count or 1, eff, path)
+                 target.cache_bandwidth_gbs or target.memory_bandwidth_gbs, overhead, target.sm_count or 1, eff, path,
+                 float(eff.get("host_copy_gbs", target.host_copy_gbs)))
 
 
 def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, depthwise: bool = False) -> float:

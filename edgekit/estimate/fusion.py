@@ -51,6 +51,8 @@ class Kernel:
     nodes: list[Node]
     pattern: str  # "single" | "epilogue" | "pointwise" | "layernorm" | "gelu" | "attention"
     keeps_intermediates: bool = False  # the fused attention of ONNX Runtime still writes its scores
+    reorder_in: bool = False  # ONNX Runtime's blocked (NCHWc) convolution copies its input into its layout
+    reorder_out: bool = False  # ... and its output back, for a reader that is not a blocked op
 
 
 @dataclass
@@ -86,8 +88,10 @@ class _Sets:
         self.sizes[a] = 1
 
 
-def fuse(graph: Graph, runtime: str) -> Fused:
-    """Group the graph's nodes into the kernels ``runtime`` runs (see the module docstring)."""
+def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
+    """Group the graph's nodes into the kernels ``runtime`` runs (see the module docstring).
+    ``blocked_layout``: ONNX Runtime on a CPU with AVX-512/AVX2 runs convolutions in its
+    blocked NCHWc layout, with a reorder copy wherever a convolution meets another op."""
     if runtime not in FUSION_RUNTIMES:
         raise BadInputError(bad_choice("fusion runtime", runtime, FUSION_RUNTIMES))
     status: dict[int, str] = {}
@@ -218,7 +222,26 @@ def fuse(graph: Graph, runtime: str) -> Fused:
         else:
             kernels.append(Kernel(head, ns, "single"))
     kernels.sort(key=lambda k: k.head.index)
+    if blocked_layout and runtime == "onnxruntime":
+        _mark_reorders(kernels, graph, consumers, producers)
     return _finish(kernels, status)
+
+
+_BLOCKED_OPS = CONV_OPS | {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"}
+
+
+def _mark_reorders(kernels: list[Kernel], graph: Graph, consumers: Callable[[Node], list[Node]],
+                   producers: Callable[[Node], list[Node]]) -> None:
+    head_of = {n.index: k.head for k in kernels for n in k.nodes}
+    for k in kernels:
+        if k.head.op not in CONV_OPS:
+            continue
+        inside = {n.index for n in k.nodes}
+        before = [head_of.get(p.index) for p in producers(k.head)]
+        k.reorder_in = not before or any(h is None or h.op not in _BLOCKED_OPS for h in before)
+        after = [head_of.get(c.index) for n in k.nodes for c in consumers(n) if c.index not in inside]
+        k.reorder_out = any(h is None or h.op not in _BLOCKED_OPS for h in after) or \
+            any(t is not None and t.name in graph.outputs for n in k.nodes for t in n.outputs)
 
 
 def _ort_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets, pointwise: set[int]) -> None:
@@ -238,7 +261,7 @@ def _ort_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets,
         elif r.op == "QuantizeLinear":  # QDQ fusion: the kernel writes the 8-bit tensor
             chain.append(r)
             break
-        elif r.op in ("Add", "Mul", "Sub") and not activation and any(t is not None and t.const for t in r.inputs):
+        elif r.op in ("Add", "Mul") and not activation and any(t is not None and t.const for t in r.inputs):
             pass  # bias, scale (ONNX Runtime's conv-add and conv-mul fusions)
         elif r.op == "Add" and n.op in CONV_OPS and not residual and not activation:
             residual = True

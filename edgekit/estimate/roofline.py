@@ -100,6 +100,7 @@ class Estimate:
     memory_ms: float
     overhead_ms: float
     bound: str  # "compute" | "memory": which term dominates the total
+    io_ms: float  # graph inputs and outputs copied between host and device (target's host_copy_gbs)
     crossover: dict[str, float]
     peak_tops: dict[str, float]
     memory_bandwidth_gbs: float
@@ -164,7 +165,8 @@ class Estimate:
                  f"range basis: {self.basis}",
                  f"{self.kernels} kernels after {self.runtime} fusions ("
                  + ", ".join(f"{k} {v}" for k, v in sorted(self.fusions.items())) + f"); compute "
-                 f"{self.compute_ms:.3f} ms, memory {self.memory_ms:.3f} ms, kernel overhead {self.overhead_ms:.3f} ms",
+                 f"{self.compute_ms:.3f} ms, memory {self.memory_ms:.3f} ms, kernel overhead {self.overhead_ms:.3f} ms"
+                 + (f", input/output copies {self.io_ms:.3f} ms" if self.io_ms else ""),
                  f"work: {self.ops / 1e9:.3f} G ops, weights {self.weight_bytes / 1e6:.2f} MB, activations "
                  f"{self.activation_bytes / 1e6:.2f} MB; bandwidth {self.memory_bandwidth_gbs:g} GB/s",
                  f"efficiency: {'calibrated (' + self.calibration + ')' if self.calibration else 'target defaults'}",
@@ -237,7 +239,7 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
             raise BadInputError(bad_choice("precision", precision, PRECISIONS))
         tgt.require_precision(precision)
     rt = fusion_runtime(tgt, runtime, fuse)
-    graph, fused = _graph_and_kernels(model_or_onnx, batch, dims, rt)
+    graph, fused = _graph_and_kernels(model_or_onnx, batch, dims, rt, blocked=tgt.kind == "cpu")
     roofs = roofs_for(tgt, calibrated=calibrated)
     if efficiency:
         roofs = dataclasses.replace(roofs, eff={**roofs.eff, **efficiency})
@@ -245,13 +247,26 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
         roofs = dataclasses.replace(roofs, overhead_us=kernel_overhead_us)
     prec = Precision(_float_precision(tgt, precision), {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
     nodes = estimate_kernels(graph, fused, roofs, prec)
-    return _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch)
+    return _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch, _io_ms(graph, roofs, prec))
+
+
+def _io_ms(graph: Graph, roofs: Roofs, prec: Precision) -> float:
+    """Copying the graph's inputs in and outputs out, where the target counts it."""
+    if not roofs.host_copy_gbs:
+        return 0.0
+    consumed = {t.name: t for n in graph.nodes for t in n.inputs if t is not None and not t.const}
+    produced = {t.name for n in graph.nodes for t in n.outputs if t is not None}
+    inputs = [t for name, t in consumed.items() if name not in produced]
+    outputs = [t for n in graph.nodes for t in n.outputs if t is not None and t.name in graph.outputs]
+    total = sum(t.stored_bytes for t in inputs) + sum(t.stored_bytes for t in outputs)
+    return total / (roofs.host_copy_gbs * 1e9) * 1e3
 
 
 _MEMO: dict[tuple[Any, ...], tuple[Graph, Fused]] = {}  # ONNX file, size, mtime, batch, dims, runtime -> read
 
 
-def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | None, rt: str) -> tuple[Graph, Fused]:
+def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | None, rt: str,
+                       blocked: bool = False) -> tuple[Graph, Fused]:
     """The shape-inferred graph and its kernels; an ONNX file's are kept for the next
     estimate of the same file and settings (sweeps over targets and efficiency fits)."""
     key = None
@@ -259,11 +274,12 @@ def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | No
         p = Path(model_or_onnx)
         if p.is_file():
             st = p.stat()
-            key = (str(p.resolve()), st.st_size, st.st_mtime_ns, batch, tuple(sorted((dims or {}).items())), rt)
+            key = (str(p.resolve()), st.st_size, st.st_mtime_ns, batch, tuple(sorted((dims or {}).items())), rt,
+                   blocked)
             if key in _MEMO:
                 return _MEMO[key]
     graph = read_graph(model_or_onnx, batch, dims)
-    out = (graph, fuse(graph, rt))
+    out = (graph, fuse(graph, rt, blocked_layout=blocked))
     if key is not None:
         while len(_MEMO) >= 32:
             _MEMO.pop(next(iter(_MEMO)))
@@ -352,7 +368,12 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
         eff = roofs.class_eff("attention", head.precision)
         compute_s = ops / (roofs.peak(head.precision) * eff)
         head_eff = eff
-    overhead_s = roofs.overhead_us * 1e-6
+    launches = 1 + k.reorder_in + k.reorder_out
+    if k.reorder_in:  # layout copies of the blocked convolution: read and write its input / output again
+        memory_s += 2 * sum(reads.values()) / dram
+    if k.reorder_out:
+        memory_s += 2 * sum(writes.values()) / dram
+    overhead_s = roofs.overhead_us * 1e-6 * launches
     time_s = max(compute_s, memory_s) + overhead_s
     act = sum(reads.values()) + sum(writes.values())
     bytes_ = act + weight
@@ -443,7 +464,7 @@ def _group(nodes: list[NodeEstimate], key: str, total: float) -> list[dict[str, 
 
 
 def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target, roofs: Roofs, rt: str,
-              precision: str | None, prec: Precision, batch: int) -> Estimate:
+              precision: str | None, prec: Precision, batch: int, io_ms: float = 0.0) -> Estimate:
     warnings = list(graph.warnings)
     notes: list[str] = []
     graph_precision = _graph_precision(nodes)
@@ -465,7 +486,7 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
                         "memory-bound (bytes in and out only): "
                         + ", ".join(f"{op} x{c}" for op, c in sorted(unknown.items())))
     runs = [n for n in nodes if n.status == "runs"]
-    total = sum(n.time_ms for n in runs)
+    total = sum(n.time_ms for n in runs) + io_ms
     compute = sum(n.compute_ms for n in runs)
     memory = sum(n.memory_ms for n in runs)
     classes = _group(nodes, "op_class", total)
@@ -479,7 +500,7 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
         ops=sum(n.ops for n in nodes if n.status in ("runs", "fused") and n.status == "runs"),
         weight_bytes=sum(n.weight_bytes for n in runs),
         activation_bytes=sum(n.activation_bytes for n in runs), compute_ms=compute, memory_ms=memory,
-        overhead_ms=sum(n.overhead_ms for n in runs), bound="compute" if compute >= memory else "memory",
+        overhead_ms=sum(n.overhead_ms for n in runs), io_ms=io_ms, bound="compute" if compute >= memory else "memory",
         crossover=crossover, peak_tops=dict(tgt.peak_tops), memory_bandwidth_gbs=tgt.memory_bandwidth_gbs,
         nodes=nodes, kernels=len(fused.kernels), fusions=dict(fused.counts), runtime=rt, op_mix=mix,
         op_types=_group(nodes, "op_type", total), op_classes=classes, stages=_group(nodes, "stage", total),
