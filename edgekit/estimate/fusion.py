@@ -149,12 +149,16 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
     for n in live:
         sets.find(n.index)
     # Islands: a pointwise node joins its pointwise producer when every reader of that
-    # producer's output is pointwise (the intermediate then never leaves the kernel).
+    # producer's output is pointwise (the intermediate then never leaves the kernel) and
+    # there are few of them (a tensor read all over the graph, like an attention mask
+    # computed once, is written once, not fused into every reader).
     for n in live:
         if n.index not in pointwise:
             continue
         for p in producers(n):
-            if p.index in pointwise and not is_graph_output(p) and all(c.index in pointwise for c in consumers(p)):
+            readers = consumers(p)
+            if p.index in pointwise and not is_graph_output(p) and len({r.index for r in readers}) <= 3 \
+                    and all(c.index in pointwise for c in readers):
                 sets.union(n.index, p.index)
     members: dict[int, list[Node]] = {}
     for n in live:
