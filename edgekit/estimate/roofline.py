@@ -242,7 +242,8 @@ def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batc
     graph, fused = _graph_and_kernels(model_or_onnx, batch, dims, rt, blocked=tgt.kind == "cpu")
     roofs = roofs_for(tgt, calibrated=calibrated)
     if efficiency:
-        roofs = dataclasses.replace(roofs, eff={**roofs.eff, **efficiency})
+        roofs = dataclasses.replace(roofs, eff={**roofs.eff, **efficiency},
+                                    host_copy_gbs=float(efficiency.get("host_copy_gbs", roofs.host_copy_gbs)))
     if kernel_overhead_us is not None:
         roofs = dataclasses.replace(roofs, overhead_us=kernel_overhead_us)
     prec = Precision(_float_precision(tgt, precision), {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
