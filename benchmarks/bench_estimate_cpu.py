@@ -32,7 +32,7 @@ FIT_FAMILIES = ("efficientnet", "centerface", "smollm2")
 HELD_OUT_FAMILIES = ("fmnist-cnn", "picodet", "nsfw-resnet50", "minilm", "minilm-int8", "gemma3")
 OUT = ROOT / "benchmarks" / "results" / "estimate_cpu.json"
 # Fitted: the compute share per class. Not fitted: the memory roof (measured: facts.md, 25.4 GB/s read
-# with numpy, in the target file) and the per-kernel overhead (ONNX Runtime's time for nodes with no work).
+# with numpy, in the target file) and the per-kernel overhead (node_overhead_us, a microbenchmark).
 FITTED_KEYS = ("conv", "depthwise-conv", "matmul", "elementwise")
 
 
@@ -177,6 +177,38 @@ def measure(case: dict[str, Any], min_s: float = 2.0, min_runs: int = 10) -> dic
     return {"cpu_ms": statistics.median(cpu), "wall_ms": statistics.median(wall), "runs": len(cpu)}
 
 
+def node_overhead_us() -> float:
+    """ONNX Runtime's cost per node with no work (1 thread): a chain of 400 Adds on 16 floats
+    against a chain of 10, median per-process CPU time. The fit takes it as the kernel overhead."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def chain(n: int) -> bytes:
+        nodes = [helper.make_node("Add", [f"t{i}", "one"], [f"t{i + 1}"]) for i in range(n)]
+        g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [1, 16])],
+                              [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+
+    med = {}
+    for n in (10, 410):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(chain(n), so, providers=["CPUExecutionProvider"])
+        x = {"t0": np.zeros((1, 16), np.float32)}
+        for _ in range(50):
+            sess.run(None, x)
+        times = []
+        for _ in range(400):
+            c0 = time.process_time()
+            sess.run(None, x)
+            times.append(time.process_time() - c0)
+        med[n] = statistics.median(times) * 1e6
+    return (med[410] - med[10]) / 400
+
+
 def _estimate(case: dict[str, Any], eff: dict[str, float] | None, overhead: float | None) -> Any:
     from edgekit.estimate import estimate
 
@@ -184,7 +216,7 @@ def _estimate(case: dict[str, Any], eff: dict[str, float] | None, overhead: floa
                     kernel_overhead_us=overhead, calibrated=False)
 
 
-def fit(rows: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
+def fit(rows: list[dict[str, Any]], overhead_us: float) -> tuple[dict[str, float], float]:
     """Efficiency factors and kernel overhead minimising squared log error on ``rows``."""
     import numpy as np
     from scipy.optimize import minimize
@@ -200,7 +232,7 @@ def fit(rows: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
         eff = {k: float(v[i]) for i, k in enumerate(FITTED_KEYS)}
         for k in ("normalization", "reduction", "data-movement", "other"):
             eff[k] = eff["elementwise"]
-        return eff, base.overhead_us
+        return eff, overhead_us
 
     def loss(x: Any) -> float:
         eff, ov = unpack(x)
@@ -238,8 +270,10 @@ def main() -> None:
     fit_rows = [r for r in rows if r["family"] in FIT_FAMILIES]
     held = [r for r in rows if r["family"] not in FIT_FAMILIES]
     assert not {r["family"] for r in fit_rows} & {r["family"] for r in held}
+    overhead_us = node_overhead_us()
+    print(f"ONNX Runtime per-node overhead (microbenchmark): {overhead_us:.2f} us", flush=True)
     t0 = time.perf_counter()
-    eff, overhead = fit(fit_rows)
+    eff, overhead = fit(fit_rows, overhead_us)
     print(f"fitted on {len(fit_rows)} cases of {sorted({r['family'] for r in fit_rows})} in "
           f"{time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in eff.items())
           + f", kernel overhead {overhead:.2f} us", flush=True)
