@@ -50,7 +50,6 @@ def _site(rel: str) -> Path | None:
 def _resized(src: Path, name: str, shape: list[int]) -> Path:
     """A copy of a fixed-shape ONNX file with its one input set to ``shape`` (CenterFace ships 10x3x32x32)."""
     import onnx
-
     from bench_estimate import _cache
 
     out = _cache() / f"{name}.onnx"
@@ -74,8 +73,8 @@ def _resized(src: Path, name: str, shape: list[int]) -> Path:
 def cases(with_gemma: bool) -> list[dict[str, Any]]:
     """family, label, onnx, batch, dims for every measured case."""
     import torch
-
     from bench_estimate import _export, _seq_dims, _smollm2_folder
+
     from edgekit.sources.fmnist import FashionCNN, fmnist_handle
     from edgekit.sources.models import load_model
 

@@ -55,7 +55,6 @@ TUNED_KEYS = ("conv", "memory", "host_copy_gbs")  # int8 convolutions share the 
 def graphs() -> dict[str, tuple[str, dict[str, int]]]:
     """graph name -> (ONNX path, dims), exported once into the cache."""
     import torch
-
     from bench_estimate import _cache
     from published_models import YOLO11, Bert, ResNet50, export
 

@@ -202,9 +202,10 @@ class Detect(nn.Module):
         for i, x in enumerate(xs):
             h, w = x.shape[2:]
             outs.append(torch.cat((self.box[i](x), self.cls[i](x)), 1).view(b, 4 * self.reg + self.nc, -1))
-            sy, sx = torch.meshgrid(torch.arange(h) + 0.5, torch.arange(w) + 0.5, indexing="ij")
+            sy, sx = torch.meshgrid(torch.arange(h, dtype=x.dtype) + 0.5, torch.arange(w, dtype=x.dtype) + 0.5,
+                                    indexing="ij")
             anchors.append(torch.stack((sx, sy), -1).view(-1, 2))
-            strides.append(torch.full((h * w, 1), 640 / w))
+            strides.append(torch.full((h * w, 1), 8.0 * 2 ** i, dtype=x.dtype))  # strides 8, 16, 32
         y = torch.cat(outs, 2)
         anchor = torch.cat(anchors).transpose(0, 1)
         stride = torch.cat(strides).transpose(0, 1)

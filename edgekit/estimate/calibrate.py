@@ -25,7 +25,6 @@ end-to-end latency is fitted: one factor scaling every class.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import tempfile
