@@ -34,17 +34,23 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, UnavailableError
+from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions, read_manifest
+from edgekit.build import build_engine, load_engine
+from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.estimate.efficiency import calibration_path, load_calibration, roofs_for
 from edgekit.estimate.graph import load_graph, strip_weights
 from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate
+from edgekit.export.onnx import export_onnx
+from edgekit.profiling import ProfileConfig, measure, profile_engine
+from edgekit.runtimes.base import BuildOptions
+from edgekit.sources.handle import random_inputs
+from edgekit.sources.models import load_model, load_onnx_file
 from edgekit.targets import load_target
 
 
 # --- the saved factors -----------------------------------------------------------------------------
 def save_calibration(target: Any, efficiency: dict[str, float], kernel_overhead_us: float,
                      meta: dict[str, Any]) -> Path:
-    from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions
 
     tgt = load_target(target)
     path = calibration_path(tgt)
@@ -178,8 +184,6 @@ class Measurement:
 
 
 def _feeds_for(onnx_path: Path, batch: int, dims: dict[str, int]) -> dict[str, np.ndarray]:
-    from edgekit.sources.handle import random_inputs
-    from edgekit.sources.models import load_onnx_file
 
     handle = load_onnx_file(onnx_path)
     feeds = random_inputs(handle.inputs, batch, **dims)
@@ -198,9 +202,6 @@ def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims
     """Build an ONNX Runtime engine of the graph on this CPU and time it (end to end and per node)."""
     import onnx
 
-    from edgekit.build import build_engine, load_engine
-    from edgekit.profiling import ProfileConfig, measure
-    from edgekit.runtimes.base import BuildOptions
 
     dims = dict(dims or {})
     with tempfile.TemporaryDirectory(prefix="edgekit-calib-") as tmp:
@@ -216,7 +217,6 @@ def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims
         build_engine(str(src), target, engine_dir, BuildOptions(
             optimization_level=optimization_level, threads=threads, runtime="onnxruntime", batch=batch,
             extra={"feeds": feeds, "export": {"skip_parity": True}}))
-        from edgekit.artifact import read_manifest
 
         manifest = read_manifest(engine_dir)
         graph = strip_weights(onnx.load(str(manifest.path_of(engine_dir, "model")), load_external_data=False))
@@ -386,7 +386,7 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
                               kernel_overhead_us=overhead_us, calibrated=False)
                 row.update(user_before_ms=ub.total_ms, user_after_ms=ua.total_ms,
                            user_error_before=_rel(ub.total_ms, m.p50_ms), user_error_after=_rel(ua.total_ms, m.p50_ms))
-            except Exception as exc:  # the original graph may not be loadable here; keep the fitted report
+            except (EdgekitError, OSError) as exc:  # the original graph may not load here; keep the report
                 notes.append(f"{m.model}: no estimate of the original graph ({exc})")
         per: dict[str, dict[str, float]] = {}
         if m.graph is not None:
@@ -446,9 +446,6 @@ def measure_gpu(model: Any, target: Any, *, batch: int = 1, dims: dict[str, int]
         raise UnavailableError(f"torch is not installed ({e})") from None
     if not torch.cuda.is_available():
         raise UnavailableError("calibrating a GPU target needs a CUDA GPU here (torch.cuda.is_available() is False)")
-    from edgekit.build import build_engine
-    from edgekit.profiling import ProfileConfig, profile_engine
-    from edgekit.runtimes.base import BuildOptions
 
     with tempfile.TemporaryDirectory(prefix="edgekit-calib-gpu-") as tmp:
         engine_dir = build_engine(model, target, Path(tmp) / "engine",
@@ -497,14 +494,11 @@ def _as_onnx_file(model: Any, tmp: Path) -> Any:
         p = Path(str(model))
         if str(p).endswith(".onnx") or (p.is_dir() and (p / "manifest.json").is_file()):
             return model
-    from edgekit.export.onnx import export_onnx
-    from edgekit.sources.models import load_model
 
     handle = load_model(model)
     if handle.onnx_path is not None:
         return str(handle.onnx_path)
     out = Path(export_onnx(handle, tmp / "onnx"))
-    from edgekit.artifact import read_manifest
 
     return str(read_manifest(out).path_of(out, "onnx"))
 

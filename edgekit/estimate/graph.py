@@ -11,9 +11,14 @@ import ast
 import math
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import helper
 
 from edgekit.artifact import read_manifest
 from edgekit.errors import BadInputError, EdgekitError
@@ -79,7 +84,6 @@ class Graph:
 def load_graph(model_or_onnx: Any, export_dir: str | os.PathLike[str] | None = None) -> tuple[Any, str]:
     """(onnx.ModelProto without external weight data, display name) from an ONNX file, an
     edgekit folder (onnx, engine or model artifact), a model spec or a ``ModelHandle``."""
-    import onnx
 
     if isinstance(model_or_onnx, onnx.ModelProto):
         return model_or_onnx, model_or_onnx.graph.name or "model"
@@ -114,8 +118,6 @@ _GRAPH_CACHE: dict[tuple[str, int, int], Any] = {}  # (path, size, mtime) -> Mod
 
 def load_onnx(path: str | os.PathLike[str]) -> Any:
     """An ONNX file without its external data, large initializers' data dropped."""
-    import onnx
-    from google.protobuf.message import DecodeError
 
     p = Path(path)
     if not p.is_file():
@@ -138,7 +140,6 @@ def load_onnx(path: str | os.PathLike[str]) -> Any:
 def strip_weights(proto: Any, min_bytes: int = _BIG_INITIALIZER) -> Any:
     """The graph without the data of its large initializers (dims and types kept): all the
     estimator needs, at a fraction of the memory."""
-    import onnx
 
     for init in proto.graph.initializer:
         if init.data_type in (6, 7) and len(init.raw_data) <= 1 << 20:
@@ -157,8 +158,6 @@ def bind_dims(model: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any,
     batch) -> ``batch``, named dims from ``dims``, others 1 (reported). Weights whose
     data was dropped become graph inputs of their shape (shape inference never reads
     them); their names are returned as constants."""
-    import onnx
-    from onnx import helper
 
     dims = dict(dims or {})
     m = onnx.ModelProto()
@@ -208,7 +207,6 @@ def infer_shapes(model: Any) -> tuple[Any, list[str]]:
     """Shapes by ONNX Runtime's symbolic shape inference (contrib ops included), node by
     node: a node it cannot infer keeps what onnx's own inference gives it and the rest of
     the graph goes on. Without ONNX Runtime, ``onnx.shape_inference`` with data propagation."""
-    import onnx
 
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -274,7 +272,6 @@ def _shape_of(type_proto: Any) -> tuple[int, ...] | None:
 
 
 def _attrs(node: Any) -> dict[str, Any]:
-    from onnx import helper
 
     out: dict[str, Any] = {}
     for a in node.attribute:
@@ -351,7 +348,6 @@ def read_graph(model_or_onnx: Any, batch: int = 1, dims: dict[str, int] | None =
     shapeless = [n.op for n in nodes if n.op != "Constant" and any(t is not None and t.shape is None
                                                                      for t in n.outputs)]
     if shapeless:
-        from collections import Counter
 
         top = Counter(shapeless).most_common(6)
         warnings.append(f"{len(shapeless)} nodes have outputs of unknown shape (their work is undercounted): "
