@@ -317,7 +317,7 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     prior, prior_overhead_us = dict(prior_roofs.eff), prior_roofs.overhead_us
     runtime = measurements[0].runtime
     notes: list[str] = []
-    before: list[Estimate | None] = []
+    before: list[Estimate] = []
     obs: list[Observation] = []
     gaps: list[tuple[float, int]] = []
     small_overheads: list[float] = []

@@ -185,8 +185,8 @@ class Estimate:
                 lines.append(f"  {s['stage'][:40]:<42}{s['time_ms']:>9.3f} ms {s['share']:>7.1%}")
         for w in self.warnings:
             lines.append(f"warning: {w}")
-        for n in self.notes:
-            lines.append(f"note: {n}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
         return "\n".join(lines)
 
 

@@ -57,14 +57,14 @@ def estimate_range(total_ms: float, target: str, kind: str, mix: str,
     """The range of measured latency an estimate of ``total_ms`` stands for."""
     data = load_validation() if validation is None else validation
     entry = data.get(target)
-    borrowed = entry is None or not entry.get("cases")
-    if borrowed:
-        pooled = [c for name, e in data.items() if e.get("kind") == kind for c in e.get("cases", [])]
-        source = f"no validated cases for {target}; borrowed from other {kind} targets"
-        cases = pooled
-    else:
+    if entry is not None and entry.get("cases"):
+        borrowed = False
         cases = entry["cases"]
         source = entry.get("basis", f"validated on {target}")
+    else:
+        borrowed = True
+        cases = [c for e in data.values() if e.get("kind") == kind for c in e.get("cases", [])]
+        source = f"no validated cases for {target}; borrowed from other {kind} targets"
     same = [c for c in cases if c.get("mix") == mix]
     used = same if len(same) >= 3 else cases
     if not used:
