@@ -250,22 +250,19 @@ def main() -> None:
     args = ap.parse_args()
     from edgekit.artifact import machine_info, package_versions
 
-    if args.refit and OUT.is_file():
-        rows = json.loads(OUT.read_text())["cases"]
-    else:
-        rows = cases(args.gemma)
-        done = {r["case"]: r for r in json.loads(OUT.read_text())["cases"] if "cpu_ms" in r} if OUT.is_file() else {}
-        for r in rows:
-            if r["case"] in done:  # measured before: kept
-                r.update({k: done[r["case"]][k] for k in ("cpu_ms", "wall_ms", "runs")})
-                continue
-            r.update(measure(r))
-            OUT.parent.mkdir(parents=True, exist_ok=True)
-            OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "cases": [x for x in rows if "cpu_ms" in x]},
-                                      indent=1, default=str))
-            print(f"measured {r['case']:<32} {r['cpu_ms']:9.3f} ms CPU  {r['wall_ms']:9.3f} ms wall", flush=True)
+    rows = cases(args.gemma)
+    done = {r["case"]: r for r in json.loads(OUT.read_text())["cases"] if "cpu_ms" in r} if OUT.is_file() else {}
+    if args.refit:  # only what was measured before
+        rows = [r for r in rows if r["case"] in done]
+    for r in rows:
+        if r["case"] in done:  # measured before: kept (delete the JSON to measure again)
+            r.update({k: done[r["case"]][k] for k in ("cpu_ms", "wall_ms", "runs")})
+            continue
+        r.update(measure(r))
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "cases": rows}, indent=1, default=str))
+        OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "cases": [_public(x) for x in rows if "cpu_ms" in x]},
+                                  indent=1, default=str))
+        print(f"measured {r['case']:<32} {r['cpu_ms']:9.3f} ms CPU  {r['wall_ms']:9.3f} ms wall", flush=True)
     fit_rows = [r for r in rows if r["family"] in FIT_FAMILIES]
     held = [r for r in rows if r["family"] not in FIT_FAMILIES]
     assert not {r["family"] for r in fit_rows} & {r["family"] for r in held}
@@ -299,7 +296,7 @@ def main() -> None:
     OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "fit_families": FIT_FAMILIES,
                                "held_out_families": sorted({r["family"] for r in held}),
                                "fitted": {"efficiency": eff, "kernel_overhead_us": overhead},
-                               "summary": summary, "cases": rows, "machine": machine_info(),
+                               "summary": summary, "cases": [_public(r) for r in rows], "machine": machine_info(),
                                "versions": package_versions(), "created": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                          time.gmtime())},
                               indent=1, default=str))
@@ -309,6 +306,11 @@ def main() -> None:
     if args.write_target:
         print("fitted factors for edgekit/targets/cpu.yaml:\nefficiency: {"
               + ", ".join(f"{k}: {v:.3g}" for k, v in eff.items()) + f"}}\nkernel_overhead_us: {overhead:.2f}")
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    """A result row as it is committed: the graph's file name, not where it sits on this machine."""
+    return {**row, "onnx": Path(row["onnx"]).name}
 
 
 def _write_validation(target: str, kind: str, basis: str, rows: list[dict[str, Any]]) -> None:
