@@ -28,13 +28,16 @@ import dataclasses
 import fnmatch
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
+from edgekit.compress import Step, config_to_dict
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import check_fields
+from edgekit.sources.data import load_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
@@ -228,7 +231,6 @@ def _calibration_batches(handle: ModelHandle, ctx: Any, config: PruneConfig) -> 
     is_lm = handle.kind == "causal-lm"
     bs = 2 if is_lm else 8  # LM: 2 windows of 256 tokens per batch
     try:
-        from edgekit.sources.data import load_samples
 
         samples = load_samples(spec, handle, split="calib", seed=getattr(ctx, "seed", 0),
                                **({"seqlen": 256} if is_lm else {}))
@@ -360,7 +362,7 @@ def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> d
     return facts
 
 
-def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: list[str] = ()) -> dict[str, Any]:
+def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: Sequence[str] = ()) -> dict[str, Any]:
     """Remove query heads of every Llama-style attention layer: ``ceil(ratio * heads /
     kv_heads)`` from each key/value group (so grouped-query attention stays valid),
     scored by the norm of their q_proj rows and o_proj columns; key/value heads stay.
@@ -478,8 +480,14 @@ def rebuild(handle: ModelHandle, config: PruneConfig, record: StepRecord) -> Mod
 # ----------------------------------------------------------------------------- latency
 
 
+class Latency(TypedDict):
+    p50_ms: float
+    p90_ms: float
+    via: str  # how it was timed: "profile_engine" or "onnxruntime"
+
+
 def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: float | None = None,
-                    threads: int = 1) -> dict[str, float]:
+                    threads: int = 1) -> Latency:
     """p50/p90 latency (ms) of the model's ONNX Runtime engine at batch 1: through
     ``build_engine`` + ``profile_engine`` when the spine provides them, else a direct
     ONNX Runtime session on a plain export."""
@@ -546,7 +554,6 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
     the engine latency before and after."""
     import copy
 
-    from edgekit.compress import config_to_dict
 
     if handle.module is None:
         raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
@@ -593,7 +600,6 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
 
 
 def _make_step() -> Any:
-    from edgekit.compress import Step
 
     return Step("prune", PruneConfig, apply,
                 "structured channel/head pruning with Torch-Pruning's dependency graph",

@@ -7,9 +7,12 @@ TensorRT or a GPU.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edgekit.errors import bad_choice
+
+if TYPE_CHECKING:  # base imports this registry; the protocol is only a type here
+    from edgekit.runtimes.base import Runtime
 
 RUNTIMES: dict[str, str] = {
     "onnxruntime": "edgekit.runtimes.onnxruntime:RUNTIME",
@@ -18,8 +21,10 @@ RUNTIMES: dict[str, str] = {
 }
 
 
-def get_runtime(name: str) -> Any:
+def get_runtime(name: str) -> Runtime:
+    """The runtime object registered under ``name`` (its module is imported now)."""
     if name not in RUNTIMES:
         raise bad_choice("runtime", name, RUNTIMES)
     mod, attr = RUNTIMES[name].split(":")
-    return getattr(importlib.import_module(mod), attr)
+    runtime: Runtime = getattr(importlib.import_module(mod), attr)
+    return runtime

@@ -23,7 +23,7 @@ from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes import RUNTIMES
 from edgekit.schema import FieldError, check_fields
-from edgekit.sources.handle import InputSpec
+from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.targets import Target
 
 
@@ -238,15 +238,15 @@ class Runtime(Protocol):
         when it holds none and the engine is to be timed here."""
         ...
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Write the engine's files into ``out_dir`` (a staged folder); return the
         manifest fields: ``files``, ``config`` (settings to record), ``metrics``."""
         ...
 
-    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> Engine: ...
+    def load(self, engine_dir: Path, manifest: Manifest, threads: int | None = None) -> Engine: ...
 
 
-def resolve_onnx(model: Any) -> Path:
+def resolve_onnx(model: str | Path | ModelHandle) -> Path:
     """The ONNX file a runtime builds from: a path, an ONNX artifact folder, or a handle's ``onnx_path``."""
     p = Path(str(getattr(model, "onnx_path", None) or model))
     if p.is_dir():

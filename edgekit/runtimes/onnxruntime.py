@@ -31,8 +31,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
-from edgekit.sources.handle import InputSpec
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
+from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
+from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
 
 OPT_FILE = "model.opt.onnx"
@@ -137,7 +138,6 @@ def _type_to_numpy(t: str) -> str:
 
 
 def _sample_feeds(inputs: list[InputSpec]) -> dict[str, np.ndarray]:
-    from edgekit.sources.handle import random_inputs
 
     return random_inputs(inputs, 1)
 
@@ -162,7 +162,7 @@ class OnnxRuntime:
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None  # ONNX Runtime engines are timed here, by profiling
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""
         import onnx
 
@@ -176,7 +176,6 @@ class OnnxRuntime:
         opt_path = out_dir / OPT_FILE
         t0 = time.perf_counter()
         so = session_options(level, options.threads, optimized_path=str(opt_path), large=large)
-        from edgekit.runtimes.ort_providers import build_providers
 
         provider_arg, provider_options = build_providers(providers, options, out_dir, target)
         sess = _session(src, so, provider_arg)
@@ -187,7 +186,6 @@ class OnnxRuntime:
         offline = opt_path.is_file()
         warm: dict[str, Any] = {}
         if "TensorrtExecutionProvider" in providers:  # its engines build at the first inference: do it now
-            from edgekit.runtimes.ort_providers import warm_ep_cache
 
             warm = warm_ep_cache(sess, feeds, out_dir)
         try:
@@ -240,7 +238,7 @@ class OnnxRuntime:
                         "model_size_mb": round(_size_mb(out_dir, files), 3), **warm},
         }
 
-    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> OrtEngine:
+    def load(self, engine_dir: Path, manifest: Manifest, threads: int | None = None) -> OrtEngine:
         engine_dir = Path(engine_dir)
         session = dict(manifest.config.get("session", {}))
         providers = select_providers(tuple(session.get("providers", ["CPUExecutionProvider"])),
@@ -248,7 +246,6 @@ class OnnxRuntime:
         level = session.get("load_optimization_level", "disable")
         threads = threads if threads is not None else (session.get("intra_op_num_threads") or None)
         path = manifest.path_of(engine_dir, "model")
-        from edgekit.runtimes.ort_providers import load_providers
 
         provider_arg = load_providers(providers, session.get("provider_options") or {}, engine_dir)
         return OrtEngine(path, providers, level, threads, provider_arg)
@@ -560,7 +557,7 @@ def _strip_source_location(text: str) -> str:
     return text[:m.start()] + rest.strip()
 
 
-RUNTIME = OnnxRuntime()
+RUNTIME: Runtime = OnnxRuntime()
 
 
 # --- causal LMs with the KV cache -----------------------------------------------------------------
