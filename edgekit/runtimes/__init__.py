@@ -1,8 +1,8 @@
 """Runtimes: one module per runtime, behind the protocol in ``base``.
 
-``RUNTIMES`` is the explicit registry, name -> "module:attribute" of the runtime
-object, imported on first use so that the package imports without onnxruntime,
-TensorRT or a GPU.
+``RUNTIMES`` (in ``registry``) is the explicit registry, name -> "module:attribute" of
+the runtime object, imported on first use so that the package imports without
+onnxruntime, TensorRT or a GPU.
 """
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from edgekit.errors import bad_choice
+from edgekit.runtimes.registry import RUNTIMES
 
 if TYPE_CHECKING:  # base imports this registry; the protocol is only a type here
     from edgekit.runtimes.base import Runtime
 
-RUNTIMES: dict[str, str] = {
-    "onnxruntime": "edgekit.runtimes.onnxruntime:RUNTIME",
-    "torch": "edgekit.runtimes.torch_aot:RUNTIME",
-    "tensorrt": "edgekit.runtimes.tensorrt:RUNTIME",
-}
+__all__ = ["RUNTIMES", "get_runtime"]
 
 
 def get_runtime(name: str) -> Runtime:

@@ -21,7 +21,7 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes.registry import RUNTIMES
 from edgekit.schema import FieldError, check_fields
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.targets import Target

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes.registry import RUNTIMES
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
 
 TARGETS_DIR = Path(__file__).parent
