@@ -79,7 +79,7 @@ def cli() -> None:
     profile it and check it against a latency budget."""
 
 
-# --- spine (issue 2) ---
+# --- export, build, profile, check, report ---
 
 @cli.command()
 def zoo() -> None:
@@ -368,7 +368,7 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
 
 
-# --- compress (issues 3, 4, 5) ---
+# --- compress ---
 
 @cli.command()
 @click.argument("model")
@@ -440,7 +440,7 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
 
 
-# --- distill (issue 5) ---
+# --- distill ---
 
 @cli.command("distill")
 @click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
@@ -482,10 +482,8 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
         _console().print(_table("final evaluation", ["metric", "value"], [[k, v] for k, v in ev.items()]))
     click.echo(f"wrote {out} ({' -> '.join(s['name'] for s in m.steps)})")
 
-# --- end distill (issue 5) ---
 
-
-# --- pipelines (issue 9) ---
+# --- pipelines: run and sweep ---
 
 @cli.command("run")
 @click.argument("recipe", type=click.Path())
@@ -552,7 +550,7 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
 
 
-# --- targets, TensorRT and remote devices (issue 7) ---
+# --- targets, TensorRT and remote devices ---
 
 @cli.group("targets", invoke_without_command=True)
 @click.pass_context
@@ -666,7 +664,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
         click.echo(f"wrote {json_out}")
 
 
-# --- estimate (issue 8) ---
+# --- estimate ---
 
 @cli.command("estimate")
 @click.argument("model")
@@ -703,7 +701,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
         click.echo(f"wrote {json_out}")
 
 
-# --- finetune (issue 6) ---
+# --- finetune ---
 
 @cli.command()
 @click.argument("model")
@@ -772,7 +770,6 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
                f"({lm.get('modules')} layers, {lm.get('steps')} steps, {lm.get('seconds_per_step')} s/step)")
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
 
-# --- end finetune (issue 6) ---
 
 
 def main() -> None:
