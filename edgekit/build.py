@@ -25,15 +25,16 @@ import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import BuildOptions, Engine
+from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.sources.data import read_arrays
 from edgekit.sources.handle import ModelHandle
+from edgekit.targets import Target
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
 
 
-def choose_runtime(target: Any, requested: str | None = None) -> Any:
+def choose_runtime(target: Target, requested: str | None = None) -> Runtime:
     """The requested runtime (must be available), or the target's first available one."""
     if requested:
         rt = _try_runtime(requested)
@@ -59,7 +60,7 @@ def choose_runtime(target: Any, requested: str | None = None) -> Any:
     raise UnavailableError(f"no runtime of target {target.name!r} is available here ({'; '.join(reasons)})")
 
 
-def _try_runtime(name: str) -> Any:
+def _try_runtime(name: str) -> Runtime | None:
     try:
         return get_runtime(name)
     except (ImportError, AttributeError):

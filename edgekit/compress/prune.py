@@ -34,11 +34,13 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from edgekit.compress import Step, config_to_dict
+from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.targets import Target
 
 LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
 IMPORTANCES = ("auto", "l1", "l2", "taylor", "bn-scale")
@@ -220,19 +222,19 @@ def count_macs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
             "params": int(sum(p.numel() for p in module.parameters())), "layers": layers}
 
 
-def _calibration_batches(handle: ModelHandle, ctx: Any, config: PruneConfig) -> list[tuple[tuple[Any, ...], Any]]:
+def _calibration_batches(handle: ModelHandle, ctx: StepContext | None, config: PruneConfig) -> list[tuple[tuple[Any, ...], Any]]:
     """(inputs, labels-or-None) batches for Taylor importance."""
     import torch
 
     names = [i.name for i in handle.inputs]
-    spec = getattr(ctx, "calib", None) or handle.default_calib
+    spec = (ctx.calib if ctx is not None else None) or handle.default_calib
     if spec is None:
         return [(example_inputs(handle, 8), None)]
     is_lm = handle.kind == "causal-lm"
     bs = 2 if is_lm else 8  # LM: 2 windows of 256 tokens per batch
     try:
 
-        samples = load_samples(spec, handle, split="calib", seed=getattr(ctx, "seed", 0),
+        samples = load_samples(spec, handle, split="calib", seed=ctx.seed if ctx is not None else 0,
                                **({"seqlen": 256} if is_lm else {}))
     except (ImportError, ModuleNotFoundError):
         return [(example_inputs(handle, 8), None)]
@@ -285,7 +287,7 @@ def _llama_layers(module: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> dict[str, Any]:
+def prune_module(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None = None) -> dict[str, Any]:
     """Prune ``handle.module`` in place; returns facts for the step record (no shapes)."""
     import torch
     import torch_pruning as tp
@@ -486,7 +488,7 @@ class Latency(TypedDict):
     via: str  # how it was timed: "profile_engine" or "onnxruntime"
 
 
-def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: float | None = None,
+def measure_latency(handle: ModelHandle, target: Target | str | None = None, *, duration_s: float | None = None,
                     threads: int = 1) -> Latency:
     """p50/p90 latency (ms) of the model's ONNX Runtime engine at batch 1: through
     ``build_engine`` + ``profile_engine`` when the spine provides them, else a direct
@@ -499,7 +501,6 @@ def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: floa
         try:
             from edgekit.build import build_engine
             from edgekit.profiling import ProfileConfig, profile_engine
-            from edgekit.runtimes.base import BuildOptions
 
             engine = build_engine(handle, target or "cpu", Path(tmp) / "engine",
                                   BuildOptions(threads=threads, runtime="onnxruntime"))
@@ -549,7 +550,7 @@ def time_onnx(handle: ModelHandle, path: Any, *, duration_s: float = 1.0, thread
 # ----------------------------------------------------------------------------- the step
 
 
-def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
+def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> ModelHandle:
     """Prune ``handle`` in place, record shapes and MACs, and (with a target) measure
     the engine latency before and after."""
     import copy
@@ -558,7 +559,7 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
     if handle.module is None:
         raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
     inputs = example_inputs(handle, 1)
-    target = getattr(ctx, "target", None)
+    target = ctx.target if ctx is not None else None
     before_model = copy.deepcopy(handle.module) if target is not None else None
     macs_before = count_macs(handle.module, inputs)
     shapes0, attrs0 = _snapshot(handle.module)
@@ -593,7 +594,7 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
             "attrs": _diff_attrs(attrs0, attrs1),
             "hf_config": {k: v for k, v in hf1.items() if hf0.get(k) != v}}
     handle.steps.append(StepRecord("prune", config_to_dict(config), meta))
-    if ctx is not None and hasattr(ctx, "metrics"):
+    if ctx is not None:
         ctx.metrics["prune"] = summary
     handle.extra["params"] = macs_after["params"]
     return handle
