@@ -28,7 +28,7 @@ import dataclasses
 import fnmatch
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -197,7 +197,7 @@ def count_macs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
     layers: dict[str, dict[str, int]] = {}
     hooks = []
 
-    def hook(name: str):
+    def hook(name: str) -> Callable[[Any, Any, Any], None]:
         def fn(mod: Any, args: Any, out: Any) -> None:
             out = _first_output(out)
             if isinstance(mod, torch.nn.Linear):
