@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, UnavailableError
-from edgekit.runtimes import RUNTIMES, get_runtime
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine
 from edgekit.sources.data import read_arrays
 from edgekit.sources.handle import ModelHandle
@@ -85,6 +85,8 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
         raise BadInputError(f"batch must be >= 1, got {options.batch}")
     if options.threads is not None and options.threads < 1:
         raise BadInputError(f"threads must be >= 1, got {options.threads}")
+    if options.runtime == BEST_RUNTIME:
+        return _build_best(model, target, Path(out_dir), options)
     runtime = choose_runtime(target, options.runtime)
     out_dir = Path(out_dir)
     src = None if isinstance(model, ModelHandle) else Path(str(model))
@@ -133,6 +135,84 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
             source=handle.source, model=described, steps=[dataclasses.asdict(s) for s in handle.steps],
             target=target.name))
     return out_dir
+
+
+def _build_best(model: Any, target: Any, out_dir: Path, options: BuildOptions) -> Path:
+    """``--runtime best``: build with each of the target's runtimes that is available and can be
+    timed here, time each engine briefly (interleaved rounds), keep the fastest, and record every
+    candidate's timing (or why it could not build) in the manifest."""
+    import tempfile
+
+    from edgekit.artifact import check_output_dir, read_manifest, staged_dir, write_manifest
+
+    protect = (model, getattr(model, "source", None), getattr(model, "onnx_path", None))
+    check_output_dir(out_dir, protect)
+    candidates: dict[str, dict[str, Any]] = {}
+    for name in target.runtimes:
+        rt = _try_runtime(name)
+        ok, why = rt.available() if rt is not None else (False, "not installed")
+        if ok and not rt.measures_here(target):
+            ok, why = False, f"cannot be timed here as it runs on target {target.name!r}"
+        if not ok:
+            candidates[name] = {"skipped": why}
+    names = [n for n in target.runtimes if n not in candidates]
+    if not names:
+        why = "; ".join(f"{k}: {v['skipped']}" for k, v in candidates.items())
+        raise UnavailableError(f"--runtime {BEST_RUNTIME} times each runtime on this machine; none of target "
+                               f"{target.name!r}'s can be ({why})")
+    with tempfile.TemporaryDirectory(prefix="edgekit-best-") as work:
+        built: dict[str, Path] = {}
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                built[name] = build_engine(model, target, Path(work) / name, dataclasses.replace(options, runtime=name))
+            except (BadInputError, UnavailableError, CheckFailedError) as e:
+                candidates[name] = {"error": str(e)}
+                continue
+            candidates[name] = {"build_seconds": round(time.perf_counter() - t0, 3)}
+        if not built:
+            why = "; ".join(f"{k}: {next(iter(v.values()))}" for k, v in candidates.items())
+            raise UnavailableError(f"no runtime of target {target.name!r} builds this model ({why})")
+        for name, timing in time_candidates(built, options.threads).items():
+            candidates[name].update(timing)
+        chosen = min(built, key=lambda n: candidates[n]["p50_ms"])
+        with staged_dir(out_dir, protect) as tmp:
+            shutil.copytree(built[chosen], tmp, dirs_exist_ok=True)
+            manifest = read_manifest(tmp)
+            manifest.config["runtime_choice"] = {
+                "requested": BEST_RUNTIME, "chosen": chosen,
+                "method": "each candidate built and timed here, interleaved rounds at batch "
+                          f"{options.batch}, threads {options.threads or 'all'}; the lowest p50 wins"}
+            manifest.metrics["runtime_candidates"] = candidates
+            write_manifest(tmp, manifest)
+    return out_dir
+
+
+def time_candidates(folders: dict[str, Path], threads: int | None, rounds: int = 5,
+                    round_s: float = 0.1, warmup_s: float = 0.2) -> dict[str, dict[str, float]]:
+    """Latency of each engine folder on its stored inputs: a warm-up, then ``rounds`` rounds in
+    which every engine runs for ``round_s`` (at least 3 runs), so a neighbour's load hits all alike."""
+    engines = {name: load_engine(folder, threads=threads) for name, folder in folders.items()}
+    feeds = {name: load_engine_inputs(folder) for name, folder in folders.items()}
+    samples: dict[str, list[float]] = {name: [] for name in folders}
+    try:
+        for name, engine in engines.items():
+            t_end = time.perf_counter() + warmup_s
+            engine.timed_run(feeds[name])
+            while time.perf_counter() < t_end:
+                engine.timed_run(feeds[name])
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                t_end = time.perf_counter() + round_s
+                n = 0
+                while n < 3 or time.perf_counter() < t_end:
+                    samples[name].append(engine.timed_run(feeds[name]))
+                    n += 1
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: {"p50_ms": round(float(np.median(v)), 4), "mean_ms": round(float(np.mean(v)), 4),
+                   "iterations": len(v)} for name, v in samples.items()}
 
 
 def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) -> Engine:

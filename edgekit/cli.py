@@ -163,7 +163,8 @@ def _print_parity(folder: Path) -> None:
 @click.argument("model")
 @click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
-@click.option("--runtime", default=None, help="onnxruntime | torch | tensorrt (default: the target's first available).")
+@click.option("--runtime", default=None, help="onnxruntime | openvino | torch | tensorrt | best (build with each "
+              "runtime the target lists, time them here, keep the fastest); default: the target's first available.")
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
@@ -194,6 +195,8 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
         click.echo(check_summary)
     for w in m.metrics.get("warnings", []):
         click.echo(f"warning: {w}")
+    for name, c in (m.metrics.get("runtime_candidates") or {}).items():
+        click.echo(f"  {name}: " + (f"p50 {c['p50_ms']:.3f} ms" if "p50_ms" in c else c.get("error") or c.get("skipped", "")))
     status = (m.config.get("status") or {}).get("summary")
     click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
