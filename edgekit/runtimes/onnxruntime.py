@@ -382,8 +382,8 @@ def cpu_isa_flags() -> tuple[str, ...]:
 
 
 def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ...]) -> str:
-    """The kernel family and ISA a CPU node most likely runs: ``mlas-qgemm-u8s8/avx512-vnni`` for
-    an int8 convolution on a VNNI CPU, ``mlas-sgemm/avx512f`` for a float one (inferred: ONNX
+    """The kernel family and ISA a CPU node most likely runs: ``mlas-int8-u8s8/avx512-vnni`` for
+    an int8 convolution on a VNNI CPU (MLAS's integer kernels for that ISA), ``mlas-sgemm/avx512f`` for a float one (inferred: ONNX
     Runtime's profiler names the op, not the MLAS kernel). Other providers: their name."""
     if provider != "CPUExecutionProvider":
         return provider.replace("ExecutionProvider", "").lower()
@@ -396,7 +396,7 @@ def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ..
         simd = ("amx" if "amx_int8" in flags else "avx512-vnni" if "avx512_vnni" in flags else "avx-vnni"
                 if "avx_vnni" in flags else "avx512bw" if "avx512bw" in flags else "avx2" if "avx2" in flags
                 else "sse4.1")
-        return f"mlas-qgemm-u8s8/{simd}"
+        return f"mlas-int8-u8s8/{simd}"
     if base in _GEMM_OPS and precision == "fp32":
         return "mlas-sgemm/" + ("avx512f" if "avx512f" in flags else "fma3" if "fma" in flags else "sse")
     return "ort-cpu"

@@ -151,21 +151,26 @@ def exec_graph_kernels(compiled: Any) -> dict[str, dict[str, str]]:
 
 
 def kernel_summary(kernels: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Counts of primitive types and runtime precisions over the compute nodes of the execution
-    graph (inputs, outputs and constants left out), and the CPU's ISA flags."""
+    """Counts of primitive types and runtime precisions over the nodes of the execution graph
+    that run a kernel (inputs, outputs, constants and in-place reshapes counted apart), and
+    the CPU's ISA flags."""
     by_primitive: dict[str, int] = {}
     by_precision: dict[str, int] = {}
+    in_place = 0
     for k in kernels.values():
         if k["layer_type"] in ("Input", "Output", "Parameter", "Result", "Const", "Constant"):
             continue
-        prim = k["primitive"] or "undef"
+        prim = k["primitive"] or "unknown"
+        if prim.startswith("unknown"):  # no kernel: a Reshape/Squeeze done in place
+            in_place += 1
+            continue
         by_primitive[prim] = by_primitive.get(prim, 0) + 1
         prec = ov_precision(k["precision"])
         by_precision[prec] = by_precision.get(prec, 0) + 1
     return {"isa": list(cpu_isa_flags()), "device": str(_core().get_property(DEVICE, "FULL_DEVICE_NAME")),
             "source": "OpenVINO execution graph (primitiveType, runtimePrecision per node)",
             "by_primitive": dict(sorted(by_primitive.items(), key=lambda kv: -kv[1])),
-            "by_precision": dict(sorted(by_precision.items(), key=lambda kv: -kv[1]))}
+            "by_precision": dict(sorted(by_precision.items(), key=lambda kv: -kv[1])), "in_place_nodes": in_place}
 
 
 def ov_precision(name: str) -> str:
