@@ -230,3 +230,16 @@ def test_ort_profile_and_manifest_carry_kernels(tiny_onnx, tmp_path):
     k = read_manifest(out).metrics["kernels"]
     assert sum(k["by_kernel"].values()) == read_manifest(out).metrics["nodes"]
     assert any(label.startswith("mlas-sgemm/") for label in k["by_kernel"])
+
+
+def test_openvino_errors_are_one_line_without_source_locations():
+    from edgekit.runtimes.openvino import _first_line
+
+    e = RuntimeError("Exception from src/inference/src/cpp/core.cpp:84:\nCheck 'util::file_exists(path)' failed at "
+                     "src/frontends/common/src/frontend.cpp:117:\nFrontEnd API failed with GeneralFailure:\n"
+                     "onnx: Could not open the file: \"x.onnx\"\n\n")
+    assert _first_line(e) == 'onnx: Could not open the file: "x.onnx"'
+    e = RuntimeError("Exception from src/inference/src/cpp/core.cpp:84:\nException from src/inference/src/"
+                     "model_reader.cpp:148:\nUnable to read the model: \"g.onnx\" Please check the format.\n")
+    assert _first_line(e) == 'Unable to read the model: "g.onnx" Please check the format.'
+    assert _first_line(RuntimeError("")) == "RuntimeError"

@@ -85,7 +85,11 @@ def _compile(model: Any, config: dict[str, Any], what: str) -> Any:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith(("Check ", "/"))]
+    """OpenVINO's message without its ``Exception from src/...cpp:84:`` and ``Check '...' failed at``
+    location lines: the first line that says what is wrong."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("Exception from ", "Check '", "FrontEnd API failed"))
+             and " failed at src/" not in ln]
     text = lines[0] if lines else type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 
