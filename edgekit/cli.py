@@ -272,9 +272,11 @@ def _print_profile(result: Any, top_k: int) -> None:
                      [[f"{s.min:.3f}", f"{s.mean:.3f}", f"{s.p50:.3f}", f"{s.p90:.3f}", f"{s.p95:.3f}", f"{s.p99:.3f}",
                        f"{s.max:.3f}", f"{s.std:.3f}", f"{s.cv:.1%}", f"{result.throughput_per_s:.1f}/s"]]))
     if result.nodes:
-        con.print(_table(f"top {min(top_k, len(result.nodes))} nodes", ["node", "op", "ms", "share", "precision"],
+        kernels = any(n.kernel for n in result.nodes)  # the kernel/ISA column, where the runtime tells
+        con.print(_table(f"top {min(top_k, len(result.nodes))} nodes",
+                         ["node", "op", "ms", "share", "precision"] + (["kernel"] if kernels else []),
                          [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
-                          for n in result.nodes[:top_k]]))
+                          + ([n.kernel] if kernels else []) for n in result.nodes[:top_k]]))
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
                   f"time in float nodes: {result.float_share:.1%}")

@@ -217,6 +217,8 @@ def test_mlas_kernel_labels_follow_the_cpu_flags():
     assert kernel_label("FusedConv", "fp32", cpu, ("fma",)) == "mlas-sgemm/fma3"
     assert kernel_label("MatMulNBits", "int4", cpu, ("avx512f", "avx512_vnni")) == "mlas-sqnbitgemm/avx512-vnni"
     assert kernel_label("Relu", "fp32", cpu, ("avx512f",)) == "ort-cpu"
+    assert kernel_label("QLinearConv", "int8", cpu, ("amx_int8",), depthwise=True) == "mlas-int8-depthwise"
+    assert kernel_label("Conv", "fp32", cpu, ("avx512f",), domain="com.microsoft.nchwc") == "mlas-nchwc/avx512f"
     assert kernel_label("Conv", "fp32", "CUDAExecutionProvider", ()) == "cuda"
 
 
@@ -229,7 +231,7 @@ def test_ort_profile_and_manifest_carry_kernels(tiny_onnx, tmp_path):
     out = build_engine(tiny_onnx, "cpu", tmp_path / "engine", BuildOptions(runtime="onnxruntime"))
     k = read_manifest(out).metrics["kernels"]
     assert sum(k["by_kernel"].values()) == read_manifest(out).metrics["nodes"]
-    assert any(label.startswith("mlas-sgemm/") for label in k["by_kernel"])
+    assert any(label.startswith(("mlas-sgemm/", "mlas-nchwc/")) for label in k["by_kernel"])
 
 
 def test_openvino_errors_are_one_line_without_source_locations():

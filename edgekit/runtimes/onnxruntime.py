@@ -307,14 +307,15 @@ class OrtEngine:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return parse_profile(events, runs=warm + max(1, iterations), skip_runs=warm,
-                             graph_types=graph_dtypes(self.path))
+                             graph_types=graph_dtypes(self.path), depthwise=depthwise_nodes(self.path))
 
     def close(self) -> None:
         self.session = None
 
 
 def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
-                  graph_types: dict[str, tuple[str, str, list[str]]] | None = None) -> list[NodeTiming]:
+                  graph_types: dict[str, tuple[str, str, list[str]]] | None = None,
+                  depthwise: set[str] | None = None) -> list[NodeTiming]:
     """ORT's profiler JSON (Chrome trace events) -> one NodeTiming per node, ms per inference.
 
     Node events are ``{"cat": "Node", "name": "<node>_kernel_time", "dur": us, "args":
@@ -350,7 +351,9 @@ def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
         precision, quantized = node_precision(op, types)
         out.append(NodeTiming(name=node, op_type=op, time_ms=sum(kept) / measured / 1e3, precision=precision,
                               quantized=quantized, calls=calls_per_run,
-                              kernel=kernel_label(op, precision, rec["provider"] or "CPUExecutionProvider", isa)))
+                              kernel=kernel_label(op, precision, rec["provider"] or "CPUExecutionProvider", isa,
+                                                  domain=graph_types.get(node, ("", "", []))[1],
+                                                  depthwise=node in (depthwise or ()))))
     for n in out:  # the provider is useful in reports; NodeTiming has no field for it, so keep it in the name
         prov = per_node[n.name]["provider"]
         if prov and prov != "CPUExecutionProvider":
@@ -381,14 +384,21 @@ def cpu_isa_flags() -> tuple[str, ...]:
     return ()
 
 
-def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ...]) -> str:
-    """The kernel family and ISA a CPU node most likely runs: ``mlas-int8-u8s8/avx512-vnni`` for
-    an int8 convolution on a VNNI CPU (MLAS's integer kernels for that ISA), ``mlas-sgemm/avx512f`` for a float one (inferred: ONNX
-    Runtime's profiler names the op, not the MLAS kernel). Other providers: their name."""
+def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ...], domain: str = "",
+                 depthwise: bool = False) -> str:
+    """The kernel family and ISA a CPU node most likely runs: ``mlas-int8-u8s8/avx512-vnni`` for an
+    int8 convolution or matmul on a VNNI CPU (MLAS's integer GEMM for that ISA),
+    ``mlas-nchwc/avx512f`` for a float convolution in the NCHWc layout, ``mlas-sgemm/avx512f``
+    for other float ones; depthwise convolutions run MLAS's depthwise kernels, named without
+    an ISA (inferred: ONNX Runtime's profiler names the op, not the MLAS kernel). Other
+    providers: their name."""
     if provider != "CPUExecutionProvider":
         return provider.replace("ExecutionProvider", "").lower()
     base = op_type.split("@")[0]
     flags = set(isa)
+    avx = "avx512f" if "avx512f" in flags else "fma3" if "fma" in flags else "sse"
+    if depthwise and precision in ("int8", "fp32"):
+        return "mlas-int8-depthwise" if precision == "int8" else f"mlas-depthwise/{avx}"
     if precision == "int4":
         return "mlas-sqnbitgemm/" + ("avx512-vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags
                                      else "avx2" if "avx2" in flags else "scalar")
@@ -397,9 +407,28 @@ def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ..
                 if "avx_vnni" in flags else "avx512bw" if "avx512bw" in flags else "avx2" if "avx2" in flags
                 else "sse4.1")
         return f"mlas-int8-u8s8/{simd}"
+    if domain == "com.microsoft.nchwc" and base in ("Conv", "FusedConv"):
+        return f"mlas-nchwc/{avx}"
     if base in _GEMM_OPS and precision == "fp32":
-        return "mlas-sgemm/" + ("avx512f" if "avx512f" in flags else "fma3" if "fma" in flags else "sse")
+        return f"mlas-sgemm/{avx}"
     return "ort-cpu"
+
+
+def depthwise_nodes(path: Path) -> set[str]:
+    """Names of the convolutions in the graph at ``path`` with one group per input channel (group > 1)."""
+    try:
+        import onnx
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except (OSError, ValueError, RuntimeError):
+        return set()
+    out = set()
+    for n in graph.node:
+        if "Conv" in n.op_type:
+            group = next((a.i for a in n.attribute if a.name == "group"), 1)
+            if group > 1:
+                out.add(n.name)
+    return out
 
 
 def kernel_summary(path: Path, providers: list[str]) -> dict[str, Any]:
@@ -407,8 +436,10 @@ def kernel_summary(path: Path, providers: list[str]) -> dict[str, Any]:
     isa = cpu_isa_flags()
     provider = providers[0] if providers else "CPUExecutionProvider"
     counts: dict[str, int] = {}
-    for op, _domain, types in graph_dtypes(path).values():
-        label = kernel_label(op, node_precision(op, types)[0], provider, isa)
+    depthwise = depthwise_nodes(path)
+    for name, (op, domain, types) in graph_dtypes(path).items():
+        label = kernel_label(op, node_precision(op, types)[0], provider, isa, domain=domain,
+                             depthwise=name in depthwise)
         counts[label] = counts.get(label, 0) + 1
     return {"isa": list(isa), "providers": providers,
             "source": "inferred from op types, precisions and CPU flags (ONNX Runtime does not report MLAS's "
