@@ -158,8 +158,8 @@ def _build_best(model: Any, target: Any, out_dir: Path, options: BuildOptions) -
     names = [n for n in target.runtimes if n not in candidates]
     if not names:
         why = "; ".join(f"{k}: {v['skipped']}" for k, v in candidates.items())
-        raise UnavailableError(f"--runtime {BEST_RUNTIME} times each runtime on this machine; none of target "
-                               f"{target.name!r}'s can be ({why})")
+        raise UnavailableError(f"--runtime {BEST_RUNTIME} builds and times each runtime on this machine; no runtime "
+                               f"of target {target.name!r} can be ({why})")
     with tempfile.TemporaryDirectory(prefix="edgekit-best-") as work:
         built: dict[str, Path] = {}
         for name in names:

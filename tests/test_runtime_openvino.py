@@ -245,3 +245,11 @@ def test_openvino_errors_are_one_line_without_source_locations():
                      "model_reader.cpp:148:\nUnable to read the model: \"g.onnx\" Please check the format.\n")
     assert _first_line(e) == 'Unable to read the model: "g.onnx" Please check the format.'
     assert _first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_best_needs_a_target_timed_here(tiny_onnx, tmp_path):
+    r = CliRunner().invoke(cli, ["build", str(tiny_onnx), "--target", "l4", "--runtime", "best", "-o", str(tmp_path / "e")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert r.output.startswith("error: --runtime best builds and times each runtime on this machine; no runtime of "
+                               "target 'l4' can be (")
+    assert not (tmp_path / "e").exists()
