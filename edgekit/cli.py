@@ -110,8 +110,13 @@ def zoo() -> None:
                    "architecture has it (Llama family).")
 @click.option("--block-size", type=int, default=None,
               help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
+@click.option("--weight-format", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
+              help="Packed low-bit layers (with --kv-cache): matmulnbits = ONNX Runtime's MatMulNBits (CPU, CUDA); "
+                   "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
+                   "when the weights were quantized with --sym).")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None) -> None:
+           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
+           weight_format: str) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -127,13 +132,14 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
         level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
         folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
-                                  block_size=block_size, **level, **tol)
+                                  block_size=block_size, fmt=weight_format, **level, **tol)
         _print_parity(folder)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
-    if graph != "auto" or block_size is not None:
-        raise BadInputError("--graph and --block-size apply to the KV-cache export of a causal LM (add --kv-cache)")
+    if graph != "auto" or block_size is not None or weight_format != "matmulnbits":
+        raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
+                            "(add --kv-cache)")
 
     fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
     if opset is not None:
