@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.schema import check_fields, show
+from edgekit.schema import FieldError, check_fields, show
 from edgekit.sources.handle import InputSpec, ModelHandle, fit_array
 
 DEFAULT_SEQUENCE = 128  # tokens, for a dynamic dimension of a token-id input nobody binds
@@ -202,28 +202,26 @@ class Preprocess:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.layout is not None and self.layout not in LAYOUTS:
-            raise bad_choice("preprocess layout", self.layout, LAYOUTS)
+            raise FieldError("layout", str(bad_choice("layout", self.layout, LAYOUTS)))
         if self.order is not None and self.order not in ORDERS:
-            raise bad_choice("preprocess channel order", self.order, ORDERS)
+            raise FieldError("order", str(bad_choice("channel order", self.order, ORDERS)))
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
-            raise BadInputError(f"preprocess scale must be a positive number (1: [0, 1], 255: raw pixels), "
-                                f"got {self.scale}")
+            raise FieldError("scale", f"must be a positive number (1: [0, 1], 255: raw pixels), got {self.scale}")
         for name in ("mean", "std"):
             v = getattr(self, name)
             if v is None:
                 continue
             object.__setattr__(self, name, tuple(float(x) for x in v))
             if len(v) not in (1, 3) or not all(math.isfinite(x) for x in v):
-                raise BadInputError(f"preprocess {name} must be 1 or 3 finite numbers (M or M/M/M), got "
-                                    f"{'/'.join(map(str, v))}")
+                raise FieldError(name, f"must be 1 or 3 finite numbers (M or M/M/M), got {'/'.join(map(str, v))}")
         if self.std is not None and any(x <= 0 for x in self.std):
-            raise BadInputError(f"preprocess std must be positive, got {'/'.join(map(str, self.std))}")
+            raise FieldError("std", f"must be positive, got {'/'.join(map(str, self.std))}")
         if self.resize is not None and not 1 <= self.resize <= 16384:
-            raise BadInputError(f"preprocess resize must be 1 to 16384 pixels, got {self.resize}")
+            raise FieldError("resize", f"must be 1 to 16384 pixels, got {self.resize}")
         if self.size is not None:
             object.__setattr__(self, "size", tuple(self.size))
             if len(self.size) != 2 or not all(1 <= s <= 16384 for s in self.size):
-                raise BadInputError(f"preprocess size must be HxW, each 1 to 16384, got {self.size}")
+                raise FieldError("size", f"must be HxW, each 1 to 16384, got {self.size}")
 
     def merged(self, other: Preprocess | None) -> Preprocess:
         """``other``'s set fields over these (the user's options over what the model says)."""
@@ -471,3 +469,8 @@ def given_inputs(arrays: dict[str, np.ndarray], specs: list[InputSpec]) -> Calla
 
     return make_inputs
 
+
+
+def shapes_only(options: InputOptions | None) -> InputOptions | None:
+    """Just the shapes of ``options`` (what export and build need once data are prepared)."""
+    return InputOptions(shapes=dict(options.shapes)) if options is not None and options.shapes else None
