@@ -21,6 +21,10 @@ stages:
     build: {precision: int8, extra: {workspace_mb: 1024}}
     evaluate: {metric: top1_agreement, min: 0.9}
     budget_ms: 20
+  - name: nsfw
+    model: open_nsfw.onnx          # an NHWC image model: its layout is read from its input shape
+    preprocess: {order: bgr, scale: 255, mean: [104, 117, 123]}
+    shapes: {input_0: [1, 224, 224, 3]}
   - name: head
     model: edgekit.pipelines.examples:classification_head
     parallel_with: [backbone]   # starts with it: the total is the critical path
@@ -29,7 +33,8 @@ stages:
 One schema covers every section, and it is the dataclasses themselves: the top level is
 ``Recipe``, a stage ``StageSpec``, ``profile:`` ``ProfileConfig``, ``export:``
 ``ExportConfig``, ``build:`` ``BuildOptions`` (its ``extra:`` ``BuildExtras``),
-``evaluate:`` ``EvaluateSpec``, ``inputs:`` ``InputDecl`` and every step's options its
+``evaluate:`` ``EvaluateSpec``, ``inputs:`` ``InputDecl``, ``preprocess:``
+``sources.inputs.Preprocess`` (``shapes:`` maps input names to dims) and every step's options its
 registered config class. Field names are the known keys, annotations the types, and each
 class's ``__post_init__`` the ranges, so an option is declared once. A bad value is one
 line naming its path and what is valid (``stage 'backbone' export.opst: unknown option
