@@ -169,8 +169,8 @@ def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) 
 
 def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = None,
                        input_options: InputOptions | None = None) -> dict[str, np.ndarray]:
-    """The sample inputs stored at build time (or the ``--inputs`` file, checked against the
-    engine's inputs), repeated or cut along axis 0 to ``batch``, then brought to the
+    """The sample inputs stored at build time, repeated or cut along axis 0 to ``batch`` (or
+    the ``--inputs`` file as it is, checked against the engine's inputs), then brought to the
     ``--shapes`` given (cut or tiled along each axis, so ids stay ids and masks masks)."""
     from edgekit.artifact import read_manifest
 
@@ -182,8 +182,7 @@ def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = N
         feeds = read_input_file(input_options.inputs, specs, name)
     else:
         path = manifest.path_of(engine_dir, "inputs")
-        feeds = read_arrays(path)  # header-checked: a corrupt or crafted inputs.npz is one line
-    feeds = _batched(feeds, manifest, batch)
+        feeds = _batched(read_arrays(path), manifest, batch)  # header-checked: a crafted inputs.npz is one line
     if input_options is not None and input_options.shapes:
         check_shapes(specs, input_options.shapes, name)
         feeds = fit_feeds(feeds, input_options.shapes)

@@ -361,6 +361,9 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     load_s = time.perf_counter() - t0
     try:
         feeds = load_engine_inputs(engine_dir, batch=config.batch, input_options=input_options)
+        if input_options:  # the batch the given inputs or shapes hold (for throughput)
+            batch = feed_batch(feeds, manifest.model.get("inputs", []))
+            config = dataclasses.replace(config, batch=batch or config.batch)
         check_feeds(engine.inputs, feeds)
         with _timing_progress(config) as progress:
             result = measure(engine, feeds, config, engine_name=str(engine_dir), runtime=manifest.config.get(
@@ -381,6 +384,15 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     if out_json is not None:
         result.save(out_json, protect=(engine_dir,))
     return result
+
+
+def feed_batch(feeds: dict[str, np.ndarray], specs: list[dict[str, Any]]) -> int | None:
+    """The batch of feeds: axis 0 of an input whose first dimension is the batch axis."""
+    for s in specs:
+        shape = s.get("shape") if isinstance(s, dict) else None
+        if shape and shape[0] == "batch" and s.get("name") in feeds and feeds[s["name"]].ndim:
+            return int(feeds[s["name"]].shape[0])
+    return None
 
 
 def _engine_size_mb(engine_dir: Path, manifest: Any) -> float | None:

@@ -202,7 +202,8 @@ def test_cli_build_profile_with_shapes_and_inputs(tmp_path: Path):
     r = run("profile", eng, *FAST, "--shapes", "input_ids:2x64,attention_mask:2x64,token_type_ids:2x64",
             "--json", tmp_path / "p2.json")
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "p2.json").read_text())["settings"]["input_shapes"]["input_ids"] == [2, 64]
+    settings = json.loads((tmp_path / "p2.json").read_text())["settings"]
+    assert settings["input_shapes"]["input_ids"] == [2, 64] and settings["batch"] == 2  # throughput per sample
     ids = np.full((1, 7), 3, np.int64)
     np.savez(tmp_path / "real.npz", input_ids=ids, attention_mask=np.ones_like(ids), token_type_ids=0 * ids)
     r = run("profile", eng, *FAST, "--inputs", tmp_path / "real.npz", "--json", tmp_path / "p3.json")
