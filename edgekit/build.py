@@ -27,7 +27,7 @@ from edgekit.errors import BadInputError, UnavailableError
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine
 from edgekit.sources.data import read_arrays
-from edgekit.sources.handle import InputSpec, ModelHandle, fit_feeds
+from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 
 INPUTS_FILE = "inputs.npz"
@@ -93,6 +93,11 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
     src = None if isinstance(model, ModelHandle) else Path(str(model))
     onnx_artifact = src if src is not None and src.is_dir() and _kind(src) == "onnx" else None
     handle = load_model(model, input_options)
+    if input_options is not None and input_options.shapes:  # the batch --shapes gives is the engine's (trtexec's opt)
+        shaped = bind_dims(handle.inputs, input_options.shapes, options.batch)[0]
+        if shaped != options.batch and options.batch != 1:
+            raise BadInputError(f"--batch {options.batch} and --shapes (batch {shaped}) disagree; give one of them")
+        options = dataclasses.replace(options, batch=shaped)
     inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
     t0 = time.perf_counter()
     with staged_dir(out_dir, (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))) as tmp:

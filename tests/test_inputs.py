@@ -228,6 +228,16 @@ def test_cli_bad_shapes_and_inputs_exit_2_one_line_nothing_written(tmp_path: Pat
     assert not out.exists()
 
 
+def test_build_batch_follows_shapes(tmp_path: Path):
+    path = bert_like(tmp_path / "bert.onnx")
+    r = run("build", path, "-o", tmp_path / "e", "--shapes", "input_ids:2x16")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["config"]["batch"] == 2
+    assert np.load(tmp_path / "e" / "inputs.npz")["token_type_ids"].shape == (2, 16)
+    line = one_line_error(run("build", path, "-o", tmp_path / "f", "--batch", "3", "--shapes", "input_ids:2x16"))
+    assert "--batch 3 and --shapes (batch 2) disagree" in line
+
+
 def test_estimate_shapes_bind_sequence(tmp_path: Path):
     from edgekit.estimate.calibrate import estimate_with_calibration
 
