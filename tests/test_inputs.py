@@ -258,6 +258,14 @@ def test_nhwc_layout_detected_and_folder_calibrates(tmp_path: Path):
     np.testing.assert_allclose(x[0, 0, 0], np.array([10, 100, 200]) / 255.0, atol=1e-6)  # RGB in [0, 1], last axis
 
 
+def test_any_nhwc_handle_without_preprocessing_gets_nhwc_images(tmp_path: Path):
+    from edgekit.sources.handle import InputSpec, ModelHandle
+
+    handle = ModelHandle(name="t", source="t", inputs=[InputSpec("x", ("batch", 8, 8, 3))])
+    x = load_samples(str(image_folder(tmp_path / "imgs")) + "/@all", handle).inputs["x"]
+    assert x.shape == (8, 8, 8, 3) and 0 <= x.min() and x.max() <= 1
+
+
 def test_preprocess_order_scale_mean_std(tmp_path: Path):
     path = nhwc_conv(tmp_path / "nhwc.onnx")
     opts = input_options(preprocess="order=bgr,scale=255,mean=104/117/123,std=2/2/2")

@@ -35,6 +35,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import FieldError, check_fields, show
+from edgekit.sources.data import image_input, read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, fit_array
 
 DEFAULT_SEQUENCE = 128  # tokens, for a dynamic dimension of a token-id input nobody binds
@@ -145,8 +146,6 @@ def read_input_file(path: str | os.PathLike[str], specs: list[InputSpec], model:
     """Real sample inputs from a ``.npz`` (one array per input name; a ``.npy`` for a
     single-input model), checked against the model's inputs: names, dtypes, ranks, static
     dimensions, one sample count. Any mismatch is one line naming the array and what fits."""
-    from edgekit.sources.data import read_arrays
-
     p = Path(path)
     if p.suffix.lower() not in (".npz", ".npy"):
         raise BadInputError(f"--inputs {str(path)!r} must be a .npz file (one array per input name, as numpy.savez "
@@ -310,19 +309,6 @@ _PIXEL_RANGES: dict[str, dict[str, Any]] = {
     "normalized_1_1": {"scale": 2.0, "mean": (1.0,)},
     "nominalrange_16_235": {"scale": 255.0},
 }
-
-
-def image_input(specs: list[InputSpec]) -> InputSpec | None:
-    """The single float input shaped like a batch of images (rank 4 with 1 or 3 channels
-    first or last), or None."""
-    if len(specs) != 1:
-        return None
-    s = specs[0]
-    if len(s.shape) != 4 or not s.dtype.startswith("float"):
-        return None
-    if s.shape[1] in (1, 3) or s.shape[3] in (1, 3):
-        return s
-    return None
 
 
 def detect_preprocess(spec: InputSpec, metadata: Mapping[str, str] | None = None) -> Preprocess:
