@@ -328,6 +328,19 @@ def test_recipe_shapes_and_preprocess(tmp_path: Path):
             parse_recipe({"stages": [{"name": "enc", "model": str(path), **stage_extra}]})
 
 
+def test_recipe_run_builds_and_profiles_at_the_stage_shapes(tmp_path: Path):
+    from edgekit.pipelines.run import run_recipe
+
+    path = bert_like(tmp_path / "bert.onnx")
+    recipe = parse_recipe({"profile": {"warmup_ms": 1, "duration_s": 0.01, "iterations": 3, "node_profile": False},
+                           "stages": [{"name": "enc", "model": str(path), "shapes": {"input_ids": "1x24"}}]})
+    result = run_recipe(recipe, tmp_path / "run", progress=False)
+    engine = Path(result.stages[0].artifacts["engine"])
+    assert np.load(engine / "inputs.npz")["attention_mask"].shape == (1, 24)
+    profile = json.loads((Path(result.stages[0].artifacts["profile"]) / "profile.json").read_text())
+    assert profile["settings"]["input_shapes"]["token_type_ids"] == [1, 24]
+
+
 # --- real models (slow) --------------------------------------------------------------------------
 
 
