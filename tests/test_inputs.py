@@ -299,6 +299,7 @@ def test_compress_nhwc_onnx_from_image_folder(tmp_path: Path):
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "int8" / "manifest.json").read_text())
     assert m["metrics"]["int8"]["calib_samples"] == 8
+    assert m["config"]["input_options"]["preprocess"] == {"scale": 255.0, "mean": [128.0]}  # recorded
     line = one_line_error(run("compress", path, "--bits", "8", "--calib", folder, "--preprocess", "layout=chw",
                               "-o", tmp_path / "bad"))
     assert "unknown layout 'chw' (choose from 'nchw', 'nhwc')" in line

@@ -264,7 +264,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             steps=[dataclasses.asdict(s) for s in handle.steps], metrics=metrics, inputs=inputs,
             config={"steps": [{"name": n, "config": config_to_dict(c)} for n, c in configs],
                     "calib": ctx.calib, "train": ctx.train, "seed": ctx.seed,
-                    "target": getattr(ctx.target, "name", None)},
+                    "target": getattr(ctx.target, "name", None),
+                    **({"input_options": ctx.inputs.to_dict()} if ctx.inputs else {})},
             target=getattr(ctx.target, "name", None)))
     return Path(out_dir)
 

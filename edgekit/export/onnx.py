@@ -122,7 +122,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=given, error=BadInputError)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
-                inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
+                inputs=inputs, config={**config.to_dict(), "exporter": "copy",
+                                       **({"input_options": input_options.to_dict()} if input_options else {})},
                 metrics={"parity": {"skipped": True, "reason": "ONNX input: nothing to compare against"},
                          "export_seconds": round(time.perf_counter() - t0, 3)}))
         return out_dir
@@ -159,7 +160,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             failed.unlink()
         write_manifest(tmp, Manifest(
             kind="onnx", files=files, source=handle.source, model=_describe(handle, config), steps=steps,
-            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
+            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto),
+                                   **({"input_options": input_options.to_dict()} if input_options else {})},
             metrics={"parity": parity, "export_seconds": round(trace_s, 3),
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
