@@ -23,13 +23,13 @@ import numpy as np
 import onnx
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.sources.inputs import (
     DEFAULT_SEQUENCE,
     InputOptions,
     apply_input_options,
     detect_preprocess,
-    image_input,
     image_prepare,
     unbound_dims,
 )
