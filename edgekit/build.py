@@ -181,7 +181,8 @@ def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = N
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    specs = [InputSpec.from_dict(d) for d in manifest.model.get("inputs", []) if isinstance(d, dict) and "name" in d]
+    specs = [InputSpec.from_dict(d) for d in manifest.model.get("inputs", [])
+             if isinstance(d, dict) and "name" in d and "shape" in d]  # a KV-cache engine records names only
     name = manifest.model.get("name") or str(engine_dir)
     if input_options is not None and input_options.inputs is not None:
         feeds = read_input_file(input_options.inputs, specs, name)
