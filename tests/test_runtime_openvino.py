@@ -67,7 +67,7 @@ def test_build_records_ir_parity_and_kernels(ov_engine):
     assert m.files["model"] == "model.xml" and (ov_engine / "model.xml").is_file() and (ov_engine / "model.bin").is_file()
     s = m.config["session"]
     assert s["inference_precision_hint"] == "f32" and s["inference_num_threads"] == 1 and s["num_streams"] == 1
-    assert s["static_shapes"] == {"input": [1, 3, 16, 16]} and s["dynamic_batch"] == ["input"]
+    assert s["static_shapes"] == {"input": [1, 3, 16, 16]} and s["dynamic_dims"] == {"input": {"0": "batch"}}
     parity = m.metrics["engine_parity"]
     assert parity["passed"] is True and parity["worst_relative_error"] < 1e-3
     assert parity["outputs"]["logits"]["top1_match"] == 1.0
@@ -253,3 +253,30 @@ def test_best_needs_a_target_timed_here(tiny_onnx, tmp_path):
     assert r.output.startswith("error: --runtime best builds and times each runtime on this machine; no runtime of "
                                "target 'l4' can be (")
     assert not (tmp_path / "e").exists()
+
+
+@needs_openvino
+def test_dynamic_sequence_length_recompiles_for_new_shapes(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    emb = numpy_helper.from_array(np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32), "emb")
+    nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["h"], name="gather"),
+             helper.make_node("ReduceMean", ["h"], ["pooled"], name="pool", axes=[1], keepdims=0)]
+    graph = helper.make_graph(nodes, "text", [helper.make_tensor_value_info("input_ids", TensorProto.INT64,
+                                                                           ["batch", "sequence"])],
+                              [helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["batch", 8])], [emb])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "text.onnx"
+    onnx.save_model(model, str(path))
+    out = build_engine(path, "cpu", tmp_path / "engine", BuildOptions(runtime="openvino", threads=1))
+    s = read_manifest(out).config["session"]
+    assert s["dynamic_dims"] == {"input_ids": {"0": "batch", "1": "sequence"}}
+    engine = load_engine(out, threads=1)
+    assert engine.inputs[0].shape == ("batch", "sequence")
+    for shape in ((1, 5), (2, 9), (1, 5)):
+        ids = np.random.default_rng(1).integers(0, 50, shape)
+        np.testing.assert_allclose(engine.run({"input_ids": ids})[0], _ort_outputs(path, {"input_ids": ids}),
+                                   rtol=1e-5, atol=1e-6)
+    engine.close()

@@ -140,6 +140,26 @@ def _static_shapes(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, list[i
     return shapes
 
 
+def dynamic_dims(model: Any, src: Path) -> dict[str, dict[str, str]]:
+    """input -> {axis: name} of the dimensions that are dynamic in the source graph (axis 0:
+    ``batch``; others: the ONNX ``dim_param`` or ``dim<axis>``), read before the shapes are fixed."""
+    import onnx
+
+    params = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim]
+              for i in onnx.load(str(src), load_external_data=False).graph.input}
+    out: dict[str, dict[str, str]] = {}
+    for port in model.inputs:
+        ps = port.get_partial_shape()
+        if ps.rank.is_dynamic:
+            continue
+        name = port.get_any_name()
+        axes = {str(k): "batch" if k == 0 else ((params.get(name) or [""] * len(ps))[k] or f"dim{k}")
+                for k, d in enumerate(ps) if d.is_dynamic}
+        if axes:
+            out[name] = axes
+    return out
+
+
 def exec_graph_kernels(compiled: Any) -> dict[str, dict[str, str]]:
     """node name -> {layer_type, primitive, precision} from the compiled model's execution graph."""
     out: dict[str, dict[str, str]] = {}
@@ -251,14 +271,12 @@ class OpenVinoRuntime:
             from edgekit.sources.handle import random_inputs
 
             feeds = random_inputs(_inputs_of(graph), options.batch)
-        dynamic_batch = [p.get_any_name() for p in graph.inputs
-                         if p.get_partial_shape().rank.is_static and len(p.get_partial_shape()) > 0
-                         and p.get_partial_shape()[0].is_dynamic]
+        dynamic = dynamic_dims(graph, src)
         shapes = _static_shapes(graph, feeds)
         ov.save_model(graph, str(out_dir / IR_FILE), compress_to_fp16=False)
         convert_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        engine = OpenVinoEngine(out_dir / IR_FILE, precision, options.threads, dynamic_batch)  # as load() opens it
+        engine = OpenVinoEngine(out_dir / IR_FILE, precision, options.threads, dynamic)  # as load() opens it
         compile_s = time.perf_counter() - t1
         try:
             got = engine.run({k: v for k, v in feeds.items() if k in {s.name for s in engine.inputs}})
@@ -274,7 +292,7 @@ class OpenVinoRuntime:
         engine.close()
         session = {"device": DEVICE, "inference_precision_hint": HINTS[precision],
                    "inference_num_threads": options.threads or 0, "num_streams": 1, "performance_hint": "LATENCY",
-                   "cpu_pinning": False, "static_shapes": shapes, "dynamic_batch": dynamic_batch,
+                   "cpu_pinning": False, "static_shapes": shapes, "dynamic_dims": dynamic,
                    "openvino": ov.__version__}
         size = sum((out_dir / f).stat().st_size for f in (IR_FILE, IR_WEIGHTS) if (out_dir / f).is_file())
         return {
@@ -294,7 +312,7 @@ class OpenVinoRuntime:
             raise BadInputError(f"{engine_dir}: unknown OpenVINO precision hint {hint!r} (choose from f32, bf16)")
         threads = threads if threads is not None else (session.get("inference_num_threads") or None)
         return OpenVinoEngine(manifest.path_of(Path(engine_dir), "model"), precision, threads,
-                              list(session.get("dynamic_batch") or []))
+                              dict(session.get("dynamic_dims") or {}))
 
 
 def _inputs_of(model: Any) -> list[InputSpec]:
@@ -309,35 +327,38 @@ def _inputs_of(model: Any) -> list[InputSpec]:
 class OpenVinoEngine:
     """One compiled OpenVINO model (CPU) with edgekit's engine interface. The IR has static
     shapes (the build's sample inputs); inputs whose batch axis was dynamic in the source graph
-    (``dynamic_batch``) take any batch: a new batch recompiles the model for it once."""
+    dimensions were dynamic in the source graph (``dynamic_dims``: the batch, a sequence length)
+    take any size there: feeds of new sizes recompile the model for them."""
 
     runtime = "openvino"
 
-    def __init__(self, path: Path, precision: str, threads: int | None, dynamic_batch: list[str] | None = None) -> None:
+    def __init__(self, path: Path, precision: str, threads: int | None,
+                 dynamic: dict[str, dict[str, str]] | None = None) -> None:
         self.path = Path(path)
         self.precision = precision
         self.threads = threads
-        self.dynamic_batch = set(dynamic_batch or ())
+        self.dynamic = {name: {int(axis): label for axis, label in axes.items()} for name, axes in (dynamic or {}).items()}
         self.model = _read(self.path)
-        self.inputs = [InputSpec(s.name, ("batch", *s.shape[1:]) if s.name in self.dynamic_batch else s.shape, s.dtype)
-                       for s in _inputs_of(self.model)]
-        self.batch = next((int(p.get_partial_shape()[0].get_length()) for p in self.model.inputs
-                           if p.get_any_name() in self.dynamic_batch), None)
+        self.inputs = [InputSpec(s.name, tuple(self.dynamic.get(s.name, {}).get(k, d) for k, d in enumerate(s.shape)),
+                                 s.dtype) for s in _inputs_of(self.model)]
+        self.shapes = {s.name: tuple(int(d) for d in s.shape) for s in _inputs_of(self.model)}
         self.compiled = _compile(self.model, _compile_config(precision, threads), self.path.name)
         self.request = self.compiled.create_infer_request()
         self.outputs = [port.get_any_name() for port in self.compiled.outputs]
 
-    def _fit_batch(self, feeds: dict[str, np.ndarray]) -> None:
-        """Recompile for the feeds' batch when it differs from the compiled one."""
-        batch = next((int(feeds[n].shape[0]) for n in self.dynamic_batch if n in feeds), self.batch)
-        if batch == self.batch:
+    def _fit_shapes(self, feeds: dict[str, np.ndarray]) -> None:
+        """Recompile for the feeds' shapes when they differ from the compiled ones (dynamic dims only:
+        ``check_feeds`` has checked the static ones)."""
+        shapes = {n: tuple(int(d) for d in feeds[n].shape) for n in self.dynamic if n in feeds}
+        if all(self.shapes.get(n) == shape for n, shape in shapes.items()):
             return
-        shapes = {p.get_any_name(): [batch, *(d.get_length() for d in list(p.get_partial_shape())[1:])]
-                  for p in self.model.inputs if p.get_any_name() in self.dynamic_batch}
-        self.model.reshape(shapes)
+        try:
+            self.model.reshape({n: list(shape) for n, shape in shapes.items()})
+        except RuntimeError as e:
+            raise BadInputError(f"openvino cannot take inputs of shapes {shapes}: {_first_line(e)}") from None
         self.compiled = _compile(self.model, _compile_config(self.precision, self.threads), self.path.name)
         self.request = self.compiled.create_infer_request()
-        self.batch = batch
+        self.shapes.update(shapes)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -346,12 +367,12 @@ class OpenVinoEngine:
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         check_feeds(self.inputs, feeds)
-        self._fit_batch(feeds)
+        self._fit_shapes(feeds)
         self.request.infer(feeds)
         return [np.array(self.request.get_output_tensor(i).data) for i in range(len(self.outputs))]
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
-        self._fit_batch(feeds)
+        self._fit_shapes(feeds)
         infer = self.request.infer
         t0 = time.perf_counter()
         infer(feeds, share_inputs=True, share_outputs=True)
@@ -361,7 +382,7 @@ class OpenVinoEngine:
         """Per-node times from OpenVINO's performance counters (a separately compiled model, so
         end-to-end timing never pays for counting), averaged over ``iterations`` runs."""
         check_feeds(self.inputs, feeds)
-        self._fit_batch(feeds)
+        self._fit_shapes(feeds)
         compiled = _compile(self.model, _compile_config(self.precision, self.threads, perf_count=True), self.path.name)
         kernels = exec_graph_kernels(compiled)
         request = compiled.create_infer_request()
