@@ -3,7 +3,8 @@
 build: read the ONNX graph with OpenVINO's ONNX front end (Q/DQ pairs become
 FakeQuantize, which OpenVINO's low-precision transformations turn into INT8 kernels: the
 ranges are edgekit's calibrated ones, nothing is re-calibrated), fix its input shapes to the
-sample inputs (static shapes take OpenVINO's fastest kernels), and save it as OpenVINO IR
+sample inputs (static shapes take OpenVINO's fastest kernels; the engine recompiles when fed
+other sizes of the source graph's dynamic dimensions), and save it as OpenVINO IR
 (``model.xml`` + ``model.bin``, weights kept in their own precision). The saved IR is
 compiled for the CPU and run on the sample inputs, and its outputs are compared with ONNX
 Runtime's on the source ONNX (the parity record in the manifest).
