@@ -30,7 +30,7 @@ KNOWN_CYCLES = [
     {"edgekit.compress.equalize", "edgekit.compress.int8", "edgekit.compress.int8_gptq", "edgekit.compress.int8_onnx",
      "edgekit.compress.sensitivity"},
     {"edgekit.sources.data", "edgekit.sources.detection_data", "edgekit.sources.detectors", "edgekit.sources.fmnist",
-     "edgekit.sources.hf", "edgekit.sources.zoo"},
+     "edgekit.sources.hf", "edgekit.sources.inputs", "edgekit.sources.zoo"},
     {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
      "edgekit.export.lm", "edgekit.sources.models"},
 ]

@@ -10,12 +10,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from edgekit.errors import bad_choice
-from edgekit.runtimes.registry import RUNTIMES
+from edgekit.runtimes.registry import BEST_RUNTIME, RUNTIMES
 
 if TYPE_CHECKING:  # base imports this registry; the protocol is only a type here
     from edgekit.runtimes.base import Runtime
 
-__all__ = ["RUNTIMES", "get_runtime"]
+__all__ = ["BEST_RUNTIME", "RUNTIMES", "get_runtime"]
 
 
 def get_runtime(name: str) -> Runtime:
