@@ -43,7 +43,8 @@ from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, est
 from edgekit.export.onnx import export_onnx
 from edgekit.profiling import ProfileConfig, measure, profile_engine
 from edgekit.runtimes.base import BuildOptions
-from edgekit.sources.handle import random_inputs
+from edgekit.sources.handle import bind_dims, random_inputs
+from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import load_model, load_onnx_file
 from edgekit.targets import load_target
 
@@ -463,11 +464,17 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
 
 def estimate_with_calibration(model: Any, target: Any, *, precision: str | None = None, batch: int = 1,
                               dims: dict[str, int] | None = None, calibrate: bool = False,
-                              runtime: str | None = None) -> tuple[Estimate, CalibrationReport | None]:
+                              runtime: str | None = None,
+                              input_options: InputOptions | None = None) -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
-    with ``model`` (only where edgekit can measure it), then estimate."""
+    with ``model`` (only where edgekit can measure it), then estimate. ``input_options``
+    (``--shapes``, or the shapes of an ``--inputs`` file) bind the batch and the named
+    dynamic dimensions; explicit ``dims`` win. ``runtime``: whose fusions apply."""
 
     tgt = load_target(target)
+    if input_options:
+        batch, bound = input_dims(model, input_options, batch)
+        dims = {**bound, **(dims or {})}
     report = None
     if calibrate:
         if tgt.kind != "cpu":
@@ -486,6 +493,16 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
             report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
             return estimate(source, tgt, precision, batch, dims=dims, runtime=runtime), report
     return estimate(model, tgt, precision, batch, dims=dims, runtime=runtime), report
+
+
+def input_dims(model: Any, input_options: InputOptions, batch: int) -> tuple[int, dict[str, int]]:
+    """The batch and dynamic dimensions that ``--shapes`` (or an ``--inputs`` file) give
+    for ``model``'s inputs, checked against them."""
+    handle = load_model(model, input_options)
+    shapes = dict(input_options.shapes)
+    if input_options.inputs is not None:
+        shapes = {k: tuple(v.shape) for k, v in handle.sample_inputs(batch).items()} | shapes
+    return bind_dims(handle.inputs, shapes, batch)
 
 
 def _as_onnx_file(model: Any, tmp: Path) -> Any:
