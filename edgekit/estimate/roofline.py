@@ -199,7 +199,7 @@ def fusion_runtime(target: Target, runtime: str | None, fuse_graph: bool) -> str
     if rt in FUSION_RUNTIMES:
         return rt
     if runtime is not None and runtime not in target.runtimes:
-        raise BadInputError(bad_choice("runtime", runtime, (*FUSION_RUNTIMES, *target.runtimes)))
+        raise BadInputError(bad_choice("runtime", runtime, sorted({*FUSION_RUNTIMES, *target.runtimes})))
     return "onnxruntime"
 
 
