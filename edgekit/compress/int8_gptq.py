@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from edgekit.compress import qdq
+from edgekit.compress.calibration import tensor_batches
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
 
@@ -54,15 +55,12 @@ class _Acc:
 def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 32,
                    batch_size: int = 2) -> dict[str, torch.Tensor]:
     """layer name -> ``E[x xᵀ]`` of its inputs (see the module docstring), one pass."""
-    from edgekit.compress.equalize import _param_paths, _wq_node
-    from edgekit.compress.int8 import _batches
-
     targets: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and _wq_node(n) is not None:
-            wq = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and qdq.weight_quant_node(n) is not None:
+            wq = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
             if wq.enabled:
-                targets[n] = qdq._layer_name(_param_paths(gm, n)[0])
+                targets[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
     acc = {name: _Acc() for name in targets.values()}
 
     class _Probe(fx.Interpreter):
@@ -70,7 +68,7 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
             if n in targets:
                 args = list(self.map_nodes_to_values(n.args, n))
                 x = args[0].detach().float()
-                w = qdq._get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
+                w = qdq.get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
                 if qdq.is_linear(self.module, n):
                     rows = x.reshape(-1, x.shape[-1])
                     acc[targets[n]].add(rows.t() @ rows, rows.shape[0])
@@ -91,7 +89,7 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
     sub = samples.subset(slice(0, min(limit, len(samples))))
     gm.eval()
     with torch.no_grad():
-        for args in _batches(sub, names, batch_size):
+        for args in tensor_batches(sub, names, batch_size):
             _Probe(gm).run(*args)
     return {k: a.H / max(a.n, 1) for k, a in acc.items() if a.H is not None}
 
@@ -144,7 +142,7 @@ def round_model(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
     for name, H in hs.items():
         wq = gm.get_submodule(plan.layers[name])
         wpath = name + ".weight"
-        w = qdq._get_attr(gm, wpath).detach()
+        w = qdq.get_attr(gm, wpath).detach()
         W2 = w.reshape(w.shape[0], -1).float()
         if H.shape[-1] != W2.shape[1] or not torch.isfinite(H).all():
             continue
@@ -154,7 +152,7 @@ def round_model(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
         if not e1 < e0:  # keep round-to-nearest where the solve did not help
             continue
         wq.float_weight = (wpath, w.clone())
-        qdq._set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
+        qdq.set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
         before, after = before + e0, after + e1
         layers[name] = [e0, e1]
     return {"layers": len(layers), "output_error_ratio": round(after / before, 4) if before > 0 else None,
