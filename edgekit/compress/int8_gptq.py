@@ -13,7 +13,8 @@ in the exported graph or the engine's speed.
   input): ``(K, K)`` shared by all output channels for a dense layer (``K = Cin·kh·kw``,
   im2col columns in the weight's order), ``(C, k·k, k·k)`` one per channel for a depthwise
   convolution.
-* ``gptq_round(W, scale, H)`` is the solve (pure tensor math, the paper's names).
+* ``gptq_round(W, scale, H)`` is the solve: ``gptq.gptq_solve`` (the same solver as the
+  4-bit path) with the fixed int8 grid passed in.
 * ``round_model`` writes the rounded weights into the model and keeps each layer's float
   weight on its quantizer (``float_weight``), for bias correction (which corrects the
   shift against the float weights) and for fallback (a layer returned to float gets them).
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
+from edgekit.compress.gptq import gptq_solve
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
 
@@ -94,34 +96,18 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
     return {k: a.H / max(a.n, 1) for k, a in acc.items() if a.H is not None}
 
 
-@torch.no_grad()
 def gptq_round(W: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, qmin: int = qdq.WEIGHT_QMIN,
                qmax: int = qdq.WEIGHT_QMAX, damp: float = DAMP) -> torch.Tensor:
     """Round ``W`` (rows, K) onto the per-row grid ``scale`` (rows,) minimising
-    ``(W - Q) H (W - Q)ᵀ`` column by column. ``H``: (K, K) shared, or (rows, K, K) one per
-    row. Returns ``Q`` (rows, K), float, every value ``scale * integer`` in [qmin, qmax]."""
-    W = W.detach().clone().double()
-    s = scale.detach().double().reshape(-1, 1)
-    H = H.detach().clone().double()
-    per_row = H.dim() == 3
-    eye = torch.eye(H.shape[-1], dtype=H.dtype)
-    diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag <= 0
-    H = H + (damp * diag.mean(-1, keepdim=True).clamp_min(1e-12)).unsqueeze(-1) * eye + dead.unsqueeze(-1) * eye
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # upper chol of H^-1
-    Q = torch.zeros_like(W)
-    K = W.shape[1]
-    for i in range(K):
-        w = W[:, i]
-        q = torch.clamp(torch.round(w / s[:, 0]), qmin, qmax) * s[:, 0]
-        Q[:, i] = q
-        if i + 1 < K:
-            if per_row:
-                err = (w - q) / U[:, i, i]
-                W[:, i + 1:] -= err[:, None] * U[:, i, i + 1:]
-            else:
-                err = (w - q) / U[i, i]
-                W[:, i + 1:] -= err[:, None] * U[i, i + 1:][None, :]
+    ``(W - Q) H (W - Q)ᵀ`` column by column (``gptq.gptq_solve``, in float64). ``H``: (K, K)
+    shared, or (rows, K, K) one per row. Returns ``Q`` (rows, K), float, every value
+    ``scale * integer`` in [qmin, qmax]."""
+    s = scale.detach().double().reshape(-1)
+
+    def grid(_col: int, w: torch.Tensor, _ahead: object) -> torch.Tensor:
+        return torch.clamp(torch.round(w / s), qmin, qmax) * s
+
+    Q, _ = gptq_solve(W.detach().double(), H.detach().double(), grid, damp=damp)
     return Q.float()
 
 
