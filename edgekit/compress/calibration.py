@@ -56,11 +56,12 @@ class HistogramObserver:
         x = x.detach().float().reshape(-1)
         if x.numel() == 0:
             return
-        if not bool(torch.isfinite(x).all()):
+        lo_t, hi_t = torch.aminmax(x)  # one pass; NaN and Inf show in the extremes
+        lo, hi = float(lo_t), float(hi_t)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             bad = int((~torch.isfinite(x)).sum())
             raise BadInputError(f"non-finite activations ({bad} NaN/Inf values) at layer {self.name!r} "
                                 "during calibration; check the calibration data and the model's preprocessing")
-        lo, hi = float(x.min()), float(x.max())
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         need = max(abs(lo), abs(hi), 1e-8)
         if self.R == 0.0:

@@ -141,9 +141,9 @@ class _MeanRecorder(nn.Module):
         self.count = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.detach().double()
+        d = x.detach()
         axis = self.axis if self.axis >= 0 else d.dim() + self.axis
-        s = d.sum(dim=[i for i in range(d.dim()) if i != axis])
+        s = d.sum(dim=[i for i in range(d.dim()) if i != axis]).double()  # per batch in float32, then float64
         self.sum = s if self.sum is None else self.sum + s
         self.count += d.numel() // d.shape[axis]
         return x

@@ -41,19 +41,31 @@ from edgekit.compress.rtn import group_width, num_groups, qparams, quantize_int
 
 
 class HessianAccumulator:
-    """Running ``H = 2/n Σ x xᵀ`` over the rows of the inputs seen so far (float32)."""
+    """Running ``H = 2/n Σ x xᵀ`` over the rows of the inputs seen so far (float32).
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
-        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+    With ``groups``, one Hessian per group, ``H`` (groups, columns, columns), from inputs
+    (groups, rows, columns): a depthwise convolution's channels each see their own inputs.
+    Inputs may be transposed views (an im2col matrix (columns, rows) passed as ``.t()``): the
+    product then runs on the original memory without a copy."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu", groups: int | None = None) -> None:
+        shape = (columns, columns) if groups is None else (groups, columns, columns)
+        self.H = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.groups = groups
         self.nsamples = 0
 
     def add_batch(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
-        n = x.shape[0]
+        x = x.detach().to(self.H.device, torch.float32)
+        if self.groups is None:
+            x = x.reshape(-1, x.shape[-1])
+        n = x.shape[-2]
         self.H *= self.nsamples / (self.nsamples + n)
         self.nsamples += n
-        x = x * (2.0 / self.nsamples) ** 0.5
-        self.H.addmm_(x.t(), x)
+        if self.groups is None:
+            x = x * (2.0 / self.nsamples) ** 0.5
+            self.H.addmm_(x.t(), x)
+        else:  # a few columns per group: scaling H costs less than scaling x
+            self.H.baddbmm_(x.transpose(1, 2), x, alpha=2.0 / self.nsamples)
 
 
 class AsymmetricAccumulator(HessianAccumulator):
@@ -126,6 +138,7 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size
         W, H = W[:, perm], H[perm][:, perm]
     H.diagonal(dim1=-2, dim2=-1).add_(damp * H.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
     Hinv = _inverse_cholesky(H)
+    order = perm.tolist() if perm is not None else None
 
     Q = torch.zeros_like(W)
     loss = torch.zeros((), dtype=W.dtype, device=W.device)
@@ -138,14 +151,14 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size
         for i in range(i2 - i1):
             w = W1[:, i]
             d = Hinv1[..., i, i]  # () or (rows,)
-            col = i1 + i if perm is None else int(perm[i1 + i])
+            col = i1 + i if order is None else order[i1 + i]
             q = grid(col, w, lambda n, i=i, W1=W1, i2=i2: torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :n])
             Q1[:, i] = q
             err1 = (w - q) / d
-            loss += (err1 * err1).sum() / 2
             W1[:, i:] -= err1.unsqueeze(1) * Hinv1[..., i, i:]
             Err1[:, i] = err1
         Q[:, i1:i2] = Q1
+        loss += (Err1 * Err1).sum() / 2
         if batched:
             W[:, i2:] -= torch.einsum("rk,rkj->rj", Err1, Hinv[:, i1:i2, i2:])
         else:

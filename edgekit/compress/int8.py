@@ -284,11 +284,12 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             gm.get_submodule(q).mode = "float"
             float_inputs.append(plan.activations[q])
     meta["float_activations"] = float_inputs
-    if config.rounding == "gptq":
-        meta["gptq"] = round_model(gm, plan, calib, names)
-    if config.bias_correction:
-        meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
-    meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+    with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
+        if config.rounding == "gptq":
+            meta["gptq"] = round_model(gm, plan, calib, names)
+        if config.bias_correction:
+            meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
+        meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -310,19 +311,20 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
 
     float_layers: list[str] = list(kept_float)
-    if config.max_accuracy_drop is not None:
-        # measured on calibration-split samples held out of range calibration, never on eval
-        held_ref = run_module(reference, held_out, names)
-        report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                           config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates)
-        report["held_out_of_calibration"] = held_out is not calib
-        float_layers += [n for n in report["float_layers"] if n not in float_layers]
-        meta["float_activations"] = [t for t in plan.activations.values()
-                                     if t in float_inputs or t in report["float_activations"]]
-        metrics["fallback"] = report
-    if ev is not None and ref_out is not None:
-        gm.eval()
-        metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
+    with qdq.fast_fake_quant(gm):
+        if config.max_accuracy_drop is not None:
+            # measured on calibration-split samples held out of range calibration, never on eval
+            held_ref = run_module(reference, held_out, names)
+            report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
+                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates)
+            report["held_out_of_calibration"] = held_out is not calib
+            float_layers += [n for n in report["float_layers"] if n not in float_layers]
+            meta["float_activations"] = [t for t in plan.activations.values()
+                                         if t in float_inputs or t in report["float_activations"]]
+            metrics["fallback"] = report
+        if ev is not None and ref_out is not None:
+            gm.eval()
+            metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
     gm.eval()
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
                  "activations": len(plan.activations), "folded_bn": len(plan.folded_bn),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
-from edgekit.compress.gptq import gptq_solve
+from edgekit.compress.gptq import HessianAccumulator, gptq_solve
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
 
@@ -44,26 +44,22 @@ def _conv_args(n: fx.Node, env_args: list[Any]) -> tuple[Any, Any, Any, int]:
     return arg(3, "stride", 1), arg(4, "padding", 0), arg(5, "dilation", 1), int(arg(6, "groups", 1))
 
 
-class _Acc:
-    def __init__(self) -> None:
-        self.H: torch.Tensor | None = None
-        self.n = 0
-
-    def add(self, h: torch.Tensor, n: int) -> None:
-        self.H = h if self.H is None else self.H + h
-        self.n += n
-
-
 def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 32,
                    batch_size: int = 2) -> dict[str, torch.Tensor]:
-    """layer name -> ``E[x xᵀ]`` of its inputs (see the module docstring), one pass."""
+    """layer name -> ``2 E[x xᵀ]`` of its inputs (``gptq.HessianAccumulator``; see the module
+    docstring), one pass."""
     targets: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
         if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and qdq.weight_quant_node(n) is not None:
             wq = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
             if wq.enabled:
                 targets[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
-    acc = {name: _Acc() for name in targets.values()}
+    acc: dict[str, HessianAccumulator] = {}
+
+    def hessian(name: str, columns: int, groups: int | None = None) -> HessianAccumulator:
+        if name not in acc:
+            acc[name] = HessianAccumulator(columns, groups=groups)
+        return acc[name]
 
     class _Probe(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
@@ -72,20 +68,23 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
                 x = args[0].detach().float()
                 w = qdq.get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
                 if qdq.is_linear(self.module, n):
-                    rows = x.reshape(-1, x.shape[-1])
-                    acc[targets[n]].add(rows.t() @ rows, rows.shape[0])
+                    hessian(targets[n], x.shape[-1]).add_batch(x)
                 elif x.dim() == 4:
                     stride, padding, dilation, groups = _conv_args(n, args)
                     k = tuple(w.shape[2:])
                     if not isinstance(padding, str):
-                        cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)  # (B, Cin*kk, L)
+                        if k == (1, 1) and stride in (1, (1, 1)) and padding in (0, (0, 0)):
+                            cols = x.flatten(2)  # a pointwise conv's im2col is the input itself
+                        else:
+                            cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)  # (B, Cin*kk, L)
+                        # one sample at a time, as transposed views of its im2col matrix: no copies
                         if groups == 1:
-                            rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-                            acc[targets[n]].add(rows.t() @ rows, rows.shape[0])
+                            for cb in cols:  # (Cin*kk, L)
+                                hessian(targets[n], cols.shape[1]).add_batch(cb.t())
                         elif groups == x.shape[1] == w.shape[0] and w.shape[1] == 1:  # depthwise
                             kk = k[0] * k[1]
-                            c = cols.reshape(x.shape[0], groups, kk, -1)
-                            acc[targets[n]].add(torch.einsum("bcil,bcjl->cij", c, c), c.shape[0] * c.shape[3])
+                            for cb in cols.reshape(x.shape[0], groups, kk, -1):  # (C, kk, L)
+                                hessian(targets[n], kk, groups).add_batch(cb.transpose(1, 2))
             return super().run_node(n)
 
     sub = samples.subset(slice(0, min(limit, len(samples))))
@@ -93,7 +92,7 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
     with torch.no_grad():
         for args in tensor_batches(sub, names, batch_size):
             _Probe(gm).run(*args)
-    return {k: a.H / max(a.n, 1) for k, a in acc.items() if a.H is not None}
+    return {k: a.H for k, a in acc.items()}
 
 
 def gptq_round(W: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, qmin: int = qdq.WEIGHT_QMIN,

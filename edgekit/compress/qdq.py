@@ -22,6 +22,8 @@ fake-quant model computes and the engines fuse.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,8 @@ class ActQuant(nn.Module):
         self.observer: HistogramObserver | None = None
         self.learnable = False
         self._scale_f, self._zp_i = 1.0, 0  # Python copies: export bakes them in as constants
+        self._inv_f32 = 1.0  # float32(1) / float32(scale), as torch's fake-quant kernel computes it
+        self.fast = False  # set by ``fast_fake_quant`` for edgekit's own inference passes
 
     def set_range(self, lo: float, hi: float) -> None:
         s, zp = qparams(lo, hi, self.qmin, self.qmax, self.symmetric)
@@ -107,6 +111,7 @@ class ActQuant(nn.Module):
         """Sync the Python copies of scale and zero point with the tensors."""
         self._scale_f = float(self.scale.detach().abs().clamp_min(1e-8))
         self._zp_i = int(self.zero_point)
+        self._inv_f32 = float(np.float32(1.0) / np.float32(self._scale_f))
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
@@ -133,7 +138,28 @@ class ActQuant(nn.Module):
             grad_factor = 1.0 / float(max(x.numel() // max(x.shape[0], 1), 1) * self.qmax) ** 0.5
             return torch._fake_quantize_learnable_per_tensor_affine(
                 x, scale.reshape(1), self.zero_point.float().reshape(1), self.qmin, self.qmax, grad_factor)
+        if self.fast and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
+            # round(x / s) + zp clamped to [qmin, qmax], minus zp, times s: the same float32 operations
+            # as torch's kernel (bit-identical), as three vectorized in-place passes (~3x faster on CPU)
+            y = torch.mul(x, self._inv_f32)
+            y.round_().clamp_(self.qmin - self._zp_i, self.qmax - self._zp_i)
+            return y.mul_(float(np.float32(self._scale_f)))
         return torch.fake_quantize_per_tensor_affine(x, self._scale_f, self._zp_i, self.qmin, self.qmax)
+
+
+@contextmanager
+def fast_fake_quant(gm: nn.Module) -> Iterator[None]:
+    """Activation fake-quant on the fast path (see ``ActQuant.forward``) inside the block: for
+    edgekit's own inference passes over calibration data (bias correction, GPTQ Hessians,
+    sensitivity, evaluation), never around export or training with gradients."""
+    quants = act_quants(gm)
+    for m in quants:
+        m.fast = True
+    try:
+        yield
+    finally:
+        for m in quants:
+            m.fast = False
 
 
 class WeightQuant(nn.Module):
