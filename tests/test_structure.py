@@ -12,23 +12,13 @@ import edgekit
 
 PACKAGE = Path(edgekit.__file__).parent
 
-# Still to be removed (then delete the line): the INT8 modules share helpers privately.
-KNOWN_PRIVATE_IMPORTS = {
-    ("edgekit.compress.equalize", "edgekit.compress.int8", "_batches"),
-    ("edgekit.compress.int8_gptq", "edgekit.compress.equalize", "_param_paths"),
-    ("edgekit.compress.int8_gptq", "edgekit.compress.equalize", "_wq_node"),
-    ("edgekit.compress.int8_gptq", "edgekit.compress.int8", "_batches"),
-    ("edgekit.compress.sensitivity", "edgekit.compress.equalize", "_param_paths"),
-    ("edgekit.compress.sensitivity", "edgekit.compress.equalize", "_wq_node"),
-    ("edgekit.compress.sensitivity", "edgekit.compress.int8", "_batches"),
-}
+# Still to be removed (then delete the line).
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 # Module cycles still to be cut (each set is one strongly connected group of modules).
 KNOWN_CYCLES = [
     {"edgekit.estimate.calibrate", "edgekit.estimate.roofline"},
     {"edgekit.pipelines.html", "edgekit.pipelines.run", "edgekit.pipelines.sweep"},
-    {"edgekit.compress.equalize", "edgekit.compress.int8", "edgekit.compress.int8_gptq", "edgekit.compress.int8_onnx",
-     "edgekit.compress.sensitivity"},
     {"edgekit.sources.data", "edgekit.sources.detection_data", "edgekit.sources.detectors", "edgekit.sources.fmnist",
      "edgekit.sources.hf", "edgekit.sources.inputs", "edgekit.sources.zoo"},
     {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
