@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -44,7 +45,7 @@ def _cli(*args):
 # ----- validation (all before any work) -----
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(bogus=1), "recipe bogus: unknown key (known: budget_ms, description, max_jitter, name"),
+    (lambda d: d.update(bogus=1), "recipe bogus: unknown key (known: budget_ms, description, frames, max_jitter, name"),
     (lambda d: d["stages"][1].update(color="red"), "stage 2 color: unknown key (known: budget_ms, build"),
     (lambda d: d.update(budget_ms=0), "recipe budget_ms: must be a positive number of milliseconds, got 0"),
     (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms: must be a positive number"),
@@ -116,10 +117,16 @@ def test_run_writes_results_junit_summary_and_html(tiny_run):
     out, first, _ = tiny_run
     assert first.passed
     assert [r.stage for r in first.stages] == ["pre", "mlp"]
-    total = first.targets["cpu"]["total_ms"]
-    assert total == pytest.approx(sum(r.latency_ms for r in first.stages))
-    assert sum(r.share for r in first.stages) == pytest.approx(1.0)
+    t = first.targets["cpu"]
+    # Measured frames: the end-to-end figure is the frames' own p99, not a sum of stage p99s.
+    assert t["method"] == "measured frames" and t["frames"] >= 10
+    assert t["total_ms"] == pytest.approx(t["p99_ms"])
+    assert t["sum_of_stage_ms"] == pytest.approx(sum(r.latency_ms for r in first.stages))
+    assert all(r.latency_ms > 0 and r.cv >= 0 for r in first.stages)
+    # Shares are of the measured frame mean; stage times are inside the frame, so they sum to at most 1.
+    assert 0 < sum(r.share for r in first.stages) <= 1.0 + 1e-9
     assert first.stages[0].estimated_ms is None and first.stages[1].estimated_ms > 0  # roofline beside measurement
+    assert first.stages[1].artifacts["frames"] == first.stages[0].artifacts["frames"]
     data = json.loads((out / "results.json").read_text())
     assert data["seed"] == 0 and data["percentile"] == "p99"
     suite = ET.parse(out / "junit.xml").getroot()
@@ -128,6 +135,7 @@ def test_run_writes_results_junit_summary_and_html(tiny_run):
     assert suite.get("failures") == "0"
     md = (out / "summary.md").read_text()
     assert "| cpu | pre |" in md and "against 1000 ms: **PASS**" in md
+    assert "| cv |" in md and "measured over" in md
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 2
 
@@ -135,17 +143,99 @@ def test_run_writes_results_junit_summary_and_html(tiny_run):
 def test_second_run_reuses_every_step(tiny_run):
     _, first, second = tiny_run
     assert not any(first.stages[1].reused.values())
-    assert all(second.stages[1].reused.values()) and second.stages[0].reused == {"profile": True}
+    assert all(second.stages[1].reused.values()) and second.stages[0].reused == {"frames": True}
     assert second.stages[1].artifacts == first.stages[1].artifacts
 
 
 def test_changed_stage_rebuilds_it_and_everything_after(tmp_path, tiny_run):
     out, first, _ = tiny_run
     data = _recipe()
-    data["stages"][0]["inputs"] = {"x": {"shape": [1, 32]}}  # change the first stage only
+    data["stages"][0]["inputs"] = {"x": {"shape": [2, 16]}}  # change the first stage only
     changed = run_recipe(parse_recipe(data), out, progress=False)
-    assert changed.stages[0].reused == {"profile": False}
+    assert changed.stages[0].reused == {"frames": False}
     assert not any(changed.stages[1].reused.values())  # after a changed stage: rebuilt
+
+
+def test_stage_output_that_does_not_fit_the_next_stage_is_exit_2_before_timing(tmp_path):
+    pytest.importorskip("edgekit.build")
+    data = _recipe()
+    data["stages"][0]["inputs"] = {"x": {"shape": [1, 32]}}  # pre's output (1, 32) vs mlp's input (batch, 16)
+    p = tmp_path / "misfit.yaml"
+    p.write_text(yaml.safe_dump(data))
+    r = _cli("run", str(p), "-o", str(tmp_path / "run"))
+    assert r.exit_code == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: stage 'pre' does not fit stage 'mlp': input 'input' has shape (1, 32); "
+                           "the model expects ('batch', 16)")
+    assert "pre.output (1, 32) float32 -> input" in line and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+    assert not list((tmp_path / "run" / "cache").glob("frames-*"))  # nothing timed
+    assert not list((tmp_path / "run" / "cache").glob("profile-*"))
+
+
+def test_stage_count_mismatch_names_both_stages(tmp_path):
+    from edgekit.pipelines.frames import callable_stage, measure_frames
+    from edgekit.profiling import ProfileConfig
+
+    a = callable_stage("split", lambda x: (x, x), {"x": {"shape": [2]}})
+    b = callable_stage("add", lambda x: x + 1)
+    frames = [{"x": np.ones(2, np.float32)}]
+    with pytest.raises(BadInputError, match=r"stage 'add' takes 1 input\(s\) \(x\) but stage 'split' gives 2 "
+                                            r"\(split.output0, split.output1\): they do not fit"):
+        measure_frames([a, b], frames, ProfileConfig(warmup_ms=0, duration_s=0, iterations=1))
+
+
+def test_parallel_stages_run_concurrently_and_the_frame_is_the_critical_path():
+    import time as _time
+
+    from edgekit.pipelines.frames import callable_stage, measure_frames
+    from edgekit.profiling import ProfileConfig
+
+    def sleep(ms):
+        def fn(x):
+            _time.sleep(ms / 1e3)  # sleeping releases the GIL, as ONNX Runtime and NumPy kernels do
+            return x
+        return fn
+
+    stages = [callable_stage("a", sleep(2), {"x": {"shape": [1]}}), callable_stage("b", sleep(30)),
+              callable_stage("c", sleep(30), parallel_with=["b"]), callable_stage("d", lambda x: x)]
+    stages[3].feeds = {"x": "b"}
+    m = measure_frames(stages, [{"x": np.zeros(1, np.float32)}],
+                       ProfileConfig(warmup_ms=0, duration_s=0, iterations=5, max_repeats=0))
+    assert len(m.total_ms) == 5
+    total = m.total().p50
+    # b and c overlap: the frame is about 2 + 30 ms, far below the 62 ms their sum would be.
+    assert total < 55 and total >= 30
+    assert abs(m.start_ms["b"] - m.start_ms["c"]) < 10
+    assert m.share("b") > 0.5 and m.share("c") > 0.5  # each of the parallel stages covers most of the frame
+
+
+def test_noisy_measurement_is_repeated_then_reported():
+    from edgekit.profiling import ProfileConfig, repeat_while_noisy
+
+    cvs = iter([0.5, 0.4, 0.3, 0.01])
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        return next(cvs)
+
+    best, seen = repeat_while_noisy(attempt, lambda v: v, ProfileConfig(noise_cv=0.1, max_repeats=2))
+    assert seen == [0.5, 0.4, 0.3] and best == 0.3 and len(calls) == 3  # bounded: 1 + 2 attempts
+    best, seen = repeat_while_noisy(lambda: 0.05, lambda v: v, ProfileConfig(noise_cv=0.1))
+    assert seen == [0.05]
+
+
+def test_noisy_verdict_says_so():
+    from edgekit.pipelines.run import target_verdict
+
+    t = {"method": "measured frames", "total_ms": 30.0, "p50_ms": 20.0, "p99_ms": 30.0, "cv": 0.3, "noisy": True,
+         "attempts": 3, "frames": 200, "sum_of_stage_ms": 41.0, "budget_ms": 33.0, "passed": True, "margin_ms": 3.0}
+    line = target_verdict(t)
+    assert line.startswith("frame p99 30.000 ms (measured over 200 frames; p50 20.000, cv 30.0%; sum of stage p99s "
+                           "41.000; noisy after 3 attempt(s)) against 33 ms: PASS (noisy measurement")
+    est = {"method": "estimate (sum of stages)", "total_ms": 12.0, "budget_ms": None}
+    assert target_verdict(est) == "p99 12.000 ms (estimate (sum of stages)) (no end-to-end budget)"
 
 
 def test_budget_miss_fails_and_junit_reports_it(tmp_path):

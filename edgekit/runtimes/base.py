@@ -38,6 +38,12 @@ class NodeTiming:
     precision: str = "fp32"  # "int8", "int4", "fp16", "bf16", "fp32", ...
     quantized: bool = False  # runs in integer arithmetic (or reads integer weights)
     calls: int = 1
+    module: str = ""  # the PyTorch module path the exporter recorded (sources.onnx_file.onnx_node_label)
+
+    @property
+    def label(self) -> str:
+        """What tables show: the module path, else the node name."""
+        return self.module or self.name
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
