@@ -126,8 +126,8 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
     from edgekit.export.onnx import ExportConfig, export_onnx
 
     if kv_cache:
-        from edgekit.export.lm import export_causal_lm
         from edgekit.artifact import check_output_dir
+        from edgekit.export.lm import export_causal_lm
         from edgekit.sources.models import load_model
 
         check_output_dir(out, (model,))  # before loading the model

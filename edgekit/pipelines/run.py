@@ -48,8 +48,8 @@ from edgekit.artifact import (
     staged_dir,
 )
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
-from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
 from edgekit.pipelines.frames import FrameMeasurement, callable_stage, engine_stage, measure_frames, to_frames
+from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
 from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult, device_measurement
 from edgekit.progress import StepProgress
 from edgekit.runtimes import RUNTIMES, get_runtime
