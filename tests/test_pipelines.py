@@ -238,6 +238,19 @@ def test_noisy_verdict_says_so():
     assert target_verdict(est) == "p99 12.000 ms (estimate (sum of stages)) (no end-to-end budget)"
 
 
+def test_remeasure_times_cached_engines_again_without_rebuilding(tmp_path):
+    pytest.importorskip("edgekit.build")
+    recipe = parse_recipe(_recipe())
+    first = run_recipe(recipe, tmp_path, progress=False)
+    again = run_recipe(recipe, tmp_path, progress=False, remeasure=True)
+    mlp = again.stages[1].reused
+    assert mlp["export"] and mlp["build"]  # nothing rebuilt
+    assert mlp["profile"] is False and mlp["frames"] is False and again.stages[0].reused == {"frames": False}
+    assert again.stages[1].artifacts["engine"] == first.stages[1].artifacts["engine"]
+    r = _cli("run", "--help")
+    assert "--remeasure" in r.stdout
+
+
 def test_budget_miss_fails_and_junit_reports_it(tmp_path):
     pytest.importorskip("edgekit.build")
     data = _recipe(budget_ms=1e-6)
@@ -312,6 +325,23 @@ def test_pareto_marks_only_non_dominated_rows():
     assert [r.pareto for r in rows] == [True, True, False, True]
 
 
+def test_each_plot_has_the_pareto_set_of_its_own_two_axes():
+    from edgekit.pipelines.html import pareto_2d
+
+    # (latency, accuracy): (4, 0.95) beats nothing on latency but everyone on accuracy.
+    assert pareto_2d([(1, 0.90), (2, 0.92), (3, 0.89), (4, 0.95)], True) == [True, True, False, True]
+    # Lower is better (perplexity): (2, 9) is beaten by (1, 8) in both axes.
+    assert pareto_2d([(1, 8.0), (2, 9.0), (3, 7.0)], False) == [True, False, True]
+    # A point optimal in three objectives (small size) is not on the 2-D latency frontier.
+    from edgekit.pipelines.sweep import SweepRow, _pareto
+
+    rows = [SweepRow(params={"k": i}, run_dir="", passed=True, metric="accuracy", value=v, higher_is_better=True,
+                     size_mb=s, latency_ms={"cpu": lat}) for i, (v, lat, s) in enumerate([(0.9, 1, 5), (0.9, 2, 1)])]
+    _pareto(rows, "cpu")
+    assert [r.pareto for r in rows] == [True, True]
+    assert pareto_2d([(1, 0.9), (2, 0.9)], True) == [True, False]
+
+
 def test_sweep_writes_table_and_html(tmp_path):
     pytest.importorskip("edgekit.build")
     pytest.importorskip("edgekit.compress.prune")
@@ -326,7 +356,22 @@ def test_sweep_writes_table_and_html(tmp_path):
     assert all(r.latency_ms["cpu"] > 0 and r.size_mb > 0 and r.estimated_ms["cpu"] > 0 for r in rows)
     assert rows[1].size_mb < rows[0].size_mb
     assert (tmp_path / "s1" / "sweep.json").exists() and (tmp_path / "s1" / "sweep.md").exists()
-    assert "Pareto frontier" in (tmp_path / "s1" / "sweep.html").read_text()
+    assert all(r.p50_ms["cpu"] <= r.p99_ms["cpu"] and r.budget_ms == 1000 for r in rows)  # measured frames
+    assert "Pareto set" in (tmp_path / "s1" / "sweep.html").read_text()
+
+
+
+def test_sweep_plots_label_points_and_draw_budget_and_error_bars(tmp_path):
+    from edgekit.pipelines.html import sweep_plots
+    from edgekit.pipelines.sweep import SweepRow
+
+    rows = [SweepRow(params={"int8.calib_samples": n, "prune.ratio": r}, run_dir="", passed=True, metric="map50",
+                     value=v, higher_is_better=True, size_mb=s, latency_ms={"cpu": lat},
+                     p50_ms={"cpu": lat * 0.8}, p99_ms={"cpu": lat}, budget_ms=33.0)
+            for n, r, v, s, lat in [(16, 0, 0.95, 2.0, 40.0), (32, 0.3, 0.93, 1.5, 30.0), (16, 0.5, 0.80, 1.0, 35.0)]]
+    plots = sweep_plots(rows, tmp_path, budget_ms=33.0)
+    assert set(plots) == {"latency-cpu", "size"}
+    assert all(p.stat().st_size > 5000 for p in plots.values())
 
 
 @pytest.mark.ray
