@@ -278,9 +278,11 @@ def _print_profile(result: Any, top_k: int) -> None:
                      ["min", "mean", "p50", "p90", "p95", "p99", "max", "std", "CV", "throughput"],
                      [[f"{s.min:.3f}", f"{s.mean:.3f}", f"{s.p50:.3f}", f"{s.p90:.3f}", f"{s.p95:.3f}", f"{s.p99:.3f}",
                        f"{s.max:.3f}", f"{s.std:.3f}", f"{s.cv:.1%}", f"{result.throughput_per_s:.1f}/s"]]))
+    if result.noisy:
+        con.print(f"noisy: CV {s.cv:.1%} after {result.attempts} attempt(s); a verdict on it is uncertain")
     if result.nodes:
         con.print(_table(f"top {min(top_k, len(result.nodes))} nodes", ["node", "op", "ms", "share", "precision"],
-                         [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
+                         [[n.label, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
                           for n in result.nodes[:top_k]]))
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "

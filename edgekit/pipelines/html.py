@@ -51,21 +51,32 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def stage_bar_png(result: Any, target: str) -> bytes:
-    """Stacked per-stage latency bar (critical path) against the budget line."""
+    """Where a frame's time goes: each stage as a bar from its start to its end (measured
+    frames: the mean over the frames, so parallel stages overlap; estimates: the critical
+    path of the stage estimates), the end-to-end figure and the budget as lines."""
     plt = _figure()
     stages = [r for r in result.stages if r.target == target]
     t = result.targets[target]
+    measured = t.get("method") == "measured frames"
     fig, ax = plt.subplots(figsize=(8, 2.2 + 0.1 * len(stages)))
     colors = plt.cm.tab10.colors
     for i, r in enumerate(stages):
-        ax.barh([0], [r.latency_ms], left=[r.start_ms], color=colors[i % 10], edgecolor="white",
-                label=f"{r.stage} {r.latency_ms:.2f} ms")
+        width = r.end_ms - r.start_ms if measured else r.latency_ms
+        label = (f"{r.stage} mean {width:.2f} ms ({result.percentile} {r.latency_ms:.2f})" if measured
+                 else f"{r.stage} {r.latency_ms:.2f} ms")
+        lane = [0.0] if not r.parallel_with else [-0.45]
+        ax.barh(lane, [width], left=[r.start_ms], height=0.8 if not r.parallel_with else 0.4,
+                color=colors[i % 10], edgecolor="white", label=label)
+    ax.axvline(t["total_ms"], color="#1b1f24", linewidth=1.5,
+               label=f"frame {result.percentile} {t['total_ms']:.2f} ms" + ("" if measured else " (estimate)"))
     if t.get("budget_ms"):
         ax.axvline(t["budget_ms"], color="#cf222e", linestyle="--", linewidth=2, label=f"budget {t['budget_ms']:g} ms")
     ax.set_yticks([])
-    ax.set_xlabel(f"ms ({result.percentile}{', estimate' if t.get('estimated') else ''})")
-    ax.set_title(f"{target}: total {t['total_ms']:.2f} ms")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(4, len(stages) + 1), fontsize=8, frameon=False)
+    ax.set_xlabel("ms into the frame (mean over the measured frames)" if measured else
+                  f"ms ({result.percentile}, estimate: sum of stages along the critical path)")
+    ax.set_title(f"{target}: frame {result.percentile} {t['total_ms']:.2f} ms"
+                 + (f", mean {t['mean_ms']:.2f} ms" if measured and t.get("mean_ms") else ""))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(3, len(stages) + 2), fontsize=8, frameon=False)
     return _png(fig)
 
 
