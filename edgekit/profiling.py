@@ -332,23 +332,25 @@ def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:  # type: ignore[attr-defined]
         raise BadInputError(f"cannot read {onnx_path} for node names: {e}") from None
-    labels = {}
+    labels: dict[str, str] = {}
     for node in model.graph.node:
         label = onnx_node_label(node)
         if node.name and label != node.name:
             labels[node.name] = label
+            for out in node.output:  # ORT names some fused nodes after an output (Conv+Clip: "hardtanh_nchwc")
+                labels.setdefault(f"output:{out}", label)
     return labels
 
 
 def label_nodes(nodes: list[NodeTiming], labels: dict[str, str]) -> None:
     """Set each node's ``module`` from ``labels`` (ORT may prefix or suffix fused node names)."""
+    import re
+
     for n in nodes:
-        if n.name in labels:
-            n.module = labels[n.name]
-            continue
-        for part in n.name.replace("fused ", "").split("_token_")[0].split(" "):
-            if part in labels:
-                n.module = labels[part]
+        base = re.sub(r"(_token_\d+|_nchwc)+$", "", n.name.replace("fused ", ""))
+        for key in (n.name, base, f"output:{base}"):
+            if key in labels:
+                n.module = labels[key]
                 break
 
 
@@ -432,8 +434,9 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
                 "runtime", engine.runtime), target=manifest.target,
                 model=manifest.model.get("name"), model_size_mb=_engine_size_mb(engine_dir, manifest),
                 progress=progress)
-        onnx_path = getattr(engine, "path", None)
-        if result.nodes and onnx_path is not None and str(onnx_path).endswith(".onnx"):
+        # The exported graph keeps the exporter's metadata; a runtime's optimized copy drops it.
+        onnx_path = (engine_dir / manifest.files["onnx"]) if "onnx" in manifest.files else getattr(engine, "path", None)
+        if result.nodes and onnx_path is not None and str(onnx_path).endswith(".onnx") and Path(onnx_path).is_file():
             label_nodes(result.nodes, node_labels(onnx_path))
         rss_after = _current_rss_mb()
     finally:
