@@ -149,7 +149,7 @@ def main() -> None:
              "frame_cpu_p99_ms": pct(rec["cpu"], 99), "frames": len(rec["total"]), "stages": stages,
              "sum_of_stage_p99_ms": sum_p99, "detector_map50_vs_float": det.get("map50"),
              "detector_map50_ground_truth": det.get("map50_ground_truth"),
-             "detector_score_drift": det.get("score_drift"), "landmarks_top1_agreement": onet.get("top1_agreement"),
+             "detector_score_drift": det.get("score_drift_mean"), "landmarks_top1_agreement": onet.get("top1_agreement"),
              "sizes_mb": {r.stage: r.size_mb for r in result.stages if r.size_mb is not None}}
         report["variants"][name] = v
         print(f"{name:8} {v['frame_p50_ms']:9.2f} {v['frame_p99_ms']:9.2f} {v['frame_cpu_p50_ms']:8.2f} "
