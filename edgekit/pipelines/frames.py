@@ -246,7 +246,7 @@ class FrameRunner:
                                         f"{s.name!r} takes {want})") from None
             try:
                 result = s.run(values)
-            except (BadInputError, ValueError, TypeError, IndexError) as e:
+            except (BadInputError, ValueError, TypeError, IndexError, RuntimeError) as e:  # RuntimeError: ORT's
                 got = "; ".join(f"{where[n]} {_describe(v)} -> {n}" for n, v in values.items()) or "no inputs"
                 raise BadInputError(f"{self._from(i)} does not fit stage {s.name!r} (given {got}): "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -330,6 +330,10 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
         key = cache.key({**base, "callable": stage.callable, "inputs": stage.inputs, "profile": recipe.profile,
                          "target": target.name})
         fn = _import(stage.callable)
+        needed = [spec.name for spec in callable_stage(stage.name, fn).inputs]
+        if not stage.inputs and needed:
+            raise BadInputError(f"stage {stage.name!r}: {target.name} cannot be measured here, so this Python stage "
+                                f"is timed alone on sample inputs; declare inputs: for {', '.join(needed)}")
         engine = CallableEngine(fn, stage.inputs)
 
         def build_profile(folder: Path) -> None:
@@ -344,11 +348,11 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
                                              config={"callable": stage.callable, "inputs": stage.inputs},
                                              target=target.name))
 
-        folder, reused = cache.get("profile", key, build_profile)
-        prof = ProfileResult.load(folder / "profile.json")
+        pfolder, preused = cache.get("profile", key, build_profile)
+        alone = ProfileResult.load(pfolder / "profile.json")
         host_note = [] if target.kind == "cpu" else [f"Python stage timed on this host, not on {target.name}"]
-        return _stage_result(stage, target, "callable", prof, recipe, {"profile": str(folder)}, {"profile": reused},
-                             {}, [], None, host_note), key
+        return _stage_result(stage, target, "callable", alone, recipe, {"profile": str(pfolder)},
+                             {"profile": preused}, {}, [], None, host_note), key
 
     # A model stage: compress -> export -> build -> profile (or estimate) -> evaluate.
     from edgekit.compress import StepContext, compress
@@ -631,7 +635,7 @@ def _evaluate_folder(stage: StageSpec, model_source: str, onnx_folder: Path, eng
 def _gates(stage: StageSpec, metrics: dict[str, Any]) -> list[dict[str, Any]]:
     spec = stage.evaluate or {}
     name = spec.get("metric") or next((k for k, v in metrics.items() if isinstance(v, (int, float))), None)
-    gates = []
+    gates: list[dict[str, Any]] = []
     if name is None:
         return gates
     if name not in metrics:
