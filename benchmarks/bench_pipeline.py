@@ -110,7 +110,7 @@ def main() -> None:
         runners[name].check(frames[0])
     samples: dict[str, dict[str, Any]] = {n: {"total": [], "cpu": [], "stages": {s.name: [] for s in r.stages}}
                                           for n, r in runners.items()}
-    for name, runner in runners.items():  # warm-up
+    for runner in runners.values():  # warm-up
         for f in frames[:8]:
             runner.run(f)
     k = 0

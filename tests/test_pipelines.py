@@ -133,6 +133,9 @@ def test_run_writes_results_junit_summary_and_html(tiny_run):
     names = [c.get("name") for c in suite.iter("testcase")]
     assert names == ["cpu.total_budget", "cpu.pre.budget", "cpu.mlp.budget"]
     assert suite.get("failures") == "0"
+    outs = [e.text for e in suite.iter("system-out")]
+    assert outs[0].startswith("frame p99 ") and "measured over" in outs[0] and "cv " in outs[0]
+    assert all("cv " in o for o in outs)
     md = (out / "summary.md").read_text()
     assert "| cpu | pre |" in md and "against 1000 ms: **PASS**" in md
     assert "| cv |" in md and "measured over" in md

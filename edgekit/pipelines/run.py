@@ -288,7 +288,7 @@ def _run_locked(recipe: Recipe, run_dir: str | os.PathLike[str], cache_dir: str 
             for stage in recipe.stages:
                 phases.phase(f"{target.name} / {stage.name}: "
                              + ("a Python stage, timed in every frame" if stage.callable and frame_mode else
-                                "compress, export, build, profile" if frame_mode else "compress, export, estimate"))
+                                "compress, export, build, evaluate" if frame_mode else "compress, export, estimate, evaluate"))
                 res, prev_key = _run_stage(stage, target, recipe, cache, pconfig, versions, prev_key, progress,
                                            frame_mode)
                 results.append(res)
