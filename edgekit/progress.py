@@ -18,14 +18,13 @@ from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
 _VERBOSITY = 0  # -1 quiet, 0 normal, 1 verbose
+MIN_PHASE_S = 1.0  # in a log, a phase that ends sooner gets no line of its own
 
 
 def set_verbosity(level: int) -> None:
     """-1: no progress (``--quiet``); 0: progress; 1: progress and debug logging (``--verbose``)."""
     global _VERBOSITY
     _VERBOSITY = max(-1, min(1, int(level)))
-    if _VERBOSITY < 0:
-        os.environ["EDGEKIT_PROGRESS"] = "0"  # child processes (sweep workers) stay quiet too
     if _VERBOSITY > 0:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -99,8 +98,12 @@ class StepProgress:
     """
 
     def __init__(self, description: str, total: int | None, *, done: int = 0, enabled: bool | None = None,
-                 interval: float = 30.0, stream: TextIO | None = None, heartbeat: bool = True) -> None:
+                 interval: float = 30.0, stream: TextIO | None = None, heartbeat: bool = True,
+                 min_phase_s: float | None = None) -> None:
         self.description, self.total, self.interval = description, total, interval
+        self.min_phase_s = MIN_PHASE_S if min_phase_s is None else min_phase_s
+        self._phase: str | None = None
+        self._phase_started = 0.0
         self.stream = stream if stream is not None else sys.stderr
         if enabled is False or (enabled is None and _quiet()):
             self.mode = "off"
@@ -137,17 +140,26 @@ class StepProgress:
                 self._line()
 
     def phase(self, name: str) -> None:
-        """A named phase starts: its own line in a log (with the elapsed and remaining time),
-        the status on the bar."""
-        self.status = name
+        """A named phase starts: the status on the bar; in a log, the phase before it gets its
+        line when it ends (``<phase> done in 12.3 s``, with the elapsed and remaining time) if
+        it took at least ``min_phase_s``, so quick work and a bad input stay silent (an error
+        is then the only line), and the heartbeat names the running phase meanwhile."""
+        self._end_phase()
+        self.status, self._phase, self._phase_started = name, name, time.monotonic()
         if self._bar is not None:
             self._bar.update(self._task, status=name)
-        elif self.mode == "lines":
-            self._line()
+
+    def _end_phase(self) -> None:
+        if self.mode == "lines" and self._phase is not None:
+            took = time.monotonic() - self._phase_started
+            if took >= self.min_phase_s:
+                self.status = f"{self._phase} done in {took:.1f} s"
+                self._line()
+        self._phase = None
 
     def update(self, done: int, status: str = "") -> None:
         """``done`` steps so far (of the whole run); ``status``: a short note (epoch, loss)."""
-        self.done, self.status = done, status
+        self.done, self.status = done, status or (self._phase or "")
         if self._bar is not None:
             self._bar.update(self._task, completed=done, status=status)
         elif self.mode == "lines" and time.monotonic() - self._last_line >= self.interval:
@@ -183,7 +195,11 @@ class StepProgress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        failed = bool(exc) and exc[0] is not None
         if self._bar is not None:
             self._bar.__exit__(None, None, None)
-        elif self.mode == "lines" and self._lines:  # a closing line where earlier lines were written
-            self._line()
+        elif self.mode == "lines" and not failed:  # an error is reported by its own line, alone
+            had_phase = self._phase is not None
+            self._end_phase()
+            if self._lines and not had_phase:  # a closing line where earlier lines were written
+                self._line()

@@ -248,12 +248,12 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
         ctx.work_dir = work_folder(out_dir)
     metrics: dict[str, Any] = {}
     with StepProgress("compress", total=len(configs), enabled=None if ctx.progress else False) as progress:
-        for i, (name, config) in enumerate(configs):  # one line per step in a log, and one every 30 s
+        for i, (name, config) in enumerate(configs):  # in a log: a line per step done, and one every 30 s
             progress.phase(f"{name} ({i + 1}/{len(configs)})")
             t0 = time.perf_counter()
             handle = get_step(name).apply(handle, config, ctx)
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
-            progress.update(i + 1, f"{name} done in {metrics[f'{name}_seconds']:.1f} s")
+            progress.update(i + 1)
     metrics.update(ctx.metrics)
     with staged_dir(out_dir, protect) as tmp:
         files = save_model_files(handle, tmp)
