@@ -418,3 +418,25 @@ def test_html_report_renders_in_headless_chromium(tiny_run, tmp_path):
 
     img = Image.open(shot).convert("RGB").resize((200, 266))
     assert len(set(img.getdata())) > 50
+
+
+@pytest.mark.browser
+def test_sweep_html_renders_in_headless_chromium(tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed")
+    from edgekit.pipelines.html import render_sweep_html, sweep_plots
+    from edgekit.pipelines.sweep import SweepRow
+
+    rows = [SweepRow(params={"bits": b}, run_dir="", passed=lat <= 33, metric="map50", value=v, higher_is_better=True,
+                     size_mb=s, latency_ms={"cpu": lat}, p50_ms={"cpu": lat * 0.7}, p99_ms={"cpu": lat}, budget_ms=33.0)
+            for b, v, s, lat in [(32, 0.99, 7.3, 40.0), (8, 0.98, 2.2, 25.0)]]
+    plots = sweep_plots(rows, tmp_path, budget_ms=33.0)
+    page = render_sweep_html(rows, tmp_path / "sweep.html", plots, "dms.yaml")
+    dump = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert "edgekit sweep: dms.yaml" in dump.stdout and "Pareto set" in dump.stdout
+    assert dump.stdout.count("data:image/png;base64,") == 2
