@@ -33,6 +33,7 @@ from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle
+from edgekit.sources.inputs import InputOptions
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ class ExportConfig:
 
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
-                config: ExportConfig | None = None) -> Path:
+                config: ExportConfig | None = None, input_options: InputOptions | None = None) -> Path:
     """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
+    ``input_options`` (``--shapes``, ``--inputs``) set the inputs traced and compared.
 
     >>> out = export_onnx("efficientnet-lite0", "out/onnx")  # doctest: +SKIP
     >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
@@ -105,8 +107,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
     out_dir = Path(out_dir)
     if not isinstance(model, ModelHandle):
         check_output_dir(out_dir, (model,))  # before loading: a zoo model may be trained on first use
-    handle = load_model(model)
-    protect = (model, handle.source, handle.onnx_path)  # the output may not touch these
+    handle = load_model(model, input_options)
+    protect = (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))  # never touched
     check_output_dir(out_dir, protect)  # before any work
     inputs = _input_records(model, handle)
     t0 = time.perf_counter()
@@ -120,7 +122,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=given, error=BadInputError)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
-                inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
+                inputs=inputs, config={**config.to_dict(), "exporter": "copy",
+                                       **({"input_options": input_options.to_dict()} if input_options else {})},
                 metrics={"parity": {"skipped": True, "reason": "ONNX input: nothing to compare against"},
                          "export_seconds": round(time.perf_counter() - t0, 3)}))
         return out_dir
@@ -157,7 +160,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             failed.unlink()
         write_manifest(tmp, Manifest(
             kind="onnx", files=files, source=handle.source, model=_describe(handle, config), steps=steps,
-            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
+            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto),
+                                   **({"input_options": input_options.to_dict()} if input_options else {})},
             metrics={"parity": parity, "export_seconds": round(trace_s, 3),
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))

@@ -15,7 +15,9 @@ RUNTIMES: dict[str, str] = {
     "onnxruntime": "edgekit.runtimes.onnxruntime:RUNTIME",
     "torch": "edgekit.runtimes.torch_aot:RUNTIME",
     "tensorrt": "edgekit.runtimes.tensorrt:RUNTIME",
+    "openvino": "edgekit.runtimes.openvino:RUNTIME",
 }
+BEST_RUNTIME = "best"  # build: time each of the target's runtimes here and keep the fastest
 
 
 def get_runtime(name: str) -> Any:

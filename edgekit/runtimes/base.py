@@ -21,7 +21,7 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes import BEST_RUNTIME, RUNTIMES
 from edgekit.schema import FieldError, check_fields
 from edgekit.sources.handle import InputSpec
 from edgekit.targets import Target
@@ -38,6 +38,7 @@ class NodeTiming:
     precision: str = "fp32"  # "int8", "int4", "fp16", "bf16", "fp32", ...
     quantized: bool = False  # runs in integer arithmetic (or reads integer weights)
     calls: int = 1
+    kernel: str = ""  # the kernel/ISA that ran it, where the runtime tells or it is inferable
     module: str = ""  # the PyTorch module path the exporter recorded (sources.onnx_file.onnx_node_label)
 
     @property
@@ -161,8 +162,8 @@ class BuildOptions:
         check_fields(self)  # types, and every extra declared in BuildExtras
         if self.optimization_level not in OPTIMIZATION_LEVELS:
             raise bad_choice("optimization level", self.optimization_level, OPTIMIZATION_LEVELS)
-        if self.runtime is not None and self.runtime not in RUNTIMES:
-            raise bad_choice("runtime", self.runtime, RUNTIMES)
+        if self.runtime is not None and self.runtime != BEST_RUNTIME and self.runtime not in RUNTIMES:
+            raise bad_choice("runtime", self.runtime, (*RUNTIMES, BEST_RUNTIME))
         if self.threads is not None and not 1 <= self.threads <= 4096:
             raise FieldError("threads", f"must be 1 to 4096, got {self.threads}")
         if self.batch < 1:
