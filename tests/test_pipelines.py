@@ -213,6 +213,16 @@ def test_parallel_stages_run_concurrently_and_the_frame_is_the_critical_path():
     assert m.share("b") > 0.5 and m.share("c") > 0.5  # each of the parallel stages covers most of the frame
 
 
+def test_a_parallel_stage_cannot_feed_on_its_partner():
+    from edgekit.pipelines.frames import callable_stage, measure_frames
+    from edgekit.profiling import ProfileConfig
+
+    stages = [callable_stage("a", lambda x: x, {"x": {"shape": [1]}}), callable_stage("b", lambda x: x),
+              callable_stage("c", lambda x: x, parallel_with=["b"], feeds={"x": "b"})]
+    with pytest.raises(BadInputError, match="stage 'c' feeds: 'b' runs in parallel with 'c'"):
+        measure_frames(stages, [{"x": np.zeros(1, np.float32)}], ProfileConfig(warmup_ms=0, duration_s=0, iterations=1))
+
+
 def test_noisy_measurement_is_repeated_then_reported():
     from edgekit.profiling import ProfileConfig, repeat_while_noisy
 

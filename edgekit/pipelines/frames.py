@@ -213,6 +213,9 @@ class FrameRunner:
             earlier = [x.name for x in self.stages[:self.index[s.name]]]
             raise BadInputError(f"stage {s.name!r} feeds: {src!r} names no earlier stage (earlier: "
                                 f"{', '.join([FRAME] + earlier)})")
+        if self.group_of[self.index[head]] == self.group_of[self.index[s.name]]:
+            raise BadInputError(f"stage {s.name!r} feeds: {src!r} runs in parallel with {s.name!r}, so its output "
+                                "is not there when it starts; feed it from an earlier stage")
         producer = self.stages[self.index[head]]
         if not tail:
             return head, producer.outputs[0]
