@@ -23,6 +23,8 @@ class BudgetVerdict:
     jitter_passed: bool
     model: str | None
     target: str | None
+    cv: float = 0.0  # coefficient of variation of the measurement
+    noisy: bool = False  # the profile stayed above its noise threshold: the verdict is uncertain
 
     def message(self) -> str:
         head = "PASS" if self.passed else "FAIL"
@@ -33,6 +35,7 @@ class BudgetVerdict:
         parts = [f"{head}: {lat}"]
         if self.max_jitter is not None:
             parts.append(f"jitter p99/p50 {self.jitter:.3f} {'<=' if self.jitter_passed else '>'} {self.max_jitter:g}")
+        parts.append(f"CV {self.cv:.1%}" + (" (noisy measurement: the verdict is uncertain)" if self.noisy else ""))
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,4 +82,5 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     met = latency <= budget_ms
     return BudgetVerdict(passed=met and jitter_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
                          margin_ms=float(budget_ms) - latency, jitter=jitter, max_jitter=max_jitter,
-                         jitter_passed=jitter_ok, model=result.model, target=result.target)
+                         jitter_passed=jitter_ok, model=result.model, target=result.target,
+                         cv=result.latency_ms.cv, noisy=result.noisy)

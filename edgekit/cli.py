@@ -75,9 +75,19 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
 
 @click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="edgekit")
-def cli() -> None:
+@click.option("-q", "--quiet", is_flag=True, help="No progress output (bars or log lines).")
+@click.option("-v", "--verbose", is_flag=True, help="Also show library log messages.")
+def cli(quiet: bool, verbose: bool) -> None:
     """edgekit: compress a PyTorch model, export it to ONNX, build an engine for a target,
-    profile it and check it against a latency budget."""
+    profile it and check it against a latency budget.
+
+    Long work reports progress: rich bars on a terminal; in a log, one line per phase and
+    one at least every 30 s with the elapsed time and an estimate of what remains."""
+    from edgekit.progress import set_verbosity
+
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose contradict each other; give one")
+    set_verbosity(-1 if quiet else 1 if verbose else 0)
 
 
 # --- model inputs: --shapes, --inputs, --preprocess (one declaration, shared by the commands) ---
@@ -323,11 +333,13 @@ def _print_profile(result: Any, top_k: int) -> None:
                      ["min", "mean", "p50", "p90", "p95", "p99", "max", "std", "CV", "throughput"],
                      [[f"{s.min:.3f}", f"{s.mean:.3f}", f"{s.p50:.3f}", f"{s.p90:.3f}", f"{s.p95:.3f}", f"{s.p99:.3f}",
                        f"{s.max:.3f}", f"{s.std:.3f}", f"{s.cv:.1%}", f"{result.throughput_per_s:.1f}/s"]]))
+    if result.noisy:
+        con.print(f"noisy: CV {s.cv:.1%} after {result.attempts} attempt(s); a verdict on it is uncertain")
     if result.nodes:
         kernels = any(n.kernel for n in result.nodes)  # the kernel/ISA column, where the runtime tells
         con.print(_table(f"top {min(top_k, len(result.nodes))} nodes",
                          ["node", "op", "ms", "share", "precision"] + (["kernel"] if kernels else []),
-                         [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
+                         [[n.label, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
                           + ([n.kernel] if kernels else []) for n in result.nodes[:top_k]]))
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
@@ -548,10 +560,13 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
 @click.option("-o", "--out", "run_dir", type=click.Path(), default=None, help="Run folder (default runs/<recipe name>).")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
 @click.option("--force", is_flag=True, help="Rebuild every cached step.")
+@click.option("--remeasure", is_flag=True, help="Time the cached engines again (stage profiles and frames) without "
+              "rebuilding anything.")
 @click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
 @click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
               "exiting with status 2.")
-def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_dir: str | None, wait: bool) -> int:
+def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
+            wait: bool) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
@@ -565,10 +580,11 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, cache_
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force, wait=wait)
+    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force, wait=wait,
+                        remeasure=remeasure)
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
-        click.echo(f"{name}: {target_verdict(t)}")
+        click.echo(f"{name}: {target_verdict(t, percentile=result.percentile)}")
     for r in result.stages:
         for g in r.gates:
             click.echo(f"{r.target}/{r.stage}: {g['metric']} {g['value']:.4f} "

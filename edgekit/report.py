@@ -117,9 +117,9 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
         lines.append("")
         if prof.nodes:
             lines += [f"### Top {min(top_k, len(prof.nodes))} nodes", "",
-                      "| node | op type | ms | share | precision |", "|---|---|---|---|---|"]
+                      "| node (module path, else ONNX name) | op type | ms | share | precision |", "|---|---|---|---|---|"]
             for n in prof.nodes[:top_k]:
-                lines.append(f"| {n.name} | {n.op_type} | {n.time_ms:.4f} | {n.share:.1%} | {n.precision} |")
+                lines.append(f"| {n.label} | {n.op_type} | {n.time_ms:.4f} | {n.share:.1%} | {n.precision} |")
             lines.append("")
         if prof.op_types:
             lines += ["### By op type", "", "| op type | count | ms | share | quantized |", "|---|---|---|---|---|"]

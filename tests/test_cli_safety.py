@@ -416,8 +416,8 @@ def test_runs_sharing_a_cache_build_each_entry_once(tmp_path: Path) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(r.stages[0].reused["profile"] for r in results) == [False, True, True]
-    assert len([p for p in (tmp_path / "cache").iterdir() if p.name.startswith("profile-")]) == 1
+    assert sorted(r.stages[0].reused["frames"] for r in results) == [False, True, True]
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.name.startswith("frames-")]) == 1
     assert debris(tmp_path) == []
 
 

@@ -98,7 +98,7 @@ def test_non_finite_latency_is_bad_input_not_a_failed_check(tmp_path, literal):
     ({"warnings": "none"}, "warnings: must be a list of strings, got 'none'"),
     ({"target": 7}, "target: must be a string, got 7 (quote it)"),
     ({"settings": []}, "settings: must be a mapping, got []"),
-    ({"latency": 3}, "latency: unknown field (known: created, engine, float_share, generation, latency_ms, machine, model,"),
+    ({"latency": 3}, "latency: unknown field (known: attempts, created, engine, float_share, generation, latency_ms, machine, model,"),
 ])
 def test_profile_fields_are_checked(tmp_path, over, message):
     p = tmp_path / "p.json"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.progress import StepProgress
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -248,10 +249,13 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     if ctx.work_dir is None:
         ctx.work_dir = work_folder(out_dir)
     metrics: dict[str, Any] = {}
-    for name, config in configs:
-        t0 = time.perf_counter()
-        handle = get_step(name).apply(handle, config, ctx)
-        metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
+    with StepProgress("compress", total=len(configs), enabled=None if ctx.progress else False) as progress:
+        for i, (name, config) in enumerate(configs):  # in a log: a line per step done, and one every 30 s
+            progress.phase(f"{name} ({i + 1}/{len(configs)})")
+            t0 = time.perf_counter()
+            handle = get_step(name).apply(handle, config, ctx)
+            metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
+            progress.update(i + 1)
     metrics.update(ctx.metrics)
     with staged_dir(out_dir, protect) as tmp:
         files = save_model_files(handle, tmp)

@@ -13,6 +13,8 @@ chain as deployed: ``decode_faces`` takes CenterFace's four outputs by their nam
 * faces: (n, 15) float32 ``[x1, y1, x2, y2, score, lx1, ly1, ..., lx5, ly5]`` in frame pixels;
 * regions: (n, 6) float32 ``[x1, y1, x2, y2, score, class]`` in page pixels.
 
+``edgekit run`` times frames through the chained stages (each stage's real output feeding
+the next) on ``cabin_eval_frames`` / ``layout_eval_pages``: real evaluation frames and pages.
 A recipe that times each stage alone needs real inputs for the decode and crop stages
 (random heatmaps are not what a detector emits: a third of their cells would pass the
 threshold). ``decode_faces_recorded``, ``crop_faces_recorded``, ``decode_layout_recorded``
@@ -106,6 +108,15 @@ def crop_faces(image: np.ndarray, faces: np.ndarray) -> np.ndarray:
     return prepare_onet([square_crop(image, f[:4]) for f in faces])["crops"]
 
 
+FRAMES_TIMED = 24  # distinct frames (pages: 8) the pipelines cycle through when timed
+
+
+def cabin_eval_frames() -> list[np.ndarray]:
+    """The first 24 evaluation frames of ``cabin-faces`` (480 x 640 RGB, one to three faces):
+    what ``examples/driver-monitoring.yaml`` is timed on."""
+    return cabin_frames("eval", FRAMES_TIMED)
+
+
 @functools.lru_cache(maxsize=1)
 def _face_example() -> dict[str, Any]:
     """One evaluation frame with people in it and the float CenterFace's real outputs for it."""
@@ -181,6 +192,12 @@ def crop_regions(image: np.ndarray, regions: np.ndarray) -> np.ndarray:
     return np.stack(crops) if crops else np.zeros((0, REGION_CROP, REGION_CROP, 3), np.uint8)
 
 
+def layout_eval_pages() -> list[np.ndarray]:
+    """The first 8 evaluation pages of ``layout-pages`` (800 x 608 RGB): what
+    ``examples/document-layout.yaml`` is timed on."""
+    return layout_page_images("eval", 8)
+
+
 @functools.lru_cache(maxsize=1)
 def _page_example() -> dict[str, Any]:
     import onnxruntime as ort
@@ -209,6 +226,6 @@ def crop_regions_recorded() -> np.ndarray:
     return crop_regions(example["page"], example["regions"])
 
 
-__all__ = ["DETECTOR_FRAME", "centerface_cabin", "crop_faces", "crop_faces_recorded", "crop_regions", "crop_regions_recorded",
+__all__ = ["DETECTOR_FRAME", "cabin_eval_frames", "centerface_cabin", "layout_eval_pages", "crop_faces", "crop_faces_recorded", "crop_regions", "crop_regions_recorded",
            "decode_faces", "decode_faces_recorded", "decode_layout", "decode_layout_recorded", "faces_to_rows",
            "preprocess_frame", "preprocess_page"]

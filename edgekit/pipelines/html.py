@@ -51,38 +51,75 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def stage_bar_png(result: Any, target: str) -> bytes:
-    """Stacked per-stage latency bar (critical path) against the budget line."""
+    """Where a frame's time goes: each stage as a bar from its start to its end (measured
+    frames: the mean over the frames, so parallel stages overlap; estimates: the critical
+    path of the stage estimates), the end-to-end figure and the budget as lines."""
     plt = _figure()
     stages = [r for r in result.stages if r.target == target]
     t = result.targets[target]
+    measured = t.get("method") == "measured frames"
     fig, ax = plt.subplots(figsize=(8, 2.2 + 0.1 * len(stages)))
     colors = plt.cm.tab10.colors
     for i, r in enumerate(stages):
-        ax.barh([0], [r.latency_ms], left=[r.start_ms], color=colors[i % 10], edgecolor="white",
-                label=f"{r.stage} {r.latency_ms:.2f} ms")
+        width = r.end_ms - r.start_ms if measured else r.latency_ms
+        label = (f"{r.stage} mean {width:.2f} ms ({result.percentile} {r.latency_ms:.2f})" if measured
+                 else f"{r.stage} {r.latency_ms:.2f} ms")
+        lane = [0.0] if not r.parallel_with else [-0.45]
+        ax.barh(lane, [width], left=[r.start_ms], height=0.8 if not r.parallel_with else 0.4,
+                color=colors[i % 10], edgecolor="white", label=label)
+    ax.axvline(t["total_ms"], color="#1b1f24", linewidth=1.5,
+               label=f"frame {result.percentile} {t['total_ms']:.2f} ms" + ("" if measured else " (estimate)"))
     if t.get("budget_ms"):
         ax.axvline(t["budget_ms"], color="#cf222e", linestyle="--", linewidth=2, label=f"budget {t['budget_ms']:g} ms")
     ax.set_yticks([])
-    ax.set_xlabel(f"ms ({result.percentile}{', estimate' if t.get('estimated') else ''})")
-    ax.set_title(f"{target}: total {t['total_ms']:.2f} ms")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(4, len(stages) + 1), fontsize=8, frameon=False)
+    ax.set_xlabel("ms into the frame (mean over the measured frames)" if measured else
+                  f"ms ({result.percentile}, estimate: sum of stages along the critical path)")
+    ax.set_title(f"{target}: frame {result.percentile} {t['total_ms']:.2f} ms"
+                 + (f", mean {t['mean_ms']:.2f} ms" if measured and t.get("mean_ms") else ""))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(3, len(stages) + 2), fontsize=8, frameon=False)
     return _png(fig)
 
 
 def latency_distribution_png(result: Any, target: str) -> bytes:
-    """Per stage: p50 (bar) with whiskers to p99 (the tail the budget gates on)."""
+    """The measured distribution: per stage and for the whole frame, a box (quartiles, median)
+    with whiskers to p1 and p99 and the frames beyond them as points, from the same frames;
+    the budgets as red ticks. A target that was estimated has no distribution: its p50 and
+    p99 per stage are drawn as a bar and a whisker, and the plot says so."""
+    from edgekit.pipelines.run import load_frames
+
     plt = _figure()
     stages = [r for r in result.stages if r.target == target]
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(stages)))
-    names = [r.stage for r in stages]
-    p50 = [r.p50_ms for r in stages]
-    tail = [max(r.p99_ms - r.p50_ms, 0.0) for r in stages]
-    ax.barh(names, p50, xerr=[[0] * len(stages), tail], color="#54aeff", capsize=4)
-    for r in stages:
-        if r.budget_ms is not None:
-            ax.plot([r.budget_ms], [r.stage], marker="|", markersize=18, color="#cf222e")
+    t = result.targets[target]
+    frames_dir = t.get("frames_dir")
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.5 * (len(stages) + 1)))
+    if frames_dir and (Path(frames_dir) / "frames.json").is_file():
+        m = load_frames(Path(frames_dir) / "frames.json")
+        names = [r.stage for r in stages] + ["frame (end to end)"]
+        data = [m.stage_ms[r.stage] for r in stages] + [m.total_ms]
+        ax.boxplot(data, vert=False, whis=(1, 99), widths=0.6, patch_artist=True,
+                   boxprops={"facecolor": "#b6e3ff", "edgecolor": "#0969da"},
+                   medianprops={"color": "#0969da", "linewidth": 2},
+                   flierprops={"marker": ".", "markersize": 3, "markeredgecolor": "#57606a"})
+        ax.set_yticks(range(1, len(names) + 1), names)
+        for k, r in enumerate(stages):
+            if r.budget_ms is not None:
+                ax.plot([r.budget_ms], [k + 1], marker="|", markersize=18, color="#cf222e")
+        if t.get("budget_ms"):
+            ax.plot([t["budget_ms"]], [len(names)], marker="|", markersize=18, color="#cf222e")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"ms per frame over {len(m.total_ms)} frames (log): box quartiles, whiskers p1-p99, "
+                      "red tick budget")
+    else:
+        names = [r.stage for r in stages]
+        p50 = [r.p50_ms for r in stages]
+        tail = [max(r.p99_ms - r.p50_ms, 0.0) for r in stages]
+        ax.barh(names, p50, xerr=[[0] * len(stages), tail], color="#54aeff", capsize=4)
+        for r in stages:
+            if r.budget_ms is not None:
+                ax.plot([r.budget_ms], [r.stage], marker="|", markersize=18, color="#cf222e")
+        ax.set_xlabel("ms: bar p50, whisker p99, red tick stage budget (estimates: no distribution)")
     ax.invert_yaxis()
-    ax.set_xlabel("ms: bar p50, whisker p99, red tick stage budget")
+    ax.grid(axis="x", alpha=0.3, which="both")
     return _png(fig)
 
 
@@ -100,8 +137,11 @@ def render_run_html(result: Any, path: Path) -> Path:
         verdict = "" if t["budget_ms"] is None else (
             f" against {t['budget_ms']:g} ms: <span class=\"{'pass' if t['passed'] else 'fail'}\">"
             f"{'PASS' if t['passed'] else 'FAIL'}</span> (margin {t['margin_ms']:+.3f} ms)")
+        from edgekit.pipelines.run import target_measurement
+
+        noisy = " <b>noisy measurement: the verdict is uncertain</b>" if t.get("noisy") else ""
         parts += [f"<h2>{html.escape(target)}</h2>",
-                  f"<p>total {t['total_ms']:.3f} ms{' (estimate)' if t['estimated'] else ''}{verdict}</p>",
+                  f"<p>{html.escape(target_measurement(t, result.percentile))}{verdict}{noisy}</p>",
                   _img(stage_bar_png(result, target), f"per-stage latency on {target}"),
                   _img(latency_distribution_png(result, target), f"latency distribution on {target}")]
         for r in result.stages:
@@ -113,8 +153,11 @@ def render_run_html(result: Any, path: Path) -> Path:
             prof = ProfileResult.load(prof_path)
             if prof.nodes:
                 parts.append(f"<h3>{html.escape(r.stage)}: top nodes</h3>")
-                parts.append(_table(["node", "op", "ms", "share", "precision"],
-                                    [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
+                parts.append(f"<p class=note>{html.escape(r.stage)} alone: p50 {prof.latency_ms.p50:.3f} ms, "
+                             f"p99 {prof.latency_ms.p99:.3f} ms, cv {prof.latency_ms.cv:.1%}"
+                             f"{' (noisy)' if prof.noisy else ''}</p>")
+                parts.append(_table(["node (module path, else ONNX name)", "op", "ms", "share", "precision"],
+                                    [[n.label, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
                                      for n in prof.nodes[:10]]))
     sweep = Path(result.run_dir) / "sweep.json"
     if sweep.exists():
@@ -133,8 +176,30 @@ def _profile_path(r: Any) -> Path | None:
     return None
 
 
-def sweep_plots(rows: list[Any], out: Path) -> dict[str, Path]:
-    """PNG files: metric vs latency (per target) and metric vs size, Pareto points marked."""
+def pareto_2d(points: list[tuple[float, float]], higher_is_better: bool) -> list[bool]:
+    """Which (cost, quality) points no other point beats in both: lower cost, and higher
+    quality (``higher_is_better``) or lower. The Pareto set of one 2-D plot, in its own two
+    dimensions.
+
+    >>> pareto_2d([(1, 0.90), (2, 0.92), (3, 0.89), (4, 0.95)], True)
+    [True, True, False, True]
+    """
+    def q(v: float) -> float:
+        return -v if higher_is_better else v
+
+    out = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(x2 <= x and q(y2) <= q(y) and (x2 < x or q(y2) < q(y))
+                        for j, (x2, y2) in enumerate(points) if j != i)
+        out.append(not dominated)
+    return out
+
+
+def sweep_plots(rows: list[Any], out: Path, budget_ms: float | None = None, percentile: str = "p99"
+                ) -> dict[str, Path]:
+    """PNG files: metric vs latency (per target) and metric vs size, each with the Pareto
+    set of its own two dimensions joined, every point labelled with its parameters; latency
+    plots carry the end-to-end budget line and p50-p99 error bars."""
     plt = _figure()
     plots: dict[str, Path] = {}
     rows = [r for r in rows if r.value is not None]
@@ -143,11 +208,22 @@ def sweep_plots(rows: list[Any], out: Path) -> dict[str, Path]:
     metric = rows[0].metric or "metric"
     targets = sorted({t for r in rows for t in r.latency_ms})
     for t in targets:
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        _scatter(ax, [(r.latency_ms.get(t), r) for r in rows], f"latency on {t} (ms)", metric)
+        fig, ax = plt.subplots(figsize=(7, 4.6))
+        pts = [(r.latency_ms.get(t), r) for r in rows]
+        _scatter(ax, pts, f"end-to-end latency on {t} (ms, {percentile}; bars p50-p99)", metric)
+        bars = [(x, r) for x, r in pts if x is not None and t in getattr(r, "p50_ms", {})
+                and t in getattr(r, "p99_ms", {})]
+        if bars:
+            ax.errorbar([x for x, _ in bars], [r.value for _, r in bars],
+                        xerr=[[max(x - r.p50_ms[t], 0.0) for x, r in bars],
+                              [max(r.p99_ms[t] - x, 0.0) for x, r in bars]],
+                        fmt="none", ecolor="#8c959f", elinewidth=1, capsize=3, zorder=1)
+        if budget_ms is not None:
+            ax.axvline(budget_ms, color="#cf222e", linestyle="--", linewidth=1.5, label=f"budget {budget_ms:g} ms")
+            ax.legend(fontsize=8)
         ax.set_title(f"{metric} vs latency ({t})")
         plots[f"latency-{t}"] = atomic_write_bytes(out / f"pareto-latency-{t}.png", _png(fig))
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
     _scatter(ax, [(r.size_mb, r) for r in rows], "model size (MB)", metric)
     ax.set_title(f"{metric} vs size")
     plots["size"] = atomic_write_bytes(out / "pareto-size.png", _png(fig))
@@ -156,12 +232,14 @@ def sweep_plots(rows: list[Any], out: Path) -> dict[str, Path]:
 
 def _scatter(ax: Any, points: list[tuple[float | None, Any]], xlabel: str, ylabel: str) -> None:
     pts = [(x, r) for x, r in points if x is not None]
-    ax.scatter([x for x, r in pts if not r.pareto], [r.value for x, r in pts if not r.pareto], color="#8c959f",
-               label="dominated")
-    front = sorted([(x, r) for x, r in pts if r.pareto], key=lambda p: p[0])
-    ax.plot([x for x, _ in front], [r.value for _, r in front], "o-", color="#0969da", label="Pareto frontier")
+    front_mask = pareto_2d([(x, r.value) for x, r in pts], pts[0][1].higher_is_better) if pts else []
+    ax.scatter([x for (x, r), f in zip(pts, front_mask) if not f], [r.value for (x, r), f in zip(pts, front_mask)
+                                                                    if not f], color="#8c959f", label="dominated", zorder=2)
+    front = sorted([(x, r) for (x, r), f in zip(pts, front_mask) if f], key=lambda p: p[0])
+    ax.plot([x for x, _ in front], [r.value for _, r in front], "o-", color="#0969da",
+            label="Pareto set (these two axes)", zorder=3)
     for x, r in pts:
-        ax.annotate(", ".join(f"{v}" for v in r.params.values()), (x, r.value), fontsize=7,
+        ax.annotate(", ".join(f"{k}={v}" for k, v in r.params.items()), (x, r.value), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -173,8 +251,9 @@ def render_sweep_html(rows: list[Any], path: Path, plots: dict[str, Path], recip
     from edgekit.pipelines.sweep import SWEEP_COLUMNS, sweep_table
 
     parts = [f"<h1>edgekit sweep: {html.escape(recipe)}</h1>",
-             "<p class=note>Pareto frontier (*): configurations no other one beats on metric, latency and size "
-             "at once. Latency is measured where edgekit can run the target, estimated (roofline) elsewhere.</p>",
+             "<p class=note>Table: Pareto set (*) in metric, latency and size together. Each plot joins the Pareto "
+             "set of its own two axes. Latency is the measured end-to-end frame latency where edgekit can run the "
+             "target (error bars p50-p99), a sum of stage estimates (roofline) elsewhere.</p>",
              _table(SWEEP_COLUMNS, sweep_table(rows))]
     for name, p in plots.items():
         parts.append(_img(Path(p).read_bytes(), name))

@@ -139,6 +139,7 @@ class StageSpec:
     evaluate: dict[str, Any] | None = field(default=None, metadata={"schema": EvaluateSpec})
     budget_ms: float | None = None
     parallel_with: tuple[str, ...] = ()
+    feeds: dict[str, str] = field(default_factory=dict)  # input -> frame.NAME | STAGE | STAGE.OUTPUT (frames.py)
     calib: str | None = None
     train: str | None = None
     # Model inputs (edgekit.sources.inputs): shapes as trtexec's --shapes ({input_ids: [1, 128]} or
@@ -171,13 +172,14 @@ class Recipe:
     max_jitter: float | None = None
     seed: int = 0
     profile: dict[str, Any] = field(default_factory=dict, metadata={"schema": ProfileConfig})
+    frames: str | None = None  # pkg.module:function returning the frames the chained stages are timed on
     description: str = ""
     path: str | None = field(default=None, metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "targets": list(self.targets), "budget_ms": self.budget_ms,
                 "percentile": self.percentile, "max_jitter": self.max_jitter, "seed": self.seed,
-                "profile": self.profile, "description": self.description,
+                "profile": self.profile, "frames": self.frames, "description": self.description,
                 "stages": [s.to_dict() for s in self.stages]}
 
     def stage(self, name: str) -> StageSpec:
@@ -289,7 +291,8 @@ def _parse_stage(raw: object, index: int, base: Path, targets: list[Any]) -> Sta
         export=values.get("export", {}), build=values.get("build", {}), evaluate=values.get("evaluate"),
         budget_ms=_positive_ms(loc / "budget_ms", values.get("budget_ms")),
         parallel_with=(parallel,) if isinstance(parallel, str) else tuple(parallel),
-        calib=values.get("calib"), train=values.get("train"), shapes=shapes, preprocess=values.get("preprocess"),
+        feeds=values.get("feeds", {}), calib=values.get("calib"), train=values.get("train"), shapes=shapes,
+        preprocess=values.get("preprocess"),
         description=values.get("description", ""))
 
 
@@ -345,10 +348,14 @@ def parse_recipe(data: object, path: str | None = None) -> Recipe:
             raise FieldError(Loc(f"stage {stage.name!r}"), "the name is used twice")
         stages.append(stage)
     _check_parallel(stages)
+    _check_feeds(stages)
+    frames = values.get("frames")
+    if frames is not None and not ENTRY_POINT.fullmatch(frames):
+        raise FieldError(top / "frames", f"must be 'package.module:function' returning a list of frames, got {frames!r}")
     return Recipe(name=name, targets=tuple(resolved), stages=tuple(stages),
                   budget_ms=_positive_ms(top / "budget_ms", values.get("budget_ms")), percentile=percentile,
                   max_jitter=max_jitter, seed=seed, profile=values.get("profile", {}),
-                  description=values.get("description", ""), path=path)
+                  frames=frames, description=values.get("description", ""), path=path)
 
 
 def _check_parallel(stages: list[StageSpec]) -> None:
@@ -370,6 +377,20 @@ def _check_parallel(stages: list[StageSpec]) -> None:
                                           "(declare it on the later stage only)")
                 raise FieldError(loc, f"{other!r} comes later; declare parallel_with: [{s.name}] on {other!r} "
                                       "instead (parallel_with names earlier stages)")
+
+
+def _check_feeds(stages: list[StageSpec]) -> None:
+    """``feeds:`` sources name the frame or an earlier stage (outputs are checked when the
+    stages are loaded, before any timing)."""
+    earlier: list[str] = []
+    for s in stages:
+        for inp, src in s.feeds.items():
+            head = src.partition(".")[0]
+            if head != "frame" and head not in earlier:
+                raise FieldError(Loc(f"stage {s.name!r}") / "feeds" / inp,
+                                 f"{src!r} names no earlier stage (frame.NAME, or one of: "
+                                 f"{', '.join(earlier) or 'none: this is the first stage'})")
+        earlier.append(s.name)
 
 
 def validate_recipe(recipe: Recipe) -> Recipe:

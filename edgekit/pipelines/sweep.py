@@ -39,10 +39,15 @@ class SweepRow:
     value: float | None
     higher_is_better: bool
     size_mb: float | None
-    latency_ms: dict[str, float]  # target -> total (measured, or estimated where it cannot be measured)
+    latency_ms: dict[str, float]  # target -> end-to-end at the recipe's percentile (measured frames, or estimated)
     estimated_ms: dict[str, float] = field(default_factory=dict)  # target -> roofline estimate
-    pareto: bool = False
+    pareto: bool = False  # not dominated in metric, latency (first target) and size together
     seconds: float = 0.0
+    p50_ms: dict[str, float] = field(default_factory=dict)  # target -> measured frame p50 (no entry: estimated)
+    p99_ms: dict[str, float] = field(default_factory=dict)  # target -> measured frame p99
+    cv: dict[str, float] = field(default_factory=dict)  # target -> frame coefficient of variation
+    budget_ms: float | None = None
+    percentile: str = "p99"
 
 
 def parse_value(text: str) -> Any:
@@ -208,6 +213,7 @@ def _row_from_result(params: dict[str, Any], result: Any, seconds: float) -> Swe
             break
     sizes = [r.size_mb for r in result.stages if r.size_mb is not None]
     latency = {t: v["total_ms"] for t, v in result.targets.items()}
+    measured = {t: v for t, v in result.targets.items() if v.get("p50_ms") is not None}
     estimated: dict[str, float] = {}
     for r in result.stages:  # model stages' roofline estimates, summed (Python stages have none)
         if r.estimated_ms is not None:
@@ -215,7 +221,10 @@ def _row_from_result(params: dict[str, Any], result: Any, seconds: float) -> Swe
     return SweepRow(params=params, run_dir=result.run_dir, passed=result.passed, metric=metric, value=value,
                     higher_is_better=not (metric or "").lower().startswith(_LOWER_IS_BETTER),
                     size_mb=sum(sizes) if sizes else None, latency_ms=latency, estimated_ms=estimated,
-                    seconds=result.seconds)
+                    seconds=result.seconds, p50_ms={t: v["p50_ms"] for t, v in measured.items()},
+                    p99_ms={t: v["p99_ms"] for t, v in measured.items()},
+                    cv={t: v["cv"] for t, v in measured.items()}, budget_ms=result.recipe.get("budget_ms"),
+                    percentile=result.percentile)
 
 
 def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[dict[str, Any], dict[str, Any], float]:
@@ -330,7 +339,7 @@ def _execute_ray(tasks: list[tuple[Any, ...]], address: str | None,
             ray.shutdown()
 
 
-SWEEP_COLUMNS = ["params", "metric", "value", "size MB", "latency ms", "estimated ms", "pareto", "pass"]
+SWEEP_COLUMNS = ["params", "metric", "value", "size MB", "latency ms", "cv", "estimated ms", "pareto", "pass"]
 
 
 def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
@@ -340,6 +349,7 @@ def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
                     "-" if r.value is None else f"{r.value:.4f}",
                     "-" if r.size_mb is None else f"{r.size_mb:.2f}",
                     "; ".join(f"{t} {v:.3f}" for t, v in r.latency_ms.items()),
+                    "; ".join(f"{t} {v:.1%}" for t, v in r.cv.items()) or "-",
                     "; ".join(f"{t} {v:.3f}" for t, v in r.estimated_ms.items()) or "-",
                     "*" if r.pareto else "", "PASS" if r.passed else "FAIL"])
     return out
@@ -347,11 +357,13 @@ def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
 
 def write_sweep_outputs(rows: list[SweepRow], out: Path, grid: dict[str, list[Any]], recipe: str) -> None:
     atomic_write_json(out / "sweep.json", {"recipe": recipe, "grid": grid, "rows": [dataclasses.asdict(r) for r in rows]})
-    lines = [f"# edgekit sweep: {recipe}", "", "Pareto frontier marked *: not dominated in metric, latency and size.", "",
+    lines = [f"# edgekit sweep: {recipe}", "", "Pareto set marked *: not dominated in metric, latency and size together (each plot marks the Pareto "
+             "set of its own two axes).", "",
              "| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in sweep_table(rows)]
     atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
     from edgekit.pipelines.html import render_sweep_html, sweep_plots
 
-    plots = sweep_plots(rows, out)
+    plots = sweep_plots(rows, out, budget_ms=rows[0].budget_ms if rows else None,
+                        percentile=rows[0].percentile if rows else "p99")
     render_sweep_html(rows, out / "sweep.html", plots, recipe)

@@ -39,6 +39,12 @@ class NodeTiming:
     quantized: bool = False  # runs in integer arithmetic (or reads integer weights)
     calls: int = 1
     kernel: str = ""  # the kernel/ISA that ran it, where the runtime tells or it is inferable
+    module: str = ""  # the PyTorch module path the exporter recorded (sources.onnx_file.onnx_node_label)
+
+    @property
+    def label(self) -> str:
+        """What tables show: the module path, else the node name."""
+        return self.module or self.name
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

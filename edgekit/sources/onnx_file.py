@@ -425,3 +425,44 @@ def integer_input_bounds(model: onnx.ModelProto) -> dict[str, int]:
             rows = int(table.dims[axis])
             bounds[n.input[1]] = min(bounds.get(n.input[1], rows), rows)
     return bounds
+
+
+def _scopes(node: onnx.NodeProto) -> list[str]:
+    """The exporter's scope chain of a node: ``['', 'block', 'block.conv', 'conv2d']`` (the
+    module paths from the root, then the op), from ``pkg.torch.onnx.name_scopes`` (the
+    dynamo exporter) or ``namespace`` (``': M/block: B/block.conv: Conv2d/conv2d: aten...'``)."""
+    import ast
+
+    meta = {p.key: p.value for p in node.metadata_props}
+    raw = meta.get("pkg.torch.onnx.name_scopes")
+    if raw and len(raw) < 65536:
+        try:
+            value = ast.literal_eval(raw)  # a literal list of strings; literal_eval runs no code
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            value = None
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    ns = meta.get("namespace")
+    if ns and len(ns) < 65536:
+        return [part.split(":", 1)[0].strip() for part in ns.split("/")]
+    return []
+
+
+def onnx_node_label(node: onnx.NodeProto) -> str:
+    """A node's name a person can follow: the PyTorch module path the exporter recorded in
+    the node's metadata (the deepest module the op ran in, ``block.conv``; a functional op
+    directly in the model's forward is its op name, ``relu``), else the ONNX node name.
+    Profile, estimate and per-layer precision tables all name nodes with it.
+
+    >>> n = onnx.helper.make_node("Relu", ["x"], ["y"], name="node_relu")
+    >>> onnx_node_label(n)
+    'node_relu'
+    >>> onnx.helper.set_metadata_props(n, {"pkg.torch.onnx.name_scopes": "['', 'block', 'block.conv', 'conv2d']"})
+    >>> onnx_node_label(n)
+    'block.conv'
+    """
+    scopes = _scopes(node)
+    if len(scopes) >= 2:
+        module = next((s for s in reversed(scopes[:-1]) if s), "")
+        return module or scopes[-1] or node.name
+    return node.name or node.op_type
