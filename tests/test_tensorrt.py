@@ -754,7 +754,7 @@ def test_device_results_warn_when_clocks_are_not_locked(tmp_path, cache_env, mon
 
 def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_env, monkeypatch):
     from edgekit.pipelines.recipe import parse_recipe
-    from edgekit.pipelines.run import run_recipe
+    from edgekit.pipelines.run import run_recipe, target_verdict
 
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
@@ -764,6 +764,11 @@ def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_en
     first = run_recipe(recipe, tmp_path / "run", progress=False)
     stage = first.stages[0]
     assert stage.source == "estimated" and "bundle" in stage.artifacts
+    low, high = stage.range_ms  # the estimate carries its range, down to the target's summary
+    assert low < stage.latency_ms < high
+    summary = first.targets["jetson-agx-orin-64"]
+    assert summary["method"] == "estimate (sum of stages)" and summary["range_ms"] == pytest.approx([low, high])
+    assert f"range {low:.3f}-{high:.3f} ms" in target_verdict(summary)
     assert any(w.startswith("wrote a TensorRT build bundle for jetson-agx-orin-64: TensorRT is not installed here, "
                             "nothing was built; run build.sh on the device") for w in stage.warnings)
     bundle = Path(stage.artifacts["bundle"])

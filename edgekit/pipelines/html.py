@@ -73,7 +73,8 @@ def stage_bar_png(result: Any, target: str) -> bytes:
         ax.axvline(t["budget_ms"], color="#cf222e", linestyle="--", linewidth=2, label=f"budget {t['budget_ms']:g} ms")
     ax.set_yticks([])
     ax.set_xlabel("ms into the frame (mean over the measured frames)" if measured else
-                  f"ms ({result.percentile}, estimate: sum of stages along the critical path)")
+                  f"ms ({result.percentile}, estimate: sum of stages along the critical path"
+                  + (f", range {t['range_ms'][0]:.2f}-{t['range_ms'][1]:.2f} ms)" if t.get("range_ms") else ")"))
     ax.set_title(f"{target}: frame {result.percentile} {t['total_ms']:.2f} ms"
                  + (f", mean {t['mean_ms']:.2f} ms" if measured and t.get("mean_ms") else ""))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=min(3, len(stages) + 2), fontsize=8, frameon=False)

@@ -50,7 +50,7 @@ from edgekit.artifact import (
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.pipelines.frames import FrameMeasurement, callable_stage, engine_stage, measure_frames, to_frames
 from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
-from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult, device_measurement
+from edgekit.profiling import ProfileConfig, ProfileResult, device_measurement
 from edgekit.progress import StepProgress
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.sources.inputs import shapes_only
@@ -83,6 +83,7 @@ class StageResult:
     estimated_ms: float | None = None  # roofline estimate of the same graph on the target
     cv: float = 0.0  # coefficient of variation of the stage's times
     noisy: bool = False  # cv above the recipe's noise threshold: a verdict on it is uncertain
+    range_ms: list[float] | None = None  # an estimate's range [low, high] (from its validation errors)
 
 
 @dataclass
@@ -580,17 +581,14 @@ def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
         raise UnavailableError(f"cannot measure on {target.name} here and the estimator is unavailable: {e}") from None
     m = read_manifest(onnx_folder)
     est = estimate(str(m.path_of(onnx_folder, "onnx")), target)
-    total = float(est.total_ms)
-    stats = LatencyStats(min=total, mean=total, p50=total, p90=total, p95=total, p99=total, max=total, std=0.0,
-                         cv=0.0, count=1)
-    prof = ProfileResult(engine=str(onnx_folder), runtime="estimate", target=target.name, model=m.model.get("name"),
-                         settings={"estimate": True}, latency_ms=stats, throughput_per_s=1e3 / total if total else 0.0,
-                         machine=machine_info(), source="estimated", created=now_iso(),
-                         warnings=[f"estimate, not a measurement: roofline on {target.name}"])
+    prof = est.to_profile()  # labelled an estimate, with its range and the range's basis
+    prof.engine, prof.model = str(onnx_folder), m.model.get("name") or prof.model
+    prof.machine, prof.created = machine_info(), now_iso()
     with staged_dir(folder) as tmp:
         prof.save(tmp / "profile.json")
         write_manifest(tmp, Manifest(kind="estimate", files={"profile": "profile.json"}, target=target.name,
-                                     metrics={"total_ms": total}))
+                                     metrics={"total_ms": float(est.total_ms), "low_ms": float(est.low_ms),
+                                              "high_ms": float(est.high_ms), "basis": est.basis}))
 
 
 def _try_bundle(onnx_folder: Path, target: Any, cache: _Cache, key: str, stage: StageSpec) -> tuple[str | None, str]:
@@ -665,17 +663,33 @@ def _stage_result(stage: StageSpec, target: Any, kind: str, prof: ProfileResult,
                        p50_ms=prof.latency_ms.p50, p99_ms=prof.latency_ms.p99, budget_ms=stage.budget_ms,
                        passed=passed, metrics=metrics, gates=gates, artifacts=artifacts, reused=reused,
                        size_mb=size_mb, profile=prof.engine, parallel_with=list(stage.parallel_with),
-                       warnings=list(prof.warnings) + list(warnings or []), cv=prof.latency_ms.cv, noisy=prof.noisy)
+                       warnings=list(prof.warnings) + list(warnings or []), cv=prof.latency_ms.cv, noisy=prof.noisy,
+                       range_ms=_estimate_range(prof))
+
+
+def _estimate_range(prof: ProfileResult) -> list[float] | None:
+    rng = prof.settings.get("estimate_range_ms") if prof.source == "estimated" else None
+    return [float(rng[0]), float(rng[1])] if isinstance(rng, (list, tuple)) and len(rng) == 2 else None
+
+
+def _path_total(results: list[StageResult], latency: Any) -> float:
+    """The end of the last stage along the critical path, with ``latency(stage result)`` per stage."""
+    starts: dict[str, float] = {}
+    latest = 0.0
+    for r in results:
+        start = min(starts[p] for p in r.parallel_with) if r.parallel_with else latest
+        starts[r.stage] = start
+        latest = max(latest, start + latency(r))
+    return latest
 
 
 def _critical_path(results: list[StageResult], recipe: Recipe) -> dict[str, Any]:
-    ends: dict[str, float] = {}
     starts: dict[str, float] = {}
     latest = 0.0
     for r in results:
         start = min(starts[p] for p in r.parallel_with) if r.parallel_with else latest
         r.start_ms, r.end_ms = start, start + r.latency_ms
-        starts[r.stage], ends[r.stage] = r.start_ms, r.end_ms
+        starts[r.stage] = r.start_ms
         latest = max(latest, r.end_ms)
     total = latest
     for r in results:
@@ -686,7 +700,11 @@ def _critical_path(results: list[StageResult], recipe: Recipe) -> dict[str, Any]
             "passed": None if budget is None else total <= budget, "estimated": estimated,
             "method": "estimate (sum of stages)" if estimated else "sum of stages",
             "p50_ms": None, "p99_ms": None, "cv": None, "noisy": any(r.noisy for r in results), "frames": None,
-            "sum_of_stage_ms": total, "stages": [r.stage for r in results]}
+            "sum_of_stage_ms": total, "stages": [r.stage for r in results],
+            # the estimate's range: each estimated stage at its low / high end (the errors taken to add up)
+            "range_ms": [_path_total(results, lambda r: r.range_ms[0] if r.range_ms else r.latency_ms),
+                         _path_total(results, lambda r: r.range_ms[1] if r.range_ms else r.latency_ms)]
+            if estimated else None}
 
 
 # ----- outputs -----
@@ -710,7 +728,8 @@ def stage_table(result: RunResult) -> list[list[str]]:
                      f"{r.share:.0%}", "-" if r.budget_ms is None else f"{r.budget_ms:g}",
                      "-" if r.budget_ms is None else f"{r.budget_ms - r.latency_ms:+.3f}",
                      _verdict(r.passed, r.noisy),
-                     r.source + (" (reused)" if r.reused and all(r.reused.values()) else "")])
+                     r.source + (f" ({r.range_ms[0]:.3f}-{r.range_ms[1]:.3f})" if r.range_ms else "")
+                     + (" (reused)" if r.reused and all(r.reused.values()) else "")])
     return rows
 
 
@@ -730,7 +749,9 @@ def target_measurement(t: dict[str, Any], percentile: str) -> str:
         noisy = f"; noisy after {t['attempts']} attempt(s)" if t.get("noisy") else ""
         return (f"frame {percentile} {t['total_ms']:.3f} ms (measured over {t['frames']} frames; p50 "
                 f"{t['p50_ms']:.3f}, cv {t['cv']:.1%}; sum of stage {percentile}s {t['sum_of_stage_ms']:.3f}{noisy})")
-    return f"{percentile} {t['total_ms']:.3f} ms ({t.get('method', 'sum of stages')})"
+    rng = t.get("range_ms")
+    within = f", range {rng[0]:.3f}-{rng[1]:.3f} ms" if rng else ""
+    return f"{percentile} {t['total_ms']:.3f} ms ({t.get('method', 'sum of stages')}{within})"
 
 
 def target_verdict(t: dict[str, Any], markdown: bool = False, percentile: str = "p99") -> str:
@@ -742,6 +763,9 @@ def target_verdict(t: dict[str, Any], markdown: bool = False, percentile: str = 
     verdict = "PASS" if t["passed"] else "FAIL"
     verdict = f"**{verdict}**" if markdown else verdict
     noisy = " (noisy measurement: the verdict is uncertain)" if t.get("noisy") else ""
+    rng = t.get("range_ms")
+    if rng and rng[0] <= t["budget_ms"] < rng[1]:
+        noisy += " (the estimate's range crosses the budget: the verdict is uncertain)"
     return f"{what} against {t['budget_ms']:g} ms: {verdict}{noisy}, margin {t['margin_ms']:+.3f} ms"
 
 
