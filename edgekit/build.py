@@ -124,6 +124,8 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
         metrics.update(result.get("metrics", {}))
         metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
         precision = _precision(handle, options, tmp / files["onnx"] if "onnx" in files else None)
+        if result.get("kind", "engine") == "engine":
+            _drop_unused_source_graph(tmp, files, metrics)
         config = {"runtime": runtime.name, "target": target.name, "precision": precision,
                   "batch": options.batch, "threads": options.threads,
                   "optimization_level": options.optimization_level, **result.get("config", {})}
@@ -190,6 +192,23 @@ def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
     buf = io.BytesIO()
     np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in feeds.items()})
     atomic_write_bytes(path, buf.getvalue())
+
+
+def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict[str, Any]) -> None:
+    """The exported graph in ``onnx/`` is removed when the runtime loads an ONNX graph of its own
+    instead (ONNX Runtime's saved optimized graph holds the same weights) and none of its files
+    lies in ``onnx/``: an engine folder holds one copy of the model. Its size and digest stay in
+    the metrics; the inputs record names where it came from."""
+    model = files.get("model", "")
+    if ("onnx" not in files or not model.endswith(".onnx")
+            or any(Path(v).parts[:1] == (ONNX_DIR,) for k, v in files.items() if k != "onnx")):
+        return
+    from edgekit.artifact import sha256_file
+
+    src = folder / files.pop("onnx")
+    metrics["source_onnx"] = {"sha256": sha256_file(src),
+                              "bytes": sum(f.stat().st_size for f in (folder / ONNX_DIR).iterdir() if f.is_file())}
+    shutil.rmtree(folder / ONNX_DIR)
 
 
 def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.ndarray]:
