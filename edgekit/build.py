@@ -227,17 +227,20 @@ def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | Non
     for rec in reversed(handle.steps):
         if rec.name == "int8":
             return "int8"
-        if rec.name == "int4":
-            return "int4"
+        if rec.name == "int4":  # the weight-only step; its bits give the width (8-bit packed is int8)
+            return "int8" if int((rec.config or {}).get("bits", 4)) == 8 else "int4"
     if options.precision == "fp32" and onnx_path is not None:
         import onnx
 
         try:
-            ops = {n.op_type for n in onnx.load(str(onnx_path), load_external_data=False).graph.node}
+            nodes = list(onnx.load(str(onnx_path), load_external_data=False).graph.node)
         except Exception:
             return options.precision
-        if ops & {"MatMulNBits", "GatherBlockQuantized"}:
-            return "int4"
+        ops = {n.op_type for n in nodes}
+        if ops & {"MatMulNBits", "GatherBlockQuantized"}:  # packed weights: their ``bits`` (default 4)
+            bits = [a.i for n in nodes if n.op_type in ops & {"MatMulNBits", "GatherBlockQuantized"}
+                    for a in n.attribute if a.name == "bits"]
+            return "int8" if bits and min(bits) == 8 else "int4"
         if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "MatMulInteger",
                   "ConvInteger", "DynamicQuantizeLinear"}:
             return "int8"

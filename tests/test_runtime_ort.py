@@ -163,6 +163,8 @@ def test_qdq_int8_engine_reports_quantized_nodes(tiny_onnx, tmp_path):
 def test_node_precision_rules():
     assert node_precision("QLinearConv", ["uint8", "float32"]) == ("int8", True)
     assert node_precision("MatMulNBits", ["float32", "uint8"]) == ("int4", True)
+    assert node_precision("MatMulNBits", ["float32", "uint8"], bits=8) == ("int8", True)  # the bits attribute
+    assert node_precision("GatherBlockQuantized", ["uint8", "int64"], bits=4) == ("int4", True)
     assert node_precision("FusedConv", ["uint8", "int8"]) == ("int8", True)
     assert node_precision("DequantizeLinear", ["int8", "float32"]) == ("fp32", False)
     assert node_precision("Conv", ["float16"]) == ("fp16", False)
