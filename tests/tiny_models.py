@@ -190,9 +190,9 @@ def tiny_effnet() -> Any:
                 m.running_var.uniform_(0.5, 1.5)
 
     def make_inputs(batch: int = 1, **_: int) -> dict[str, np.ndarray]:
-        return {"input": np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 32, 32)).astype(np.float32)}
+        return {"input": np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 224, 224)).astype(np.float32)}
 
     return ModelHandle(name="tiny-effnet", source="tests.tiny_models:tiny_effnet", kind="image-classifier",
-                       module=module, inputs=[InputSpec("input", ("batch", 3, 32, 32), "float32")],
+                       module=module, inputs=[InputSpec("input", ("batch", 3, 224, 224), "float32")],
                        outputs=["logits"], make_inputs=make_inputs, evaluator="agreement",
                        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, extra={"num_classes": 10})
