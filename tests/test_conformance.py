@@ -66,8 +66,6 @@ KNOWN: dict[tuple[str, str], str] = {
     **{(f, "bos"): "calibration and evaluation windows carry no <bos> although the tokenizer adds one"
        for f in GEMMA},
     ("bert", "prune"): "pruning BERT leaves attention reshapes at the old head size (RuntimeError in the forward)",
-    **{(f, "tied-once"): "the traced export (export/lm.py) stores a tied packed embedding and LM head twice"
-       for f in ("qwen3", "gemma2", "gemma3", "opt")},
 }
 
 
