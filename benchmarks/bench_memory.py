@@ -4,6 +4,7 @@ Each command runs as its own process (the ``edgekit`` command line, as a user ru
 time, and its peak resident memory is read from the kernel when it ends (``os.wait4``:
 ``ru_maxrss`` of that process alone), beside its wall and CPU time:
 
+* ``imports``: the Python packages every command imports (torch, transformers, ONNX Runtime), no model;
 * ``load``: loading the float model (the GGUF's float copy cached beforehand), the floor;
 * ``compress --bits 4 --method rtn --group-size 128``: 4-bit weights (8-bit head), perplexity
   before and after on the eval windows, save;
@@ -123,7 +124,8 @@ def run_model(name: str, work: Path) -> dict[str, Any]:
                                      text=True).stdout.strip().splitlines()[-1])
     float_mib = info["params"] * 4 / 2**20
     print(f"{name}: {info['params'] / 1e6:.1f}M parameters, float32 {float_mib:.0f} MiB", flush=True)
-    steps = [measure([py, "-c", load_code, spec], "load")]
+    imports = "import torch, transformers, onnx, onnxruntime, edgekit.cli"
+    steps = [measure([py, "-c", imports], "imports"), measure([py, "-c", load_code, spec], "load")]
     ek = [py, "-m", "edgekit.cli"]
     w4, onnx_dir, engine = work / f"{name}-w4", work / f"{name}-onnx", work / f"{name}-engine"
     steps.append(measure([*ek, "compress", spec, "--bits", "4", "--method", "rtn", "--group-size", "128",
