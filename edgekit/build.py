@@ -3,7 +3,8 @@
 ``build_engine`` takes any model source (spec, ModelHandle, compress or onnx artifact
 folder, ``.onnx`` file), picks the runtime (``BuildOptions.runtime`` or the target's
 first available one), exports to ONNX when the runtime needs it (into the engine
-folder's ``onnx/``), lets the runtime write its files, and records everything in an
+folder's ``onnx/``, removed again when the runtime writes an optimized ONNX graph of its
+own, so the folder holds one copy of the model), lets the runtime write its files, and records everything in an
 "engine" manifest (or the kind the runtime returns, e.g. a TensorRT "bundle" to build on
 the device). The engine folder also keeps the model's sample inputs
 (``inputs.npz``: real inputs, for realistic timing), so profiling never reloads PyTorch.
