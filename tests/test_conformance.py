@@ -9,8 +9,8 @@ steps meet. Inputs are real text (calibration: Lee news; held out: Wikipedia) or
 Bounds, as the relative L2 error of the outputs against the float model's
 (``||y - y_float|| / ||y_float||``), measured over all families on the held-out windows:
 
-* 8-bit weight-only (RTN, GPTQ, AWQ): ``W8_REL`` = 0.04 (measured 0.006-0.018): near-lossless.
-* 4-bit: ``W4_REL`` = 0.30 (measured 0.03-0.23); a dropped embedding scale (Gemma 3's
+* 8-bit weight-only (RTN, GPTQ, AWQ): ``W8_REL`` = 0.04 (measured 0.0006-0.018): near-lossless.
+* 4-bit: ``W4_REL`` = 0.30 (measured 0.01-0.23); a dropped embedding scale (Gemma 3's
   sqrt(hidden)) gives 0.62, AWQ treating a ``(1 + w)`` norm as ``w`` 0.19 already at 8 bits.
 * the float ONNX with the KV cache: ``ONNX_REL`` = 1e-4 (fp32 graph against fp32 PyTorch).
 * LoRA (a few steps at lr 2e-4, merged): ``LORA_REL`` = 0.1: fine-tuning moved the model a
