@@ -45,6 +45,8 @@ from edgekit.estimate.roofline import (
     resolve_efficiency,
     strip_weights,
 )
+from edgekit.sources.handle import bind_dims
+from edgekit.sources.inputs import InputOptions
 
 CALIBRATION_SUFFIX = ".efficiency.json"
 
@@ -504,13 +506,18 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
 
 
 def estimate_with_calibration(model: Any, target: Any, *, precision: str | None = None, batch: int = 1,
-                              dims: dict[str, int] | None = None,
-                              calibrate: bool = False) -> tuple[Estimate, CalibrationReport | None]:
+                              dims: dict[str, int] | None = None, calibrate: bool = False,
+                              input_options: InputOptions | None = None) -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
-    with ``model`` (only where edgekit can measure it), then estimate."""
+    with ``model`` (only where edgekit can measure it), then estimate. ``input_options``
+    (``--shapes``, or the shapes of an ``--inputs`` file) bind the batch and the named
+    dynamic dimensions; explicit ``dims`` win."""
     from edgekit.targets import load_target
 
     tgt = load_target(target)
+    if input_options:
+        batch, bound = input_dims(model, input_options, batch)
+        dims = {**bound, **(dims or {})}
     report = None
     if calibrate:
         if tgt.kind != "cpu":
@@ -529,6 +536,18 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
             report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
             return estimate(source, tgt, precision, batch, dims=dims), report
     return estimate(model, tgt, precision, batch, dims=dims), report
+
+
+def input_dims(model: Any, input_options: InputOptions, batch: int) -> tuple[int, dict[str, int]]:
+    """The batch and dynamic dimensions that ``--shapes`` (or an ``--inputs`` file) give
+    for ``model``'s inputs, checked against them."""
+    from edgekit.sources.models import load_model
+
+    handle = load_model(model, input_options)
+    shapes = dict(input_options.shapes)
+    if input_options.inputs is not None:
+        shapes = {k: tuple(v.shape) for k, v in handle.sample_inputs(batch).items()} | shapes
+    return bind_dims(handle.inputs, shapes, batch)
 
 
 def _as_onnx_file(model: Any, tmp: Path) -> Any:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes.registry import RUNTIMES
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
 
 TARGETS_DIR = Path(__file__).parent
@@ -49,7 +49,7 @@ class Target:
     efficiency: dict[str, float] = field(default_factory=dict)  # op class -> fraction of peak (fitted)
     remote: str | None = None  # user@host for remote build/profile
     sources: tuple[str, ...] = ()  # where the numbers come from
-    # GPU detail (issue 7): SM count, core counts, DLA precisions, board power.
+    # GPU detail: SM count, core counts, DLA precisions, board power.
     sm_count: int | None = None
     cuda_cores: int | None = None
     tensor_cores: int | None = None
