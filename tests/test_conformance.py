@@ -65,6 +65,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("gemma2", "awq-8"): AWQ_NORM,
     **{(f, "bos"): "calibration and evaluation windows carry no <bos> although the tokenizer adds one"
        for f in GEMMA},
+    ("opt", "int8"): "INT8 calibrates on 512-token windows whatever the model's max_position_embeddings "
+                     "(OPT's learned positions overflow: Gather out of bounds)",
     ("bert", "prune"): "pruning BERT leaves attention reshapes at the old head size (RuntimeError in the forward)",
 }
 
