@@ -38,7 +38,7 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # tiny_models.py and the "tiny_models:tiny_effnet" entry point
     sys.path.insert(0, str(TESTS))
 
-from tiny_models import DECODERS, ENCODERS, GEMMA, save_tiny  # noqa: E402
+from tiny_models import DECODERS, ENCODERS, GEMMA, byte_tokenizer, save_tiny  # noqa: E402
 
 W8_REL = 0.04
 W4_REL = 0.30
@@ -306,3 +306,32 @@ def test_vision_export_matches_the_float_model(spec, reference, tmp_path):
     ref, feeds, want = reference(VISION)
     out = export_onnx(ref, tmp_path / "onnx")
     assert _rel(_outputs(load_model(str(out)), feeds), want) < ONNX_REL
+
+
+@pytest.mark.parametrize("graph", ["fused", "traced"])
+def test_tied_table_shared_when_the_hidden_size_pads_the_last_block(graph, tmp_path):
+    """Hidden 80 at group 32: the head's MatMulNBits pads its last block (3 x 32 = 96 columns); the
+    embedding lookup reads that padded table and cuts it back to 80 (SmolLM2's 576 at group 128)."""
+    import onnx
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from edgekit.export.lm import export_causal_lm
+
+    torch.manual_seed(0)
+    folder = tmp_path / "llama80"
+    LlamaForCausalLM(LlamaConfig(vocab_size=260, hidden_size=80, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=5, num_key_value_heads=5, tie_word_embeddings=True,
+                                 initializer_range=0.08)).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    h = load_model(str(folder))
+    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = compress(h, [("int4", cfg)], tmp_path / "w4", _ctx(h))
+    out = export_causal_lm(load_compressed(w4), tmp_path / "onnx", graph=graph)  # parity checked inside
+    m = onnx.load(str(out / "model.onnx"))
+    tables = [list(t.dims) for t in m.graph.initializer if t.dims and t.dims[0] == 260 and len(t.dims) >= 2
+              and int(np.prod(t.dims)) >= 260 * 40]
+    # one table (the 8-bit head); the fused graph keeps the group as its block (3 x 32, padded), the
+    # traced rewrite picks a block dividing 80 (5 x 16)
+    assert tables == ([[260, 3, 32]] if graph == "fused" else [[260, 5, 16]])
+    if graph == "fused":
+        assert "embed/slice" in {n.name for n in m.graph.node}

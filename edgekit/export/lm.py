@@ -327,9 +327,9 @@ def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indi
     hname, hlayer = head
     D = layer._cols
     block = _block_size(hlayer._cols, hlayer.group_size)
-    if block is None or D % block:
+    if block is None:
         return None
-    B, _, _, nb = _blocked_params(hlayer, block)
+    B, _, _, nb = _blocked_params(hlayer, block)  # the last block padded with zero codes where block does not divide D
     g = D if layer.group_size == -1 else layer.group_size
     gidx = np.arange(nb) * block // g
     scales = layer.scales.float().numpy()[:, gidx].reshape(-1, nb, 1)
@@ -337,10 +337,17 @@ def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indi
     blocks = f"{out}_blocks"
     ins = [add_init(f"{hname.replace('.', '_')}_Bq{block}", B), indices, add_init(f"{safe}_Gs3_{block}", scales),
            add_init(f"{safe}_Gz3_{block}", zeros)]
-    return [helper.make_node("GatherBlockQuantized", ins, [blocks], name=f"{safe}_GatherBlockQuantized",
-                             domain="com.microsoft", gather_axis=0, quantize_axis=2, block_size=block, bits=layer.bits),
-            helper.make_node("Reshape", [blocks, add_init(f"{safe}_hidden_shape", np.array([0, 0, D], np.int64))],
-                             [out], name=f"{safe}_Reshape")]
+    padded = nb * block != D
+    nodes = [helper.make_node("GatherBlockQuantized", ins, [blocks], name=f"{safe}_GatherBlockQuantized",
+                              domain="com.microsoft", gather_axis=0, quantize_axis=2, block_size=block, bits=layer.bits),
+             helper.make_node("Reshape", [blocks, add_init(f"{safe}_hidden_shape", np.array([0, 0, nb * block], np.int64))],
+                              [f"{out}_padded" if padded else out], name=f"{safe}_Reshape")]
+    if padded:  # cut the padded last block's columns
+        nodes.append(helper.make_node("Slice", [f"{out}_padded", add_init(f"{safe}_start", np.array([0], np.int64)),
+                                                add_init(f"{safe}_end", np.array([D], np.int64)),
+                                                add_init(f"{safe}_axis", np.array([-1], np.int64))],
+                                      [out], name=f"{safe}_Slice"))
+    return nodes
 
 
 def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:

@@ -204,23 +204,23 @@ class _Writer:
 def _tied_packed(emb: nn.Module, head: nn.Module, config: FusedGraphConfig) -> bool:
     """Whether the packed embedding shares the packed LM head's table (tied weights) in a layout
     the head's MatMulNBits weight can also feed the embedding lookup with (stored once)."""
-    if not (isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
-            and emb.qweight.data_ptr() == head.qweight.data_ptr()):
-        return False
-    return emb.embedding_dim % _choose_block(head, config.block_size) == 0
+    return (isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
+            and emb.qweight.data_ptr() == head.qweight.data_ptr())
 
 
 def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> None:
     """The embedding lookup reading the LM head's MatMulNBits weight ``(vocab, blocks, block bytes)``:
     ``GatherBlockQuantized`` quantized along the last axis of that 3-D table (the same bytes: rows
     of codes, two 4-bit codes a byte, low nibble first), then the blocks reshaped into the hidden
-    axis. The table is written once, where the head's weight is (``lm_head.qweight``)."""
+    axis (cut to the hidden size where the head's last block is padded). The table is written once,
+    where the head's weight is (``lm_head.qweight``)."""
     bits = storage_bits(head.bits)
     if bits not in KERNEL_BITS:
         raise BadInputError(f"{head.bits}-bit embedding tables have no GatherBlockQuantized kernel")
     block = _choose_block(head, w.config.block_size)
     group = head.in_features if head.group_size == -1 else head.group_size
-    nb = emb.embedding_dim // block
+    D = emb.embedding_dim
+    nb = -(-D // block)
     gidx = torch.arange(nb) * block // group
     B, _, _ = blocked_weights(head, block)
     w.init("lm_head.qweight", B, shared=True)  # the head's MatMulNBits reuses it
@@ -229,8 +229,13 @@ def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> Non
     w.node("GatherBlockQuantized", ["lm_head.qweight", "input_ids", w.init("embed.scales", scales),
                                     w.init("embed.qzeros", zeros)],
            ["embed/blocks"], "embed", MS, gather_axis=0, quantize_axis=2, block_size=block, bits=bits)
-    w.node("Reshape", ["embed/blocks", w.init("embed/shape", np.array([0, 0, emb.embedding_dim], np.int64))],
-           ["embeddings"], "embed/reshape")
+    padded = nb * block != D
+    w.node("Reshape", ["embed/blocks", w.init("embed/shape", np.array([0, 0, nb * block], np.int64))],
+           ["embed/padded" if padded else "embeddings"], "embed/reshape")
+    if padded:  # the head's last block carries zero codes past the hidden size
+        w.node("Slice", ["embed/padded", w.init("embed/start", np.array([0], np.int64)),
+                         w.init("embed/end", np.array([D], np.int64)), w.init("embed/axis", np.array([-1], np.int64))],
+               ["embeddings"], "embed/slice")
 
 
 def _rotary_caches(attn_rotary: nn.Module, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
