@@ -3,7 +3,8 @@
 ``build_engine`` takes any model source (spec, ModelHandle, compress or onnx artifact
 folder, ``.onnx`` file), picks the runtime (``BuildOptions.runtime`` or the target's
 first available one), exports to ONNX when the runtime needs it (into the engine
-folder's ``onnx/``), lets the runtime write its files, and records everything in an
+folder's ``onnx/``, removed again when the runtime writes an optimized ONNX graph of its
+own, so the folder holds one copy of the model), lets the runtime write its files, and records everything in an
 "engine" manifest (or the kind the runtime returns, e.g. a TensorRT "bundle" to build on
 the device). The engine folder also keeps the model's sample inputs
 (``inputs.npz``: real inputs, for realistic timing), so profiling never reloads PyTorch.
@@ -135,6 +136,8 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
         metrics.update(result.get("metrics", {}))
         metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
         precision = _precision(handle, options, tmp / files["onnx"] if "onnx" in files else None)
+        if result.get("kind", "engine") == "engine":
+            _drop_unused_source_graph(tmp, files, metrics)
         config = {"runtime": runtime.name, "target": target.name, "precision": precision,
                   "batch": options.batch, "threads": options.threads,
                   "optimization_level": options.optimization_level, **result.get("config", {})}
@@ -302,6 +305,23 @@ def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict[str, Any]) -> None:
+    """The exported graph in ``onnx/`` is removed when the runtime loads an ONNX graph of its own
+    instead (ONNX Runtime's saved optimized graph holds the same weights) and none of its files
+    lies in ``onnx/``: an engine folder holds one copy of the model. Its size and digest stay in
+    the metrics; the inputs record names where it came from."""
+    model = files.get("model", "")
+    if ("onnx" not in files or not model.endswith(".onnx")
+            or any(Path(v).parts[:1] == (ONNX_DIR,) for k, v in files.items() if k != "onnx")):
+        return
+    from edgekit.artifact import sha256_file
+
+    src = folder / files.pop("onnx")
+    metrics["source_onnx"] = {"sha256": sha256_file(src),
+                              "bytes": sum(f.stat().st_size for f in (folder / ONNX_DIR).iterdir() if f.is_file())}
+    shutil.rmtree(folder / ONNX_DIR)
+
+
 def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.ndarray]:
     """Only the feeds the graph takes (an ONNX graph may drop an unused input)."""
     import onnx
@@ -318,17 +338,20 @@ def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | Non
     for rec in reversed(handle.steps):
         if rec.name == "int8":
             return "int8"
-        if rec.name == "int4":
-            return "int4"
+        if rec.name == "int4":  # the weight-only step; its bits give the width (8-bit packed is int8)
+            return "int8" if int((rec.config or {}).get("bits", 4)) == 8 else "int4"
     if options.precision == "fp32" and onnx_path is not None:
         import onnx
 
         try:
-            ops = {n.op_type for n in onnx.load(str(onnx_path), load_external_data=False).graph.node}
+            nodes = list(onnx.load(str(onnx_path), load_external_data=False).graph.node)
         except Exception:
             return options.precision
-        if ops & {"MatMulNBits", "GatherBlockQuantized"}:
-            return "int4"
+        ops = {n.op_type for n in nodes}
+        if ops & {"MatMulNBits", "GatherBlockQuantized"}:  # packed weights: their ``bits`` (default 4)
+            bits = [a.i for n in nodes if n.op_type in ops & {"MatMulNBits", "GatherBlockQuantized"}
+                    for a in n.attribute if a.name == "bits"]
+            return "int8" if bits and min(bits) == 8 else "int4"
         if ops & {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "MatMulInteger",
                   "ConvInteger", "DynamicQuantizeLinear"}:
             return "int8"

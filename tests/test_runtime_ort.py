@@ -31,7 +31,9 @@ def test_build_records_session_and_files(onnx_engine, tiny_onnx):
     assert s["graph_optimization_level"] == "all" and s["offline_optimized"] is True
     assert s["intra_op_num_threads"] == 0
     assert m.files["model"] == "model.opt.onnx" and (onnx_engine / "model.opt.onnx").is_file()
-    assert m.files["onnx"] == "onnx/model.onnx" and (onnx_engine / "onnx" / "manifest.json").is_file()
+    # one copy of the model: the exported graph is dropped once the optimized graph replaces it
+    assert "onnx" not in m.files and not (onnx_engine / "onnx").exists()
+    assert m.metrics["source_onnx"]["bytes"] > 0 and len(m.metrics["source_onnx"]["sha256"]) == 64
     assert m.files["inputs"] == "inputs.npz"
     assert m.inputs["model"]["sha256"] and m.model["inputs"][0]["shape"] == ["batch", 3, 16, 16]
     assert m.metrics["nodes"] >= 1 and m.metrics["model_size_mb"] > 0
@@ -112,7 +114,7 @@ def test_build_from_pytorch_model_exports_first(tiny_mlp, tmp_path):
     out = build_engine(tiny_mlp, "cpu", tmp_path / "engine", BuildOptions(threads=1, extra={"export": {"dynamo": False}}))
     m = read_manifest(out)
     assert m.metrics["parity"]["passed"] and m.config["session"]["intra_op_num_threads"] == 1
-    assert read_manifest(out / "onnx").kind == "onnx"
+    assert not (out / "onnx").exists() and m.metrics["source_onnx"]["bytes"] > 0  # exported, optimized, dropped
     engine = load_engine(out)
     feeds = load_engine_inputs(out)
     np.testing.assert_allclose(engine.run(feeds)[0], tiny_mlp.module(__import__("torch").from_numpy(
@@ -161,6 +163,8 @@ def test_qdq_int8_engine_reports_quantized_nodes(tiny_onnx, tmp_path):
 def test_node_precision_rules():
     assert node_precision("QLinearConv", ["uint8", "float32"]) == ("int8", True)
     assert node_precision("MatMulNBits", ["float32", "uint8"]) == ("int4", True)
+    assert node_precision("MatMulNBits", ["float32", "uint8"], bits=8) == ("int8", True)  # the bits attribute
+    assert node_precision("GatherBlockQuantized", ["uint8", "int64"], bits=4) == ("int4", True)
     assert node_precision("FusedConv", ["uint8", "int8"]) == ("int8", True)
     assert node_precision("DequantizeLinear", ["int8", "float32"]) == ("fp32", False)
     assert node_precision("Conv", ["float16"]) == ("fp16", False)
@@ -226,5 +230,5 @@ def test_build_engine_from_external_data_artifact(tiny_mlp, tmp_path, monkeypatc
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
     onnx_dir = export_onnx(tiny_mlp, tmp_path / "onnx", ExportConfig(dynamo=False))
     out = build_engine(onnx_dir, "cpu", tmp_path / "engine")
-    assert (out / "onnx" / "model.onnx.data").is_file()
+    assert (out / "model.opt.onnx.data").is_file() and not (out / "onnx").exists()
     assert load_engine(out).run(load_engine_inputs(out, batch=2))[0].shape == (2, 10)

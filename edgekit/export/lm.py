@@ -256,7 +256,9 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
                         continue
                 nodes = _linear_nodes(layer, safe, a, node, fmt, accuracy_level, add_init)
             else:
-                nodes = _gather_nodes(layer, safe, node.input[1], node.output[0], fmt, add_init)
+                head = next(((n, m) for n, m in layers if isinstance(m, QuantLinear) and m.qweight is layer.qweight), None)
+                nodes = (_tied_gather_nodes(layer, safe, head, node.input[1], node.output[0], fmt, add_init)
+                         or _gather_nodes(layer, safe, node.input[1], node.output[0], fmt, add_init))
             replaced[id(node)] = nodes
             count += 1
     if not count:
@@ -309,6 +311,42 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
         nodes += [dq, helper.make_node("MatMul", [a, w], [mm_out], name=f"{safe}_MatMul")]
     if bias is not None:
         nodes.append(helper.make_node("Add", [mm_out, bias], [out]))
+    return nodes
+
+
+def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indices: str, out: str, fmt: str,
+                       add_init) -> list | None:
+    """The lookup of an embedding tied to a packed LM head, reading the head's MatMulNBits table
+    ``(vocab, blocks, block bytes)`` (the same bytes: rows of codes, two 4-bit codes a byte, low
+    nibble first) through GatherBlockQuantized along its last axis, then the blocks reshaped into
+    the hidden axis: the table is stored once. None where the layouts cannot be shared."""
+    from onnx import helper
+
+    if head is None or fmt != "matmulnbits" or layer.bits not in (4, 8):
+        return None
+    hname, hlayer = head
+    D = layer._cols
+    block = _block_size(hlayer._cols, hlayer.group_size)
+    if block is None:
+        return None
+    B, _, _, nb = _blocked_params(hlayer, block)  # the last block padded with zero codes where block does not divide D
+    g = D if layer.group_size == -1 else layer.group_size
+    gidx = np.arange(nb) * block // g
+    scales = layer.scales.float().numpy()[:, gidx].reshape(-1, nb, 1)
+    zeros = layer.zeros().numpy()[:, gidx].astype(np.uint8).reshape(-1, nb, 1)  # one code a block: low nibble
+    blocks = f"{out}_blocks"
+    ins = [add_init(f"{hname.replace('.', '_')}_Bq{block}", B), indices, add_init(f"{safe}_Gs3_{block}", scales),
+           add_init(f"{safe}_Gz3_{block}", zeros)]
+    padded = nb * block != D
+    nodes = [helper.make_node("GatherBlockQuantized", ins, [blocks], name=f"{safe}_GatherBlockQuantized",
+                              domain="com.microsoft", gather_axis=0, quantize_axis=2, block_size=block, bits=layer.bits),
+             helper.make_node("Reshape", [blocks, add_init(f"{safe}_hidden_shape", np.array([0, 0, nb * block], np.int64))],
+                              [f"{out}_padded" if padded else out], name=f"{safe}_Reshape")]
+    if padded:  # cut the padded last block's columns
+        nodes.append(helper.make_node("Slice", [f"{out}_padded", add_init(f"{safe}_start", np.array([0], np.int64)),
+                                                add_init(f"{safe}_end", np.array([D], np.int64)),
+                                                add_init(f"{safe}_axis", np.array([-1], np.int64))],
+                                      [out], name=f"{safe}_Slice"))
     return nodes
 
 

@@ -130,8 +130,17 @@ class _Writer:
         self.config = config
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
+        self.shared: dict[str, np.ndarray] = {}
 
-    def init(self, name: str, arr: np.ndarray) -> str:
+    def init(self, name: str, arr: np.ndarray, shared: bool = False) -> str:
+        """An initializer. ``shared``: a table another node reads too (a tied embedding and LM
+        head); writing that name again with the same values reuses it, so it is stored once."""
+        if name in self.shared:
+            if not np.array_equal(self.shared[name], arr):
+                raise ValueError(f"initializer {name} written twice with different values")
+            return name
+        if shared:
+            self.shared[name] = arr
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
@@ -159,7 +168,7 @@ class _Writer:
                    self.init(f"{name}.qzeros", Z.reshape(-1))]
             bias = [m.bias for m in layers]
             if any(b is not None for b in bias):
-                ins += ["", "", self.init(f"{name}.bias", np.concatenate(
+                ins += ["", self.init(f"{name}.bias", np.concatenate(
                     [(b if b is not None else torch.zeros(m.out_features)).detach().float().numpy()
                      for b, m in zip(bias, layers, strict=True)]))]
             self.node("MatMulNBits", ins, [out], name, MS, **attrs)
@@ -190,6 +199,43 @@ class _Writer:
 
     def _concat(self, parts: list[str], name: str) -> str:
         return self.node("Concat", parts, [f"{name}/out"], f"{name}/concat", axis=-1)[0]
+
+
+def _tied_packed(emb: nn.Module, head: nn.Module, config: FusedGraphConfig) -> bool:
+    """Whether the packed embedding shares the packed LM head's table (tied weights) in a layout
+    the head's MatMulNBits weight can also feed the embedding lookup with (stored once)."""
+    return (isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
+            and emb.qweight.data_ptr() == head.qweight.data_ptr())
+
+
+def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> None:
+    """The embedding lookup reading the LM head's MatMulNBits weight ``(vocab, blocks, block bytes)``:
+    ``GatherBlockQuantized`` quantized along the last axis of that 3-D table (the same bytes: rows
+    of codes, two 4-bit codes a byte, low nibble first), then the blocks reshaped into the hidden
+    axis (cut to the hidden size where the head's last block is padded). The table is written once,
+    where the head's weight is (``lm_head.qweight``)."""
+    bits = storage_bits(head.bits)
+    if bits not in KERNEL_BITS:
+        raise BadInputError(f"{head.bits}-bit embedding tables have no GatherBlockQuantized kernel")
+    block = _choose_block(head, w.config.block_size)
+    group = head.in_features if head.group_size == -1 else head.group_size
+    D = emb.embedding_dim
+    nb = -(-D // block)
+    gidx = torch.arange(nb) * block // group
+    B, _, _ = blocked_weights(head, block)
+    w.init("lm_head.qweight", B, shared=True)  # the head's MatMulNBits reuses it
+    scales = head.scales[:, gidx].float().numpy().reshape(-1, nb, 1)
+    zeros = head.zeros()[:, gidx].to(torch.uint8).numpy().reshape(-1, nb, 1)  # one code per block: low nibble
+    w.node("GatherBlockQuantized", ["lm_head.qweight", "input_ids", w.init("embed.scales", scales),
+                                    w.init("embed.qzeros", zeros)],
+           ["embed/blocks"], "embed", MS, gather_axis=0, quantize_axis=2, block_size=block, bits=bits)
+    padded = nb * block != D
+    w.node("Reshape", ["embed/blocks", w.init("embed/shape", np.array([0, 0, nb * block], np.int64))],
+           ["embed/padded" if padded else "embeddings"], "embed/reshape")
+    if padded:  # the head's last block carries zero codes past the hidden size
+        w.node("Slice", ["embed/padded", w.init("embed/start", np.array([0], np.int64)),
+                         w.init("embed/end", np.array([D], np.int64)), w.init("embed/axis", np.array([-1], np.int64))],
+               ["embeddings"], "embed/slice")
 
 
 def _rotary_caches(attn_rotary: nn.Module, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +287,10 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
 
     # embedding
     emb = body.embed_tokens
-    if isinstance(emb, QuantEmbedding):
+    head = hf_model.lm_head
+    if _tied_packed(emb, head, config):
+        _shared_embedding(w, emb, head)
+    elif isinstance(emb, QuantEmbedding):
         if storage_bits(emb.bits) not in KERNEL_BITS:
             raise BadInputError(f"{emb.bits}-bit embedding tables have no GatherBlockQuantized kernel")
         D = emb.embedding_dim
@@ -309,7 +358,6 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
     gamma = w.init("norm.weight", body.norm.weight.detach().float().numpy())
     w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
            "norm", MS, epsilon=eps)
-    head = hf_model.lm_head
     logits = w.linear("final_norm", [head], "lm_head")
     w.node("Identity", [logits], ["logits"], "logits")
 

@@ -50,6 +50,7 @@ INTEGER_OPS = {
     "QLinearReduceMean": "int8", "QLinearWhere": "int8", "QEmbedLayerNormalization": "int8",
     "MatMulNBits": "int4", "GatherBlockQuantized": "int4", "MatMulBnb4": "int4",
 }
+NBITS_OPS = ("MatMulNBits", "GatherBlockQuantized")  # their ``bits`` attribute (default 4) gives the width
 _INT8_TYPES = {"int8", "uint8"}
 _INT4_TYPES = {"int4", "uint4"}
 _FP16_TYPES = {"float16"}
@@ -304,7 +305,8 @@ class OrtEngine:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return parse_profile(events, runs=warm + max(1, iterations), skip_runs=warm,
-                             graph_types=graph_dtypes(self.path), depthwise=depthwise_nodes(self.path))
+                             graph_types=graph_dtypes(self.path), depthwise=depthwise_nodes(self.path),
+                             node_bits=graph_bits(self.path))
 
     def close(self) -> None:
         self.session = None
@@ -312,14 +314,16 @@ class OrtEngine:
 
 def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
                   graph_types: dict[str, tuple[str, str, list[str]]] | None = None,
-                  depthwise: set[str] | None = None) -> list[NodeTiming]:
+                  depthwise: set[str] | None = None, node_bits: dict[str, int] | None = None) -> list[NodeTiming]:
     """ORT's profiler JSON (Chrome trace events) -> one NodeTiming per node, ms per inference.
 
     Node events are ``{"cat": "Node", "name": "<node>_kernel_time", "dur": us, "args":
     {"op_name", "provider", "input_type_shape": [{dtype: shape}, ...]}}``. The first
-    ``skip_runs`` occurrences of each node (warm-up) are dropped.
+    ``skip_runs`` occurrences of each node (warm-up) are dropped. ``node_bits``: the ``bits``
+    attribute of packed-weight nodes (``graph_bits``), which decides their precision label.
     """
     graph_types = graph_types or {}
+    node_bits = node_bits or {}
     per_node: dict[str, dict[str, Any]] = {}
     for ev in events:
         if not isinstance(ev, dict) or ev.get("cat") != "Node":
@@ -345,7 +349,7 @@ def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
         kept = durs[skip_runs * calls_per_run:] or durs
         op = rec["op"] or graph_types.get(node, ("", "", []))[0]
         types = rec["types"] or graph_types.get(node, ("", "", []))[2]
-        precision, quantized = node_precision(op, types)
+        precision, quantized = node_precision(op, types, node_bits.get(node))
         out.append(NodeTiming(name=node, op_type=op, time_ms=sum(kept) / measured / 1e3, precision=precision,
                               quantized=quantized, calls=calls_per_run,
                               kernel=kernel_label(op, precision, rec["provider"] or "CPUExecutionProvider", isa,
@@ -396,7 +400,7 @@ def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ..
     avx = "avx512f" if "avx512f" in flags else "fma3" if "fma" in flags else "sse"
     if depthwise and precision in ("int8", "fp32"):
         return "mlas-int8-depthwise" if precision == "int8" else f"mlas-depthwise/{avx}"
-    if precision == "int4":
+    if precision == "int4" or base in NBITS_OPS:  # packed 4- or 8-bit weights: MLAS's n-bit GEMM
         return "mlas-sqnbitgemm/" + ("avx512-vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags
                                      else "avx2" if "avx2" in flags else "scalar")
     if precision == "int8" and (base in INTEGER_OPS or base in _GEMM_OPS):
@@ -444,9 +448,13 @@ def kernel_summary(path: Path, providers: list[str]) -> dict[str, Any]:
             "by_kernel": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
-def node_precision(op_type: str, input_types: list[str]) -> tuple[str, bool]:
-    """(precision, quantized) of one node from its op type and its input dtypes."""
+def node_precision(op_type: str, input_types: list[str], bits: int | None = None) -> tuple[str, bool]:
+    """(precision, quantized) of one node from its op type and its input dtypes; ``bits``: the
+    node's ``bits`` attribute, for ops whose weights may be packed at several widths (an 8-bit
+    ``MatMulNBits`` is int8, not int4)."""
     base = op_type.split("@")[0]
+    if base in NBITS_OPS and bits:
+        return f"int{int(bits)}", True
     if base in INTEGER_OPS:
         return INTEGER_OPS[base], True
     if base in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
@@ -482,6 +490,18 @@ def graph_dtypes(path: Path) -> dict[str, tuple[str, str, list[str]]]:
     for init in g.initializer:
         types[init.name] = _elem_name(init.data_type)
     return {n.name: (n.op_type, n.domain, [types.get(i, "") for i in n.input if i]) for n in g.node}
+
+
+def graph_bits(path: Path) -> dict[str, int]:
+    """node name -> ``bits`` attribute of the packed-weight nodes (``NBITS_OPS``) of a graph."""
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return {}
+    return {n.name: int(a.i) for n in model.graph.node if n.op_type in NBITS_OPS
+            for a in n.attribute if a.name == "bits"}
 
 
 def _elem_name(et: int) -> str:

