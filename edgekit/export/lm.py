@@ -482,7 +482,7 @@ def float_placeholders(module: Any):
     import torch
     from torch import nn
 
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear
+    from edgekit.compress.packing import QuantEmbedding, QuantLinear, ScaledEmbedding
 
     swapped = []
     tables: dict[int, nn.Parameter] = {}
@@ -498,7 +498,8 @@ def float_placeholders(module: Any):
             if m.bias is not None:
                 new.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=False)
         else:
-            new = nn.Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, _weight=tables[key])
+            new = ScaledEmbedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, _weight=tables[key],
+                                  scale=m.scale)
         parent, _, child = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
         setattr(owner, child, new)
