@@ -27,6 +27,7 @@ value-projection Hessian, nothing guessed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
