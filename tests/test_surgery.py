@@ -206,3 +206,21 @@ def test_windows_start_with_the_tokenizers_special_prefix():
     assert r.shape == (5, 8) and (r[:, 0] == 2).all()
     with pytest.raises(BadInputError, match="seqlen must be at least 2"):
         token_windows(tok, "abc", 1, prefix=(2,))
+
+
+def test_export_parity_against_the_float_model(tmp_path, monkeypatch):
+    """The KV-cache export keeps the scale (its traced stand-in of the packed embedding is scaled)
+    and is checked against the float model; a graph that drops it stops the export."""
+    import json
+
+    from edgekit.compress.packing import ScaledEmbedding
+    from edgekit.export.lm import export_causal_lm
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    h = apply(tiny_gemma(), WeightOnlyConfig(method="rtn", bits=8, group_size=32), StepContext(progress=False))
+    out = export_causal_lm(h, tmp_path / "onnx", graph="traced", accuracy_level=None)
+    pf = json.loads((out / "manifest.json").read_text())["metrics"]["parity_float"]
+    assert pf["passed"] and pf["relative_error"] <= pf["tolerance"] and pf["argmax_agreement"] > 0.9
+    monkeypatch.setattr(ScaledEmbedding, "forward", lambda self, ids: torch.nn.Embedding.forward(self, ids))
+    with pytest.raises(CheckFailedError, match="not the model it was compressed from: its logits differ"):
+        export_causal_lm(h, tmp_path / "broken", graph="traced", accuracy_level=None)

@@ -271,6 +271,9 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     quality["bounds"] = dataclasses.asdict(bounds) if bounds is not None else None
     quality["passed"] = not broken
     metrics["quality"] = quality
+    if handle.steps:  # export checks its graph against the float model with this error as the expectation
+        handle.steps[-1].meta = {**(handle.steps[-1].meta or {}), "quality": {
+            k: quality[k] for k in ("relative_error", "cosine", "agreement", "perplexity_ratio") if k in quality}}
     if broken and not ctx.accept_quality_loss:
         raise CheckFailedError(f"the compressed model is far from the float model it started from ({quality['data']}): "
                                f"{'; '.join(broken)}; nothing written (accept the loss with --accept-quality-loss, "
