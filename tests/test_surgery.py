@@ -224,3 +224,24 @@ def test_export_parity_against_the_float_model(tmp_path, monkeypatch):
     monkeypatch.setattr(ScaledEmbedding, "forward", lambda self, ids: torch.nn.Embedding.forward(self, ids))
     with pytest.raises(CheckFailedError, match="not the model it was compressed from: its logits differ"):
         export_causal_lm(h, tmp_path / "broken", graph="traced", accuracy_level=None)
+
+
+def test_fold_into_a_one_plus_w_norm_is_exact():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from edgekit.compress.awq import _fold
+
+    torch.manual_seed(3)
+    norm = Gemma3RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    lin = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        want = lin(norm(x))
+        s = torch.rand(16) + 0.5
+        _fold(norm, s, offset=1.0)
+        lin.weight.mul_(s)
+        torch.testing.assert_close(lin(norm(x)), want, rtol=1e-5, atol=1e-5)
+        _fold(norm, torch.full((16,), 2.0), offset=0.0)  # the Llama rule on a Gemma norm: not the same function
+        assert not torch.allclose(lin(norm(x)) * 2, want, rtol=1e-2, atol=1e-2)
