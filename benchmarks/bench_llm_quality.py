@@ -68,7 +68,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path) -> d
     from edgekit.compress.weight_only import WeightOnlyConfig
 
     cfg = WeightOnlyConfig(method=method, bits=4, group_size=128, calib_samples=args.calib_windows, seqlen=512)
-    ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True)
+    ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True, quality_windows=args.eval_windows)
     out = work / f"{model}-{method}"
     w0, c0 = time.perf_counter(), time.process_time()
     compress(model_spec(model, work, args.gemma_gguf), [("int4", cfg)], out, ctx)
@@ -77,6 +77,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path) -> d
     q = man["metrics"]["quality"]
     meta = man["steps"][-1]["meta"]
     part = {"model": model, "method": method, "calib_windows": args.calib_windows if method != "rtn" else 0,
+            "eval_windows": args.eval_windows,
             "quality": q, "packed_bytes": meta["packed_bytes"], "quant_wall_s": meta["seconds"],
             "quant_cpu_s": meta["cpu_seconds"], "compress_wall_s": round(wall, 1), "compress_cpu_s": round(cpu, 1),
             "embedding_scale": (meta.get("embedding") or {}).get("scale"),
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--eval-windows", type=int, default=8, help="Wikipedia eval windows of the quality gate")
     ap.add_argument("--onnx", action="store_true", help="also export the GPTQ model with its KV cache (size)")
     ap.add_argument("--work", default=None, help="folder for the compressed models (default: a temporary one)")
     ap.add_argument("--gemma-gguf", default=None, help="an assembled Gemma-3-270m GGUF to reuse")

@@ -69,6 +69,7 @@ class StepContext:
     # (None: the chain's defaults), and whether a loss beyond them is accepted (exit 0) or stops (exit 1)
     quality_bounds: Any = None
     accept_quality_loss: bool = False
+    quality_windows: int | None = None  # causal LM: eval windows the gate measures on (None: quality.EVAL_WINDOWS)
     quality_reference: Any = None  # set by compress(): the float model's outputs (steps need not measure again)
 
 

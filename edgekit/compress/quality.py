@@ -95,7 +95,7 @@ def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.nda
     spec = ctx.eval or handle.default_eval
     names = [s.name for s in handle.inputs]
     if spec:
-        limit = EVAL_WINDOWS if handle.kind == "causal-lm" else EVAL_SAMPLES
+        limit = (getattr(ctx, "quality_windows", None) or EVAL_WINDOWS) if handle.kind == "causal-lm" else EVAL_SAMPLES
         samples = resolve_samples(spec, handle, "eval", limit, None, ctx.seed)
         if all(n in samples.inputs for n in names) and len(samples):
             sub = samples.subset(slice(0, limit)) if len(samples) > limit else samples
