@@ -63,12 +63,26 @@ def model_spec(name: str, work: Path, gguf: str | None = None) -> str:
     return str(path)
 
 
-def run_part(model: str, method: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def float_reference(model: str, args: argparse.Namespace, work: Path) -> Any:
+    """The float model's outputs on the eval windows, measured once per model and shared by every method."""
+    from edgekit.compress import StepContext
+    from edgekit.compress.quality import measure_reference
+    from edgekit.sources.models import load_model
+
+    ctx = StepContext(progress=False, quality_windows=args.eval_windows)
+    c0 = time.process_time()
+    ref = measure_reference(load_model(model_spec(model, work, args.gemma_gguf)), ctx)
+    print(f"{model}: float reference on {ref.source}, {time.process_time() - c0:.0f} CPU s", flush=True)
+    return ref
+
+
+def run_part(model: str, method: str, args: argparse.Namespace, work: Path, reference: Any) -> dict[str, Any]:
     from edgekit.compress import StepContext, compress
     from edgekit.compress.weight_only import WeightOnlyConfig
 
     cfg = WeightOnlyConfig(method=method, bits=4, group_size=128, calib_samples=args.calib_windows, seqlen=512)
-    ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True, quality_windows=args.eval_windows)
+    ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True, quality_windows=args.eval_windows,
+                      quality_reference=reference)
     out = work / f"{model}-{method}"
     w0, c0 = time.perf_counter(), time.process_time()
     compress(model_spec(model, work, args.gemma_gguf), [("int4", cfg)], out, ctx)
@@ -112,8 +126,9 @@ def main() -> None:
             work = Path(args.work or tmp)
             work.mkdir(parents=True, exist_ok=True)
             for model in args.models.split(","):
+                reference = float_reference(model, args, work)
                 for method in args.methods.split(","):
-                    part = run_part(model, method, args, work)
+                    part = run_part(model, method, args, work, reference)
                     (PARTS / f"{model}-{method}.json").write_text(json.dumps(part, indent=1))
                     q = part["quality"]
                     print(f"{model} {method}: ppl {q['perplexity']:.2f} (float {q['perplexity_float']:.2f}), "

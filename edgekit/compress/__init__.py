@@ -70,7 +70,9 @@ class StepContext:
     quality_bounds: Any = None
     accept_quality_loss: bool = False
     quality_windows: int | None = None  # causal LM: eval windows the gate measures on (None: quality.EVAL_WINDOWS)
-    quality_reference: Any = None  # set by compress(): the float model's outputs (steps need not measure again)
+    # the float model's outputs on held-out data (quality.measure_reference): measured by compress() unless
+    # given (by a caller compressing one base model several ways); steps then need not measure again
+    quality_reference: Any = None
 
 
 # What a model's weights are between steps. Each step declares which of these it takes and
@@ -261,7 +263,9 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     from edgekit.compress.quality import check_quality, compare, default_bounds, measure_reference
 
     bounds = ctx.quality_bounds if ctx.quality_bounds is not None else default_bounds(configs)
-    reference = ctx.quality_reference = measure_reference(handle, ctx)  # the float model, before any step
+    if ctx.quality_reference is None:  # the float model's outputs, before any step (or given: the same base model)
+        ctx.quality_reference = measure_reference(handle, ctx)
+    reference = ctx.quality_reference
     for name, config in configs:
         t0 = time.perf_counter()
         handle = get_step(name).apply(handle, config, ctx)
