@@ -166,6 +166,18 @@ def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     return best, list(_get(module, best))
 
 
+def check_blocks(module: nn.Module, prefix: str, blocks: list[nn.Module]) -> None:
+    """The walked blocks must be the model's layers as its config counts them (a Hugging Face model);
+    anything else is a structure the walk would only guess at."""
+    from edgekit.compress.families import hf_model
+
+    hf = hf_model(module)
+    n = getattr(getattr(hf, "config", None), "num_hidden_layers", None)
+    if isinstance(n, int) and prefix and len(blocks) != n:
+        raise BadInputError(f"the block walk found {len(blocks)} blocks in {prefix!r}, but the model's config declares "
+                            f"{n} layers; edgekit does not know this model's structure")
+
+
 def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     """(LM head name, input embedding name) of a Hugging Face causal LM inside ``module``."""
     for _name, m in module.named_modules():
@@ -484,6 +496,7 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
     values) and return their codes. ``calib`` is needed by GPTQ and AWQ."""
     prefix, blocks, linears = quantizable_linears(module)
+    check_blocks(module, prefix, blocks)
     if not linears:
         raise BadInputError("the model has no linear layers to quantize (weight-only quantization "
                             "acts on nn.Linear layers)")
