@@ -74,7 +74,7 @@ def integer_nodes(path: Path) -> tuple[int, int]:
 
 
 def metrics_for(out: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evaluator: str | None) -> dict[str, float]:
-    from edgekit.compress.int8 import score
+    from edgekit.compress.calibration import score
 
     return score(out, ref, labels, evaluator)
 

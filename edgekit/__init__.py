@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+import types
+from typing import TYPE_CHECKING, Any
 
 from edgekit import interrupts
-
-__version__ = "0.1.0"
+from edgekit.version import __version__
 
 # Started as the command line (`edgekit ...`, or `python -m edgekit.cli`, whose argv[0]
 # is "-m" while the module is located): a Ctrl-C while the modules load ends the process
@@ -25,8 +25,35 @@ __version__ = "0.1.0"
 if sys.argv[:1] == ["-m"] or interrupts.program_name_is("edgekit"):
     interrupts.install(starting=True)
 
-# Public name -> "module:attribute". Resolved lazily so `import edgekit` stays cheap
-# and works without the optional runtimes.
+# The public API, imported explicitly for editors and type checkers. At run time each name is
+# imported on first use (`_API` below, the same names): importing all of them takes seconds
+# (torch, transformers, ONNX Runtime) and every `edgekit` command, even `--help`, loads this
+# package first. tests/test_public_api.py checks that the two lists agree.
+if TYPE_CHECKING:
+    from edgekit.build import build_engine as build_engine
+    from edgekit.build import load_engine as load_engine
+    from edgekit.check import check_budget as check_budget
+    from edgekit.compress import compress as compress
+    from edgekit.compress.distill import distill as distill
+    from edgekit.estimate import estimate as estimate
+    from edgekit.evaluate import evaluate as evaluate
+    from edgekit.export.lm import export_causal_lm as export_causal_lm
+    from edgekit.export.onnx import export_onnx as export_onnx
+    from edgekit.finetune import finetune as finetune
+    from edgekit.pipelines.recipe import load_recipe as load_recipe
+    from edgekit.pipelines.run import run_recipe as run_recipe
+    from edgekit.pipelines.sweep import run_sweep as run_sweep
+    from edgekit.profiling import profile_engine as profile_engine
+    from edgekit.profiling_lm import check_generation as check_generation
+    from edgekit.profiling_lm import profile_with_generation as profile_with_generation
+    from edgekit.report import render_report as render_report
+    from edgekit.sources.data import load_samples as load_samples
+    from edgekit.sources.handle import ModelHandle as ModelHandle
+    from edgekit.sources.models import load_model as load_model
+    from edgekit.targets import list_targets as list_targets
+    from edgekit.targets import load_target as load_target
+
+# Public name -> "module:attribute", imported on first use.
 _API = {
     "load_model": "edgekit.sources.models:load_model",
     "load_samples": "edgekit.sources.data:load_samples",
@@ -60,3 +87,19 @@ def __getattr__(name: str) -> Any:
         mod, attr = _API[name].split(":")
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'edgekit' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Four API functions share their names with subpackages (compress, estimate, evaluate,
+    finetune). Importing such a subpackage makes Python set it as an attribute of this package,
+    which would hide the function from then on; the function keeps the name instead (as an
+    explicit ``from edgekit.compress import compress`` here would), the subpackage stays in
+    ``sys.modules`` and ``from edgekit.compress import ...`` works as ever."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

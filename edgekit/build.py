@@ -23,17 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, UnavailableError
-from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import BuildOptions, Engine
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
+from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.sources.data import read_arrays
-from edgekit.sources.handle import ModelHandle
+from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
+from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
+from edgekit.targets import Target
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
 
 
-def choose_runtime(target: Any, requested: str | None = None) -> Any:
+def choose_runtime(target: Target, requested: str | None = None) -> Runtime:
     """The requested runtime (must be available), or the target's first available one."""
     if requested:
         rt = _try_runtime(requested)
@@ -59,7 +61,7 @@ def choose_runtime(target: Any, requested: str | None = None) -> Any:
     raise UnavailableError(f"no runtime of target {target.name!r} is available here ({'; '.join(reasons)})")
 
 
-def _try_runtime(name: str) -> Any:
+def _try_runtime(name: str) -> Runtime | None:
     try:
         return get_runtime(name)
     except (ImportError, AttributeError):
@@ -67,8 +69,10 @@ def _try_runtime(name: str) -> Any:
 
 
 def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_dir: str | os.PathLike[str],
-                 options: BuildOptions | None = None) -> Path:
-    """Build an engine folder for ``target`` (a name, YAML path or Target).
+                 options: BuildOptions | None = None, input_options: InputOptions | None = None) -> Path:
+    """Build an engine folder for ``target`` (a name, YAML path or Target). ``input_options``
+    (``--shapes``, ``--inputs``: ``sources.inputs``) set the sample inputs the engine keeps
+    (``inputs.npz``), so profiling times those shapes and values.
 
     >>> build_engine("efficientnet-lite0", "cpu", "out/engine")  # doctest: +SKIP
     PosixPath('out/engine')
@@ -85,14 +89,21 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
         raise BadInputError(f"batch must be >= 1, got {options.batch}")
     if options.threads is not None and options.threads < 1:
         raise BadInputError(f"threads must be >= 1, got {options.threads}")
+    if options.runtime == BEST_RUNTIME:
+        return _build_best(model, target, Path(out_dir), options, input_options)
     runtime = choose_runtime(target, options.runtime)
     out_dir = Path(out_dir)
     src = None if isinstance(model, ModelHandle) else Path(str(model))
     onnx_artifact = src if src is not None and src.is_dir() and _kind(src) == "onnx" else None
-    handle = load_model(model)
+    handle = load_model(model, input_options)
+    if input_options is not None and input_options.shapes:  # the batch --shapes gives is the engine's (trtexec's opt)
+        shaped = bind_dims(handle.inputs, input_options.shapes, options.batch)[0]
+        if shaped != options.batch and options.batch != 1:
+            raise BadInputError(f"--batch {options.batch} and --shapes (batch {shaped}) disagree; give one of them")
+        options = dataclasses.replace(options, batch=shaped)
     inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
     t0 = time.perf_counter()
-    with staged_dir(out_dir, (model, handle.source, handle.onnx_path)) as tmp:
+    with staged_dir(out_dir, (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))) as tmp:
         files: dict[str, str] = {}
         metrics: dict[str, Any] = {}
         feeds = handle.sample_inputs(options.batch)
@@ -128,11 +139,94 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
                   "batch": options.batch, "threads": options.threads,
                   "optimization_level": options.optimization_level, **result.get("config", {})}
         config.setdefault("session", {})
+        if input_options:
+            config["input_options"] = input_options.to_dict()
         write_manifest(tmp, Manifest(
             kind=result.get("kind", "engine"), files=files, config=config, metrics=metrics, inputs=inputs,
             source=handle.source, model=described, steps=[dataclasses.asdict(s) for s in handle.steps],
             target=target.name))
     return out_dir
+
+
+def _build_best(model: Any, target: Any, out_dir: Path, options: BuildOptions,
+                input_options: InputOptions | None = None) -> Path:
+    """``--runtime best``: build with each of the target's runtimes that is available and can be
+    timed here, time each engine briefly (interleaved rounds), keep the fastest, and record every
+    candidate's timing (or why it could not build) in the manifest."""
+    import tempfile
+
+    from edgekit.artifact import check_output_dir, read_manifest, staged_dir, write_manifest
+
+    protect = (model, getattr(model, "source", None), getattr(model, "onnx_path", None),
+               getattr(input_options, "inputs", None))
+    check_output_dir(out_dir, protect)
+    candidates: dict[str, dict[str, Any]] = {}
+    for name in target.runtimes:
+        rt = _try_runtime(name)
+        ok, why = rt.available() if rt is not None else (False, "not installed")
+        if ok and not rt.measures_here(target):
+            ok, why = False, f"cannot be timed here as it runs on target {target.name!r}"
+        if not ok:
+            candidates[name] = {"skipped": why}
+    names = [n for n in target.runtimes if n not in candidates]
+    if not names:
+        why = "; ".join(f"{k}: {v['skipped']}" for k, v in candidates.items())
+        raise UnavailableError(f"--runtime {BEST_RUNTIME} builds and times each runtime on this machine; no runtime "
+                               f"of target {target.name!r} can be ({why})")
+    with tempfile.TemporaryDirectory(prefix="edgekit-best-") as work:
+        built: dict[str, Path] = {}
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                built[name] = build_engine(model, target, Path(work) / name, dataclasses.replace(options, runtime=name),
+                                           input_options)
+            except (BadInputError, UnavailableError, CheckFailedError) as e:
+                candidates[name] = {"error": str(e)}
+                continue
+            candidates[name] = {"build_seconds": round(time.perf_counter() - t0, 3)}
+        if not built:
+            why = "; ".join(f"{k}: {next(iter(v.values()))}" for k, v in candidates.items())
+            raise UnavailableError(f"no runtime of target {target.name!r} builds this model ({why})")
+        for name, timing in time_candidates(built, options.threads).items():
+            candidates[name].update(timing)
+        chosen = min(built, key=lambda n: candidates[n]["p50_ms"])
+        with staged_dir(out_dir, protect) as tmp:
+            shutil.copytree(built[chosen], tmp, dirs_exist_ok=True)
+            manifest = read_manifest(tmp)
+            manifest.config["runtime_choice"] = {
+                "requested": BEST_RUNTIME, "chosen": chosen,
+                "method": "each candidate built and timed here, interleaved rounds at batch "
+                          f"{options.batch}, threads {options.threads or 'all'}; the lowest p50 wins"}
+            manifest.metrics["runtime_candidates"] = candidates
+            write_manifest(tmp, manifest)
+    return out_dir
+
+
+def time_candidates(folders: dict[str, Path], threads: int | None, rounds: int = 5,
+                    round_s: float = 0.1, warmup_s: float = 0.2) -> dict[str, dict[str, float]]:
+    """Latency of each engine folder on its stored inputs: a warm-up, then ``rounds`` rounds in
+    which every engine runs for ``round_s`` (at least 3 runs), so a neighbour's load hits all alike."""
+    engines = {name: load_engine(folder, threads=threads) for name, folder in folders.items()}
+    feeds = {name: load_engine_inputs(folder) for name, folder in folders.items()}
+    samples: dict[str, list[float]] = {name: [] for name in folders}
+    try:
+        for name, engine in engines.items():
+            t_end = time.perf_counter() + warmup_s
+            engine.timed_run(feeds[name])
+            while time.perf_counter() < t_end:
+                engine.timed_run(feeds[name])
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                t_end = time.perf_counter() + round_s
+                n = 0
+                while n < 3 or time.perf_counter() < t_end:
+                    samples[name].append(engine.timed_run(feeds[name]))
+                    n += 1
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: {"p50_ms": round(float(np.median(v)), 4), "mean_ms": round(float(np.mean(v)), 4),
+                   "iterations": len(v)} for name, v in samples.items()}
 
 
 def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) -> Engine:
@@ -162,14 +256,30 @@ def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) 
     return runtime.load(engine_dir, manifest, threads)
 
 
-def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = None) -> dict[str, np.ndarray]:
-    """The sample inputs stored at build time, repeated or cut along axis 0 to ``batch``."""
+def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = None,
+                       input_options: InputOptions | None = None) -> dict[str, np.ndarray]:
+    """The sample inputs stored at build time, repeated or cut along axis 0 to ``batch`` (or
+    the ``--inputs`` file as it is, checked against the engine's inputs), then brought to the
+    ``--shapes`` given (cut or tiled along each axis, so ids stay ids and masks masks)."""
     from edgekit.artifact import read_manifest
 
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
-    path = manifest.path_of(engine_dir, "inputs")
-    feeds = read_arrays(path)  # header-checked: a corrupt or crafted inputs.npz is one line
+    specs = [InputSpec.from_dict(d) for d in manifest.model.get("inputs", [])
+             if isinstance(d, dict) and "name" in d and "shape" in d]  # a KV-cache engine records names only
+    name = manifest.model.get("name") or str(engine_dir)
+    if input_options is not None and input_options.inputs is not None:
+        feeds = read_input_file(input_options.inputs, specs, name)
+    else:
+        path = manifest.path_of(engine_dir, "inputs")
+        feeds = _batched(read_arrays(path), manifest, batch)  # header-checked: a crafted inputs.npz is one line
+    if input_options is not None and input_options.shapes:
+        check_shapes(specs, input_options.shapes, name)
+        feeds = fit_feeds(feeds, input_options.shapes)
+    return feeds
+
+
+def _batched(feeds: dict[str, np.ndarray], manifest: Any, batch: int | None) -> dict[str, np.ndarray]:
     if batch is None:
         return feeds
     dynamic = {s["name"] for s in manifest.model.get("inputs", []) if s.get("shape") and s["shape"][0] == "batch"}

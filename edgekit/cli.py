@@ -5,6 +5,7 @@ capability. Errors are one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -79,7 +80,46 @@ def cli() -> None:
     profile it and check it against a latency budget."""
 
 
-# --- spine (issue 2) ---
+# --- model inputs: --shapes, --inputs, --preprocess (one declaration, shared by the commands) ---
+
+_INPUT_OPTIONS = {
+    "shapes": click.option(
+        "--shapes", default=None, metavar="NAME:DIMS,...",
+        help="Input shapes, trtexec's syntax: input_ids:1x128,attention_mask:1x128 (binds dynamic dimensions; "
+             "default: the batch, 128 tokens for token-id inputs)."),
+    "inputs": click.option(
+        "--inputs", "inputs_file", type=click.Path(), default=None, metavar="FILE.npz",
+        help="Real sample inputs: a .npz with one array per input name (checked against the model's names, "
+             "dtypes and ranks)."),
+    "preprocess": click.option(
+        "--preprocess", default=None, metavar="KEY=VALUE,...",
+        help="Image models: layout=nchw|nhwc, order=rgb|bgr, scale=1|255, mean=M/M/M, std=S/S/S, resize=N, "
+             "size=HxW (default: what the model says, else NCHW RGB in [0, 1])."),
+}
+
+
+def with_input_options(*which: str) -> Any:
+    """Add the model-input options named in ``which`` to a command; the command receives them
+    parsed and checked as one ``input_options`` argument (``edgekit.sources.inputs.InputOptions``
+    or None)."""
+
+    def decorate(f: Any) -> Any:
+        @functools.wraps(f)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            from edgekit.sources.inputs import input_options
+
+            opts = input_options(shapes=kwargs.pop("shapes", None), inputs=kwargs.pop("inputs_file", None),
+                                 preprocess=kwargs.pop("preprocess", None))
+            return f(*args, input_options=opts, **kwargs)
+
+        for name in reversed(which):
+            command = _INPUT_OPTIONS[name](command)
+        return command
+
+    return decorate
+
+
+# --- export, build, profile, check, report ---
 
 @cli.command()
 def zoo() -> None:
@@ -110,14 +150,23 @@ def zoo() -> None:
                    "architecture has it (Llama family).")
 @click.option("--block-size", type=int, default=None,
               help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
+@click.option("--weight-format", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
+              help="Packed low-bit layers (with --kv-cache): matmulnbits = ONNX Runtime's MatMulNBits (CPU, CUDA); "
+                   "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
+                   "when the weights were quantized with --sym).")
+@with_input_options("shapes", "inputs")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None) -> None:
+           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
+           weight_format: str, input_options: Any) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
+    if kv_cache and input_options:
+        raise BadInputError("--shapes and --inputs do not apply to the KV-cache export (it traces its own prefill "
+                            "and decode steps); give them to build or profile")
     if kv_cache:
-        from edgekit.export.lm import export_causal_lm
         from edgekit.artifact import check_output_dir
+        from edgekit.export.lm import export_causal_lm
         from edgekit.sources.models import load_model
 
         check_output_dir(out, (model,))  # before loading the model
@@ -127,13 +176,14 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
         level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
         folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
-                                  block_size=block_size, **level, **tol)
+                                  block_size=block_size, fmt=weight_format, **level, **tol)
         _print_parity(folder)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
-    if graph != "auto" or block_size is not None:
-        raise BadInputError("--graph and --block-size apply to the KV-cache export of a causal LM (add --kv-cache)")
+    if graph != "auto" or block_size is not None or weight_format != "matmulnbits":
+        raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
+                            "(add --kv-cache)")
 
     fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
     if opset is not None:
@@ -142,7 +192,7 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         fields["atol"] = atol
     if rtol is not None:
         fields["rtol"] = rtol
-    folder = export_onnx(model, out, ExportConfig(**fields))
+    folder = export_onnx(model, out, ExportConfig(**fields), input_options)
     _print_parity(folder)
 
 
@@ -163,7 +213,8 @@ def _print_parity(folder: Path) -> None:
 @click.argument("model")
 @click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
-@click.option("--runtime", default=None, help="onnxruntime | torch | tensorrt (default: the target's first available).")
+@click.option("--runtime", default=None, help="onnxruntime | openvino | torch | tensorrt | best (build with each "
+              "runtime the target lists, time them here, keep the fastest); default: the target's first available.")
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
@@ -172,9 +223,10 @@ def _print_parity(folder: Path) -> None:
 @click.option("--dla-core", type=int, default=None, help="TensorRT on Orin: DLA core, with GPU fallback.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
 @click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
+@with_input_options("shapes", "inputs")
 def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
           opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
-          max_batch: int | None) -> None:
+          max_batch: int | None, input_options: Any) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
@@ -183,7 +235,7 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
                                                 "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
     options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
                            batch=batch, extra=extra)
-    folder = build_engine(model, target, out, options)
+    folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
@@ -194,6 +246,8 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
         click.echo(check_summary)
     for w in m.metrics.get("warnings", []):
         click.echo(f"warning: {w}")
+    for name, c in (m.metrics.get("runtime_candidates") or {}).items():
+        click.echo(f"  {name}: " + (f"p50 {c['p50_ms']:.3f} ms" if "p50_ms" in c else c.get("error") or c.get("skipped", "")))
     status = (m.config.get("status") or {}).get("summary")
     click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
@@ -214,9 +268,10 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--contexts", default="128,1024", show_default=True,
               help="Causal LMs: context lengths after which decode tokens/s is measured.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Causal LMs: tokens generated per run.")
+@with_input_options("shapes", "inputs")
 def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
             top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str,
-            contexts: str, new_tokens: int) -> None:
+            contexts: str, new_tokens: int, input_options: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory."""
     from edgekit.profiling import ProfileConfig
@@ -227,7 +282,7 @@ def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: in
     generation = None if no_generation else GenerationConfig(
         prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
         new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
-    result = profile_with_generation(engine_dir, config, generation, out_json=json_out)
+    result = profile_with_generation(engine_dir, config, generation, out_json=json_out, input_options=input_options)
     _print_profile(result, top_k)
     if result.generation:
         _print_generation(result.generation)
@@ -269,9 +324,11 @@ def _print_profile(result: Any, top_k: int) -> None:
                      [[f"{s.min:.3f}", f"{s.mean:.3f}", f"{s.p50:.3f}", f"{s.p90:.3f}", f"{s.p95:.3f}", f"{s.p99:.3f}",
                        f"{s.max:.3f}", f"{s.std:.3f}", f"{s.cv:.1%}", f"{result.throughput_per_s:.1f}/s"]]))
     if result.nodes:
-        con.print(_table(f"top {min(top_k, len(result.nodes))} nodes", ["node", "op", "ms", "share", "precision"],
+        kernels = any(n.kernel for n in result.nodes)  # the kernel/ISA column, where the runtime tells
+        con.print(_table(f"top {min(top_k, len(result.nodes))} nodes",
+                         ["node", "op", "ms", "share", "precision"] + (["kernel"] if kernels else []),
                          [[n.name, n.op_type, f"{n.time_ms:.4f}", f"{n.share:.1%}", n.precision]
-                          for n in result.nodes[:top_k]]))
+                          + ([n.kernel] if kernels else []) for n in result.nodes[:top_k]]))
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
                   f"time in float nodes: {result.float_share:.1%}")
@@ -368,7 +425,7 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
 
 
-# --- compress (issues 3, 4, 5) ---
+# --- compress ---
 
 @cli.command()
 @click.argument("model")
@@ -402,6 +459,7 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 @click.option("--alpha", type=float, default=None, help="Distillation: weight of the soft loss.")
 @click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
 def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
@@ -411,7 +469,7 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
              seqlen: int | None, device: str | None, prune: float | None,
              importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
              iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
-             alpha: float | None, train_data: str | None, seed: int, accept_quality_loss: bool,
+             alpha: float | None, train_data: str | None, seed: int, input_options: Any, accept_quality_loss: bool,
              max_ppl_ratio: float | None) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
@@ -444,7 +502,8 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
         base = default_bounds([(n, make_config(n, c)) for n, c in steps]) or QualityBounds()
         bounds = replace(base, max_ppl_ratio=max_ppl_ratio)
     ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train_data, seed=seed,
-                      device=device or "cpu", accept_quality_loss=accept_quality_loss, quality_bounds=bounds)
+                      device=device or "cpu", inputs=input_options, accept_quality_loss=accept_quality_loss,
+                      quality_bounds=bounds)
     folder = run_compress(model, steps, out, ctx)
     from edgekit.artifact import read_manifest
 
@@ -455,7 +514,7 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
 
 
-# --- distill (issue 5) ---
+# --- distill ---
 
 @cli.command("distill")
 @click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
@@ -497,10 +556,8 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
         _console().print(_table("final evaluation", ["metric", "value"], [[k, v] for k, v in ev.items()]))
     click.echo(f"wrote {out} ({' -> '.join(s['name'] for s in m.steps)})")
 
-# --- end distill (issue 5) ---
 
-
-# --- pipelines (issue 9) ---
+# --- pipelines: run and sweep ---
 
 @cli.command("run")
 @click.argument("recipe", type=click.Path())
@@ -567,7 +624,7 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
 
 
-# --- targets, TensorRT and remote devices (issue 7) ---
+# --- targets, TensorRT and remote devices ---
 
 @cli.group("targets", invoke_without_command=True)
 @click.pass_context
@@ -681,7 +738,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
         click.echo(f"wrote {json_out}")
 
 
-# --- estimate (issue 8) ---
+# --- estimate ---
 
 @cli.command("estimate")
 @click.argument("model")
@@ -689,12 +746,19 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
+@click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
+              "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
 @click.option("--top-k", type=int, default=10, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the estimate JSON here.")
-def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...], calibrate: bool,
-                 top_k: int, json_out: str | None) -> None:
-    """Roofline latency ESTIMATE of a model on a target, per node and in total (not a measurement)."""
+@with_input_options("shapes", "inputs")
+def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
+                 runtime: str | None, calibrate: bool, top_k: int, json_out: str | None, input_options: Any) -> None:
+    """Latency ESTIMATE of a model on a target, with its range (not a measurement).
+
+    The graph is read as the target's runtime runs it (its fusions), costed kernel by
+    kernel against the target's roofs; the range comes from the estimator's validation
+    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
     from edgekit.errors import BadInputError
     from edgekit.estimate.calibrate import estimate_with_calibration
 
@@ -705,7 +769,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
             raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
         bound[name] = int(value)
     est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                            calibrate=calibrate)
+                                            calibrate=calibrate, runtime=runtime, input_options=input_options)
     if report is not None:
         click.echo(report.render())
         click.echo("")
@@ -718,7 +782,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
         click.echo(f"wrote {json_out}")
 
 
-# --- finetune (issue 6) ---
+# --- finetune ---
 
 @cli.command()
 @click.argument("model")
@@ -787,7 +851,6 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
                f"({lm.get('modules')} layers, {lm.get('steps')} steps, {lm.get('seconds_per_step')} s/step)")
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
 
-# --- end finetune (issue 6) ---
 
 
 def main() -> None:

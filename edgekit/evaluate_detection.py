@@ -102,14 +102,14 @@ def evaluate_detector(model: Any, samples: Samples, reference: Any = None, *, ru
         ref = run_detector(reference, samples, spec, runner_of, batch_size=batch_size, description="reference",
                            progress=progress)
         if truth is not None:
-            preds = to_image_pixels(preds, input_size, truth.image_sizes)  # type: ignore[arg-type]
-            ref = to_image_pixels(ref, input_size, truth.image_sizes)  # type: ignore[arg-type]
+            preds = to_image_pixels(preds, input_size, truth.image_sizes)
+            ref = to_image_pixels(ref, input_size, truth.image_sizes)
         result.update(compare_to_reference(preds, ref, truths=None if truth is None else truth.detections,
                                            what="compressed model", source=where))
         result["matched_to"] = "float model (IoU >= 0.5)"
     else:
         assert truth is not None
-        preds = to_image_pixels(preds, input_size, truth.image_sizes)  # type: ignore[arg-type]
+        preds = to_image_pixels(preds, input_size, truth.image_sizes)
         if sum(len(p) for p in preds) == 0:
             raise BadInputError(f"the model detects nothing on the {where}: mAP is undefined; check that the "
                                 "preprocessing matches the model")

@@ -148,7 +148,6 @@ def deploy(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], t
 
     >>> deploy("out/q4-lora", "out/q4-lora-deploy")  # doctest: +SKIP
     """
-    from edgekit.artifact import read_manifest
 
     out = Path(out_dir)
     onnx_dir = export_onnx(model_dir, out / "onnx", ExportConfig(atol=atol, rtol=rtol))

@@ -24,6 +24,7 @@ from edgekit.errors import BadInputError
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import NodeTiming, RecordedRun, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
+from edgekit.sources.inputs import InputOptions
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -318,13 +319,15 @@ def device_measurement(folder: str | os.PathLike[str], top_k: int | None = 15) -
 
 
 def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
-                   out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
+                   out_json: str | os.PathLike[str] | None = None,
+                   input_options: InputOptions | None = None) -> ProfileResult:
     """Profile an engine folder with the trtexec method; the same for every runtime.
 
     Loads the engine (threads from ``config``), feeds it the real inputs stored at build
     time (``inputs.npz``, at ``config.batch``), times it (``time_engine``), then profiles
     nodes in a separate run. Records the settings, peak memory (RSS) and model size;
     warns when the coefficient of variation exceeds 2.5%. Writes ``out_json`` atomically.
+    ``input_options``: time other inputs (``--inputs FILE.npz``) or shapes (``--shapes``).
 
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
@@ -342,6 +345,9 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         # Timings the runtime's own tool recorded (on the device): summarized, not re-measured.
         recorded = get_runtime(manifest.config["runtime"]).recorded_run(engine_dir, manifest)
         if recorded is not None:
+            if input_options:
+                raise BadInputError(f"{engine_dir} holds timings recorded on the device; --shapes and --inputs "
+                                    "apply to engines timed here (give them to `edgekit build` instead)")
             result = profile_from_recorded(recorded, config.top_k)
             if out_json is not None:
                 result.save(out_json, protect=(engine_dir,))
@@ -354,7 +360,10 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     engine = load_engine(engine_dir, threads=config.threads)
     load_s = time.perf_counter() - t0
     try:
-        feeds = load_engine_inputs(engine_dir, batch=config.batch)
+        feeds = load_engine_inputs(engine_dir, batch=config.batch, input_options=input_options)
+        if input_options:  # the batch the given inputs or shapes hold (for throughput)
+            batch = feed_batch(feeds, manifest.model.get("inputs", []))
+            config = dataclasses.replace(config, batch=batch or config.batch)
         check_feeds(engine.inputs, feeds)
         with _timing_progress(config) as progress:
             result = measure(engine, feeds, config, engine_name=str(engine_dir), runtime=manifest.config.get(
@@ -375,6 +384,15 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     if out_json is not None:
         result.save(out_json, protect=(engine_dir,))
     return result
+
+
+def feed_batch(feeds: dict[str, np.ndarray], specs: list[dict[str, Any]]) -> int | None:
+    """The batch of feeds: axis 0 of an input whose first dimension is the batch axis."""
+    for s in specs:
+        shape = s.get("shape") if isinstance(s, dict) else None
+        if shape and shape[0] == "batch" and s.get("name") in feeds and feeds[s["name"]].ndim:
+            return int(feeds[s["name"]].shape[0])
+    return None
 
 
 def _engine_size_mb(engine_dir: Path, manifest: Any) -> float | None:

@@ -31,6 +31,7 @@ from edgekit.check import load_profile
 from edgekit.errors import BadInputError
 from edgekit.profiling import CV_WARNING, LatencyStats, ProfileConfig, ProfileResult, peak_rss_mb, profile_engine
 from edgekit.runtimes.onnxruntime import KVCacheDecoder, is_causal_lm_session
+from edgekit.sources.inputs import InputOptions
 
 GENERATION_METHOD = ("prefill: warm-up by time, then >= iterations and >= duration; decode: greedy generations "
                      "of new_tokens one-token steps through the IO-bound KV cache after a context, >= decode_runs "
@@ -188,7 +189,8 @@ def is_causal_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
 
 def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
                             generation: GenerationConfig | None = None,
-                            out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
+                            out_json: str | os.PathLike[str] | None = None,
+                            input_options: InputOptions | None = None) -> ProfileResult:
     """``profile_engine``, plus generation metrics (``result.generation``) for a causal-LM engine
     unless ``generation`` is None. The decode-step latency of ``profile_engine`` stays in
     ``latency_ms`` (one token after a 128-token past), so existing budgets keep their meaning.
@@ -198,7 +200,7 @@ def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileC
     """
     if out_json is not None:
         check_output_file(out_json, (engine_dir,))  # before the measurement
-    result = profile_engine(engine_dir, config, out_json=None)
+    result = profile_engine(engine_dir, config, out_json=None, input_options=input_options)
     # Generation is timed here, on engines this machine runs; a device's recorded run is summarized as it is.
     if generation is not None and result.source == "measured" and is_causal_lm_engine(engine_dir):
         threads = generation.threads if generation.threads is not None else (config.threads if config else None)

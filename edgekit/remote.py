@@ -17,7 +17,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from edgekit.artifact import staged_dir
+from edgekit.artifact import check_output_dir, staged_dir
 from edgekit.errors import BadInputError
 from edgekit.profiling import ProfileResult
 from edgekit.ssh import RemoteHost
@@ -40,7 +40,6 @@ def remote_build(model: str, target: str, out: str | os.PathLike[str], host: Rem
 
     >>> remote_build("model.onnx", "jetson-agx-orin-64", "engine", RemoteHost("me@orin"))  # doctest: +SKIP
     """
-    from edgekit.artifact import check_output_dir
 
     check_output_dir(out, (model, target))  # before the remote build
     with host:

@@ -35,6 +35,6 @@ pipq() {
   rm -f "$log"
 }
 pipq -c constraints.txt "torch==2.13.0"
-pipq -c constraints.txt -e ".[dev,optimum,ray,qlora]"
+pipq -c constraints.txt -e ".[dev,optimum,ray,qlora,openvino]"
 pipq --no-deps -r requirements-assets.txt
 python -c "import edgekit, torch, onnxruntime; print(f'edgekit {edgekit.__version__} ready (torch {torch.__version__}, onnxruntime {onnxruntime.__version__})')"

@@ -7,6 +7,10 @@ bash scripts/setup.sh
 if [ $# -gt 0 ]; then
   python -m pytest -q "$@"
 else
+  # The layers of docs/architecture.md and no import cycles (pyproject's [tool.importlinter]),
+  # then the type checker (pyproject's [tool.mypy]).
+  lint-imports --no-cache
+  mypy
   # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests.
   python -m pytest -q
   python -m pytest -q -m slow

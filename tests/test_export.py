@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from pathlib import Path
 
@@ -80,8 +81,9 @@ def _add_one_rewrite(calls: list[str]):
 
 
 def _patch_steps(monkeypatch, steps: dict):
-    import edgekit.compress as compress
     from edgekit.compress import Step
+
+    compress = importlib.import_module("edgekit.compress")  # the package (edgekit.compress is the function)
 
     def get_step(name):
         return Step(name=name, config=dict, apply=lambda h, c, ctx: h, description="test",

@@ -132,3 +132,43 @@ def test_asymmetric_target_matches_the_float_output_in_least_squares():
     torch.testing.assert_close(asymmetric_target(W, acc.H, acc.dXXT, alpha=0.0), W)
     torch.testing.assert_close(asymmetric_target(W, acc.H, acc.dXXT, alpha=0.5, damp=0.0), (W + W_t) / 2,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_one_solver_takes_the_grid_and_a_hessian_per_row():
+    from edgekit.compress.gptq import gptq_solve
+
+    torch.manual_seed(0)
+    W = torch.randn(6, 64)
+    X = _correlated_inputs(256, 64)
+    H = 2 * X.t() @ X / X.shape[0]
+    seen: list[int] = []
+
+    def grid(col, w, ahead):  # a fixed step of 0.25; records the solve order
+        seen.append(col)
+        assert ahead(3).shape == (6, min(3, 64 - len(seen) + 1))
+        return torch.round(w * 4) / 4
+
+    Q, loss = gptq_solve(W, H, grid, block_size=16)
+    assert torch.equal(Q * 4, torch.round(Q * 4)) and loss > 0
+    assert seen == list(range(64))
+    rtn = torch.round(W * 4) / 4
+    assert quantization_error(W, Q, H) < 0.8 * quantization_error(W, rtn, H)
+    seen.clear()
+    Q_ao, _ = gptq_solve(W, H, grid, block_size=16, act_order=True)
+    assert seen == torch.argsort(torch.diag(H), descending=True).tolist()
+    # one Hessian per row gives the same rows as the shared one
+    seen.clear()
+    Q_rows, _ = gptq_solve(W, torch.stack([H] * 6), grid, block_size=16)
+    torch.testing.assert_close(Q_rows, Q, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="act_order needs one Hessian"):
+        gptq_solve(W, torch.stack([H] * 6), grid, act_order=True)
+
+
+def test_grouped_hessians_match_per_group_closed_forms():
+    x = _correlated_inputs(300, 12).reshape(300, 3, 4)  # 3 groups of 4 columns
+    acc = HessianAccumulator(4, groups=3)
+    for chunk in x.split(100):
+        acc.add_batch(chunk.transpose(0, 1))  # (groups, rows, columns)
+    for g in range(3):
+        torch.testing.assert_close(acc.H[g], 2 * x[:, g].t() @ x[:, g] / 300, rtol=1e-4, atol=1e-4)
+    assert acc.nsamples == 300

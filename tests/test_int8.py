@@ -374,3 +374,22 @@ def test_fmnist_cnn_ptq_real_model(tmp_path):
     y, ops = _ort(path, ev.inputs["input"][:256])
     assert ops.count("QLinearConv") == 3
     assert (y.argmax(-1) == ev.labels[:256]).mean() >= m["fp32"]["accuracy"] - 0.03
+
+
+def test_fast_fake_quant_is_bit_identical_to_torch_and_keeps_gradients():
+    from torch import nn
+
+    from edgekit.compress.qdq import ActQuant, fast_fake_quant
+
+    g = torch.Generator().manual_seed(0)
+    for qmin, qmax, symmetric in [(0, 255, False), (-128, 127, True)]:
+        q = ActQuant("a", qmin, qmax, symmetric)
+        q.set_range(-3.1, 5.7)
+        ties = (torch.arange(-400, 400) + 0.5) * q._scale_f  # halfway points: round half to even in both
+        x = torch.cat([torch.randn(50_000, generator=g) * 4, ties, torch.tensor([1e9, -1e9, 0.0])])
+        ref = q(x)
+        with fast_fake_quant(nn.Sequential(q)):
+            assert torch.equal(q(x), ref)
+            xg = x.clone().requires_grad_(True)
+            assert q(xg).grad_fn is not None  # training keeps torch's straight-through kernel
+        assert not q.fast

@@ -254,7 +254,7 @@ BOARD = {"name": "my-board", "description": "a custom carrier", "kind": "jetson"
 
 @pytest.mark.parametrize("over, message", [
     ({"kind": "fpga"}, "kind: unknown kind 'fpga' (choose from cpu, gpu, jetson)"),
-    ({"runtimes": ["tensorrt", "tvm"]}, "runtimes[1]: unknown runtime 'tvm' (choose from onnxruntime, torch, tensorrt)"),
+    ({"runtimes": ["tensorrt", "tvm"]}, "runtimes[1]: unknown runtime 'tvm' (choose from onnxruntime, torch, tensorrt, openvino)"),
     ({"runtimes": []}, "runtimes: names no runtime"),
     ({"precisions": ["fp16", "fp4"]}, "precisions[1]: unknown precision 'fp4' (choose from fp32,"),
     ({"peak_tops": {"int8": -1}}, "peak_tops.int8: must be > 0 TOPS, got -1"),

@@ -178,7 +178,7 @@ def test_int8_then_prune_and_distill_is_rejected_with_the_reason():
     (lambda d: d["stages"][1].update(build={"optimization_level": "max"}),
      "stage 'mlp' build: unknown optimization level 'max' (choose from 'all', 'basic', 'disable', 'extended')"),
     (lambda d: d["stages"][1].update(build={"runtime": "tvm"}),
-     "stage 'mlp' build: unknown runtime 'tvm' (choose from 'onnxruntime', 'tensorrt', 'torch')"),
+     "stage 'mlp' build: unknown runtime 'tvm' (choose from 'best', 'onnxruntime', 'openvino', 'tensorrt', 'torch')"),
     (lambda d: d["stages"][1].update(build={"precision": "fp16"}),
      "stage 'mlp' build.precision: target 'cpu' does not support precision 'fp16' (choose from fp32, bf16, int8, int4)"),
     (lambda d: d["stages"][1].update(build={"extra": {"workspace_mb": 0}}),

@@ -1,5 +1,5 @@
-"""Targets as data (issue 7): every built-in YAML loads, carries the numbers of
-../shared/facts.md with their provenance, unknown targets/keys/precisions are clear
+"""Targets as data: every built-in YAML loads, carries its published numbers with
+their provenance, unknown targets/keys/precisions are clear
 errors, a user's YAML works, and `edgekit targets` lists and shows them."""
 from __future__ import annotations
 

@@ -170,15 +170,18 @@ def test_bad_inputs(calib, tmp_path):
         load_compressed(out)
 
 
-@pytest.mark.parametrize("fmt,group_size,bits", [("matmulnbits", -1, 4), ("qdq", 32, 4)])
-def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, bits):
+@pytest.mark.parametrize("fmt,group_size,bits,sym", [("matmulnbits", -1, 4, False), ("qdq", 32, 4, False),
+                                                     ("qdq", 32, 4, True)])
+def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, bits, sym):
     import json
 
     import onnx
+    from onnx import TensorProto
 
     from edgekit.export.lm import export_causal_lm, generate_greedy, lm_session
 
-    h = apply(tiny_llama(), WeightOnlyConfig(method="rtn", bits=bits, group_size=group_size), StepContext(progress=False))
+    h = apply(tiny_llama(), WeightOnlyConfig(method="rtn", bits=bits, group_size=group_size, sym=sym),
+              StepContext(progress=False))
     out = export_causal_lm(h, tmp_path / "onnx", fmt=fmt, graph="traced")  # the rewrite of a traced graph
     proto = onnx.load(str(out / "model.onnx"))
     ops = [n.op_type for n in proto.graph.node]
@@ -188,6 +191,16 @@ def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, 
         assert blocks == {64, 128}  # per-channel: one 64- or 128-wide block per row (K = 64, 128)
     else:
         assert ops.count("DequantizeLinear") == 16 and "MatMulNBits" not in ops  # 15 linears + the table
+        inits = {t.name: t for t in proto.graph.initializer}
+        dqs = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+        # symmetric weights: signed int4 codes without zero points (TensorRT's form); else uint4 + zero points
+        types = [inits[n.input[0]].data_type for n in dqs]  # 4-bit layers and the 8-bit tied table
+        assert set(types) == ({TensorProto.INT4, TensorProto.INT8} if sym else {TensorProto.UINT4, TensorProto.UINT8})
+        assert {len(n.input) for n in dqs} == {2 if sym else 3}
+        from edgekit.runtimes.tensorrt.lint import lint_onnx
+
+        qdq = [f for f in lint_onnx(out / "model.onnx", "jetson-agx-orin-64").findings if f.check in ("qdq", "int4")]
+        assert (qdq == []) if sym else (len(qdq) == 16)  # TensorRT 10.3 takes signed codes without zero points
     assert "BitShift" not in ops  # the traced unpacking is gone
     inputs = [i.name for i in proto.graph.input]
     assert "past_key_values.1.value" in inputs and "present.1.key" in [o.name for o in proto.graph.output]

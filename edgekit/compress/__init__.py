@@ -32,6 +32,7 @@ from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.sources.inputs import InputOptions
 from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -65,6 +66,7 @@ class StepContext:
     progress: bool = True
     reference: ModelHandle | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # steps add what they measured
+    inputs: InputOptions | None = None  # --shapes / --inputs / --preprocess (edgekit.sources.inputs)
     # the quality gate of compress() (edgekit/compress/quality.py): bounds against the float model
     # (None: the chain's defaults), and whether a loss beyond them is accepted (exit 0) or stops (exit 1)
     quality_bounds: Any = None
@@ -253,9 +255,9 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
-    handle = load_model(model)
+    handle = load_model(model, ctx.inputs)
     protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
-               getattr(ctx.reference, "source", None))
+               getattr(ctx.reference, "source", None), getattr(ctx.inputs, "inputs", None))
     check_output_dir(out_dir, protect)  # before hours of work
     if ctx.work_dir is None:
         ctx.work_dir = work_folder(out_dir)
@@ -294,7 +296,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             steps=[dataclasses.asdict(s) for s in handle.steps], metrics=metrics, inputs=inputs,
             config={"steps": [{"name": n, "config": config_to_dict(c)} for n, c in configs],
                     "calib": ctx.calib, "train": ctx.train, "seed": ctx.seed,
-                    "target": getattr(ctx.target, "name", None)},
+                    "target": getattr(ctx.target, "name", None),
+                    **({"input_options": ctx.inputs.to_dict()} if ctx.inputs else {})},
             target=getattr(ctx.target, "name", None)))
     return Path(out_dir)
 

@@ -12,6 +12,10 @@ pairwise) whenever a batch exceeds it, so memory never grows with the number of 
 
 ``qparams(lo, hi, qmin, qmax, symmetric)`` maps a range to (scale, zero_point).
 
+The calibration data side, shared by the INT8 files: ``load_split`` (one split's samples),
+``tensor_batches`` (samples as torch batches), ``run_module`` (a module's first output on
+every sample) and ``score`` / ``quality`` (metrics against the FP32 reference).
+
 >>> obs = HistogramObserver("relu1")
 >>> obs.update(torch.randn(64, 16))
 >>> lo, hi = choose_range(obs, "minmax")
@@ -19,15 +23,21 @@ pairwise) whenever a batch exceeds it, so memory never grows with the number of 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
+from edgekit.sources.data import Samples, check_arrays, load_samples
+from edgekit.sources.handle import ModelHandle
 
 METHODS = ("minmax", "percentile", "entropy", "mse")
 BINS = 4096  # over [-R, R]; 2048 bins per side, as TensorRT's entropy calibrator uses
+MIN_CALIB_SAMPLES = 8
 
 
 class HistogramObserver:
@@ -46,11 +56,12 @@ class HistogramObserver:
         x = x.detach().float().reshape(-1)
         if x.numel() == 0:
             return
-        if not bool(torch.isfinite(x).all()):
+        lo_t, hi_t = torch.aminmax(x)  # one pass; NaN and Inf show in the extremes
+        lo, hi = float(lo_t), float(hi_t)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             bad = int((~torch.isfinite(x)).sum())
             raise BadInputError(f"non-finite activations ({bad} NaN/Inf values) at layer {self.name!r} "
                                 "during calibration; check the calibration data and the model's preprocessing")
-        lo, hi = float(x.min()), float(x.max())
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         need = max(abs(lo), abs(hi), 1e-8)
         if self.R == 0.0:
@@ -193,3 +204,60 @@ class QRange:
     hi: float
     scale: float
     zero_point: int
+
+
+# ------------------------------------------------------------------------------------------
+# Calibration data and metrics
+
+
+def load_split(handle: ModelHandle, ctx: Any, split: str, limit: int | None) -> Samples:
+    """Samples of one split. ``ctx.calib`` / ``ctx.train`` / ``ctx.eval`` (a ``StepContext``)
+    may be a data spec, None (the model's default) or an already loaded ``Samples``."""
+    spec = {"calib": ctx.calib, "train": ctx.train, "eval": ctx.eval}[split]
+    if isinstance(spec, Samples):
+        samples = spec if limit is None or len(spec) <= limit else spec.subset(slice(0, limit))
+        if handle.inputs:
+            check_arrays(handle.inputs, samples.inputs, f"{split} data")
+    else:
+        samples = load_samples(spec, handle, split=split, limit=limit, seed=ctx.seed)
+    if len(samples) == 0:
+        raise BadInputError(f"{split} data {getattr(samples, 'source', spec)!r} holds no samples")
+    return samples
+
+
+def tensor_batches(samples: Samples, names: list[str], batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The samples' inputs ``names`` as tuples of torch tensors, ``batch_size`` samples at a time."""
+    for b in samples.batches(batch_size):
+        yield tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names)
+
+
+def run_module(module: Any, samples: Samples, names: list[str], batch_size: int = 32) -> np.ndarray:
+    """First output of ``module`` on every sample, as one array."""
+    outs = []
+    with torch.no_grad():
+        for args in tensor_batches(samples, names, batch_size):
+            y = module(*args)
+            if isinstance(y, (tuple, list)):
+                y = y[0]
+            outs.append(y.float().numpy())
+    return np.concatenate(outs)
+
+
+def score(outputs: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evaluator: str | None) -> dict[str, float]:
+    """Metrics of a variant against the FP32 reference outputs (and labels)."""
+    out: dict[str, float] = {}
+    if labels is not None:
+        out.update(accuracy_metrics(outputs, labels))
+    if evaluator == "cosine":
+        out.update(cosine_metrics(outputs, ref))
+    else:
+        out.update(agreement_metrics(outputs, ref))
+    return out
+
+
+def quality(metrics: dict[str, float]) -> float:
+    """The one number fallback protects: accuracy, else top-1 agreement, else cosine."""
+    for key in ("accuracy", "top1_agreement", "mean_cosine"):
+        if key in metrics:
+            return float(metrics[key])
+    raise KeyError("no quality metric")

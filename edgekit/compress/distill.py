@@ -398,7 +398,8 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
         check_output_dir(out_dir, (teacher, student, data, eval_data))  # before training; the inputs stay
     t = load_model(teacher)
     s = load_model(student)
-    ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,
+    # StepContext takes Samples and paths as data too (its annotation says str; to be widened)
+    ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,  # type: ignore[arg-type]
                       work_dir=Path(work_dir) if work_dir is not None else
                       (work_folder(out_dir) if out_dir is not None else None),
                       progress=True if progress is None else progress)

@@ -22,33 +22,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from edgekit.compress import qdq
-
-
-def _wq_node(n: fx.Node) -> fx.Node | None:
-    w = n.args[1] if len(n.args) > 1 else None
-    return w if isinstance(w, fx.Node) and w.op == "call_module" and str(w.target).startswith("wq_") else None
-
-
-def _param_paths(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
-    wq = _wq_node(n)
-    if wq is None:  # callers pass only layers equalize_pairs() found with a weight quantizer
-        raise RuntimeError(f"{n.name} has no weight quantizer")
-    wget = wq.args[0]
-    b = n.args[2] if len(n.args) > 2 else None
-    return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)  # type: ignore[union-attr]
-
-
-def _groups(n: fx.Node) -> int:
-    if len(n.args) > 6:
-        return int(n.args[6])  # type: ignore[arg-type]
-    return int(n.kwargs.get("groups", 1))  # type: ignore[arg-type]
+from edgekit.compress.calibration import tensor_batches
 
 
 def _is_relu(gm: fx.GraphModule, n: fx.Node) -> bool:
-    import torch.nn.functional as F
-
     if n.op == "call_module":
         return type(gm.get_submodule(str(n.target))) is nn.ReLU
     return n.op == "call_function" and n.target in (F.relu, torch.relu)
@@ -59,7 +39,7 @@ def equalize_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     ``a``'s output reaches only ``b``."""
     pairs = []
     for b in gm.graph.nodes:
-        if not (qdq.is_conv(gm, b) or qdq.is_linear(gm, b)) or _wq_node(b) is None:
+        if not (qdq.is_conv(gm, b) or qdq.is_linear(gm, b)) or qdq.weight_quant_node(b) is None:
             continue
         n = b.args[0]
         ok = True
@@ -83,7 +63,7 @@ def equalize_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
                 break
         if not ok or not isinstance(n, fx.Node):
             continue
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and _wq_node(n) is not None and len(n.users) == 1:
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None and len(n.users) == 1:
             pairs.append((n, b))
     return pairs
 
@@ -94,11 +74,11 @@ def equalize(gm: fx.GraphModule, plan: Any, iterations: int = 3) -> list[str]:
     done = []
     for _ in range(iterations):
         for a, b in pairs:
-            wa_path, ba_path = _param_paths(gm, a)
-            wb_path, _ = _param_paths(gm, b)
-            wa = qdq._get_attr(gm, wa_path).detach()
-            wb = qdq._get_attr(gm, wb_path).detach()
-            ga, gb = _groups(a), _groups(b)
+            wa_path, ba_path = qdq.param_paths(gm, a)
+            wb_path, _ = qdq.param_paths(gm, b)
+            wa = qdq.get_attr(gm, wa_path).detach()
+            wb = qdq.get_attr(gm, wb_path).detach()
+            ga, gb = qdq.conv_groups(a), qdq.conv_groups(b)
             c = wa.shape[0]
             if ga != 1 and ga != c:  # grouped (not depthwise) convs: skip
                 continue
@@ -114,16 +94,16 @@ def equalize(gm: fx.GraphModule, plan: Any, iterations: int = 3) -> list[str]:
             s = torch.sqrt(ra / rb.clamp_min(1e-12)).clamp(1e-3, 1e3)
             s = torch.where((ra > 1e-12) & (rb > 1e-12), s, torch.ones_like(s))
             shape_a = (-1,) + (1,) * (wa.dim() - 1)
-            qdq._set_param(gm, wa_path, wa / s.reshape(shape_a))
+            qdq.set_param(gm, wa_path, wa / s.reshape(shape_a))
             if ba_path:
-                qdq._set_param(gm, ba_path, qdq._get_attr(gm, ba_path).detach() / s)
+                qdq.set_param(gm, ba_path, qdq.get_attr(gm, ba_path).detach() / s)
             if gb == 1:
                 shape_b = (1, -1) + (1,) * (wb.dim() - 2)
             else:
                 shape_b = (-1,) + (1,) * (wb.dim() - 1)
-            qdq._set_param(gm, wb_path, wb * s.reshape(shape_b))
+            qdq.set_param(gm, wb_path, wb * s.reshape(shape_b))
     for a, b in pairs:
-        done.append(f"{qdq._layer_name(_param_paths(gm, a)[0])} -> {qdq._layer_name(_param_paths(gm, b)[0])}")
+        done.append(f"{qdq.layer_name(qdq.param_paths(gm, a)[0])} -> {qdq.layer_name(qdq.param_paths(gm, b)[0])}")
     return done
 
 
@@ -139,12 +119,12 @@ def relu6_to_relu(module: nn.Module) -> int:
 
 
 def _ensure_bias(gm: fx.GraphModule, n: fx.Node, channels: int) -> str:
-    wpath, bpath = _param_paths(gm, n)
+    wpath, bpath = qdq.param_paths(gm, n)
     if bpath:
         return bpath
-    qdq._ensure_bias(gm, n, wpath, channels)
+    qdq.ensure_bias(gm, n, wpath, channels)
     gm.recompile()
-    new_bpath = _param_paths(gm, n)[1]
+    new_bpath = qdq.param_paths(gm, n)[1]
     if new_bpath is None:  # internal invariant: _ensure_bias just attached one
         raise RuntimeError(f"could not attach a bias to {n.name}")
     return new_bpath
@@ -161,9 +141,9 @@ class _MeanRecorder(nn.Module):
         self.count = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.detach().double()
+        d = x.detach()
         axis = self.axis if self.axis >= 0 else d.dim() + self.axis
-        s = d.sum(dim=[i for i in range(d.dim()) if i != axis])
+        s = d.sum(dim=[i for i in range(d.dim()) if i != axis]).double()  # per batch in float32, then float64
         self.sum = s if self.sum is None else self.sum + s
         self.count += d.numel() // d.shape[axis]
         return x
@@ -173,15 +153,13 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
                  batch_size: int = 16, max_samples: int = 64) -> int:
     """Empirical bias correction from the quantized inputs' per-channel means (one pass over
     at most ``max_samples`` calibration samples). Returns the number of layers corrected."""
-    from edgekit.compress.int8 import _batches
-
     if len(samples) > max_samples:
         samples = samples.subset(slice(0, max_samples))
     targets = []
     added: list[tuple[fx.Node, str]] = []
     g = gm.graph
     for n in list(g.nodes):
-        if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or _wq_node(n) is None:
+        if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or qdq.weight_quant_node(n) is None:
             continue
         x = n.args[0]
         if not isinstance(x, fx.Node):
@@ -197,7 +175,7 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
     gm.eval()
     try:
         with torch.no_grad():
-            for args in _batches(samples, names, batch_size):
+            for args in tensor_batches(samples, names, batch_size):
                 gm(*args)
         recorders = {name: gm.get_submodule(name) for _, name in added}
     finally:
@@ -212,14 +190,14 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         if hook.sum is None or hook.count == 0:
             continue
         mean_x = (hook.sum / hook.count).float()
-        wpath, _ = _param_paths(gm, n)
-        w = qdq._get_attr(gm, wpath).detach()
-        wq_mod = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
+        wpath, _ = qdq.param_paths(gm, n)
+        w = qdq.get_attr(gm, wpath).detach()
+        wq_mod = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
         if not wq_mod.enabled:
             continue
         w_float = wq_mod.float_weight[1] if wq_mod.float_weight is not None else w  # before GPTQ rounding
         dw = wq_mod(w) - w_float  # (out, in/groups, k...)
-        g_ = _groups(n) if qdq.is_conv(gm, n) else 1
+        g_ = qdq.conv_groups(n) if qdq.is_conv(gm, n) else 1
         dsum = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(-1)  # (out, in/groups)
         if g_ == 1:
             if dsum.shape[1] != mean_x.shape[0]:
@@ -230,7 +208,7 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         else:
             continue
         bpath = _ensure_bias(gm, n, w.shape[0])
-        qdq._set_param(gm, bpath, qdq._get_attr(gm, bpath).detach() - shift)
+        qdq.set_param(gm, bpath, qdq.get_attr(gm, bpath).detach() - shift)
         # kept so that a layer returned to float weights (fallback) gets its own bias back
         wq_mod.bias_shift = (bpath, shift.detach().clone())
         corrected += 1

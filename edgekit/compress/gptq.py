@@ -4,12 +4,15 @@ The math is two pure pieces, in the paper's names:
 
 * ``HessianAccumulator.add_batch(x)`` accumulates ``H = 2 X Xᵀ / n`` from a layer's real
   inputs ``x`` (..., in_features), streamed batch by batch;
-* ``gptq_quantize(W, H, ...)`` solves: dampen ``H`` (``damp`` x mean diagonal), take the
-  upper Cholesky factor of ``H⁻¹`` and quantize columns left to right in blocks of
-  ``block_size``, spreading each column's error ``Err1`` over the columns not yet
-  quantized (``W[:, i:] -= Err1 · Hinv[i, i:]``), lazily for columns beyond the block.
-  Optional act-order (columns by decreasing ``diag(H)``) and static groups (group grids
-  fitted once on the original weight, so groups stay contiguous for packing).
+* ``gptq_solve(W, H, grid, ...)`` solves, onto any grid passed in: dampen ``H`` (``damp`` x
+  mean diagonal), take the upper Cholesky factor of ``H⁻¹`` and quantize columns left to
+  right in blocks of ``block_size``, spreading each column's error ``Err1`` over the columns
+  not yet quantized (``W[:, i:] -= Err1 · Hinv[i, i:]``), lazily for columns beyond the
+  block; optional act-order (columns by decreasing ``diag(H)``). The one solver behind the
+  4-bit grids here and INT8 rounding (``int8_gptq.py``: the fixed per-channel int8 grid).
+* ``gptq_quantize(W, H, ...)`` is the 4-bit solve: the asymmetric group grid of ``rtn.py``,
+  optional static groups (group grids fitted once on the original weight, so groups stay
+  contiguous for packing).
 
 One departure from the paper, for attention value projections (``v_proj``): their output
 reaches the model only through the attention, ``P_h (X Wᵀ)``, so their Hessian is built from
@@ -30,25 +33,39 @@ already-quantized layers before it, lives in ``weight_only.py`` (shared with AWQ
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from edgekit.compress.rtn import group_width, num_groups, qparams, quantize_int
 
 
 class HessianAccumulator:
-    """Running ``H = 2/n Σ x xᵀ`` over the rows of the inputs seen so far (float32)."""
+    """Running ``H = 2/n Σ x xᵀ`` over the rows of the inputs seen so far (float32).
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
-        self.H = torch.zeros(columns, columns, dtype=torch.float32, device=device)
+    With ``groups``, one Hessian per group, ``H`` (groups, columns, columns), from inputs
+    (groups, rows, columns): a depthwise convolution's channels each see their own inputs.
+    Inputs may be transposed views (an im2col matrix (columns, rows) passed as ``.t()``): the
+    product then runs on the original memory without a copy."""
+
+    def __init__(self, columns: int, device: torch.device | str = "cpu", groups: int | None = None) -> None:
+        shape = (columns, columns) if groups is None else (groups, columns, columns)
+        self.H = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.groups = groups
         self.nsamples = 0
 
     def add_batch(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
-        n = x.shape[0]
+        x = x.detach().to(self.H.device, torch.float32)
+        if self.groups is None:
+            x = x.reshape(-1, x.shape[-1])
+        n = x.shape[-2]
         self.H *= self.nsamples / (self.nsamples + n)
         self.nsamples += n
-        x = x * (2.0 / self.nsamples) ** 0.5
-        self.H.addmm_(x.t(), x)
+        if self.groups is None:
+            x = x * (2.0 / self.nsamples) ** 0.5
+            self.H.addmm_(x.t(), x)
+        else:  # a few columns per group: scaling H costs less than scaling x
+            self.H.baddbmm_(x.transpose(1, 2), x, alpha=2.0 / self.nsamples)
 
 
 class AsymmetricAccumulator(HessianAccumulator):
@@ -83,7 +100,74 @@ def asymmetric_target(W: torch.Tensor, H: torch.Tensor, dXXT: torch.Tensor, alph
     return W.float() + alpha * shift
 
 
+# The grid GPTQ rounds onto, passed in: ``grid(column, w, ahead)`` gets the original index of the
+# column being quantized, its current (error-updated) values ``w`` (rows,) and ``ahead(n)``, the next
+# ``n`` error-updated columns in solve order (rows, n) for grids fitted on the fly; it returns the
+# column on the grid, dequantized (rows,). A grid that needs integer codes records them itself.
+ColumnGrid = Callable[[int, torch.Tensor, Callable[[int], torch.Tensor]], torch.Tensor]
+
+
 @torch.no_grad()
+def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size: int = 128, damp: float = 0.01,
+               act_order: bool = False) -> tuple[torch.Tensor, float]:
+    """The GPTQ solve (the reference's ``fasterquant``): ``W`` (rows, cols) quantized column by
+    column onto ``grid``, each column's error ``Err1`` spread over the columns not yet quantized
+    through the upper Cholesky factor of ``H⁻¹``, lazily beyond the current block of
+    ``block_size`` columns. ``H``: (cols, cols) shared by all rows, or (rows, cols, cols) one per
+    row (a depthwise convolution's channels). Dead inputs (zero diagonal) get a unit diagonal,
+    then ``damp`` x the mean diagonal is added. ``act_order``: columns by decreasing ``diag(H)``
+    (shared ``H`` only). Works in ``W``'s dtype. Returns (``Q`` (rows, cols) dequantized, in the
+    original column order; the reference's loss ``Σ (w - q)² / 2 Hinv_ii²``).
+
+    >>> W, X = torch.randn(4, 8), torch.randn(64, 8)
+    >>> Q, loss = gptq_solve(W, X.t() @ X, lambda c, w, ahead: torch.round(w * 4) / 4)
+    >>> bool((Q * 4 == torch.round(Q * 4)).all())
+    True
+    """
+    W = W.detach().clone()
+    H = H.detach().to(W.device, W.dtype).clone()
+    rows, cols = W.shape
+    batched = H.dim() == 3
+    if batched and act_order:
+        raise ValueError("act_order needs one Hessian shared by all rows")
+    diag = H.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(diag <= 0, 1.0)  # dead inputs: the column is still quantized, its error spreads nowhere
+    perm: torch.Tensor | None = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal(dim1=-2, dim2=-1).add_(damp * H.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
+    Hinv = _inverse_cholesky(H)
+    order = perm.tolist() if perm is not None else None
+
+    Q = torch.zeros_like(W)
+    loss = torch.zeros((), dtype=W.dtype, device=W.device)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[..., i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            d = Hinv1[..., i, i]  # () or (rows,)
+            col = i1 + i if order is None else order[i1 + i]
+            q = grid(col, w, lambda n, i=i, W1=W1, i2=i2: torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :n])
+            Q1[:, i] = q
+            err1 = (w - q) / d
+            W1[:, i:] -= err1.unsqueeze(1) * Hinv1[..., i, i:]
+            Err1[:, i] = err1
+        Q[:, i1:i2] = Q1
+        loss += (Err1 * Err1).sum() / 2
+        if batched:
+            W[:, i2:] -= torch.einsum("rk,rkj->rj", Err1, Hinv[:, i1:i2, i2:])
+        else:
+            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Q, float(loss)
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
                   block_size: int = 128, mse_grid: bool = False,
@@ -96,7 +180,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     packed layers and ``MatMulNBits`` store). ``mse_grid``: each group's range shrunk by the
     ratio in [0.75, 1] minimising its own ``||w - Q(w)||^2.4`` (QuaRot's ``w_clip``) instead of min-max.
     ``refit``: once the codes are fixed, the scales are re-solved by least squares under ``H``
-    (``refit_scales``), which lowers the same objective GPTQ minimises.
+    (``refit_scales``), which lowers the same objective GPTQ minimises. The solve is ``gptq_solve``
+    with the asymmetric group grid of ``rtn.py``.
     """
     W = W.detach().clone().float()
     H = H.detach().clone().float().to(W.device)
@@ -110,55 +195,26 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     def fit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return mse_qparams(w, bits, sym) if mse_grid else qparams(w, bits, sym)
 
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    W[:, torch.diag(H) == 0] = 0  # inputs never seen: the reference GPTQ zeroes their weights
 
     scales = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
     zeros = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
     if group_size == -1 or static:
         for j in range(ng):
             scales[:, j], zeros[:, j] = fit(W[:, j * g:(j + 1) * g])
+    codes = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
 
-    perm = torch.arange(cols, device=W.device)
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W = W[:, perm]
-        H = H[perm][:, perm]
-    group_of = perm // g  # group index of each (permuted) column
+    def grid(col: int, w: torch.Tensor, ahead: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        j = col // g
+        if not static and group_size != -1 and col % g == 0:
+            scales[:, j], zeros[:, j] = fit(ahead(g))  # this group's grid on the error-updated weights
+        s, z = scales[:, j], zeros[:, j]
+        q = quantize_int(w, s, z, bits)
+        codes[:, col] = q
+        return (q - z) * s
 
-    Q = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
-    H.diagonal().add_(damp * torch.mean(torch.diag(H)))
-    Hinv = _inverse_cholesky(H)
-
-    for i1 in range(0, cols, block_size):
-        i2 = min(i1 + block_size, cols)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(count):
-            col = i1 + i
-            w = W1[:, i]
-            d = Hinv1[i, i]
-            j = int(group_of[col])
-            if not static and group_size != -1 and col % g == 0:
-                # fit this group's grid on the error-updated weights still to quantize
-                ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :g]
-                scales[:, j], zeros[:, j] = fit(ahead)
-            s, z = scales[:, j], zeros[:, j]
-            q = quantize_int(w, s, z, bits)
-            Q1[:, i] = q
-            err1 = (w - (q - z) * s) / d
-            W1[:, i:] -= err1.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err1
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-
-    if act_order:
-        Q = Q[:, torch.argsort(perm)]
-    Q = Q.clamp(0, maxq)
+    gptq_solve(W, H, grid, block_size=block_size, damp=damp, act_order=act_order)
+    Q = codes.clamp(0, maxq)
     if refit:
         scales = refit_scales(W_orig, H_orig, Q, scales, zeros, group_size, damp)
     return Q.to(torch.uint8), scales, zeros.to(torch.uint8)
@@ -195,7 +251,7 @@ def refit_scales(W: torch.Tensor, H: torch.Tensor, q: torch.Tensor, scales: torc
         E = W - D * s.repeat_interleave(g, dim=-1)[:, :cols]
         return ((E @ H) * E).sum(1)
 
-    ok = torch.isfinite(new).all(1) & (new > 0).all(1)
+    ok = torch.isfinite(new).all(1) & (new > 0).all(1) & (D != 0).any(1)  # a row all on its zero points: nothing to fit
     ok &= objective(torch.where(ok[:, None], new, scales)) <= objective(scales)
     return torch.where(ok[:, None], new, scales)
 
@@ -216,16 +272,18 @@ def mse_qparams(w: torch.Tensor, bits: int, sym: bool, steps: int = 11, max_shri
 
 
 def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor of ``H⁻¹``, adding damping until ``H`` is positive definite."""
+    """Upper Cholesky factor of ``H⁻¹`` (also for a batch of them, (..., K, K)), adding damping
+    until ``H`` is positive definite."""
     extra = 0.0
-    mean_diag = torch.mean(torch.diag(H)).item()
+    step = H.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(H.shape[-1], dtype=H.dtype,
+                                                                             device=H.device)
     for _ in range(6):
         try:
-            L = torch.linalg.cholesky(H + extra * torch.eye(H.shape[0], device=H.device) if extra else H)
+            L = torch.linalg.cholesky(H + extra * step if extra else H)
             Hinv = torch.cholesky_inverse(L)
             return torch.linalg.cholesky(Hinv, upper=True)
         except torch.linalg.LinAlgError:
-            extra = (extra * 10) if extra else 0.01 * mean_diag
+            extra = (extra * 10) if extra else 0.01
     raise RuntimeError("GPTQ: the layer's Hessian is not positive definite even after damping")
 
 

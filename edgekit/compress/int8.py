@@ -30,17 +30,30 @@ PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+import torch
 
-from edgekit.compress import Step, StepContext, config_to_dict
-from edgekit.compress.calibration import METHODS
-from edgekit.compress.int8_onnx import PLACEMENTS  # the ONNX-graph path's Q/DQ placement
+from edgekit.compress import Step, StepContext, config_to_dict, qdq
+from edgekit.compress.calibration import (
+    METHODS,
+    MIN_CALIB_SAMPLES,
+    load_split,
+    run_module,
+    score,
+    tensor_batches,
+)
+from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
+from edgekit.compress.int8_gptq import round_model
+from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.qat import train_qat
+from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -51,7 +64,6 @@ ROUNDINGS = ("nearest", "gptq")
 # held-out calibration KL 3x at the same engine speed; on the Fashion-MNIST CNN all are within 0.1 pt
 TORCH_CALIB_METHOD = "mse"
 SCHEMES = ("u8s8", "s8s8", "trt")
-MIN_CALIB_SAMPLES = 8
 # ONNX Runtime's INT8 engine against the PyTorch fake-quant model: the engine requantizes in
 # integer arithmetic, so values may land one quantization step away and the difference grows
 # through the layers. (atol, rtol) for export parity; tests pin tighter bounds per model.
@@ -174,23 +186,6 @@ def resolve_scheme(config: Int8Config, target: Any) -> str:
 # Data
 
 
-def load_split(handle: ModelHandle, ctx: StepContext, split: str, limit: int | None) -> Any:
-    """Samples of one split. ``ctx.calib`` / ``ctx.train`` / ``ctx.eval`` may be a data
-    spec, None (the model's default) or an already loaded ``Samples``."""
-    from edgekit.sources.data import Samples, check_arrays, load_samples
-
-    spec = {"calib": ctx.calib, "train": ctx.train, "eval": ctx.eval}[split]
-    if isinstance(spec, Samples):
-        samples = spec if limit is None or len(spec) <= limit else spec.subset(slice(0, limit))
-        if handle.inputs:
-            check_arrays(handle.inputs, samples.inputs, f"{split} data")
-    else:
-        samples = load_samples(spec, handle, split=split, limit=limit, seed=ctx.seed)
-    if len(samples) == 0:
-        raise BadInputError(f"{split} data {getattr(samples, 'source', spec)!r} holds no samples")
-    return samples
-
-
 def resolve_keep_float(keep: tuple[str, ...], plan: Any) -> list[str]:
     """Layer names from ``Int8Config.keep_float`` ("first" / "last": the first / last
     quantizable layer in graph order)."""
@@ -228,20 +223,11 @@ def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepConte
     return calib, held
 
 
-def _batches(samples: Any, names: list[str], batch_size: int) -> Any:
-    import torch
-
-    for b in samples.batches(batch_size):
-        yield tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names)
-
-
 def parity_tolerance(module: Any, handle: ModelHandle) -> dict[str, float]:
     """Export parity tolerance of the INT8 engine against the fake-quant model: PARITY_TOLERANCE,
     with atol widened to 5% of the output's largest magnitude on the model's sample inputs
     (about six int8 steps of the output: the engine requantizes every layer in integer
     arithmetic, so off-by-one roundings add up through a deep network)."""
-    import torch
-
     atol, rtol = PARITY_TOLERANCE
     try:
         feeds = handle.sample_inputs(2)
@@ -255,57 +241,16 @@ def parity_tolerance(module: Any, handle: ModelHandle) -> dict[str, float]:
     return {"atol": round(atol, 6), "rtol": rtol}
 
 
-def run_module(module: Any, samples: Any, names: list[str], batch_size: int = 32) -> np.ndarray:
-    """First output of ``module`` on every sample, as one array."""
-    import torch
-
-    outs = []
-    with torch.no_grad():
-        for args in _batches(samples, names, batch_size):
-            y = module(*args)
-            if isinstance(y, (tuple, list)):
-                y = y[0]
-            outs.append(y.float().numpy())
-    return np.concatenate(outs)
-
-
-def score(outputs: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evaluator: str | None) -> dict[str, float]:
-    """Metrics of a variant against the FP32 reference outputs (and labels)."""
-    from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
-
-    out: dict[str, float] = {}
-    if labels is not None:
-        out.update(accuracy_metrics(outputs, labels))
-    if evaluator == "cosine":
-        out.update(cosine_metrics(outputs, ref))
-    else:
-        out.update(agreement_metrics(outputs, ref))
-    return out
-
-
-def quality(metrics: dict[str, float]) -> float:
-    """The one number fallback protects: accuracy, else top-1 agreement, else cosine."""
-    for key in ("accuracy", "top1_agreement", "mean_cosine"):
-        if key in metrics:
-            return float(metrics[key])
-    raise KeyError("no quality metric")
-
-
 # ------------------------------------------------------------------------------------------
 # The step
 
 
 def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHandle:
-    import torch
-
-    from edgekit.compress import qdq
 
     scheme = resolve_scheme(config, ctx.target)
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
-        from edgekit.compress.int8_onnx import quantize_onnx_handle
-
         return quantize_onnx_handle(handle, config, ctx, scheme)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
@@ -320,7 +265,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     meta: dict[str, Any] = {"scheme": scheme, "equalized": [], "relu6_to_relu": False}
     try:
         gm, plan = qdq.prepare_qdq(work, scheme)
-    except qdq._TraceError as e:
+    except qdq.TraceError as e:
         # Not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph.
         if config.method != "ptq" or config.max_accuracy_drop is not None:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
@@ -330,28 +275,21 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     for name in kept_float:  # before bias correction, which skips float layers
         gm.get_submodule(plan.layers[name]).enabled = False
     if config.equalize:
-        from edgekit.compress.equalize import equalize
-
         meta["equalized"] = equalize(gm, plan)
     qdq.update_weight_scales(gm, plan)
     calibrate(gm, calib, names, config)
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
-        from edgekit.compress.sensitivity import exclusive_input_quants
-
         for q in exclusive_input_quants(gm, set(kept_float)):
             gm.get_submodule(q).mode = "float"
             float_inputs.append(plan.activations[q])
     meta["float_activations"] = float_inputs
-    if config.rounding == "gptq":
-        from edgekit.compress.int8_gptq import round_model
-
-        meta["gptq"] = round_model(gm, plan, calib, names)
-    if config.bias_correction:
-        from edgekit.compress.equalize import correct_bias
-
-        meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
-    meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+    with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
+        if config.rounding == "gptq":
+            meta["gptq"] = round_model(gm, plan, calib, names)
+        if config.bias_correction:
+            meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
+        meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -373,21 +311,20 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
 
     float_layers: list[str] = list(kept_float)
-    if config.max_accuracy_drop is not None:
-        from edgekit.compress.sensitivity import fall_back
-
-        # measured on calibration-split samples held out of range calibration, never on eval
-        held_ref = run_module(reference, held_out, names)
-        report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                           config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates)
-        report["held_out_of_calibration"] = held_out is not calib
-        float_layers += [n for n in report["float_layers"] if n not in float_layers]
-        meta["float_activations"] = [t for t in plan.activations.values()
-                                     if t in float_inputs or t in report["float_activations"]]
-        metrics["fallback"] = report
-    if ev is not None and ref_out is not None:
-        gm.eval()
-        metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
+    with qdq.fast_fake_quant(gm):
+        if config.max_accuracy_drop is not None:
+            # measured on calibration-split samples held out of range calibration, never on eval
+            held_ref = run_module(reference, held_out, names)
+            report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
+                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates)
+            report["held_out_of_calibration"] = held_out is not calib
+            float_layers += [n for n in report["float_layers"] if n not in float_layers]
+            meta["float_activations"] = [t for t in plan.activations.values()
+                                         if t in float_inputs or t in report["float_activations"]]
+            metrics["fallback"] = report
+        if ev is not None and ref_out is not None:
+            gm.eval()
+            metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
     gm.eval()
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
                  "activations": len(plan.activations), "folded_bn": len(plan.folded_bn),
@@ -404,12 +341,6 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
 
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
-    import tempfile
-    from pathlib import Path
-
-    from edgekit.compress.int8_onnx import quantize_onnx_handle
-    from edgekit.export.onnx import ExportConfig, export_onnx
-
     work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
     folder = export_onnx(handle, work / "fp32-onnx", ExportConfig(skip_parity=True))
     onnx_handle = copy.copy(handle)
@@ -422,14 +353,11 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
 
 def calibrate(gm: Any, samples: Any, names: list[str], config: Int8Config, batch_size: int = 16) -> None:
     """One streaming pass over the calibration data, then ranges by ``config.calib_method``."""
-    import torch
-
-    from edgekit.compress import qdq
 
     gm.eval()
     qdq.set_mode(gm, "observe")
     with torch.no_grad():
-        for args in _batches(samples, names, batch_size):
+        for args in tensor_batches(samples, names, batch_size):
             gm(*args)
     qdq.finish_calibration(gm, config.calib_method or TORCH_CALIB_METHOD, config.percentile)
     for m in qdq.act_quants(gm):
@@ -438,15 +366,12 @@ def calibrate(gm: Any, samples: Any, names: list[str], config: Int8Config, batch
 
 def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> ModelHandle:
     """Recreate the fake-quant structure (weights come from the artifact)."""
-    from edgekit.compress import qdq
 
     if handle.module is None:
         return handle
     meta = record.meta
     work = handle.module.eval()
     if meta.get("relu6_to_relu"):
-        from edgekit.compress.equalize import relu6_to_relu
-
         relu6_to_relu(work)
     gm, plan = qdq.prepare_qdq(work, meta.get("scheme", "u8s8"), tuple(meta.get("float_layers", ())))
     floats = set(meta.get("float_activations", ()))
@@ -463,9 +388,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
 
 
 def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
-    from edgekit.compress.qdq import rewrite_qdq
-
-    return rewrite_qdq(model)
+    return qdq.rewrite_qdq(model)
 
 
 STEP = Step(

@@ -13,7 +13,8 @@ in the exported graph or the engine's speed.
   input): ``(K, K)`` shared by all output channels for a dense layer (``K = Cin·kh·kw``,
   im2col columns in the weight's order), ``(C, k·k, k·k)`` one per channel for a depthwise
   convolution.
-* ``gptq_round(W, scale, H)`` is the solve (pure tensor math, the paper's names).
+* ``gptq_round(W, scale, H)`` is the solve: ``gptq.gptq_solve`` (the same solver as the
+  4-bit path) with the fixed int8 grid passed in.
 * ``round_model`` writes the rounded weights into the model and keeps each layer's float
   weight on its quantizer (``float_weight``), for bias correction (which corrects the
   shift against the float weights) and for fallback (a layer returned to float gets them).
@@ -27,6 +28,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from edgekit.compress import qdq
+from edgekit.compress.calibration import tensor_batches
+from edgekit.compress.gptq import HessianAccumulator, gptq_solve
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
 
@@ -41,89 +44,69 @@ def _conv_args(n: fx.Node, env_args: list[Any]) -> tuple[Any, Any, Any, int]:
     return arg(3, "stride", 1), arg(4, "padding", 0), arg(5, "dilation", 1), int(arg(6, "groups", 1))
 
 
-class _Acc:
-    def __init__(self) -> None:
-        self.H: torch.Tensor | None = None
-        self.n = 0
-
-    def add(self, h: torch.Tensor, n: int) -> None:
-        self.H = h if self.H is None else self.H + h
-        self.n += n
-
-
 def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 32,
                    batch_size: int = 2) -> dict[str, torch.Tensor]:
-    """layer name -> ``E[x xᵀ]`` of its inputs (see the module docstring), one pass."""
-    from edgekit.compress.equalize import _param_paths, _wq_node
-    from edgekit.compress.int8 import _batches
-
+    """layer name -> ``2 E[x xᵀ]`` of its inputs (``gptq.HessianAccumulator``; see the module
+    docstring), one pass."""
     targets: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and _wq_node(n) is not None:
-            wq = gm.get_submodule(str(_wq_node(n).target))  # type: ignore[union-attr]
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and qdq.weight_quant_node(n) is not None:
+            wq = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
             if wq.enabled:
-                targets[n] = qdq._layer_name(_param_paths(gm, n)[0])
-    acc = {name: _Acc() for name in targets.values()}
+                targets[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
+    acc: dict[str, HessianAccumulator] = {}
+
+    def hessian(name: str, columns: int, groups: int | None = None) -> HessianAccumulator:
+        if name not in acc:
+            acc[name] = HessianAccumulator(columns, groups=groups)
+        return acc[name]
 
     class _Probe(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             if n in targets:
                 args = list(self.map_nodes_to_values(n.args, n))
                 x = args[0].detach().float()
-                w = qdq._get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
+                w = qdq.get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
                 if qdq.is_linear(self.module, n):
-                    rows = x.reshape(-1, x.shape[-1])
-                    acc[targets[n]].add(rows.t() @ rows, rows.shape[0])
+                    hessian(targets[n], x.shape[-1]).add_batch(x)
                 elif x.dim() == 4:
                     stride, padding, dilation, groups = _conv_args(n, args)
                     k = tuple(w.shape[2:])
                     if not isinstance(padding, str):
-                        cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)  # (B, Cin*kk, L)
+                        if k == (1, 1) and stride in (1, (1, 1)) and padding in (0, (0, 0)):
+                            cols = x.flatten(2)  # a pointwise conv's im2col is the input itself
+                        else:
+                            cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)  # (B, Cin*kk, L)
+                        # one sample at a time, as transposed views of its im2col matrix: no copies
                         if groups == 1:
-                            rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-                            acc[targets[n]].add(rows.t() @ rows, rows.shape[0])
+                            for cb in cols:  # (Cin*kk, L)
+                                hessian(targets[n], cols.shape[1]).add_batch(cb.t())
                         elif groups == x.shape[1] == w.shape[0] and w.shape[1] == 1:  # depthwise
                             kk = k[0] * k[1]
-                            c = cols.reshape(x.shape[0], groups, kk, -1)
-                            acc[targets[n]].add(torch.einsum("bcil,bcjl->cij", c, c), c.shape[0] * c.shape[3])
+                            for cb in cols.reshape(x.shape[0], groups, kk, -1):  # (C, kk, L)
+                                hessian(targets[n], kk, groups).add_batch(cb.transpose(1, 2))
             return super().run_node(n)
 
     sub = samples.subset(slice(0, min(limit, len(samples))))
     gm.eval()
     with torch.no_grad():
-        for args in _batches(sub, names, batch_size):
+        for args in tensor_batches(sub, names, batch_size):
             _Probe(gm).run(*args)
-    return {k: a.H / max(a.n, 1) for k, a in acc.items() if a.H is not None}
+    return {k: a.H for k, a in acc.items()}
 
 
-@torch.no_grad()
 def gptq_round(W: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, qmin: int = qdq.WEIGHT_QMIN,
                qmax: int = qdq.WEIGHT_QMAX, damp: float = DAMP) -> torch.Tensor:
     """Round ``W`` (rows, K) onto the per-row grid ``scale`` (rows,) minimising
-    ``(W - Q) H (W - Q)ᵀ`` column by column. ``H``: (K, K) shared, or (rows, K, K) one per
-    row. Returns ``Q`` (rows, K), float, every value ``scale * integer`` in [qmin, qmax]."""
-    W = W.detach().clone().double()
-    s = scale.detach().double().reshape(-1, 1)
-    H = H.detach().clone().double()
-    per_row = H.dim() == 3
-    eye = torch.eye(H.shape[-1], dtype=H.dtype)
-    diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag <= 0
-    H = H + (damp * diag.mean(-1, keepdim=True).clamp_min(1e-12)).unsqueeze(-1) * eye + dead.unsqueeze(-1) * eye
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)  # upper chol of H^-1
-    Q = torch.zeros_like(W)
-    K = W.shape[1]
-    for i in range(K):
-        w = W[:, i]
-        q = torch.clamp(torch.round(w / s[:, 0]), qmin, qmax) * s[:, 0]
-        Q[:, i] = q
-        if i + 1 < K:
-            if per_row:
-                err = (w - q) / U[:, i, i]
-                W[:, i + 1:] -= err[:, None] * U[:, i, i + 1:]
-            else:
-                err = (w - q) / U[i, i]
-                W[:, i + 1:] -= err[:, None] * U[i, i + 1:][None, :]
+    ``(W - Q) H (W - Q)ᵀ`` column by column (``gptq.gptq_solve``, in float64). ``H``: (K, K)
+    shared, or (rows, K, K) one per row. Returns ``Q`` (rows, K), float, every value
+    ``scale * integer`` in [qmin, qmax]."""
+    s = scale.detach().double().reshape(-1)
+
+    def grid(_col: int, w: torch.Tensor, _ahead: object) -> torch.Tensor:
+        return torch.clamp(torch.round(w / s), qmin, qmax) * s
+
+    Q, _ = gptq_solve(W.detach().double(), H.detach().double(), grid, damp=damp)
     return Q.float()
 
 
@@ -144,7 +127,7 @@ def round_model(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
     for name, H in hs.items():
         wq = gm.get_submodule(plan.layers[name])
         wpath = name + ".weight"
-        w = qdq._get_attr(gm, wpath).detach()
+        w = qdq.get_attr(gm, wpath).detach()
         W2 = w.reshape(w.shape[0], -1).float()
         if H.shape[-1] != W2.shape[1] or not torch.isfinite(H).all():
             continue
@@ -154,7 +137,7 @@ def round_model(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
         if not e1 < e0:  # keep round-to-nearest where the solve did not help
             continue
         wq.float_weight = (wpath, w.clone())
-        qdq._set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
+        qdq.set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
         before, after = before + e0, after + e1
         layers[name] = [e0, e1]
     return {"layers": len(layers), "output_error_ratio": round(after / before, 4) if before > 0 else None,

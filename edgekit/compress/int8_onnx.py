@@ -54,9 +54,19 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress.calibration import HistogramObserver, choose_range, qparams
+from edgekit.compress import config_to_dict
+from edgekit.compress.calibration import (
+    MIN_CALIB_SAMPLES,
+    HistogramObserver,
+    choose_range,
+    load_split,
+    qparams,
+    score,
+)
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples, resolve_samples
@@ -202,8 +212,6 @@ def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the gr
     optimizations (constant folding, Conv+BatchNormalization/Mul/Add fusion: standard ONNX
     ops only, the same result up to float rounding). Graphs without BatchNormalization, or
     too large to pass through one protobuf, are returned as they are."""
-    import onnxruntime as ort
-
     if not any(n.op_type == "BatchNormalization" for n in model.graph.node) or model.ByteSize() > 2**31 - 2**24:
         return model, False
     src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
@@ -360,9 +368,6 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Any, input_nam
     """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
     first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
     exactly ``batch_size`` samples, so a smaller last batch is left out."""
-    import onnxruntime as ort
-    import torch
-
     augmented = copy.deepcopy(model)
     have = {o.name for o in augmented.graph.output}
     for t in tensors:
@@ -502,9 +507,6 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
     with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an
     ``Int8Config`` and ``ctx`` a ``StepContext`` (typed loosely: ``int8`` imports this module)."""
-    from edgekit.compress import config_to_dict
-    from edgekit.compress.int8 import MIN_CALIB_SAMPLES, load_split, score  # int8 imports this module
-
     if config.method != "ptq":
         raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
                             "is possible (QAT needs the PyTorch model)")
@@ -565,8 +567,6 @@ def comparison_samples(view: ModelHandle, config: Any, ctx: Any, calib: Samples)
     """Data to compare the INT8 graph with the float one on: the eval data (given, or the
     model's default); else the eval split of the calibration source (disjoint from its calib
     split); only when neither exists, the calibration samples themselves (said so)."""
-    from edgekit.compress.int8 import load_split  # int8 imports this module
-
     try:
         return load_split(view, ctx, "eval", config.eval_samples), "eval data"
     except BadInputError:
@@ -597,8 +597,6 @@ def run_graph(session: Any, samples: Samples, names: list[str], batch_size: int,
 
 
 def _float_session(path: Path) -> Any:
-    import onnxruntime as ort
-
     so = ort.SessionOptions()
     so.log_severity_level = 4
     try:

@@ -28,14 +28,19 @@ import dataclasses
 import fnmatch
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
+from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import check_fields
+from edgekit.sources.data import load_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.targets import Target
 
 LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
 IMPORTANCES = ("auto", "l1", "l2", "taylor", "bn-scale")
@@ -192,7 +197,7 @@ def count_macs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
     layers: dict[str, dict[str, int]] = {}
     hooks = []
 
-    def hook(name: str):
+    def hook(name: str) -> Callable[[Any, Any, Any], None]:
         def fn(mod: Any, args: Any, out: Any) -> None:
             out = _first_output(out)
             if isinstance(mod, torch.nn.Linear):
@@ -217,20 +222,19 @@ def count_macs(module: Any, inputs: tuple[Any, ...]) -> dict[str, Any]:
             "params": int(sum(p.numel() for p in module.parameters())), "layers": layers}
 
 
-def _calibration_batches(handle: ModelHandle, ctx: Any, config: PruneConfig) -> list[tuple[tuple[Any, ...], Any]]:
+def _calibration_batches(handle: ModelHandle, ctx: StepContext | None, config: PruneConfig) -> list[tuple[tuple[Any, ...], Any]]:
     """(inputs, labels-or-None) batches for Taylor importance."""
     import torch
 
     names = [i.name for i in handle.inputs]
-    spec = getattr(ctx, "calib", None) or handle.default_calib
+    spec = (ctx.calib if ctx is not None else None) or handle.default_calib
     if spec is None:
         return [(example_inputs(handle, 8), None)]
     is_lm = handle.kind == "causal-lm"
     bs = 2 if is_lm else 8  # LM: 2 windows of 256 tokens per batch
     try:
-        from edgekit.sources.data import load_samples
 
-        samples = load_samples(spec, handle, split="calib", seed=getattr(ctx, "seed", 0),
+        samples = load_samples(spec, handle, split="calib", seed=ctx.seed if ctx is not None else 0,
                                **({"seqlen": 256} if is_lm else {}))
     except (ImportError, ModuleNotFoundError):
         return [(example_inputs(handle, 8), None)]
@@ -283,7 +287,7 @@ def _llama_layers(module: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> dict[str, Any]:
+def prune_module(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None = None) -> dict[str, Any]:
     """Prune ``handle.module`` in place; returns facts for the step record (no shapes)."""
     import torch
     import torch_pruning as tp
@@ -360,7 +364,7 @@ def prune_module(handle: ModelHandle, config: PruneConfig, ctx: Any = None) -> d
     return facts
 
 
-def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: list[str] = ()) -> dict[str, Any]:
+def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: Sequence[str] = ()) -> dict[str, Any]:
     """Remove query heads of every Llama-style attention layer: ``ceil(ratio * heads /
     kv_heads)`` from each key/value group (so grouped-query attention stays valid),
     scored by the norm of their q_proj rows and o_proj columns; key/value heads stay.
@@ -478,8 +482,14 @@ def rebuild(handle: ModelHandle, config: PruneConfig, record: StepRecord) -> Mod
 # ----------------------------------------------------------------------------- latency
 
 
-def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: float | None = None,
-                    threads: int = 1) -> dict[str, float]:
+class Latency(TypedDict):
+    p50_ms: float
+    p90_ms: float
+    via: str  # how it was timed: "profile_engine" or "onnxruntime"
+
+
+def measure_latency(handle: ModelHandle, target: Target | str | None = None, *, duration_s: float | None = None,
+                    threads: int = 1) -> Latency:
     """p50/p90 latency (ms) of the model's ONNX Runtime engine at batch 1: through
     ``build_engine`` + ``profile_engine`` when the spine provides them, else a direct
     ONNX Runtime session on a plain export."""
@@ -491,7 +501,6 @@ def measure_latency(handle: ModelHandle, target: Any = None, *, duration_s: floa
         try:
             from edgekit.build import build_engine
             from edgekit.profiling import ProfileConfig, profile_engine
-            from edgekit.runtimes.base import BuildOptions
 
             engine = build_engine(handle, target or "cpu", Path(tmp) / "engine",
                                   BuildOptions(threads=threads, runtime="onnxruntime"))
@@ -541,17 +550,16 @@ def time_onnx(handle: ModelHandle, path: Any, *, duration_s: float = 1.0, thread
 # ----------------------------------------------------------------------------- the step
 
 
-def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
+def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> ModelHandle:
     """Prune ``handle`` in place, record shapes and MACs, and (with a target) measure
     the engine latency before and after."""
     import copy
 
-    from edgekit.compress import config_to_dict
 
     if handle.module is None:
         raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
     inputs = example_inputs(handle, 1)
-    target = getattr(ctx, "target", None)
+    target = ctx.target if ctx is not None else None
     before_model = copy.deepcopy(handle.module) if target is not None else None
     macs_before = count_macs(handle.module, inputs)
     shapes0, attrs0 = _snapshot(handle.module)
@@ -586,14 +594,13 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: Any) -> ModelHandle:
             "attrs": _diff_attrs(attrs0, attrs1),
             "hf_config": {k: v for k, v in hf1.items() if hf0.get(k) != v}}
     handle.steps.append(StepRecord("prune", config_to_dict(config), meta))
-    if ctx is not None and hasattr(ctx, "metrics"):
+    if ctx is not None:
         ctx.metrics["prune"] = summary
     handle.extra["params"] = macs_after["params"]
     return handle
 
 
 def _make_step() -> Any:
-    from edgekit.compress import Step
 
     return Step("prune", PruneConfig, apply,
                 "structured channel/head pruning with Torch-Pruning's dependency graph",

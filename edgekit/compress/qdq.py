@@ -22,6 +22,8 @@ fake-quant model computes and the engines fuse.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,8 @@ class ActQuant(nn.Module):
         self.observer: HistogramObserver | None = None
         self.learnable = False
         self._scale_f, self._zp_i = 1.0, 0  # Python copies: export bakes them in as constants
+        self._inv_f32 = 1.0  # float32(1) / float32(scale), as torch's fake-quant kernel computes it
+        self.fast = False  # set by ``fast_fake_quant`` for edgekit's own inference passes
 
     def set_range(self, lo: float, hi: float) -> None:
         s, zp = qparams(lo, hi, self.qmin, self.qmax, self.symmetric)
@@ -107,6 +111,7 @@ class ActQuant(nn.Module):
         """Sync the Python copies of scale and zero point with the tensors."""
         self._scale_f = float(self.scale.detach().abs().clamp_min(1e-8))
         self._zp_i = int(self.zero_point)
+        self._inv_f32 = float(np.float32(1.0) / np.float32(self._scale_f))
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
@@ -133,7 +138,28 @@ class ActQuant(nn.Module):
             grad_factor = 1.0 / float(max(x.numel() // max(x.shape[0], 1), 1) * self.qmax) ** 0.5
             return torch._fake_quantize_learnable_per_tensor_affine(
                 x, scale.reshape(1), self.zero_point.float().reshape(1), self.qmin, self.qmax, grad_factor)
+        if self.fast and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
+            # round(x / s) + zp clamped to [qmin, qmax], minus zp, times s: the same float32 operations
+            # as torch's kernel (bit-identical), as three vectorized in-place passes (~3x faster on CPU)
+            y = torch.mul(x, self._inv_f32)
+            y.round_().clamp_(self.qmin - self._zp_i, self.qmax - self._zp_i)
+            return y.mul_(float(np.float32(self._scale_f)))
         return torch.fake_quantize_per_tensor_affine(x, self._scale_f, self._zp_i, self.qmin, self.qmax)
+
+
+@contextmanager
+def fast_fake_quant(gm: nn.Module) -> Iterator[None]:
+    """Activation fake-quant on the fast path (see ``ActQuant.forward``) inside the block: for
+    edgekit's own inference passes over calibration data (bias correction, GPTQ Hessians,
+    sensitivity, evaluation), never around export or training with gradients."""
+    quants = act_quants(gm)
+    for m in quants:
+        m.fast = True
+    try:
+        yield
+    finally:
+        for m in quants:
+            m.fast = False
 
 
 class WeightQuant(nn.Module):
@@ -252,14 +278,14 @@ class _NotQuantizable(Exception):
 # Preparation
 
 
-def _get_attr(gm: fx.GraphModule, path: str) -> Any:
+def get_attr(gm: fx.GraphModule, path: str) -> Any:
     obj: Any = gm
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def _set_param(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
+def set_param(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = gm.get_submodule(parent_path) if parent_path else gm
     setattr(parent, name, nn.Parameter(value.detach().clone()))
@@ -308,15 +334,15 @@ def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
             wpath, bpath = _weight_source(gm, conv)
         except _NotQuantizable:
             continue
-        w = _get_attr(gm, wpath).detach()
-        b = _get_attr(gm, bpath).detach() if bpath else torch.zeros(w.shape[0])
+        w = get_attr(gm, wpath).detach()
+        b = get_attr(gm, bpath).detach() if bpath else torch.zeros(w.shape[0])
         inv = (bn.running_var + bn.eps).rsqrt()
         gamma = bn.weight.detach() if bn.weight is not None else torch.ones_like(inv)
         beta = bn.bias.detach() if bn.bias is not None else torch.zeros_like(inv)
         factor = gamma * inv
-        _set_param(gm, wpath, w * factor.reshape(-1, *([1] * (w.dim() - 1))))
+        set_param(gm, wpath, w * factor.reshape(-1, *([1] * (w.dim() - 1))))
         new_bpath = bpath or (wpath.rpartition(".")[0] + ".bias" if "." in wpath else "bias")
-        _set_param(gm, new_bpath, (b - bn.running_mean) * factor + beta)
+        set_param(gm, new_bpath, (b - bn.running_mean) * factor + beta)
         if bpath is None:
             _set_bias_arg(gm, conv, new_bpath)
         n.replace_all_uses_with(conv)
@@ -327,14 +353,14 @@ def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
     return folded
 
 
-def _ensure_bias(gm: fx.GraphModule, n: fx.Node, wpath: str, channels: int) -> None:
+def ensure_bias(gm: fx.GraphModule, n: fx.Node, wpath: str, channels: int) -> None:
     """Give a bias-free conv/linear a zero bias (bias correction writes into it; a
     rebuilt model has the same parameters whether or not it was corrected)."""
     b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
     if b is not None:
         return
     bpath = wpath[: -len("weight")] + "bias" if wpath.endswith("weight") else wpath + "_bias"
-    _set_param(gm, bpath, torch.zeros(channels, dtype=_get_attr(gm, wpath).dtype))
+    set_param(gm, bpath, torch.zeros(channels, dtype=get_attr(gm, wpath).dtype))
     _set_bias_arg(gm, n, bpath)
 
 
@@ -357,8 +383,38 @@ def _producer(gm: fx.GraphModule, n: fx.Node) -> fx.Node:
     return n
 
 
-def _layer_name(wpath: str) -> str:
+def layer_name(wpath: str) -> str:
+    """The layer a weight belongs to: ``"features.0.weight"`` -> ``"features.0"``."""
     return wpath[:-len(".weight")] if wpath.endswith(".weight") else wpath
+
+
+def weight_quant_node(n: fx.Node) -> fx.Node | None:
+    """The weight quantizer call (``wq_*``) feeding the prepared conv/linear node ``n``, or None."""
+    w = n.args[1] if len(n.args) > 1 else None
+    return w if isinstance(w, fx.Node) and w.op == "call_module" and str(w.target).startswith("wq_") else None
+
+
+def param_paths(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
+    """(weight path, bias path or None) of a prepared conv/linear node with a weight quantizer."""
+    wq = weight_quant_node(n)
+    if wq is None:  # callers pass only layers with a weight quantizer
+        raise RuntimeError(f"{n.name} has no weight quantizer")
+    wget = wq.args[0]
+    b = n.args[2] if len(n.args) > 2 else None
+    return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)  # type: ignore[union-attr]
+
+
+def conv_groups(n: fx.Node) -> int:
+    """The ``groups`` argument of a functional conv node (1 when absent)."""
+    if len(n.args) > 6:
+        return int(n.args[6])  # type: ignore[arg-type]
+    return int(n.kwargs.get("groups", 1))  # type: ignore[arg-type]
+
+
+def quantized_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Every prepared conv/linear node with a weight quantizer -> its layer name, in graph order."""
+    return {n: layer_name(param_paths(gm, n)[0]) for n in gm.graph.nodes
+            if (is_conv(gm, n) or is_linear(gm, n)) and weight_quant_node(n) is not None}
 
 
 @dataclass
@@ -376,10 +432,10 @@ def _trace(module: nn.Module) -> fx.GraphModule:
     try:
         return fx.symbolic_trace(module)
     except Exception as e:
-        raise _TraceError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise TraceError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
-class _TraceError(Exception):
+class TraceError(Exception):
     pass
 
 
@@ -417,9 +473,9 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
             wpath, _ = _weight_source(gm, n)
         except _NotQuantizable:
             continue
-        w = _get_attr(gm, wpath)
-        name = _layer_name(wpath)
-        _ensure_bias(gm, n, wpath, w.shape[0])
+        w = get_attr(gm, wpath)
+        name = layer_name(wpath)
+        ensure_bias(gm, n, wpath, w.shape[0])
         qname = "wq_" + name.replace(".", "_")
         gm.add_submodule(qname, WeightQuant(name, w.shape[0]))
         wnode = n.args[1]
@@ -546,7 +602,7 @@ def fit_bias_range(gm: fx.GraphModule) -> int:
         aq, wmod = gm.get_submodule(str(x.target)), gm.get_submodule(str(wq.target))
         if not isinstance(aq, ActQuant) or not isinstance(wmod, WeightQuant) or aq.mode != "quant":
             continue
-        bias = _get_attr(gm, str(b.target)).detach().abs()
+        bias = get_attr(gm, str(b.target)).detach().abs()
         need = bias / (aq._scale_f * 2.0**30)
         too_small = wmod.scale < need
         if bool(too_small.any()):
@@ -558,7 +614,7 @@ def fit_bias_range(gm: fx.GraphModule) -> int:
 
 def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:
     for name, qname in plan.layers.items():
-        gm.get_submodule(qname).update_scale(_get_attr(gm, name + ".weight"), search=search)
+        gm.get_submodule(qname).update_scale(get_attr(gm, name + ".weight"), search=search)
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,15 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
 
 from edgekit.compress import qdq
+from edgekit.compress.calibration import quality, run_module, score, tensor_batches
+from edgekit.evaluate import agreement_metrics, cosine_metrics
+from edgekit.progress import progress_bar
 
 MAX_SCANNED_LAYERS = 64  # above this, only the lowest-SQNR candidates are scanned
 
 
 def _error(outputs: np.ndarray, ref: np.ndarray, evaluator: str | None) -> float:
-    from edgekit.evaluate import agreement_metrics, cosine_metrics
-
     if evaluator == "cosine":
         return 1.0 - cosine_metrics(outputs, ref)["mean_cosine"]
     return agreement_metrics(outputs, ref)["mean_kl"]
@@ -42,9 +44,6 @@ def _error(outputs: np.ndarray, ref: np.ndarray, evaluator: str | None) -> float
 
 def layer_macs(gm: fx.GraphModule, plan: Any, example: tuple[torch.Tensor, ...]) -> dict[str, int]:
     """Multiply-accumulates per quantized layer for one sample."""
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    from edgekit.compress.equalize import _param_paths, _wq_node
 
     modes = {m: m.mode for m in qdq.act_quants(gm)}
     qdq.set_mode(gm, "float")
@@ -55,22 +54,22 @@ def layer_macs(gm: fx.GraphModule, plan: Any, example: tuple[torch.Tensor, ...])
             m.mode = mode
     out: dict[str, int] = {}
     for n in gm.graph.nodes:
-        if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or _wq_node(n) is None:
+        if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or qdq.weight_quant_node(n) is None:
             continue
         meta = n.meta.get("tensor_meta")
         if meta is None:
             continue
-        wpath, _ = _param_paths(gm, n)
-        w = qdq._get_attr(gm, wpath)
+        wpath, _ = qdq.param_paths(gm, n)
+        w = qdq.get_attr(gm, wpath)
         per_out = int(np.prod(w.shape[1:]))
-        out[qdq._layer_name(wpath)] = int(np.prod(meta.shape)) * per_out
+        out[qdq.layer_name(wpath)] = int(np.prod(meta.shape)) * per_out
     return out
 
 
 def weight_sqnr(gm: fx.GraphModule, plan: Any) -> dict[str, float]:
     out = {}
     for name, qname in plan.layers.items():
-        w = qdq._get_attr(gm, name + ".weight").detach()
+        w = qdq.get_attr(gm, name + ".weight").detach()
         m = gm.get_submodule(qname)
         was = m.enabled
         m.enabled = True
@@ -87,12 +86,11 @@ def exclusive_input_quants(gm: fx.GraphModule, layers: set[str]) -> list[str]:
     transformer) quantizes the float weight of a Conv / Gemm that reads a DequantizeLinear
     and writes a QuantizeLinear (per-tensor, without edgekit's bias correction), so a float
     weight alone would run in int8 anyway, and worse."""
-    from edgekit.compress.equalize import _param_paths, _wq_node
 
     layer_of: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and _wq_node(n) is not None:
-            layer_of[n] = qdq._layer_name(_param_paths(gm, n)[0])
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None:
+            layer_of[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), qdq.ActQuant):
@@ -126,12 +124,12 @@ class _Unit:
             if flag != self.is_float and self.gm is not None:
                 if m.bias_shift is not None:
                     bpath, shift = m.bias_shift  # undo / redo bias correction with the weights
-                    b = qdq._get_attr(self.gm, bpath).detach()
-                    qdq._set_param(self.gm, bpath, b + shift if flag else b - shift)
+                    b = qdq.get_attr(self.gm, bpath).detach()
+                    qdq.set_param(self.gm, bpath, b + shift if flag else b - shift)
                 if m.float_weight is not None:  # GPTQ-rounded weights: swap with the float ones
                     wpath, other = m.float_weight
-                    current = qdq._get_attr(self.gm, wpath).detach().clone()
-                    qdq._set_param(self.gm, wpath, other)
+                    current = qdq.get_attr(self.gm, wpath).detach().clone()
+                    qdq.set_param(self.gm, wpath, other)
                     m.float_weight = (wpath, current)
             m.enabled = not flag
             for a in self.inputs:
@@ -156,13 +154,10 @@ def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
     quantized model: for a layer, its output with quantized against float weights (same,
     quantized input); for an activation, its fake-quantized against its float value.
     Lower = noisier = a fallback candidate."""
-    from edgekit.compress.equalize import _param_paths, _wq_node
-    from edgekit.compress.int8 import _batches
-
     layer_of = {}  # conv/linear node -> layer name
     for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and _wq_node(n) is not None:
-            layer_of[n] = qdq._layer_name(_param_paths(gm, n)[0])
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None:
+            layer_of[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
     act_of = {q: t for q, t in plan.activations.items()}
     acc: dict[str, list[float]] = {}
 
@@ -180,7 +175,7 @@ def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
                 mod = self.module.get_submodule(str(wq.target))  # type: ignore[union-attr]
                 if mod.enabled:
                     args = list(self.map_nodes_to_values(n.args, n))
-                    args[1] = qdq._get_attr(self.module, str(wq.args[0].target))  # the float weight  # type: ignore[union-attr]
+                    args[1] = qdq.get_attr(self.module, str(wq.args[0].target))  # the float weight  # type: ignore[union-attr]
                     kwargs = self.map_nodes_to_values(n.kwargs, n)
                     if n.op == "call_module":
                         fn = self.module.get_submodule(str(n.target))
@@ -197,7 +192,7 @@ def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
     sub = samples.subset(slice(0, min(limit, len(samples))))
     gm.eval()
     with torch.no_grad():
-        for args in _batches(sub, names, batch_size):
+        for args in tensor_batches(sub, names, batch_size):
             _Probe(gm).run(*args)
     return {k: _sqnr_db(v[0], v[1]) for k, v in acc.items()}
 
@@ -206,9 +201,6 @@ def layer_sensitivity(gm: fx.GraphModule, units: list[_Unit], samples: Any, name
                       evaluator: str | None, subset: int = 32) -> dict[str, float]:
     """Error reduction when each unit alone returns to float (bigger = more sensitive):
     one pass over ``subset`` samples per unit."""
-    from edgekit.compress.int8 import run_module
-    from edgekit.progress import progress_bar
-
     n = min(subset, len(samples))
     sub = samples.subset(slice(0, n))
     base = _error(run_module(gm, sub, names), ref[:n], evaluator)
@@ -230,8 +222,6 @@ def fall_back(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], ref
     ``ref``: the FP32 outputs on them) is <= ``max_drop`` (a fraction: 0.01 = 1 point).
     ``candidates``: how many of the lowest-SQNR activations the scan measures besides every
     layer's weights (None: all of them; one pass of ``subset`` samples each)."""
-    from edgekit.compress.int8 import quality, run_module, score
-
     def measure() -> dict[str, float]:
         return score(run_module(gm, samples, names), ref, samples.labels, evaluator)
 

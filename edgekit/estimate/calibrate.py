@@ -25,7 +25,6 @@ end-to-end latency is fitted: one factor scaling every class.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import tempfile
@@ -35,55 +34,24 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.errors import BadInputError, UnavailableError
-from edgekit.estimate.roofline import (
-    ESTIMATE_NOTE,
-    Estimate,
-    NodeEstimate,
-    estimate,
-    load_graph,
-    resolve_efficiency,
-    strip_weights,
-)
-
-CALIBRATION_SUFFIX = ".efficiency.json"
+from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions, read_manifest
+from edgekit.build import build_engine, load_engine
+from edgekit.errors import BadInputError, EdgekitError, UnavailableError
+from edgekit.estimate.efficiency import calibration_path, load_calibration, roofs_for
+from edgekit.estimate.graph import load_graph, strip_weights
+from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate
+from edgekit.export.onnx import export_onnx
+from edgekit.profiling import ProfileConfig, measure, profile_engine
+from edgekit.runtimes.base import BuildOptions
+from edgekit.sources.handle import bind_dims, random_inputs
+from edgekit.sources.inputs import InputOptions
+from edgekit.sources.models import load_model, load_onnx_file
+from edgekit.targets import load_target
 
 
 # --- the saved factors -----------------------------------------------------------------------------
-def calibration_path(target: Any) -> Path:
-    """Where a target's fitted factors live: next to a user's YAML, else in the cache."""
-    from edgekit.artifact import cache_dir
-    from edgekit.targets import TARGETS_DIR, load_target
-
-    tgt = load_target(target)
-    if tgt.path and Path(tgt.path).resolve().parent != Path(TARGETS_DIR).resolve():
-        p = Path(tgt.path)
-        return p.with_name(p.stem + CALIBRATION_SUFFIX)
-    return cache_dir() / "targets" / f"{tgt.name}{CALIBRATION_SUFFIX}"
-
-
-def load_calibration(target: Any) -> dict[str, Any] | None:
-    """The saved calibration of a target (with ``path``), or None. A file for another
-    target name, or one that does not parse, is ignored."""
-    path = calibration_path(target)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    from edgekit.targets import load_target
-
-    if not isinstance(data, dict) or data.get("target") != load_target(target).name:
-        return None
-    data["path"] = str(path)
-    return data
-
-
 def save_calibration(target: Any, efficiency: dict[str, float], kernel_overhead_us: float,
                      meta: dict[str, Any]) -> Path:
-    from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions
-    from edgekit.targets import load_target
 
     tgt = load_target(target)
     path = calibration_path(tgt)
@@ -217,8 +185,6 @@ class Measurement:
 
 
 def _feeds_for(onnx_path: Path, batch: int, dims: dict[str, int]) -> dict[str, np.ndarray]:
-    from edgekit.sources.handle import random_inputs
-    from edgekit.sources.models import load_onnx_file
 
     handle = load_onnx_file(onnx_path)
     feeds = random_inputs(handle.inputs, batch, **dims)
@@ -237,9 +203,6 @@ def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims
     """Build an ONNX Runtime engine of the graph on this CPU and time it (end to end and per node)."""
     import onnx
 
-    from edgekit.build import build_engine, load_engine
-    from edgekit.profiling import ProfileConfig, measure
-    from edgekit.runtimes.base import BuildOptions
 
     dims = dict(dims or {})
     with tempfile.TemporaryDirectory(prefix="edgekit-calib-") as tmp:
@@ -255,7 +218,6 @@ def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims
         build_engine(str(src), target, engine_dir, BuildOptions(
             optimization_level=optimization_level, threads=threads, runtime="onnxruntime", batch=batch,
             extra={"feeds": feeds, "export": {"skip_parity": True}}))
-        from edgekit.artifact import read_manifest
 
         manifest = read_manifest(engine_dir)
         graph = strip_weights(onnx.load(str(manifest.path_of(engine_dir, "model")), load_external_data=False))
@@ -341,7 +303,6 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
     >>> report = calibrate(["model.onnx"], "cpu")  # doctest: +SKIP
     >>> print(report.render())  # doctest: +SKIP
     """
-    from edgekit.targets import load_target
 
     tgt = load_target(target)
     cases = [c if isinstance(c, CalibrationCase) else CalibrationCase(c) for c in cases]
@@ -353,10 +314,11 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
             measurements = [measure_gpu(c.model, tgt, batch=c.batch, dims=c.dims, name=c.name) for c in cases]
     if not measurements:
         raise BadInputError("calibration needs at least one model to measure")
-    prior, _, prior_overhead_us = resolve_efficiency(tgt, calibrated=False)
+    prior_roofs = roofs_for(tgt, calibrated=False)
+    prior, prior_overhead_us = dict(prior_roofs.eff), prior_roofs.overhead_us
     runtime = measurements[0].runtime
     notes: list[str] = []
-    before: list[Estimate | None] = []
+    before: list[Estimate] = []
     obs: list[Observation] = []
     gaps: list[tuple[float, int]] = []
     small_overheads: list[float] = []
@@ -425,7 +387,7 @@ def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1,
                               kernel_overhead_us=overhead_us, calibrated=False)
                 row.update(user_before_ms=ub.total_ms, user_after_ms=ua.total_ms,
                            user_error_before=_rel(ub.total_ms, m.p50_ms), user_error_after=_rel(ua.total_ms, m.p50_ms))
-            except Exception as exc:  # the original graph may not be loadable here; keep the fitted report
+            except (EdgekitError, OSError) as exc:  # the original graph may not load here; keep the report
                 notes.append(f"{m.model}: no estimate of the original graph ({exc})")
         per: dict[str, dict[str, float]] = {}
         if m.graph is not None:
@@ -485,9 +447,6 @@ def measure_gpu(model: Any, target: Any, *, batch: int = 1, dims: dict[str, int]
         raise UnavailableError(f"torch is not installed ({e})") from None
     if not torch.cuda.is_available():
         raise UnavailableError("calibrating a GPU target needs a CUDA GPU here (torch.cuda.is_available() is False)")
-    from edgekit.build import build_engine
-    from edgekit.profiling import ProfileConfig, profile_engine
-    from edgekit.runtimes.base import BuildOptions
 
     with tempfile.TemporaryDirectory(prefix="edgekit-calib-gpu-") as tmp:
         engine_dir = build_engine(model, target, Path(tmp) / "engine",
@@ -504,13 +463,18 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
 
 
 def estimate_with_calibration(model: Any, target: Any, *, precision: str | None = None, batch: int = 1,
-                              dims: dict[str, int] | None = None,
-                              calibrate: bool = False) -> tuple[Estimate, CalibrationReport | None]:
+                              dims: dict[str, int] | None = None, calibrate: bool = False,
+                              runtime: str | None = None,
+                              input_options: InputOptions | None = None) -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
-    with ``model`` (only where edgekit can measure it), then estimate."""
-    from edgekit.targets import load_target
+    with ``model`` (only where edgekit can measure it), then estimate. ``input_options``
+    (``--shapes``, or the shapes of an ``--inputs`` file) bind the batch and the named
+    dynamic dimensions; explicit ``dims`` win. ``runtime``: whose fusions apply."""
 
     tgt = load_target(target)
+    if input_options:
+        batch, bound = input_dims(model, input_options, batch)
+        dims = {**bound, **(dims or {})}
     report = None
     if calibrate:
         if tgt.kind != "cpu":
@@ -527,8 +491,18 @@ def estimate_with_calibration(model: Any, target: Any, *, precision: str | None 
         with tempfile.TemporaryDirectory(prefix="edgekit-estimate-") as tmp:
             source = _as_onnx_file(model, Path(tmp))  # export once, for the measurement and the estimate
             report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
-            return estimate(source, tgt, precision, batch, dims=dims), report
-    return estimate(model, tgt, precision, batch, dims=dims), report
+            return estimate(source, tgt, precision, batch, dims=dims, runtime=runtime), report
+    return estimate(model, tgt, precision, batch, dims=dims, runtime=runtime), report
+
+
+def input_dims(model: Any, input_options: InputOptions, batch: int) -> tuple[int, dict[str, int]]:
+    """The batch and dynamic dimensions that ``--shapes`` (or an ``--inputs`` file) give
+    for ``model``'s inputs, checked against them."""
+    handle = load_model(model, input_options)
+    shapes = dict(input_options.shapes)
+    if input_options.inputs is not None:
+        shapes = {k: tuple(v.shape) for k, v in handle.sample_inputs(batch).items()} | shapes
+    return bind_dims(handle.inputs, shapes, batch)
 
 
 def _as_onnx_file(model: Any, tmp: Path) -> Any:
@@ -537,14 +511,11 @@ def _as_onnx_file(model: Any, tmp: Path) -> Any:
         p = Path(str(model))
         if str(p).endswith(".onnx") or (p.is_dir() and (p / "manifest.json").is_file()):
             return model
-    from edgekit.export.onnx import export_onnx
-    from edgekit.sources.models import load_model
 
     handle = load_model(model)
     if handle.onnx_path is not None:
         return str(handle.onnx_path)
     out = Path(export_onnx(handle, tmp / "onnx"))
-    from edgekit.artifact import read_manifest
 
     return str(read_manifest(out).path_of(out, "onnx"))
 

@@ -9,8 +9,9 @@ then-gather) into one ONNX Runtime contrib op fed by the packed tensors:
   row; ``block_size`` must be a power of two in 16..256, so per-channel and groups over 256
   are expressed exactly by repeating a group's scale and zero point over several blocks;
 * ``com.microsoft::GatherBlockQuantized`` for the (tied) embedding table;
-* or, with ``fmt="qdq"`` (the TensorRT route), standard ``DequantizeLinear`` with uint4/uint8
-  codes and ``block_size`` (opset 21) feeding the original MatMul / Gather.
+* or, with ``fmt="qdq"`` (the TensorRT route), standard ``DequantizeLinear`` with ``block_size``
+  (opset 21) feeding the original MatMul / Gather: signed int4/int8 codes without zero points for
+  symmetric weights (what TensorRT 10 imports), uint4/uint8 codes with zero points otherwise.
 Bit widths MatMulNBits lacks (3) use the DequantizeLinear form.
 
 The packed layers are found by content, not by names: an initializer whose bytes equal a
@@ -111,6 +112,23 @@ def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.
     scales = layer.scales[:, gidx].float()
     zeros = pack_codes(layer.zeros()[:, gidx], bits)
     return B.numpy(), scales.reshape(-1).numpy(), zeros.reshape(-1).numpy(), nb
+
+
+def dq_weights(codes: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """The DequantizeLinear form of packed codes: ``(data, onnx dtype, zero points or None)``.
+
+    Symmetric weights (every zero point at the grid's middle, ``2**(bits-1)``) become signed
+    codes without zero points (int4 for 3 and 4 bits, int8 for 8): the form TensorRT imports
+    (zero point 0, signed). Asymmetric weights keep unsigned codes and their zero points
+    (ONNX Runtime runs them; TensorRT refuses them and ``edgekit lint`` says so)."""
+    from onnx import TensorProto
+
+    narrow = bits in (3, 4)
+    mid = 2 ** (bits - 1)
+    if zeros.size and bool((zeros == mid).all()):
+        signed = codes.astype(np.int16) - mid
+        return signed.astype(np.int8), (TensorProto.INT4 if narrow else TensorProto.INT8), None
+    return codes, (TensorProto.UINT4 if narrow else TensorProto.UINT8), zeros
 
 
 class _Graph:
@@ -262,7 +280,7 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
 
 
 def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None, add_init) -> list:
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     out = node.output[0]
     bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
@@ -280,18 +298,15 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
         nodes.append(helper.make_node("MatMulNBits", ins, [mm_out], name=f"{safe}_MatMulNBits",
                                       domain="com.microsoft", **attrs))
     else:  # DequantizeLinear (K, N) -> MatMul
-        codes = layer.codes().numpy().T  # (K, N)
-        zeros = layer.zeros().numpy().T  # (G, N)
+        data, dt, zeros = dq_weights(layer.codes().numpy().T, layer.zeros().numpy().T, layer.bits)  # (K, N), (G, N)
         scales = layer.scales.float().numpy().T  # (G, N)
-        dt = TensorProto.UINT4 if layer.bits in (3, 4) else TensorProto.UINT8
         w = f"{safe}_Wdq"
-        if layer.group_size == -1:
-            dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Wq", codes, dt), add_init(f"{safe}_Ws", scales[0]),
-                                                       add_init(f"{safe}_Wz", zeros[0], dt)], [w], axis=1)
-        else:
-            dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Wq", codes, dt), add_init(f"{safe}_Ws", scales),
-                                                       add_init(f"{safe}_Wz", zeros, dt)], [w], axis=0,
-                                  block_size=layer.group_size)
+        whole = layer.group_size == -1
+        ins = [add_init(f"{safe}_Wq", data, dt), add_init(f"{safe}_Ws", scales[0] if whole else scales)]
+        if zeros is not None:
+            ins.append(add_init(f"{safe}_Wz", zeros[0] if whole else zeros, dt))
+        dq = (helper.make_node("DequantizeLinear", ins, [w], axis=1) if whole else
+              helper.make_node("DequantizeLinear", ins, [w], axis=0, block_size=layer.group_size))
         nodes += [dq, helper.make_node("MatMul", [a, w], [mm_out], name=f"{safe}_MatMul")]
     if bias is not None:
         nodes.append(helper.make_node("Add", [mm_out, bias], [out]))
@@ -299,7 +314,7 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
 
 
 def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     from edgekit.compress.packing import pack_codes
 
@@ -316,16 +331,15 @@ def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_i
         return [helper.make_node("GatherBlockQuantized", ins, [out], name=f"{safe}_GatherBlockQuantized",
                                  domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block,
                                  bits=layer.bits)]
-    codes, zeros, scales = layer.codes().numpy(), layer.zeros().numpy(), layer.scales.float().numpy()
-    dt = TensorProto.UINT4 if layer.bits in (3, 4) else TensorProto.UINT8
+    data, dt, zeros = dq_weights(layer.codes().numpy(), layer.zeros().numpy(), layer.bits)
+    scales = layer.scales.float().numpy()
     w = f"{safe}_Tdq"
-    if layer.group_size == -1:
-        dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Tq", codes, dt), add_init(f"{safe}_Ts", scales[:, 0]),
-                                                   add_init(f"{safe}_Tz", zeros[:, 0], dt)], [w], axis=0)
-    else:
-        dq = helper.make_node("DequantizeLinear", [add_init(f"{safe}_Tq", codes, dt), add_init(f"{safe}_Ts", scales),
-                                                   add_init(f"{safe}_Tz", zeros, dt)], [w], axis=1,
-                              block_size=layer.group_size)
+    whole = layer.group_size == -1
+    ins = [add_init(f"{safe}_Tq", data, dt), add_init(f"{safe}_Ts", scales[:, 0] if whole else scales)]
+    if zeros is not None:
+        ins.append(add_init(f"{safe}_Tz", zeros[:, 0] if whole else zeros, dt))
+    dq = (helper.make_node("DequantizeLinear", ins, [w], axis=0) if whole else
+          helper.make_node("DequantizeLinear", ins, [w], axis=1, block_size=layer.group_size))
     return [dq, helper.make_node("Gather", [w, indices], [out], axis=0)]
 
 
@@ -519,12 +533,16 @@ def float_placeholders(module: Any):
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def lm_session(path: str | os.PathLike[str], threads: int = 1) -> Any:
+def lm_session(path: str | os.PathLike[str], threads: int = 1, fp32_compute: bool = False) -> Any:
+    """A CPU session for a causal-LM graph. ``fp32_compute``: ONNX Runtime fuses blocked 4-bit
+    DequantizeLinear -> MatMul into MatMulNBits with int8 compute by default; keep it fp32 (for parity)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if fp32_compute:
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
@@ -563,7 +581,7 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
     """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step."""
     import torch
 
-    sess = lm_session(onnx_path, threads=2)
+    sess = lm_session(onnx_path, threads=2, fp32_compute=True)
     feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
     ids = feeds["input_ids"][:, : prompt_len + 1]
     with torch.no_grad():

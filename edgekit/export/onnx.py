@@ -29,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from edgekit import interrupts
+from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.export.parity import check_parity, module_device
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle
+from edgekit.sources.inputs import InputOptions
+from edgekit.sources.models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +95,21 @@ class ExportConfig:
 
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
-                config: ExportConfig | None = None) -> Path:
+                config: ExportConfig | None = None, input_options: InputOptions | None = None) -> Path:
     """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
+    ``input_options`` (``--shapes``, ``--inputs``) set the inputs traced and compared.
 
     >>> out = export_onnx("efficientnet-lite0", "out/onnx")  # doctest: +SKIP
     >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
     True
     """
-    from edgekit.artifact import Manifest, check_output_dir, staged_dir, write_manifest
-    from edgekit.sources.models import load_model
 
     config = config or ExportConfig()
     out_dir = Path(out_dir)
     if not isinstance(model, ModelHandle):
         check_output_dir(out_dir, (model,))  # before loading: a zoo model may be trained on first use
-    handle = load_model(model)
-    protect = (model, handle.source, handle.onnx_path)  # the output may not touch these
+    handle = load_model(model, input_options)
+    protect = (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))  # never touched
     check_output_dir(out_dir, protect)  # before any work
     inputs = _input_records(model, handle)
     t0 = time.perf_counter()
@@ -120,7 +123,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             verify_onnx_runs(tmp / files["onnx"], handle.sample_inputs(1), label=given, error=BadInputError)
             write_manifest(tmp, Manifest(
                 kind="onnx", files=files, source=handle.source, model=handle.describe(), steps=steps,
-                inputs=inputs, config={**config.to_dict(), "exporter": "copy"},
+                inputs=inputs, config={**config.to_dict(), "exporter": "copy",
+                                       **({"input_options": input_options.to_dict()} if input_options else {})},
                 metrics={"parity": {"skipped": True, "reason": "ONNX input: nothing to compare against"},
                          "export_seconds": round(time.perf_counter() - t0, 3)}))
         return out_dir
@@ -136,7 +140,6 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
         if config.skip_parity:  # then at least loaded and run once
             verify_onnx_runs(onnx_path, handle.sample_inputs(1), label=f"the exported graph of {handle.name}")
         else:
-            from edgekit.export.parity import check_parity
 
             try:
                 atol, rtol, per_output = effective_tolerances(config, handle)
@@ -157,7 +160,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             failed.unlink()
         write_manifest(tmp, Manifest(
             kind="onnx", files=files, source=handle.source, model=_describe(handle, config), steps=steps,
-            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto)},
+            inputs=inputs, config={**config.to_dict(), "exporter": exporter, "opset_used": _opset(proto),
+                                   **({"input_options": input_options.to_dict()} if input_options else {})},
             metrics={"parity": parity, "export_seconds": round(trace_s, 3),
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
@@ -220,15 +224,6 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
         raise BadInputError(f"cannot export {handle.name!r} to ONNX: {type(e).__name__}: {_first_line(e)}") from None
 
 
-def module_device(module: Any) -> Any:
-    """Where the module's weights live (tracing inputs go there); CPU for a weightless module."""
-    import torch
-
-    for t in list(module.parameters()) + list(module.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def _batch_dynamic(handle: ModelHandle) -> bool:
     return any(0 in axes and axes[0] == "batch" for axes in handle.dynamic_axes.values()) or any(
         s.shape and s.shape[0] == "batch" for s in handle.inputs)
@@ -287,6 +282,8 @@ def _dynamo_export(module: Any, args: tuple[Any, ...], handle: ModelHandle, conf
             module, args, dynamo=True, input_names=[s.name for s in handle.inputs],
             opset_version=config.opset, dynamic_shapes=tuple(dynamic_shapes) if axes else None,
             verbose=False, optimize=True)
+    if prog is None:  # only the legacy exporter writes to a file and returns nothing
+        raise EdgekitError(f"torch.onnx.export returned no program for {handle.name}")
     return prog.model_proto
 
 
@@ -470,7 +467,6 @@ def _first_line(e: BaseException) -> str:
 def _input_records(spec: Any, handle: ModelHandle) -> dict[str, dict[str, str]]:
     """What went in, with hashes: a file or folder is hashed; a zoo model or entry point by
     its weights (the state dict's bytes), so caches key on the actual model."""
-    from edgekit.artifact import input_record
 
     if not isinstance(spec, ModelHandle):
         p = Path(str(spec))

@@ -17,6 +17,15 @@ import numpy as np
 
 from edgekit.sources.handle import ModelHandle
 
+
+def module_device(module: Any) -> Any:
+    """Where the module's weights live (tracing inputs go there); CPU for a weightless module."""
+    import torch
+
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
 # Relative error is |a - b| / max(|b|, _REL_FLOOR), so near-zero references do not explode it.
 _REL_FLOOR = 1e-6
 
@@ -102,8 +111,6 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray, atol: float
 
 def run_torch(module: Any, feeds: dict[str, np.ndarray], input_names: list[str]) -> list[np.ndarray]:
     import torch
-
-    from edgekit.export.onnx import module_device
 
     device = module_device(module)
     args = [torch.from_numpy(np.ascontiguousarray(feeds[n])).to(device) for n in input_names]

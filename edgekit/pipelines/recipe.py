@@ -21,6 +21,10 @@ stages:
     build: {precision: int8, extra: {workspace_mb: 1024}}
     evaluate: {metric: top1_agreement, min: 0.9}
     budget_ms: 20
+  - name: nsfw
+    model: open_nsfw.onnx          # an NHWC image model: its layout is read from its input shape
+    preprocess: {order: bgr, scale: 255, mean: [104, 117, 123]}
+    shapes: {input_0: [1, 224, 224, 3]}
   - name: head
     model: edgekit.pipelines.examples:classification_head
     parallel_with: [backbone]   # starts with it: the total is the critical path
@@ -29,7 +33,8 @@ stages:
 One schema covers every section, and it is the dataclasses themselves: the top level is
 ``Recipe``, a stage ``StageSpec``, ``profile:`` ``ProfileConfig``, ``export:``
 ``ExportConfig``, ``build:`` ``BuildOptions`` (its ``extra:`` ``BuildExtras``),
-``evaluate:`` ``EvaluateSpec``, ``inputs:`` ``InputDecl`` and every step's options its
+``evaluate:`` ``EvaluateSpec``, ``inputs:`` ``InputDecl``, ``preprocess:``
+``sources.inputs.Preprocess`` (``shapes:`` maps input names to dims) and every step's options its
 registered config class. Field names are the known keys, annotations the types, and each
 class's ``__post_init__`` the ranges, so an option is declared once. A bad value is one
 line naming its path and what is valid (``stage 'backbone' export.opst: unknown option
@@ -59,6 +64,7 @@ from edgekit.export.onnx import ExportConfig
 from edgekit.profiling import ProfileConfig, normalize_percentile
 from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import FieldError, Loc, check_entries, check_fields, check_keys, check_value, read_yaml, show
+from edgekit.sources.inputs import InputOptions, Preprocess, input_options, parse_shapes
 from edgekit.sources.zoo import ZOO
 from edgekit.targets import load_target
 
@@ -135,7 +141,15 @@ class StageSpec:
     parallel_with: tuple[str, ...] = ()
     calib: str | None = None
     train: str | None = None
+    # Model inputs (edgekit.sources.inputs): shapes as trtexec's --shapes ({input_ids: [1, 128]} or
+    # {input_ids: 1x128}), and how images become inputs ({layout: nhwc, order: bgr, scale: 255, mean: [...]}).
+    shapes: dict[str, tuple[int, ...] | str] = field(default_factory=dict)
+    preprocess: dict[str, Any] | None = field(default=None, metadata={"schema": Preprocess})
     description: str = ""
+
+    def input_options(self) -> InputOptions | None:
+        """The stage's ``shapes`` and ``preprocess`` as the options export, build and compress take."""
+        return input_options(shapes=self.shapes or None, preprocess=self.preprocess)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -174,7 +188,7 @@ class Recipe:
 
 
 # Keys only a model stage uses, and only a Python stage uses: on the other kind they would be ignored.
-MODEL_ONLY = ("steps", "export", "build", "evaluate", "calib", "train")
+MODEL_ONLY = ("steps", "export", "build", "evaluate", "calib", "train", "shapes", "preprocess")
 CALLABLE_ONLY = ("inputs",)
 
 
@@ -264,13 +278,19 @@ def _parse_stage(raw: object, index: int, base: Path, targets: list[Any]) -> Sta
                 target.require_precision(precision)
             except BadInputError as e:
                 raise FieldError(loc / "build" / "precision", str(e)) from None
+    shapes = values.get("shapes") or {}
+    try:
+        shapes = {k: list(v) for k, v in parse_shapes(shapes, "shapes").items()}
+    except BadInputError as e:
+        raise FieldError(loc, str(e)) from None
     parallel = values.get("parallel_with", ())
     return StageSpec(
         name=name, model=model, callable=fn, inputs=values.get("inputs", {}), steps=steps,
         export=values.get("export", {}), build=values.get("build", {}), evaluate=values.get("evaluate"),
         budget_ms=_positive_ms(loc / "budget_ms", values.get("budget_ms")),
         parallel_with=(parallel,) if isinstance(parallel, str) else tuple(parallel),
-        calib=values.get("calib"), train=values.get("train"), description=values.get("description", ""))
+        calib=values.get("calib"), train=values.get("train"), shapes=shapes, preprocess=values.get("preprocess"),
+        description=values.get("description", ""))
 
 
 def parse_recipe(data: object, path: str | None = None) -> Recipe:

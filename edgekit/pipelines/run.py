@@ -43,6 +43,7 @@ from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
 from edgekit.profiling import LatencyStats, ProfileConfig, ProfileResult, device_measurement
 from edgekit.runtimes import RUNTIMES, get_runtime
+from edgekit.sources.inputs import shapes_only
 
 RESULTS = "results.json"
 
@@ -315,15 +316,17 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
     artifacts: dict[str, str] = {}
     reused: dict[str, bool] = {}
     source_for_export: str = str(stage.model)
-    key = cache.key({**base, "model": model_id})
+    io = stage.input_options()  # shapes and image preprocessing (edgekit.sources.inputs)
+    io_key = {"shapes": stage.shapes, "preprocess": stage.preprocess} if io else {}
+    key = cache.key({**base, "model": model_id, **io_key})
     if stage.steps:
         key = cache.key({**base, "model": model_id, "steps": [[s.name, s.config] for s in stage.steps],
                          "calib": stage.calib, "train": stage.train,
-                         "target": target.name if target_aware else None})
+                         "target": target.name if target_aware else None, **io_key})
 
         def build_model(folder: Path) -> None:
             ctx = StepContext(target=target, calib=stage.calib, train=stage.train, seed=recipe.seed,
-                              progress=progress, work_dir=cache.root / f"work-{key}")
+                              progress=progress, work_dir=cache.root / f"work-{key}", inputs=io)
             set_seed(recipe.seed)
             compress(str(stage.model), [(s.name, dict(s.config)) for s in stage.steps], folder, ctx)
 
@@ -331,7 +334,8 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
         artifacts["model"] = str(folder)
         source_for_export = str(folder)
     key = cache.key({"prev": key, "export": stage.export})
-    folder, reused["export"] = cache.get("onnx", key, lambda f: export_onnx(source_for_export, f, ExportConfig(**stage.export)))
+    folder, reused["export"] = cache.get("onnx", key, lambda f: export_onnx(source_for_export, f, ExportConfig(**stage.export),
+                                                                        shapes_only(io)))
     artifacts["onnx"] = str(folder)
     onnx_folder = folder
     size_mb = _onnx_size_mb(onnx_folder)
@@ -343,7 +347,8 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
 
         bkey = cache.key({"prev": key, "target": target.name, "build": stage.build})
         folder, reused["build"] = cache.get(
-            "engine", bkey, lambda f: build_engine(str(onnx_folder), target, f, BuildOptions(**stage.build)))
+            "engine", bkey, lambda f: build_engine(str(onnx_folder), target, f, BuildOptions(**stage.build),
+                                                   shapes_only(io)))
         artifacts["engine"] = str(folder)
         engine_folder = folder
         pkey = cache.key({"prev": bkey, "profile": recipe.profile})
@@ -463,7 +468,7 @@ def _evaluate_folder(stage: StageSpec, model_source: str, onnx_folder: Path, eng
     from edgekit.sources.models import load_model
 
     spec = stage.evaluate or {}
-    reference = load_model(str(stage.model))
+    reference = load_model(str(stage.model), stage.input_options())
     samples = load_samples(spec.get("data"), reference, split="eval", limit=spec.get("limit"))
     if engine_folder is not None:
         from edgekit.build import load_engine
@@ -474,7 +479,7 @@ def _evaluate_folder(stage: StageSpec, model_source: str, onnx_folder: Path, eng
         finally:
             engine.close()
     else:
-        metrics = evaluate(load_model(model_source), samples, reference=reference)
+        metrics = evaluate(load_model(model_source, stage.input_options()), samples, reference=reference)
     with staged_dir(folder) as tmp:
         atomic_write_json(tmp / "metrics.json", metrics)
         write_manifest(tmp, Manifest(kind="report", files={"metrics": "metrics.json"}, metrics=metrics,

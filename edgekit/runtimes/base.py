@@ -21,9 +21,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes.registry import BEST_RUNTIME, RUNTIMES
 from edgekit.schema import FieldError, check_fields
-from edgekit.sources.handle import InputSpec
+from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.targets import Target
 
 
@@ -38,6 +38,7 @@ class NodeTiming:
     precision: str = "fp32"  # "int8", "int4", "fp16", "bf16", "fp32", ...
     quantized: bool = False  # runs in integer arithmetic (or reads integer weights)
     calls: int = 1
+    kernel: str = ""  # the kernel/ISA that ran it, where the runtime tells or it is inferable
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -155,8 +156,8 @@ class BuildOptions:
         check_fields(self)  # types, and every extra declared in BuildExtras
         if self.optimization_level not in OPTIMIZATION_LEVELS:
             raise bad_choice("optimization level", self.optimization_level, OPTIMIZATION_LEVELS)
-        if self.runtime is not None and self.runtime not in RUNTIMES:
-            raise bad_choice("runtime", self.runtime, RUNTIMES)
+        if self.runtime is not None and self.runtime != BEST_RUNTIME and self.runtime not in RUNTIMES:
+            raise bad_choice("runtime", self.runtime, (*RUNTIMES, BEST_RUNTIME))
         if self.threads is not None and not 1 <= self.threads <= 4096:
             raise FieldError("threads", f"must be 1 to 4096, got {self.threads}")
         if self.batch < 1:
@@ -238,15 +239,15 @@ class Runtime(Protocol):
         when it holds none and the engine is to be timed here."""
         ...
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Write the engine's files into ``out_dir`` (a staged folder); return the
         manifest fields: ``files``, ``config`` (settings to record), ``metrics``."""
         ...
 
-    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> Engine: ...
+    def load(self, engine_dir: Path, manifest: Manifest, threads: int | None = None) -> Engine: ...
 
 
-def resolve_onnx(model: Any) -> Path:
+def resolve_onnx(model: str | Path | ModelHandle) -> Path:
     """The ONNX file a runtime builds from: a path, an ONNX artifact folder, or a handle's ``onnx_path``."""
     p = Path(str(getattr(model, "onnx_path", None) or model))
     if p.is_dir():

@@ -31,8 +31,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
-from edgekit.sources.handle import InputSpec
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
+from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
+from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
 
 OPT_FILE = "model.opt.onnx"
@@ -137,7 +138,6 @@ def _type_to_numpy(t: str) -> str:
 
 
 def _sample_feeds(inputs: list[InputSpec]) -> dict[str, np.ndarray]:
-    from edgekit.sources.handle import random_inputs
 
     return random_inputs(inputs, 1)
 
@@ -162,7 +162,7 @@ class OnnxRuntime:
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None  # ONNX Runtime engines are timed here, by profiling
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""
         import onnx
 
@@ -170,13 +170,15 @@ class OnnxRuntime:
         out_dir = Path(out_dir)
         providers = select_providers(tuple(getattr(target, "execution_providers", ()) or ()),
                                      getattr(target, "name", "target"))
+        if options.precision == "bf16" and providers == ["CPUExecutionProvider"]:
+            raise BadInputError("ONNX Runtime's CPU execution provider cannot run precision 'bf16' (choose from "
+                                "fp32, int8, int4; or --runtime openvino for bf16)")
         level = options.optimization_level
         _level(level)  # validate
         large = _has_external_data(src)
         opt_path = out_dir / OPT_FILE
         t0 = time.perf_counter()
         so = session_options(level, options.threads, optimized_path=str(opt_path), large=large)
-        from edgekit.runtimes.ort_providers import build_providers
 
         provider_arg, provider_options = build_providers(providers, options, out_dir, target)
         sess = _session(src, so, provider_arg)
@@ -187,7 +189,6 @@ class OnnxRuntime:
         offline = opt_path.is_file()
         warm: dict[str, Any] = {}
         if "TensorrtExecutionProvider" in providers:  # its engines build at the first inference: do it now
-            from edgekit.runtimes.ort_providers import warm_ep_cache
 
             warm = warm_ep_cache(sess, feeds, out_dir)
         try:
@@ -225,6 +226,7 @@ class OnnxRuntime:
         for node in graph.graph.node:
             op_counts[node.op_type] = op_counts.get(node.op_type, 0) + 1
         quantized_ops = sum(c for op, c in op_counts.items() if op in INTEGER_OPS)
+        kernels = kernel_summary(out_dir / files["model"], providers)
         session = {
             "graph_optimization_level": level, "intra_op_num_threads": options.threads or 0,
             "inter_op_num_threads": 1, "execution_mode": "sequential", "providers": providers,
@@ -236,11 +238,11 @@ class OnnxRuntime:
             "config": {"session": session, "notes": notes,
                        "hardware_specific": level in ("layout", "all") and offline},
             "metrics": {"build_seconds": round(build_s, 3), "nodes": len(graph.graph.node),
-                        "integer_nodes": quantized_ops, "op_counts": op_counts,
+                        "integer_nodes": quantized_ops, "op_counts": op_counts, "kernels": kernels,
                         "model_size_mb": round(_size_mb(out_dir, files), 3), **warm},
         }
 
-    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> OrtEngine:
+    def load(self, engine_dir: Path, manifest: Manifest, threads: int | None = None) -> OrtEngine:
         engine_dir = Path(engine_dir)
         session = dict(manifest.config.get("session", {}))
         providers = select_providers(tuple(session.get("providers", ["CPUExecutionProvider"])),
@@ -248,7 +250,6 @@ class OnnxRuntime:
         level = session.get("load_optimization_level", "disable")
         threads = threads if threads is not None else (session.get("intra_op_num_threads") or None)
         path = manifest.path_of(engine_dir, "model")
-        from edgekit.runtimes.ort_providers import load_providers
 
         provider_arg = load_providers(providers, session.get("provider_options") or {}, engine_dir)
         return OrtEngine(path, providers, level, threads, provider_arg)
@@ -303,14 +304,15 @@ class OrtEngine:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return parse_profile(events, runs=warm + max(1, iterations), skip_runs=warm,
-                             graph_types=graph_dtypes(self.path))
+                             graph_types=graph_dtypes(self.path), depthwise=depthwise_nodes(self.path))
 
     def close(self) -> None:
         self.session = None
 
 
 def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
-                  graph_types: dict[str, tuple[str, str, list[str]]] | None = None) -> list[NodeTiming]:
+                  graph_types: dict[str, tuple[str, str, list[str]]] | None = None,
+                  depthwise: set[str] | None = None) -> list[NodeTiming]:
     """ORT's profiler JSON (Chrome trace events) -> one NodeTiming per node, ms per inference.
 
     Node events are ``{"cat": "Node", "name": "<node>_kernel_time", "dur": us, "args":
@@ -335,6 +337,7 @@ def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
                 if isinstance(item, dict):
                     rec["types"].extend(_ORT_TYPES.get(k, k) for k in item)
     measured = max(1, runs - skip_runs)
+    isa = cpu_isa_flags()
     out = []
     for node, rec in per_node.items():
         durs = rec["durs"]
@@ -344,12 +347,101 @@ def parse_profile(events: list[dict[str, Any]], runs: int, skip_runs: int = 0,
         types = rec["types"] or graph_types.get(node, ("", "", []))[2]
         precision, quantized = node_precision(op, types)
         out.append(NodeTiming(name=node, op_type=op, time_ms=sum(kept) / measured / 1e3, precision=precision,
-                              quantized=quantized, calls=calls_per_run))
+                              quantized=quantized, calls=calls_per_run,
+                              kernel=kernel_label(op, precision, rec["provider"] or "CPUExecutionProvider", isa,
+                                                  domain=graph_types.get(node, ("", "", []))[1],
+                                                  depthwise=node in (depthwise or ()))))
     for n in out:  # the provider is useful in reports; NodeTiming has no field for it, so keep it in the name
         prov = per_node[n.name]["provider"]
         if prov and prov != "CPUExecutionProvider":
             n.op_type = f"{n.op_type}@{prov.replace('ExecutionProvider', '')}"
     return out
+
+
+# --- which kernels run: ONNX Runtime does not report MLAS's choice, so it is inferred from the op,
+# its precision and the CPU's flags, the order MLAS's platform dispatch tries them in -------------
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+_GEMM_OPS = {"Conv", "FusedConv", "NhwcFusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "ConvTranspose",
+             "Attention", "MultiHeadAttention", "GroupQueryAttention"}
+
+
+@functools.cache
+def cpu_isa_flags() -> tuple[str, ...]:
+    """The CPU's SIMD and matrix flags that decide kernels (from /proc/cpuinfo; empty where unknown)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return tuple(f for f in ISA_FLAGS if f in have)
+    return ()
+
+
+def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ...], domain: str = "",
+                 depthwise: bool = False) -> str:
+    """The kernel family and ISA a CPU node most likely runs: ``mlas-int8-u8s8/avx512-vnni`` for an
+    int8 convolution or matmul on a VNNI CPU (MLAS's integer GEMM for that ISA),
+    ``mlas-nchwc/avx512f`` for a float convolution in the NCHWc layout, ``mlas-sgemm/avx512f``
+    for other float ones; depthwise convolutions run MLAS's depthwise kernels, named without
+    an ISA (inferred: ONNX Runtime's profiler names the op, not the MLAS kernel). Other
+    providers: their name."""
+    if provider != "CPUExecutionProvider":
+        return provider.replace("ExecutionProvider", "").lower()
+    base = op_type.split("@")[0]
+    flags = set(isa)
+    avx = "avx512f" if "avx512f" in flags else "fma3" if "fma" in flags else "sse"
+    if depthwise and precision in ("int8", "fp32"):
+        return "mlas-int8-depthwise" if precision == "int8" else f"mlas-depthwise/{avx}"
+    if precision == "int4":
+        return "mlas-sqnbitgemm/" + ("avx512-vnni" if "avx512_vnni" in flags else "avx512" if "avx512f" in flags
+                                     else "avx2" if "avx2" in flags else "scalar")
+    if precision == "int8" and (base in INTEGER_OPS or base in _GEMM_OPS):
+        simd = ("amx" if "amx_int8" in flags else "avx512-vnni" if "avx512_vnni" in flags else "avx-vnni"
+                if "avx_vnni" in flags else "avx512bw" if "avx512bw" in flags else "avx2" if "avx2" in flags
+                else "sse4.1")
+        return f"mlas-int8-u8s8/{simd}"
+    if domain == "com.microsoft.nchwc" and base in ("Conv", "FusedConv"):
+        return f"mlas-nchwc/{avx}"
+    if base in _GEMM_OPS and precision == "fp32":
+        return f"mlas-sgemm/{avx}"
+    return "ort-cpu"
+
+
+def depthwise_nodes(path: Path) -> set[str]:
+    """Names of the convolutions in the graph at ``path`` with one group per input channel (group > 1)."""
+    try:
+        import onnx
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except (OSError, ValueError, RuntimeError):
+        return set()
+    out = set()
+    for n in graph.node:
+        if "Conv" in n.op_type:
+            group = next((a.i for a in n.attribute if a.name == "group"), 1)
+            if group > 1:
+                out.add(n.name)
+    return out
+
+
+def kernel_summary(path: Path, providers: list[str]) -> dict[str, Any]:
+    """Nodes of the engine's graph by inferred kernel (``kernel_label``), with the CPU's flags."""
+    isa = cpu_isa_flags()
+    provider = providers[0] if providers else "CPUExecutionProvider"
+    counts: dict[str, int] = {}
+    depthwise = depthwise_nodes(path)
+    for name, (op, domain, types) in graph_dtypes(path).items():
+        label = kernel_label(op, node_precision(op, types)[0], provider, isa, domain=domain,
+                             depthwise=name in depthwise)
+        counts[label] = counts.get(label, 0) + 1
+    return {"isa": list(isa), "providers": providers,
+            "source": "inferred from op types, precisions and CPU flags (ONNX Runtime does not report MLAS's "
+                      "kernel choice)",
+            "by_kernel": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
 def node_precision(op_type: str, input_types: list[str]) -> tuple[str, bool]:
@@ -560,7 +652,7 @@ def _strip_source_location(text: str) -> str:
     return text[:m.start()] + rest.strip()
 
 
-RUNTIME = OnnxRuntime()
+RUNTIME: Runtime = OnnxRuntime()
 
 
 # --- causal LMs with the KV cache -----------------------------------------------------------------

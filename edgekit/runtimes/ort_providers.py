@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, UnavailableError
+from edgekit.runtimes.base import BuildOptions
+from edgekit.targets import Target
 
 TRT_EP = "TensorrtExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
@@ -62,7 +64,7 @@ def _shapes_option(shapes: dict[str, dict[str, list[int]]], which: str) -> str:
 
 
 def tensorrt_options(precision: str, cache_dir: str | Path, extra: dict[str, Any] | None = None,
-                     target: Any = None) -> dict[str, Any]:
+                     target: Target | None = None) -> dict[str, Any]:
     """TensorRT EP options: precision, engine + timing caches under ``cache_dir``, workspace,
     DLA, optimization profile shapes.
 
@@ -90,10 +92,10 @@ def tensorrt_options(precision: str, cache_dir: str | Path, extra: dict[str, Any
     if e.get("builder_optimization_level") is not None:
         opts["trt_builder_optimization_level"] = int(e["builder_optimization_level"])
     if e.get("dla_core") is not None:
-        cores = int(getattr(target, "dla_cores", 0) or 0) if target is not None else None
+        cores = int(target.dla_cores or 0) if target is not None else None
         core = int(e["dla_core"])
         if cores is not None and not 0 <= core < cores:
-            raise BadInputError(f"DLA core {core} does not exist on {getattr(target, 'name', 'the target')!r} "
+            raise BadInputError(f"DLA core {core} does not exist on {target.name if target is not None else 'the target'!r} "
                                 f"({cores} DLA cores)")
         opts["trt_dla_enable"] = True
         opts["trt_dla_core"] = core
@@ -105,7 +107,7 @@ def tensorrt_options(precision: str, cache_dir: str | Path, extra: dict[str, Any
 
 
 def provider_list(providers: list[str], precision: str, engine_dir: str | Path, extra: dict[str, Any] | None = None,
-                  target: Any = None) -> list[Any]:
+                  target: Target | None = None) -> list[Any]:
     """``providers=`` for ``onnxruntime.InferenceSession``: TensorRT and CUDA with options,
     others by name. The TensorRT caches go to ``engine_dir/trt_cache`` (absolute)."""
     out: list[Any] = []
@@ -155,15 +157,14 @@ def warm_ep_cache(session: Any, feeds: dict[str, Any], engine_dir: str | Path | 
     return {"warmup_inference_seconds": round(seconds, 3), "trt_cache_files": files}
 
 
-def build_providers(providers: list[str], options: Any, engine_dir: str | Path, target: Any = None
+def build_providers(providers: list[str], options: BuildOptions, engine_dir: str | Path, target: Target | None = None
                     ) -> tuple[list[Any], dict[str, dict[str, Any]]]:
     """For the ORT runtime's build: (``providers=`` argument, options to record in the manifest).
 
     Only GPU providers get options, so a CPU-only target is unchanged. Its one inference at
     build time (ORT's build already runs one) is what warms the TensorRT EP's engine cache.
     """
-    arg = provider_list(providers, getattr(options, "precision", "fp32"), engine_dir,
-                        getattr(options, "extra", {}) or {}, target)
+    arg = provider_list(providers, options.precision, engine_dir, options.extra, target)
     return arg, recorded_options(arg, engine_dir)
 
 

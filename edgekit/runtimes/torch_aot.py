@@ -31,8 +31,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.models import load_model
 from edgekit.targets import Target
 
 PACKAGE_FILE = "model.pt2"
@@ -57,7 +58,7 @@ def _compiler() -> str | None:
     return None
 
 
-def device_for(target: Any, options: BuildOptions | None = None) -> str:
+def device_for(target: Target, options: BuildOptions | None = None) -> str:
     """``cuda`` for GPU and Jetson targets, ``cpu`` for CPU targets; ``options.extra["device"]`` overrides."""
     if options is not None and options.extra.get("device"):
         dev = str(options.extra["device"])
@@ -109,11 +110,10 @@ class TorchAotRuntime:
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None  # compiled packages are timed here, by profiling
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         torch = _torch()
         handle = model if isinstance(model, ModelHandle) else None
         if handle is None:
-            from edgekit.sources.models import load_model
 
             handle = load_model(model)
         if handle.module is None:
@@ -178,7 +178,7 @@ class TorchAotRuntime:
                             "parity": parity,
                             "model_size_mb": round((out_dir / PACKAGE_FILE).stat().st_size / 2**20, 3)}}
 
-    def load(self, engine_dir: Path, manifest: Any, threads: int | None = None) -> TorchAotEngine:
+    def load(self, engine_dir: Path, manifest: Manifest, threads: int | None = None) -> TorchAotEngine:
         session = dict(manifest.config.get("session", {}))
         path = manifest.path_of(Path(engine_dir), "model")
         inputs = [InputSpec.from_dict(d) for d in session.get("inputs", manifest.model.get("inputs", []))]
@@ -323,7 +323,7 @@ class TorchAotEngine:
         return kernel_timings(prof.key_averages(), iterations, cuda, str(self.dtype).replace("torch.", ""))
 
     def close(self) -> None:
-        self.model = None
+        self.model = None  # type: ignore[assignment]  # released; a closed engine is not run again
         self._prepared = None
 
 
@@ -370,4 +370,4 @@ def _kernel_kind(name: str) -> str:
     return name.split("(")[0][:40]
 
 
-RUNTIME = TorchAotRuntime()
+RUNTIME: Runtime = TorchAotRuntime()

@@ -784,6 +784,27 @@ def _default_image_inputs(images: list[np.ndarray] | np.ndarray) -> dict[str, np
     return {"input": np.ascontiguousarray(arr)}
 
 
+def _layout_image_inputs(images: list[np.ndarray], model: ModelHandle) -> dict[str, np.ndarray]:
+    """No model preprocessing, but an image input: images in the layout, size and channel
+    count the input declares (an NHWC input gets NHWC), values in [0, 1]."""
+    from edgekit.sources.inputs import detect_preprocess, image_prepare  # it imports this module
+
+    spec = image_input(model.inputs)
+    assert spec is not None
+    return image_prepare(spec, detect_preprocess(spec, model.extra.get("onnx_metadata")))(images)
+
+
+def image_input(specs: list[InputSpec]) -> InputSpec | None:
+    """The single float input shaped like a batch of images (rank 4 with 1 or 3 channels
+    first or last), or None."""
+    if len(specs) != 1:
+        return None
+    s = specs[0]
+    if len(s.shape) != 4 or not s.dtype.startswith("float"):
+        return None
+    return s if s.shape[1] in (1, 3) or s.shape[3] in (1, 3) else None
+
+
 def check_arrays(specs: list[InputSpec], arrays: dict[str, np.ndarray], where: str) -> None:
     """Arrays against the model's inputs: names, dtype, rank and static dimensions."""
     names = [s.name for s in specs]
@@ -937,6 +958,8 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
                                     f"{MAX_PREPARED_BYTES * len(images) // need} fit in "
                                     f"{MAX_PREPARED_BYTES / 2**30:.0f} GiB)")
             inputs = model.prepare(images)
+        elif model is not None and image_input(model.inputs) is not None:
+            inputs = _layout_image_inputs(images, model)
         else:
             inputs = _default_image_inputs(images)
             if model is not None and len(model.inputs) == 1:

@@ -48,6 +48,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from edgekit.detection.boxes import Detections
 from edgekit.errors import BadInputError, UnavailableError
+from edgekit.sources.assets import sample_photos
 
 PAGE_SIZE = (800, 608)  # (height, width): the layout model's input, a US-letter-like page
 FRAME_SIZE = (480, 640)
@@ -111,6 +112,7 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
 
 @functools.lru_cache(maxsize=2)
 def _sentences(source: str) -> tuple[str, ...]:
+    # deferred: sources.data lists these detection sets in its registry (a cycle for the lead to split)
     from edgekit.sources.data import lee_news_documents, split_sentences, wikipedia_articles
 
     docs = wikipedia_articles() if source == "wikipedia" else lee_news_documents()
@@ -120,8 +122,6 @@ def _sentences(source: str) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=1)
 def _photos() -> tuple[np.ndarray, ...]:
-    from edgekit.sources.zoo import sample_photos
-
     return tuple(p[:, :, :3] if p.ndim == 3 else np.repeat(p[:, :, None], 3, axis=2) for p in sample_photos())
 
 

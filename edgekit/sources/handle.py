@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.errors import BadInputError
+
 # Task kinds: decide default data, evaluation and how compression steps find layers.
 KINDS = ("image-classifier", "causal-lm", "text-encoder", "generic")
 
@@ -104,10 +106,17 @@ class ModelHandle:
 
     def sample_inputs(self, batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
         """Inputs for tracing, parity and timing: the model's own realistic ones when it
-        has them, else deterministic random values of the declared shapes and dtypes."""
-        if self.make_inputs is not None:
-            return self.make_inputs(batch, **dims)
-        return random_inputs(self.inputs, batch, **dims)
+        has them, else deterministic random values of the declared shapes and dtypes.
+        Shapes the user gave (``extra["shapes"]``, see ``sources.inputs``) bind the batch and
+        the named dynamic dimensions (explicit ``dims`` win), and the inputs they name come
+        out at exactly those shapes."""
+        shapes = self.extra.get("shapes") or {}
+        if shapes:
+            batch, bound = bind_dims(self.inputs, shapes, batch)
+            dims = {**bound, **dims}
+        feeds = self.make_inputs(batch, **dims) if self.make_inputs is not None else random_inputs(
+            self.inputs, batch, **dims)
+        return fit_feeds(feeds, shapes) if shapes else feeds
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "kind": self.kind,
@@ -127,4 +136,52 @@ def random_inputs(specs: list[InputSpec], batch: int = 1, seed: int = 0, **dims:
             out[s.name] = np.ones(shape, dtype=dt)
         else:
             out[s.name] = rng.standard_normal(shape).astype(dt)
+    return out
+
+
+# --- shapes the user gave (``--shapes``): binding dims and fitting sample inputs ------------------
+
+
+def bind_dims(specs: list[InputSpec], shapes: dict[str, tuple[int, ...]], batch: int) -> tuple[int, dict[str, int]]:
+    """The batch and named dynamic dimensions that ``shapes`` (input -> dims) give:
+    ``(batch, {axis name: size})``. One axis name given two sizes is an error."""
+    bound: dict[str, int] = {}
+    where: dict[str, str] = {}
+    for spec in specs:
+        dims = shapes.get(spec.name)
+        if dims is None:
+            continue
+        for d, size in zip(spec.shape, dims):
+            if isinstance(d, str):
+                if d in bound and bound[d] != size:
+                    raise BadInputError(f"--shapes gives dimension {d!r} as {bound[d]} (input {where[d]!r}) and "
+                                        f"{size} (input {spec.name!r}); one size per named dimension")
+                bound[d], where[d] = size, spec.name
+    return bound.pop("batch", batch), bound
+
+
+def fit_array(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
+    """``a`` cut or tiled along each axis to ``dims`` (same rank): real values stay real
+    values (token ids stay ids, masks stay masks)."""
+    for ax, size in enumerate(dims):
+        have = a.shape[ax]
+        if have == size:
+            continue
+        if have == 0:
+            raise BadInputError(f"cannot stretch an empty axis {ax} of a sample input to {size}")
+        if size > have:
+            a = np.concatenate([a] * -(-size // have), axis=ax)
+        a = np.take(a, np.arange(size), axis=ax)
+    return np.ascontiguousarray(a)
+
+
+def fit_feeds(feeds: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Feeds with the inputs ``shapes`` names brought to those shapes (``fit_array``)."""
+    out = dict(feeds)
+    for name, dims in shapes.items():
+        if name in out and tuple(out[name].shape) != tuple(dims):
+            if out[name].ndim != len(dims):
+                raise BadInputError(f"--shapes {name}:{'x'.join(map(str, dims))} has {len(dims)} dimensions; the "
+                                    f"sample input {name!r} has {out[name].ndim} {tuple(out[name].shape)}")
+            out[name] = fit_array(out[name], dims)
     return out

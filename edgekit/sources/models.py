@@ -23,7 +23,16 @@ import numpy as np
 import onnx
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
+from edgekit.sources.inputs import (
+    DEFAULT_SEQUENCE,
+    InputOptions,
+    apply_input_options,
+    detect_preprocess,
+    image_prepare,
+    unbound_dims,
+)
 from edgekit.sources.onnx_file import (
     constants_to_initializers,
     external_tensors,
@@ -40,13 +49,19 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib")  # torch.save / pickle files
 
 
-def load_model(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
-    """Load a model from any supported source.
+def load_model(spec: str | os.PathLike[str] | ModelHandle, input_options: InputOptions | None = None) -> ModelHandle:
+    """Load a model from any supported source; ``input_options`` (shapes, a .npz of real
+    sample inputs, image preprocessing: ``sources.inputs``) are checked against its inputs
+    and followed by its ``sample_inputs`` and ``prepare``.
 
     >>> handle = load_model("efficientnet-lite0")  # doctest: +SKIP
     >>> handle.inputs[0].shape
     ('batch', 3, 224, 224)
     """
+    return apply_input_options(_load(spec), input_options)
+
+
+def _load(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
     if isinstance(spec, ModelHandle):
         return spec
     text = str(spec)
@@ -95,19 +110,27 @@ def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> Mod
     """An ONNX file as a handle: validated (``onnx_file.read_onnx``), its inputs and outputs
     read from the graph. A graph that keeps its weights in ``Constant`` nodes is normalized
     (weights become initializers, outputs unchanged) into a copy that lives as long as the
-    handle (``handle.onnx_path``; ``handle.source`` stays the file given). Integer inputs
-    that index an embedding table get sample ids inside it, masks get ones."""
+    handle (``handle.onnx_path``; ``handle.source`` stays the file given). Sample inputs
+    follow ``graph_sample_inputs``; an image input gets a ``prepare`` that follows the
+    layout and preprocessing the model declares (``sources.inputs.detect_preprocess``)."""
     path = Path(path)
     _require_file(path)
     model = read_onnx(path)
     inputs, dyn = graph_inputs(model)
     outputs = [o.name for o in model.graph.output]
+    metadata = {p.key: p.value for p in model.metadata_props}
     if any(i.name.startswith("past_key_values.") for i in inputs):  # a causal LM exported with its KV cache
         return ModelHandle(name=name or path.stem, source=str(path), kind="causal-lm", onnx_path=path,
                            inputs=inputs, outputs=outputs, dynamic_axes=dyn, make_inputs=decode_step_inputs(inputs))
     handle = ModelHandle(name=name or path.stem, source=str(path), kind="generic", onnx_path=path,
                          inputs=inputs, outputs=outputs, dynamic_axes=dyn,
                          make_inputs=graph_sample_inputs(inputs, integer_input_bounds(model)))
+    handle.extra["onnx_metadata"] = metadata
+    image = image_input(inputs)
+    if image is not None:
+        preprocess = detect_preprocess(image, metadata)
+        handle.prepare = image_prepare(image, preprocess)
+        handle.extra["preprocess"] = preprocess.to_dict()
     external = any(True for _ in external_tensors(model.graph))
     moved = 0 if external else constants_to_initializers(model)
     if moved:
@@ -118,22 +141,50 @@ def load_onnx_file(path: str | os.PathLike[str], name: str | None = None) -> Mod
     return handle
 
 
+def _is_integer(spec: InputSpec) -> bool:
+    return np.dtype(spec.dtype).kind in "iub"
+
+
 def graph_sample_inputs(specs: list[InputSpec], bounds: dict[str, int]) -> Any:
-    """``make_inputs`` for an ONNX graph: random values of the declared shapes and dtypes,
-    except ids that index a table (``bounds``: input -> rows) stay below its size and
-    integer masks are ones. None when no input needs that (plain random inputs)."""
-    masks = [s.name for s in specs if "mask" in s.name.lower() and np.dtype(s.dtype).kind in "iub"]
-    if not bounds and not masks:
-        return None
+    """``make_inputs`` for an ONNX graph: values of the declared shapes and dtypes that the
+    model accepts. Token ids that index a table (``bounds``: input -> rows, read from the
+    graph's Gather) stay below its size; masks are ones; token types (``*type*``,
+    ``*segment*``) are a sentence pair (zeros, then ones in the second half) where the type
+    table has two rows or more, else zeros; positions count up. Dimensions: the batch axis
+    is the batch, named ones come from ``dims`` (``--shapes``), a dynamic dimension of a
+    token-id input defaults to ``DEFAULT_SEQUENCE`` (128) tokens, and any other unbound
+    dynamic dimension is an error naming the input and its dimensions."""
+    token_axes = {d for s in specs if _is_integer(s) for d in s.shape if isinstance(d, str) and d != "batch"}
 
     def make_inputs(batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
+        dims = {**{d: DEFAULT_SEQUENCE for d in token_axes}, **dims}
+        for s in specs:
+            free = unbound_dims(s, dims)
+            if free:
+                example = "x".join(str(batch) if d == "batch" else str(d) if isinstance(d, int) else f"<{d}>"
+                                   for d in s.shape)
+                raise BadInputError(f"input {s.name!r} has dynamic dimensions {free} (shape "
+                                    f"({', '.join(map(str, s.shape))})) that nothing binds; give them with "
+                                    f"--shapes {s.name}:{example} (or --inputs FILE.npz)")
         feeds = random_inputs(specs, batch, **dims)
         rng = np.random.default_rng(0)
         for s in specs:
-            if s.name in bounds:
-                feeds[s.name] = rng.integers(0, max(1, bounds[s.name]), size=feeds[s.name].shape).astype(s.dtype)
-            elif s.name in masks:
-                feeds[s.name] = np.ones_like(feeds[s.name])
+            if not _is_integer(s):
+                continue
+            a = feeds[s.name]
+            lname = s.name.lower()
+            if "mask" in lname:
+                feeds[s.name] = np.ones_like(a)
+            elif "type" in lname or "segment" in lname:
+                seg = np.zeros_like(a)
+                if bounds.get(s.name, 1) >= 2 and a.ndim:
+                    seg[..., a.shape[-1] // 2:] = 1  # sentence B
+                feeds[s.name] = seg
+            elif "position" in lname and a.ndim:
+                feeds[s.name] = np.broadcast_to(np.arange(a.shape[-1]) % bounds.get(s.name, 1 << 62),
+                                                a.shape).astype(a.dtype)
+            elif s.name in bounds:
+                feeds[s.name] = rng.integers(0, max(1, bounds[s.name]), size=a.shape).astype(a.dtype)
         return feeds
 
     return make_inputs

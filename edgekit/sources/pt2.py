@@ -309,7 +309,7 @@ def symbolic_operators() -> frozenset[Any]:
 
 
 def _sympy_function_names() -> frozenset[str]:
-    import sympy  # type: ignore[import-untyped]
+    import sympy
     import torch.utils._sympy.functions as functions
 
     return frozenset(n for n in dir(functions) if isinstance(getattr(functions, n), type)

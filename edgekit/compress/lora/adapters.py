@@ -12,7 +12,7 @@ should not pay.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -42,8 +42,9 @@ def inject(handle: ModelHandle, config: LoraConfig, names: list[str], base: str)
         from peft import inject_adapter_in_model
 
         pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"
-        peft_config = PeftLoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                                     target_modules=pattern, bias="none")
+        # peft annotates lora_alpha as int; it scales by alpha / r in float, so a float alpha is kept
+        peft_config = PeftLoraConfig(r=config.r, lora_alpha=config.alpha,  # type: ignore[arg-type]
+                                     lora_dropout=config.dropout, target_modules=pattern, bias="none")
         try:
             inject_adapter_in_model(peft_config, module)
         except (ValueError, TypeError, NotImplementedError) as e:
@@ -117,12 +118,12 @@ def merge_adapters(handle: ModelHandle) -> dict[str, float]:
             elif is_nf4(layer.get_base_layer()):
                 nf4 = layer.get_base_layer()
                 w = dequantize_nf4(nf4)
-                delta = layer.get_delta_weight("default").float()
+                delta = _peft_delta(layer).float()
                 rel.append(_relative(delta, w))
-                merged = _float_linear(w + delta, nf4.bias)
+                merged = _float_linear(w + delta, None if nf4.bias is None else _tensor(nf4.bias))
             else:
-                delta = layer.get_delta_weight("default")
-                rel.append(_relative(delta, layer.get_base_layer().weight))
+                delta = _peft_delta(layer)
+                rel.append(_relative(delta, _tensor(layer.get_base_layer().weight)))
                 layer.merge(safe_merge=True)
                 merged = layer.get_base_layer()
             module.set_submodule(name, merged)
@@ -134,6 +135,19 @@ def merge_adapters(handle: ModelHandle) -> dict[str, float]:
     if lost:
         stats["repack_lost_fraction"] = float(np.mean(lost))
     return stats
+
+
+def _peft_delta(layer: object) -> torch.Tensor:
+    """The ``B A * s`` update of peft's default adapter (its lora.Linear defines get_delta_weight)."""
+    delta: torch.Tensor = cast(Any, layer).get_delta_weight("default")
+    return delta
+
+
+def _tensor(value: torch.Tensor | nn.Module) -> torch.Tensor:
+    """A layer's weight or bias as the tensor it is (nn.Module's attribute type is a union)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(value).__name__}")
+    return value
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

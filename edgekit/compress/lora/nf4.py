@@ -11,6 +11,8 @@ imported only when NF4 is asked for.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -40,9 +42,10 @@ def to_nf4(handle: ModelHandle, names: list[str]) -> int:
             continue
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
                               compute_dtype=torch.float32, quant_type="nf4")
-        q.weight = bnb.nn.Params4bit(lin.weight.data.float().contiguous(), requires_grad=False,
-                                     quant_type="nf4")._quantize("cpu")
-        q.weight.module = q
+        weight = bnb.nn.Params4bit(lin.weight.data.float().contiguous(), requires_grad=False,
+                                   quant_type="nf4")._quantize("cpu")
+        weight.module = q
+        q.weight = weight
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
         # Its CPU inference repack (after a no-grad eval forward) breaks training and
@@ -57,5 +60,6 @@ def dequantize_nf4(layer: nn.Module) -> torch.Tensor:
     """The float (out, in) weight of a bitsandbytes NF4 layer."""
     import bitsandbytes.functional as bnbf
 
-    return bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+    weight: Any = layer.weight  # a bitsandbytes Params4bit: the packed data and its quantization state
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
 

@@ -48,7 +48,7 @@ class FrozenDequantMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
                 base: QuantLinear) -> torch.Tensor:
         ctx.base = base  # type: ignore[attr-defined]
         chunks = row_chunks(base)
@@ -57,7 +57,7 @@ class FrozenDequantMatmul(torch.autograd.Function):
         return torch.cat([x @ base.dequantize_rows(lo, hi, x.dtype).t() for lo, hi in chunks], dim=-1)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         base: QuantLinear = ctx.base  # type: ignore[attr-defined]
         out = None

@@ -13,8 +13,9 @@ The registry (``edgekit.runtimes.RUNTIMES``) names ``RUNTIME`` here.
 """
 from __future__ import annotations
 
+from edgekit.runtimes.base import Runtime
 from edgekit.runtimes.tensorrt.runtime import TensorRTRuntime
 
-RUNTIME = TensorRTRuntime()
+RUNTIME: Runtime = TensorRTRuntime()
 
 __all__ = ["RUNTIME", "TensorRTRuntime"]

@@ -181,7 +181,7 @@ class TensorRTEngine:
         trt = self.trt
         times: dict[str, list[float]] = {}
 
-        class _Profiler(trt.IProfiler):  # type: ignore[misc, name-defined]
+        class _Profiler(trt.IProfiler):  # type: ignore[name-defined]
             def __init__(self) -> None:
                 trt.IProfiler.__init__(self)
 

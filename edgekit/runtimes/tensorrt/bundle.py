@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shlex
 
-from edgekit import __version__
 from edgekit.runtimes.base import RESULTS_MANIFEST
 from edgekit.runtimes.tensorrt.device import JETSON_TRTEXEC, PROBE_SH
 from edgekit.runtimes.tensorrt.parsers import LAYERS_JSON, PROFILE_JSON, TIMES_JSON
@@ -26,6 +25,7 @@ from edgekit.runtimes.tensorrt.settings import (
     TrtSettings,
 )
 from edgekit.targets import Target
+from edgekit.version import __version__
 
 # What build.sh records about the machine, as key=value lines in results/machine.txt;
 # nvpmodel and jetson_clocks write their own files (they exist on Jetson only).

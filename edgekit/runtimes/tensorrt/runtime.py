@@ -68,7 +68,7 @@ from edgekit.runtimes.tensorrt.settings import (
     settings_for,
     trtexec_argv,
 )
-from edgekit.sources.handle import InputSpec
+from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.ssh import RemoteHost
 from edgekit.targets import Target
 
@@ -166,7 +166,7 @@ class TensorRTRuntime:
             return False
         return choose_path(target, {})[0] in ("api", "trtexec")
 
-    def build(self, model: Any, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         hosts: list[RemoteHost] = []
         try:
             return self._build(model, target, out_dir, options, hosts)
