@@ -4,6 +4,7 @@ tied head) through every weight-only method, the quality gate of ``compress``, f
 descriptions and the tokenizer's special prefix on every window."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +145,7 @@ def test_replacement_that_changes_the_forward_is_refused():
 def _break_surgery(monkeypatch) -> None:
     """A deliberately broken surgery: the packed embedding forgets Gemma's scale, and the on-the-spot
     check that would catch it is switched off, so only the quality gate stands in the way."""
-    import edgekit.compress.weight_only as wo
+    wo = importlib.import_module("edgekit.compress.weight_only")
 
     monkeypatch.setattr(wo, "embedding_scale", lambda emb: 1.0)
     monkeypatch.setattr(wo, "check_replacement", lambda *a, **k: None)
