@@ -472,6 +472,8 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 @click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @with_input_options("shapes", "inputs", "preprocess")
+@click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
+@click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
 def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
              calib_samples: int | None, target: str | None, max_accuracy_drop: float | None, placement: str | None,
              keep_float: tuple[str, ...], rounding: str | None, group_size: int | None,
@@ -479,8 +481,12 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
              seqlen: int | None, device: str | None, prune: float | None,
              importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
              iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
-             alpha: float | None, train_data: str | None, seed: int, input_options: Any) -> None:
-    """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation."""
+             alpha: float | None, train_data: str | None, seed: int, input_options: Any, accept_quality_loss: bool,
+             max_ppl_ratio: float | None) -> None:
+    """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
+
+    The result is measured against the float model on held-out data (perplexity ratio,
+    agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
     from edgekit.compress import StepContext
     from edgekit.compress import compress as run_compress
     from edgekit.compress.plan import plan_steps
@@ -498,8 +504,18 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
                        "ignore": tuple(ignore), "iterative_steps": iterative_steps},
         distill_options={"epochs": epochs, "temperature": temperature, "alpha": alpha},
     )
+    bounds = None
+    if max_ppl_ratio is not None:
+        from dataclasses import replace
+
+        from edgekit.compress import make_config
+        from edgekit.compress.quality import QualityBounds, default_bounds
+
+        base = default_bounds([(n, make_config(n, c)) for n, c in steps]) or QualityBounds()
+        bounds = replace(base, max_ppl_ratio=max_ppl_ratio)
     ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train_data, seed=seed,
-                      device=device or "cpu", inputs=input_options)
+                      device=device or "cpu", inputs=input_options, accept_quality_loss=accept_quality_loss,
+                      quality_bounds=bounds)
     folder = run_compress(model, steps, out, ctx)
     from edgekit.artifact import read_manifest
 

@@ -11,6 +11,11 @@ model's spec and whose ``steps`` is the chain of ``{"name", "config", "meta"}``.
 ``load_compressed`` reloads the base model, lets each step ``rebuild`` the structure
 it changed (smaller layers, packed int4 linears, fake-quant wrappers) from its record,
 and loads the weights strictly: the safetensors file alone cannot run code.
+
+Every ``compress`` measures the result against the float model it started from on held-out
+data (``quality.py``: perplexity ratio, top-1 agreement, output cosine; ``metrics.quality``)
+and stops with ``CheckFailedError`` (exit 1), writing nothing, when a quantizing chain costs
+more than its sanity bound, unless ``StepContext.accept_quality_loss``.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.compress.quality import check_quality, compare, default_bounds, measure_reference
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.progress import StepProgress
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
@@ -49,6 +55,7 @@ class StepContext:
     calib / train / eval: data specs (see ``edgekit.sources.data``); None means the
     model's defaults. reference: the model before this chain (FP32 reference, teacher).
     work_dir: a folder that survives interruption, for checkpoints and resume.
+    quality_bounds / accept_quality_loss: the quality gate of ``compress`` (``quality.py``).
     """
 
     target: Any = None  # edgekit.targets.Target
@@ -62,6 +69,14 @@ class StepContext:
     reference: ModelHandle | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # steps add what they measured
     inputs: InputOptions | None = None  # --shapes / --inputs / --preprocess (edgekit.sources.inputs)
+    # the quality gate of compress() (edgekit/compress/quality.py): bounds against the float model
+    # (None: the chain's defaults), and whether a loss beyond them is accepted (exit 0) or stops (exit 1)
+    quality_bounds: Any = None
+    accept_quality_loss: bool = False
+    quality_windows: int | None = None  # causal LM: eval windows the gate measures on (None: quality.EVAL_WINDOWS)
+    # the float model's outputs on held-out data (quality.measure_reference): measured by compress() unless
+    # given (by a caller compressing one base model several ways); steps then need not measure again
+    quality_reference: Any = None
 
 
 # What a model's weights are between steps. Each step declares which of these it takes and
@@ -249,6 +264,10 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     if ctx.work_dir is None:
         ctx.work_dir = work_folder(out_dir)
     metrics: dict[str, Any] = {}
+    bounds = ctx.quality_bounds if ctx.quality_bounds is not None else default_bounds(configs)
+    if ctx.quality_reference is None:  # the float model's outputs, before any step (or given: the same base model)
+        ctx.quality_reference = measure_reference(handle, ctx)
+    reference = ctx.quality_reference
     with StepProgress("compress", total=len(configs), enabled=None if ctx.progress else False) as progress:
         for i, (name, config) in enumerate(configs):  # in a log: a line per step done, and one every 30 s
             progress.phase(f"{name} ({i + 1}/{len(configs)})")
@@ -257,6 +276,18 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
             progress.update(i + 1)
     metrics.update(ctx.metrics)
+    quality = compare(handle, reference)
+    broken = check_quality(quality, bounds)
+    quality["bounds"] = dataclasses.asdict(bounds) if bounds is not None else None
+    quality["passed"] = not broken
+    metrics["quality"] = quality
+    if handle.steps:  # export checks its graph against the float model with this error as the expectation
+        handle.steps[-1].meta = {**(handle.steps[-1].meta or {}), "quality": {
+            k: quality[k] for k in ("relative_error", "cosine", "agreement", "perplexity_ratio") if k in quality}}
+    if broken and not ctx.accept_quality_loss:
+        raise CheckFailedError(f"the compressed model is far from the float model it started from ({quality['data']}): "
+                               f"{'; '.join(broken)}; nothing written (accept the loss with --accept-quality-loss, "
+                               "or set the bound)")
     with staged_dir(out_dir, protect) as tmp:
         files = save_model_files(handle, tmp)
         inputs = {}

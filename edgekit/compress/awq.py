@@ -7,7 +7,10 @@ quantizes ``W · diag(s)`` and divides the input by ``s``, choosing ``alpha`` on
 ``[0, 1)`` to minimise the group's output error ``||W x - Q(W s)(x / s)||²`` on calibration
 tokens. ``1 / s`` is folded into the op producing ``x`` (the RMSNorm weight, or the rows of
 ``up_proj`` for ``down_proj``; ``v_proj`` rows for ``o_proj`` when heads are not grouped),
-so the deployed graph has no extra op; groups with no foldable producer get ``s = 1``.
+so the deployed graph has no extra op; groups with no foldable producer get ``s = 1``. Which
+norm feeds which projections, and whether it multiplies by ``w`` or ``1 + w``, comes from the
+model's family description (``families.py``: Gemma 2/3 feed the MLP from
+``pre_feedforward_layernorm``); a Hugging Face family edgekit does not describe stops.
 An optional clipping search then shrinks each (row, group) range by the ratio in
 ``[0.5, 1]`` that minimises that group's output error, and RTN packs the result.
 
@@ -21,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgekit.compress.families import Family, family_of, norm_offset, require_known
 from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
+from edgekit.errors import BadInputError
 
 MAX_TOKENS = 2048  # calibration tokens kept per group for the searches (spread over all windows)
 
@@ -76,27 +81,39 @@ def search_clip(W: torch.Tensor, X: torch.Tensor, bits: int, group_size: int, sy
     return best
 
 
-def _producer(module: nn.Module, block: nn.Module, names: list[str]) -> tuple[str, nn.Module] | None:
-    """The op whose output is the group's input, when ``1/s`` can be folded into it."""
-    first = names[0].rsplit(".", 1)[-1]
-    parent = module.get_submodule(names[0].rsplit(".", 1)[0])
-    if first in ("q_proj", "k_proj", "v_proj", "query", "key", "value"):
-        cand = ("input_layernorm", "ln_1", "attention_norm")
-    elif first in ("gate_proj", "up_proj", "w1", "w3"):
-        cand = ("post_attention_layernorm", "ln_2", "ffn_norm")
-    elif first == "down_proj" and isinstance(getattr(parent, "up_proj", None), nn.Linear):
-        return "up_proj", parent.up_proj
-    elif first == "o_proj" and isinstance(getattr(parent, "v_proj", None), nn.Linear):
-        v, o = parent.v_proj, parent.get_submodule("o_proj")
-        return ("v_proj", v) if v.out_features == o.in_features else None
-    else:
+def _producer(family: Family, block: nn.Module, rel: list[str]) -> tuple[str, nn.Module, float] | None:
+    """The op whose output is the group's input, when ``1/s`` can be folded into it: (path in the
+    block, module, norm offset). From the family description (``families.py``); None when the
+    group has no foldable producer (then ``s = 1``)."""
+    pair = family.pair_for(rel[0])
+    if pair is None:
         return None
-    for c in cand:
-        m = getattr(block, c, None)
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 1 and getattr(m, "bias", None) is None:
-            return c, m
-    return None
+    present = [c for c in pair.consumers if _has(block, c)]
+    if sorted(present) != sorted(rel):
+        raise BadInputError(f"AWQ: the {family.name} family description says {pair.producer} feeds "
+                            f"{', '.join(present)}, but these layers share one input: {', '.join(rel)}")
+    if not _has(block, pair.producer):
+        raise BadInputError(f"AWQ: the {family.name} family description names {pair.producer}, "
+                            f"which this block does not have")
+    prod = block.get_submodule(pair.producer)
+    w = getattr(prod, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    if w.dim() == 1:
+        return pair.producer, prod, norm_offset(prod, family)
+    if not isinstance(prod, nn.Linear):
+        return None
+    if prod.out_features != block.get_submodule(rel[0]).in_features:  # grouped heads: v feeds several o columns
+        return None
+    return pair.producer, prod, 0.0
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def awq_visit(module: nn.Module, config: Any, results: dict):
@@ -106,7 +123,9 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
     from edgekit.compress.gptq import HessianAccumulator, solve_group
     from edgekit.compress.weight_only import find_blocks
 
-    _, blocks = find_blocks(module)
+    prefix, blocks = find_blocks(module)
+    family = family_of(module)
+    require_known(family, "AWQ")
     then_gptq = config.method == "awq-gptq"
 
     def visit(block_index: int, names: list[str], inputs) -> None:
@@ -128,12 +147,14 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
         del batches
         x_mean = (total / max(count, 1)).float().to(X.device)
         W = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
-        prod = _producer(module, blocks[block_index], names)
+        block_prefix = f"{prefix}.{block_index}." if prefix else ""
+        rel = [n[len(block_prefix):] for n in names]
+        prod = _producer(family, blocks[block_index], rel)
         if prod is not None:
             s, _, _ = search_scale(W, X, x_mean, config.bits, config.group_size, config.sym, config.awq_grid)
-            _fold(prod[1], s)
+            _fold(prod[1], s, prod[2])
             if prod[1].weight.dim() == 2:  # an already-quantized linear: its row scales absorb 1/s
-                pname = names[0].rsplit(".", 1)[0] + "." + prod[0]
+                pname = block_prefix + prod[0]
                 if pname in results:
                     q0, sc0, z0 = results[pname]
                     results[pname] = (q0, sc0 / s.cpu()[:, None], z0)
@@ -167,11 +188,14 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
     return visit
 
 
-def _fold(producer: nn.Module, s: torch.Tensor) -> None:
-    """Divide the producer's output channels by ``s``."""
+def _fold(producer: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
+    """Divide the producer's output channels by ``s``. A norm computing ``x_hat * (offset + w) + b``
+    gets ``w' = (offset + w) / s - offset`` (Gemma's ``1 + w``) and ``b' = b / s``."""
     w = producer.weight
     if w.dim() == 1:  # a norm's elementwise weight
-        w.data.div_(s.to(w.dtype))
+        w.data.copy_(((w.data.double() + offset) / s.to(w.device).double() - offset).to(w.dtype))
+        if getattr(producer, "bias", None) is not None:
+            producer.bias.data.div_(s.to(w.dtype))
     else:  # a linear's output rows
         w.data.div_(s.to(w.dtype)[:, None])
         if getattr(producer, "bias", None) is not None:

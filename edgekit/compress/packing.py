@@ -214,15 +214,18 @@ class QuantLinear(_PackedTable):
 class QuantEmbedding(_PackedTable):
     """An embedding table with packed rows; ``forward`` dequantizes only the rows looked up.
 
-    Tied to a ``QuantLinear`` LM head by sharing its buffers (``tie_to``).
+    Tied to a ``QuantLinear`` LM head by sharing its buffers (``tie_to``). ``scale``: the factor a
+    scaled embedding applies to its rows (Gemma 3's ``sqrt(hidden)``; 1.0 for ``nn.Embedding``),
+    kept so that packing does not change what the model computes.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8, group_size: int = 128,
-                 padding_idx: int | None = None, device=None) -> None:
+                 padding_idx: int | None = None, device=None, scale: float = 1.0) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
+        self.scale = float(scale)
         self._init_buffers(num_embeddings, embedding_dim, bits, group_size, device)
 
     @property
@@ -246,8 +249,24 @@ class QuantEmbedding(_PackedTable):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if _exporting():  # one Gather on the dequantized table: what export rewrites find
-            return F.embedding(ids, self.dequantize())
-        return self._dequant_rows(self.qweight[ids], self.scales[ids], self.qzeros[ids])
+            rows = F.embedding(ids, self.dequantize())
+        else:
+            rows = self._dequant_rows(self.qweight[ids], self.scales[ids], self.qzeros[ids])
+        return rows if self.scale == 1.0 else rows * self.scale
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
+        extra = f", scale={self.scale:g}" if self.scale != 1.0 else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}{extra}"
+
+
+class ScaledEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose rows are multiplied by a constant: the float stand-in of a packed
+    scaled embedding (Gemma 3) while a graph is traced (``export.lm.float_placeholders``)."""
+
+    def __init__(self, *args, scale: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = float(scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.scale == 1.0 else rows * self.scale

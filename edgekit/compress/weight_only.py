@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress.families import embedding_scale, family_of
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.rtn import rtn_quantize
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -77,7 +78,8 @@ class WeightOnlyConfig:
     head: the LM head and tied embedding: "int8" (default; 4 bits there cost ~6 PPL on
     SmolLM2), "int4" or "none" (kept float). device: where the solver runs.
     eval_windows: for a causal LM, perplexity before and after on this many windows of the
-    eval split (the model's default eval text, e.g. Wikipedia; 0: skip), in the step metrics.
+    eval split (the model's default eval text, e.g. Wikipedia; 0: skip), in the step metrics,
+    when the step is applied on its own (``compress`` measures against the float model itself).
     """
 
     method: str = "gptq"
@@ -164,6 +166,18 @@ def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     return best, list(_get(module, best))
 
 
+def check_blocks(module: nn.Module, prefix: str, blocks: list[nn.Module]) -> None:
+    """The walked blocks must be the model's layers as its config counts them (a Hugging Face model);
+    anything else is a structure the walk would only guess at."""
+    from edgekit.compress.families import hf_model
+
+    hf = hf_model(module)
+    n = getattr(getattr(hf, "config", None), "num_hidden_layers", None)
+    if isinstance(n, int) and prefix and len(blocks) != n:
+        raise BadInputError(f"the block walk found {len(blocks)} blocks in {prefix!r}, but the model's config declares "
+                            f"{n} layers; edgekit does not know this model's structure")
+
+
 def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     """(LM head name, input embedding name) of a Hugging Face causal LM inside ``module``."""
     for _name, m in module.named_modules():
@@ -212,9 +226,8 @@ def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepC
         # offsets, as the GPTQ reference samples all of its calibration windows.
         from edgekit.sources.data import random_token_windows
 
-        bos = handle.tokenizer.bos_token_id if samples.meta.get("bos_per_window") else None
         more = random_token_windows(handle.tokenizer, samples.text, int(samples.meta["seqlen"]), extra,
-                                    seed=ctx.seed, bos_token_id=bos)
+                                    seed=ctx.seed, prefix=samples.meta.get("prefix", ()))
         inputs["input_ids"] = np.concatenate([inputs["input_ids"], more])
         if "attention_mask" in inputs:
             inputs["attention_mask"] = np.concatenate([inputs["attention_mask"], np.ones_like(more)])
@@ -437,11 +450,15 @@ def _group_inputs(block: nn.Module, first: nn.Module, data: list[tuple[Any, dict
 
 def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Module, int, int] | None:
     """(name, attention module, heads per key/value head, head dim) of the value projection
-    among ``names``, for Hugging Face attention modules (Llama family: ``v_proj`` inside a
-    module with ``head_dim``, ``num_key_value_groups`` and a config); None otherwise."""
+    among ``names``, for the families whose description names one (``families.py``: Llama,
+    Gemma, ...: ``v_proj`` inside a module with ``head_dim``, ``num_key_value_groups`` and a
+    config); None otherwise."""
+    value = family_of(module).value_proj
+    if value is None:
+        return None
     for name in names:
         parent_name, _, child = name.rpartition(".")
-        if child != "v_proj":
+        if not name.endswith("." + value) and name != value:
             continue
         attn = _get(module, parent_name)
         if all(hasattr(attn, a) for a in ("head_dim", "num_key_value_groups", "config")) and \
@@ -479,6 +496,7 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
     values) and return their codes. ``calib`` is needed by GPTQ and AWQ."""
     prefix, blocks, linears = quantizable_linears(module)
+    check_blocks(module, prefix, blocks)
     if not linears:
         raise BadInputError("the model has no linear layers to quantize (weight-only quantization "
                             "acts on nn.Linear layers)")
@@ -526,11 +544,17 @@ def _set_weight(lin: nn.Linear, q: torch.Tensor, s: torch.Tensor, z: torch.Tenso
 
 
 def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig) -> dict[str, Any]:
-    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` and quantize the head."""
+    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` and quantize the head.
+
+    Every replacement is checked on the spot (``check_replacement``): on a small probe it must
+    compute what the original module computes with the dequantized weight (its own forward:
+    a scaled embedding's factor, a bias, a custom forward), else ``CheckFailedError``."""
     layers: dict[str, Any] = {}
     for name, (q, s, z) in results.items():
         lin = _get(module, name)
-        _set(module, name, QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias))
+        qlin = QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias)
+        check_replacement(name, lin, qlin)
+        _set(module, name, qlin)
         layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": config.bits,
                         "group_size": config.group_size, "bias": lin.bias is not None}
     meta: dict[str, Any] = {"layers": layers, "head": None, "embedding": None, "tied": False}
@@ -542,22 +566,69 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
         tied = emb is not None and _get(module, emb).weight.data_ptr() == lin.weight.data_ptr()
         q, s, z = rtn_quantize(lin.weight.detach(), hbits, hgroup, config.sym)
         qhead = QuantLinear.from_quantized(q, s, z, hbits, hgroup, lin.bias)
-        _set(module, head, qhead)
-        meta["head"] = {"name": head, "in": lin.in_features, "out": lin.out_features, "bits": hbits,
-                        "group_size": hgroup, "bias": lin.bias is not None}
+        check_replacement(head, lin, qhead)
+        qemb = None
         if emb is not None:
             e = _get(module, emb)
-            qemb = QuantEmbedding(e.num_embeddings, e.embedding_dim, hbits, hgroup, e.padding_idx)
+            qemb = QuantEmbedding(e.num_embeddings, e.embedding_dim, hbits, hgroup, e.padding_idx,
+                                  scale=embedding_scale(e))
             if tied:
                 qemb.tie_to(qhead)
             else:
                 qemb.set_quantized(*rtn_quantize(e.weight.detach(), hbits, hgroup, config.sym))
+            check_replacement(emb, e, qemb)
+        _set(module, head, qhead)
+        meta["head"] = {"name": head, "in": lin.in_features, "out": lin.out_features, "bits": hbits,
+                        "group_size": hgroup, "bias": lin.bias is not None}
+        if emb is not None and qemb is not None:
             _set(module, emb, qemb)
-            meta["embedding"] = {"name": emb, "rows": e.num_embeddings, "dim": e.embedding_dim, "bits": hbits,
-                                 "group_size": hgroup, "padding_idx": e.padding_idx}
+            meta["embedding"] = {"name": emb, "rows": qemb.num_embeddings, "dim": qemb.embedding_dim, "bits": hbits,
+                                 "group_size": hgroup, "padding_idx": qemb.padding_idx, "scale": qemb.scale}
             meta["tied"] = tied
         _untie_config(module)
     return meta
+
+
+PROBE_ROWS = 64  # output rows / table rows a replacement is checked on
+
+
+@torch.no_grad()
+def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None:
+    """Raise ``CheckFailedError`` unless ``packed`` computes what ``original`` computes with the
+    dequantized weight, on a tiny probe (a few inputs, ``PROBE_ROWS`` rows of the weight): the
+    original's own forward runs (``torch.func.functional_call``), so whatever it does besides
+    the matrix product or lookup (a scale, a bias, a custom op) must be reproduced."""
+    from torch.func import functional_call
+
+    w = original.weight
+    if isinstance(packed, QuantEmbedding):
+        rows = min(PROBE_ROWS, packed.num_embeddings)
+        ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
+        table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
+        try:
+            want = functional_call(original, {"weight": table}, (torch.arange(rows)[None],))
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise CheckFailedError(f"cannot check the packed replacement of {name!r} ({type(original).__name__}): "
+                                   f"{e}") from None
+        got = packed(ids[None])
+    else:
+        rows = min(PROBE_ROWS, packed.out_features)
+        x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        params = {"weight": packed.dequantize_rows(0, rows).to(w.dtype)}
+        if getattr(original, "bias", None) is not None:
+            params["bias"] = original.bias[:rows]
+        try:
+            want = functional_call(original, params, (x,))
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise CheckFailedError(f"cannot check the packed replacement of {name!r} ({type(original).__name__}): "
+                                   f"{e}") from None
+        got = packed(x)[..., :rows]
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-5 * max(scale, 1.0)):
+        diff = float((got.float() - want.float()).abs().max()) if got.shape == want.shape else float("nan")
+        raise CheckFailedError(f"packing {name!r} would change what the model computes: {type(original).__name__}'s "
+                               f"forward differs from the packed layer's by up to {diff:.3g} (output magnitude "
+                               f"{scale:.3g}) on a probe input; edgekit does not replace modules it cannot reproduce")
 
 
 def _untie_config(module: nn.Module) -> None:
@@ -607,6 +678,8 @@ def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContex
     """The first ``eval_windows`` windows of the eval split, for a causal LM that has eval data."""
     if config.eval_windows == 0 or handle.kind != "causal-lm" or not (ctx.eval or handle.default_eval):
         return None
+    if ctx.quality_reference is not None:  # compress() measures against the float model itself
+        return None
     from edgekit.sources.data import resolve_samples
 
     samples = resolve_samples(ctx.eval or handle.default_eval, handle, "eval", config.eval_windows, config.seqlen,
@@ -649,7 +722,7 @@ def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -
             emb = meta.get("embedding")
             if emb:
                 qemb = QuantEmbedding(int(emb["rows"]), int(emb["dim"]), int(emb["bits"]), int(emb["group_size"]),
-                                      emb.get("padding_idx"))
+                                      emb.get("padding_idx"), scale=float(emb.get("scale", 1.0)))
                 if meta.get("tied"):
                     qemb.tie_to(qhead)
                 _set(module, emb["name"], qemb)

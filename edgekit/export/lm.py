@@ -23,7 +23,8 @@ Gather. Everything the exporter emitted for the dequantization becomes dead and 
 ``export_causal_lm(handle, out_dir)`` exports a causal LM in the ``text-generation-with-past``
 form (``input_ids, attention_mask, position_ids, past_key_values.{i}.key/value`` ->
 ``logits, present.{i}.key/value``) with optimum's ONNX exporter, rewrites packed layers and
-checks parity against the PyTorch model (which dequantizes the same codes) on a prefill and
+checks parity against the PyTorch model (which dequantizes the same codes) and, for a
+compressed model, against the float model it came from (``check_against_float``) on a prefill and
 a one-token decode step.
 """
 from __future__ import annotations
@@ -479,11 +480,16 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
                                 location="model.onnx.data" if large else None)
                 metrics["parity"] = check_lm_parity(handle, os.path.join(tmp, "model.onnx"), with_past=with_past,
                                                     atol=atol, rtol=rtol)
+                if handle.steps:  # against the float model too (quantization error as the tolerance)
+                    metrics["parity_float"] = check_against_float(handle, os.path.join(tmp, "model.onnx"),
+                                                                  with_past=with_past)
             metrics["parity"]["compute"] = "fp32 (twin of the shipped graph without accuracy_level)"
             metrics["parity_int8_compute"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past,
                                                              atol=atol, rtol=INT8_COMPUTE_RTOL)
         elif parity:
             metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
+        if parity and handle.steps and "parity_float" not in metrics:
+            metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past)
         names = [i.name for i in proto.graph.input]
         write_manifest(folder, Manifest(
             kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
@@ -534,7 +540,7 @@ def float_placeholders(module: Any):
     import torch
     from torch import nn
 
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear
+    from edgekit.compress.packing import QuantEmbedding, QuantLinear, ScaledEmbedding
 
     swapped = []
     tables: dict[int, nn.Parameter] = {}
@@ -550,7 +556,8 @@ def float_placeholders(module: Any):
             if m.bias is not None:
                 new.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=False)
         else:
-            new = nn.Embedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, _weight=tables[key])
+            new = ScaledEmbedding(m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx, _weight=tables[key],
+                                  scale=m.scale)
         parent, _, child = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
         setattr(owner, child, new)
@@ -639,6 +646,70 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
         report["passed"] = report["passed"] and bool(np.abs(bound - got).max() <= atol)
     if not report["passed"]:
         log.warning("LM parity failed: %s", report)
+    return report
+
+
+# The ONNX may differ from the float model by the quantization error, measured on the same prompt as
+# the packed PyTorch model's distance to the float model, plus this slack for ONNX Runtime's own
+# accumulation order; and that distance may be at most FLOAT_ERROR_FACTOR times the relative logit
+# error compress recorded on held-out data (metrics.quality, in the step's meta), at least FLOAT_ERROR_FLOOR.
+FLOAT_PARITY_SLACK = (1.1, 1e-3)
+FLOAT_ERROR_FACTOR, FLOAT_ERROR_FLOOR = 3.0, 0.05
+
+
+def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True,
+                        prompt_len: int = 16) -> dict[str, Any]:
+    """Parity of a compressed model's ONNX against the *float* model it came from (reloaded from
+    ``handle.source``): the relative logit error may be the quantization error and no more
+    (``FLOAT_PARITY_SLACK``, ``FLOAT_ERROR_FACTOR``). Raises ``CheckFailedError`` beyond it: a graph
+    that matches an already-wrong PyTorch model does not pass."""
+    import torch
+
+    from edgekit.sources.models import load_model
+
+    base = load_model(handle.source)
+    if base.module is None:
+        return {"skipped": f"the base model {handle.source} has no PyTorch module"}
+    feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
+    ids = feeds["input_ids"][:, : prompt_len + 1]
+    t = torch.from_numpy(ids)
+    with torch.no_grad():
+        ref = base.module(t, torch.ones_like(t)).float().numpy()
+        packed = handle.module(t, torch.ones_like(t)).float().numpy()
+    del base
+    sess = lm_session(onnx_path, threads=2)
+    if with_past:
+        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
+        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
+        got = np.concatenate([out[0], step[0]], axis=1)
+    else:
+        got = sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
+                              if k in {i.name for i in sess.get_inputs()}})[0]
+
+    def rel(a: np.ndarray) -> float:
+        return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+
+    recorded = [s.meta.get("quality", {}).get("relative_error") for s in handle.steps if isinstance(s.meta, dict)]
+    recorded = [r for r in recorded if isinstance(r, (int, float))]
+    factor, slack = FLOAT_PARITY_SLACK
+    expected = rel(packed)
+    report: dict[str, Any] = {"relative_error": round(rel(got), 6), "expected_quantization_error": round(expected, 6),
+                              "argmax_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
+                              "tolerance": round(factor * expected + slack, 6)}
+    problems = []
+    if not rel(got) <= factor * expected + slack:
+        problems.append(f"its logits differ from the float model's by {rel(got):.3g} (relative), more than the "
+                        f"quantization error {expected:.3g} allows")
+    if recorded:
+        bound = max(FLOAT_ERROR_FACTOR * max(recorded), FLOAT_ERROR_FLOOR)
+        report["recorded_quantization_error"] = max(recorded)
+        if not expected <= bound:
+            problems.append(f"the packed model differs from the float model by {expected:.3g} (relative) on the parity "
+                            f"prompt, beyond {bound:.3g} ({FLOAT_ERROR_FACTOR:g}x the {max(recorded):.3g} compress measured)")
+    report["passed"] = not problems
+    if problems:
+        raise CheckFailedError(f"the exported graph of {handle.name} is not the model it was compressed from: "
+                               f"{'; '.join(problems)}")
     return report
 
 

@@ -671,36 +671,65 @@ def _user_source(spec: str, split: str) -> tuple[_Raw | None, Samples | None]:
 
 
 def token_windows(tokenizer: Any, text: str, seqlen: int, *, bos_token_id: int | None = None,
-                  limit: int | None = None) -> np.ndarray:
+                  limit: int | None = None, prefix: Sequence[int] = ()) -> np.ndarray:
     """Tokenize ``text`` once and cut it into non-overlapping windows: (n, seqlen) int64.
-    With ``bos_token_id`` every window starts with it (then seqlen - 1 text tokens)."""
-    if seqlen < 2:
-        raise BadInputError(f"seqlen must be at least 2, got {seqlen}")
-    step = seqlen - 1 if bos_token_id is not None else seqlen
+    With ``prefix`` (the special tokens the tokenizer puts in front of a text, e.g. ``<bos>``:
+    ``window_prefix(tokenizer)``) every window starts with them, then ``seqlen - len(prefix)``
+    text tokens; ``bos_token_id`` is the one-token prefix."""
+    prefix = _prefix(prefix, bos_token_id, seqlen)
+    step = seqlen - len(prefix)
     ids = _tokenize_prefix(tokenizer, text, None if limit is None else (limit + 1) * step)
     n = len(ids) // step
     if limit is not None:
         n = min(n, limit)
     windows = ids[: n * step].reshape(n, step)
-    if bos_token_id is not None:
-        windows = np.concatenate([np.full((n, 1), bos_token_id, dtype=np.int64), windows], axis=1)
-    return windows
+    return _with_prefix(windows, prefix)
 
 
 def random_token_windows(tokenizer: Any, text: str, seqlen: int, n: int, *, seed: int = 0,
-                         bos_token_id: int | None = None) -> np.ndarray:
+                         bos_token_id: int | None = None, prefix: Sequence[int] = ()) -> np.ndarray:
     """``n`` windows of ``seqlen`` tokens at random offsets of ``text`` (they may overlap): the
     GPTQ reference's calibration sampling (``random.randint(0, len - seqlen - 1)`` per sample),
-    for when a text holds fewer non-overlapping windows than wanted. (n, seqlen) int64."""
-    step = seqlen - 1 if bos_token_id is not None else seqlen
+    for when a text holds fewer non-overlapping windows than wanted. (n, seqlen) int64; each
+    window starts with ``prefix`` as in ``token_windows``."""
+    prefix = _prefix(prefix, bos_token_id, seqlen)
+    step = seqlen - len(prefix)
     ids = _tokenize_prefix(tokenizer, text, None)
     if len(ids) < step:
         raise BadInputError(f"the text holds {len(ids)} tokens, fewer than one {seqlen}-token window")
     starts = np.random.default_rng(seed).integers(0, len(ids) - step + 1, size=n)
     windows = np.stack([ids[s:s + step] for s in starts]) if n else np.zeros((0, step), np.int64)
-    if bos_token_id is not None:
-        windows = np.concatenate([np.full((n, 1), bos_token_id, dtype=np.int64), windows], axis=1)
-    return windows
+    return _with_prefix(windows, prefix)
+
+
+def window_prefix(tokenizer: Any) -> tuple[int, ...]:
+    """The special tokens ``tokenizer`` puts in front of every text it encodes (``<bos>`` for
+    Llama 2 and Gemma; nothing for GPT-2-style tokenizers): what a model saw at the start of
+    every training sequence, so every calibration and evaluation window starts with them."""
+    text = "The quick brown fox"
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(int(t) for t in full[:start])
+    return ()
+
+
+def _prefix(prefix: Sequence[int], bos_token_id: int | None, seqlen: int) -> tuple[int, ...]:
+    out = tuple(int(t) for t in prefix) or ((int(bos_token_id),) if bos_token_id is not None else ())
+    if seqlen < len(out) + 1:
+        raise BadInputError(f"seqlen must be at least {len(out) + 1} (the {len(out)} special tokens every window "
+                            f"starts with, then text), got {seqlen}")
+    if seqlen < 2:
+        raise BadInputError(f"seqlen must be at least 2, got {seqlen}")
+    return out
+
+
+def _with_prefix(windows: np.ndarray, prefix: tuple[int, ...]) -> np.ndarray:
+    if not prefix:
+        return windows
+    head = np.broadcast_to(np.asarray(prefix, dtype=np.int64), (windows.shape[0], len(prefix)))
+    return np.concatenate([head, windows], axis=1)
 
 
 def _tokenize_prefix(tokenizer: Any, text: str, min_tokens: int | None) -> np.ndarray:
@@ -817,10 +846,13 @@ def _text_inputs(docs: list[str], model: ModelHandle | None, seqlen: int | None,
     text = "\n\n".join(docs)
     if model.kind == "causal-lm":
         L = int(seqlen or model.extra.get("seqlen", DEFAULT_SEQLEN))
-        bos = model.tokenizer.bos_token_id if model.extra.get("bos_per_window") else None
-        ids = token_windows(model.tokenizer, text, L, bos_token_id=bos, limit=limit)
+        max_positions = model.extra.get("max_positions")
+        if max_positions and L > int(max_positions):  # windows beyond the model's positions are garbage
+            L = int(max_positions)
+        prefix = tuple(model.extra.get("window_prefix", ()))
+        ids = token_windows(model.tokenizer, text, L, limit=limit, prefix=prefix)
         return ({"input_ids": ids, "attention_mask": np.ones_like(ids)},
-                {"kind": "token-windows", "seqlen": L, "bos_per_window": bos is not None})
+                {"kind": "token-windows", "seqlen": L, "prefix": list(prefix), "bos_per_window": bool(prefix)})
     sentences = split_sentences(docs)
     if limit is not None:
         sentences = sentences[:limit]

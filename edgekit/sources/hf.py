@@ -57,6 +57,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DEFAULT_SEQUENCE = 32  # tokens in make_inputs() when no length is asked
+# Calibration/evaluation window of a causal LM: the model's context (max_position_embeddings),
+# capped here: longer windows cost CPU time linearly and change perplexity little.
+DEFAULT_WINDOW = 512
 MAX_CONFIG_BYTES = 16 * 2**20  # config.json / tokenizer_config.json / index files larger than this are refused
 MAX_LAYERS = 1024  # a config declaring more layers (or experts) than this is refused before anything is built
 MODULE_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
@@ -434,24 +437,33 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
     model.config.use_cache = False
     wrapper = CausalLMWrapper(model).eval()
 
+    from edgekit.sources.data import window_prefix
+
+    prefix = list(window_prefix(tokenizer))  # <bos> for Gemma: what the model saw at every sequence start
+
     def make_inputs(batch: int = 1, sequence: int | None = None, **_: int) -> dict[str, np.ndarray]:
-        """Real news text, tokenized; row b starts b sentences later so rows differ."""
+        """Real news text, tokenized, after the tokenizer's special prefix (``<bos>``); row b
+        starts b sentences later so rows differ."""
         seq = int(sequence or DEFAULT_SEQUENCE)
+        head = prefix[:max(seq - 1, 0)]
         rows = []
         for b in range(batch):
             sents = SAMPLE_SENTENCES[b % len(SAMPLE_SENTENCES):] + SAMPLE_SENTENCES[:b % len(SAMPLE_SENTENCES)]
-            ids = tokenizer(_repeat_text(sents, 8 * seq), add_special_tokens=False)["input_ids"][:seq]
-            rows.append(ids)
+            ids = tokenizer(_repeat_text(sents, 8 * seq), add_special_tokens=False)["input_ids"][:seq - len(head)]
+            rows.append(head + ids)
         ids_arr = np.asarray(rows, dtype=np.int64)
         return {"input_ids": ids_arr, "attention_mask": np.ones_like(ids_arr)}
 
     def prepare(text: str | list[str], seqlen: int | None = None) -> dict[str, np.ndarray]:
-        from edgekit.sources.data import DEFAULT_SEQLEN, token_windows
+        from edgekit.sources.data import token_windows
 
         joined = text if isinstance(text, str) else "\n\n".join(text)
-        ids = token_windows(tokenizer, joined, int(seqlen or DEFAULT_SEQLEN))
+        ids = token_windows(tokenizer, joined, int(seqlen or window_len), prefix=prefix)
         return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
+    max_positions = getattr(config, "max_position_embeddings", None)
+    max_positions = int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None
+    window_len = min(DEFAULT_WINDOW, max_positions or DEFAULT_WINDOW)
     seq_axes = {0: "batch", 1: "sequence"}
     return ModelHandle(
         name=name, source=source, kind="causal-lm", module=wrapper,
@@ -463,7 +475,7 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
         dynamic_axes={"input_ids": dict(seq_axes), "attention_mask": dict(seq_axes), "logits": dict(seq_axes)},
         extra={"params": sum(p.numel() for p in model.parameters()), "hf_config": config.to_dict(),
                "vocab_size": int(config.vocab_size), "num_layers": int(getattr(config, "num_hidden_layers", 0)),
-               "seqlen": 512, "eval_batch": 1},
+               "seqlen": window_len, "max_positions": max_positions, "window_prefix": prefix, "eval_batch": 1},
     )
 
 
