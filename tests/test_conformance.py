@@ -54,17 +54,11 @@ FAMILIES = DECODER_FAMILIES + list(ENCODERS) + [VISION]
 TIED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2", "opt")  # tie_word_embeddings in their configs
 
 # --- known edgekit bugs: (family, cell) -> the bug in one line ---------------------------------------
-GPT2 = "the HF loader takes only *ForCausalLM architectures: GPT2LMHeadModel (GPT-2's own class) is refused"
-EMBED_SCALE = "the packed embedding replaces Gemma 3's scaled embedding and drops its embed_scale (sqrt(hidden))"
-AWQ_NORM = "AWQ divides Gemma's (1 + w) RMSNorm weight by its scales as if the norm multiplied by w"
+GPT2_CONV1D = ("GPT-2's projections are transformers' Conv1D (a transposed linear), not nn.Linear: weight-only "
+               "quantization and LoRA find no layers and stop with that reason")
 KNOWN: dict[tuple[str, str], str] = {
-    **{("gpt2", cell): GPT2 for cell in ("load", "rtn-8", "rtn-4", "gptq-8", "gptq-4", "awq-8", "awq-4", "int8",
-                                         "prune", "lora", "export-float", "export-w4", "tied-once")},
-    **{("gemma3", f"{m}-{b}"): EMBED_SCALE for m in ("rtn", "gptq", "awq") for b in (8, 4)},
-    ("gemma3", "export-w4"): EMBED_SCALE,
-    ("gemma2", "awq-8"): AWQ_NORM,
-    **{(f, "bos"): "calibration and evaluation windows carry no <bos> although the tokenizer adds one"
-       for f in GEMMA},
+    **{("gpt2", c): GPT2_CONV1D for c in ("rtn-8", "rtn-4", "gptq-8", "gptq-4", "awq-8", "awq-4", "lora", "export-w4",
+                                                 "tied-once")},
     ("opt", "int8"): "INT8 calibrates on 512-token windows whatever the model's max_position_embeddings "
                      "(OPT's learned positions overflow: Gather out of bounds)",
     ("bert", "prune"): "pruning BERT leaves attention reshapes at the old head size (RuntimeError in the forward)",
@@ -185,6 +179,12 @@ def test_weight_only(family, method, bits, bound, spec, reference, tmp_path, req
     ref, feeds, want = reference(family)
     cfg = make_config("int4", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
                                "awq_grid": 10, "eval_windows": 0})
+    if method == "awq" and family in AWQ_UNDESCRIBED:  # AWQ folds scales into norms it must know: stop, never guess
+        with pytest.raises(BadInputError, match=f"AWQ needs to know how model type '{AWQ_UNDESCRIBED[family]}' "
+                                                "wires its norms and projections"):
+            compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
+        assert not (tmp_path / "w").exists()
+        return
     out = compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
     got = _outputs(load_compressed(out), feeds)
     assert _rel(got, want) < bound
@@ -202,6 +202,9 @@ def test_int8(family, spec, reference):
     h = apply(load_model(spec(family)), cfg, _ctx(ref))
     assert _rel(_outputs(h, feeds), want) < 0.1
 
+
+# families whose norm -> projection wiring edgekit does not describe (edgekit/compress/families.py)
+AWQ_UNDESCRIBED = {"opt": "opt", "gpt-neox": "gpt_neox", "bert": "bert"}
 
 PRUNABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "bert", VISION)
 

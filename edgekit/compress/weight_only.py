@@ -18,6 +18,7 @@ activations for all windows, never the whole model's.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -605,8 +606,11 @@ def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None
         rows = min(PROBE_ROWS, packed.num_embeddings)
         ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
         table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
+        probe = copy.copy(original)  # padding_idx changes gradients only, and may lie beyond the probe's rows
+        if getattr(probe, "padding_idx", None) is not None:
+            probe.padding_idx = None
         try:
-            want = functional_call(original, {"weight": table}, (torch.arange(rows)[None],))
+            want = functional_call(probe, {"weight": table}, (torch.arange(rows)[None],))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
             raise CheckFailedError(f"cannot check the packed replacement of {name!r} ({type(original).__name__}): "
                                    f"{e}") from None

@@ -371,7 +371,13 @@ def _require_all_weights(info: dict[str, Any], files: str, where: str, optional:
 
 
 def _is_causal_lm(config: Any) -> bool:
-    return any(str(a).endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or []))
+    """A causal-LM architecture: ``*ForCausalLM`` or another class transformers maps to causal LM
+    (GPT-2's ``GPT2LMHeadModel``, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ((v,) if isinstance(v, str) else v)}
+    return any(str(a).endswith("ForCausalLM") or str(a) in causal
+               for a in (getattr(config, "architectures", None) or []))
 
 
 def _is_encoder(config: Any) -> bool:
@@ -408,7 +414,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
         else:
             archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
             raise BadInputError(f"unsupported Hugging Face architecture {archs[0]!r} in {folder} (edgekit loads causal "
-                                "LMs, *ForCausalLM, and BERT-style sentence encoders)")
+                                "LMs (*ForCausalLM, GPT2LMHeadModel, ...) and BERT-style sentence encoders)")
         check_parameter_budget(auto_class, config, weights.elements, str(hf_folder))
         try:
             tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder), trust_remote_code=False)
