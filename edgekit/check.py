@@ -64,7 +64,7 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     """Compare a profile's latency at ``percentile`` with ``budget_ms``.
 
     >>> v = check_budget("out/profile.json", budget_ms=33, percentile="p99")  # doctest: +SKIP
-    >>> v.passed
+    >>> v.passed  # doctest: +SKIP
     True
     """
     if isinstance(budget_ms, bool) or not isinstance(budget_ms, (int, float)) or not math.isfinite(budget_ms) \

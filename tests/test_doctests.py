@@ -10,16 +10,10 @@ import pytest
 
 import edgekit
 
-# Examples whose later lines use a name from a skipped line: mark those lines +SKIP too, then
-# drop the module from this set (the xfail is strict, so a fixed module fails here until then).
-UNMARKED_FOLLOW_UPS = {"edgekit.check", "edgekit.pipelines.run", "edgekit.sources.models"}
-
 MODULES = sorted(m.name for m in pkgutil.walk_packages(edgekit.__path__, "edgekit."))
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="a follow-up line of a skipped example runs"))
-    if n in UNMARKED_FOLLOW_UPS else n for n in MODULES])
+@pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
     module = importlib.import_module(name)

@@ -257,7 +257,7 @@ def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: st
     cached). It must be new, empty or a run folder.
 
     >>> result = run_recipe(load_recipe("examples/perception.yaml"), "runs/perception")  # doctest: +SKIP
-    >>> result.passed
+    >>> result.passed  # doctest: +SKIP
     True
     """
     recipe = validate_recipe(recipe)  # the dry run's validation, whoever built the Recipe; before any write

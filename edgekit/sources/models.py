@@ -55,7 +55,7 @@ def load_model(spec: str | os.PathLike[str] | ModelHandle, input_options: InputO
     and followed by its ``sample_inputs`` and ``prepare``.
 
     >>> handle = load_model("efficientnet-lite0")  # doctest: +SKIP
-    >>> handle.inputs[0].shape
+    >>> handle.inputs[0].shape  # doctest: +SKIP
     ('batch', 3, 224, 224)
     """
     return apply_input_options(_load(spec), input_options)
