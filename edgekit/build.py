@@ -24,12 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import atomic_write_json
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.sources.data import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
+from edgekit.sources.onnx_file import node_labels
 from edgekit.targets import Target
 
 INPUTS_FILE = "inputs.npz"
@@ -305,6 +307,9 @@ def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+NODE_LABELS = "node_labels.json"
+
+
 def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict[str, Any]) -> None:
     """The exported graph in ``onnx/`` is removed when the runtime loads an ONNX graph of its own
     instead (ONNX Runtime's saved optimized graph holds the same weights) and none of its files
@@ -317,6 +322,10 @@ def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict
     from edgekit.artifact import sha256_file
 
     src = folder / files.pop("onnx")
+    labels = node_labels(src)  # the exporter's module paths, which the runtime's optimized copy drops
+    if labels:
+        atomic_write_json(folder / NODE_LABELS, labels)
+        files["node_labels"] = NODE_LABELS
     metrics["source_onnx"] = {"sha256": sha256_file(src),
                               "bytes": sum(f.stat().st_size for f in (folder / ONNX_DIR).iterdir() if f.is_file())}
     shutil.rmtree(folder / ONNX_DIR)

@@ -25,6 +25,7 @@ from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import NodeTiming, RecordedRun, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 from edgekit.sources.inputs import InputOptions
+from edgekit.sources.onnx_file import node_labels
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -322,27 +323,6 @@ def noise_message(cv: float, threshold: float, attempts: int) -> str:
             "a verdict on it is uncertain (a busy machine, unstable clocks, or inputs whose cost varies)")
 
 
-def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
-    """ONNX node name -> the PyTorch module path the exporter recorded (``onnx_node_label``),
-    for the nodes that have one."""
-    import onnx
-
-    from edgekit.sources.onnx_file import onnx_node_label
-
-    try:
-        model = onnx.load(str(onnx_path), load_external_data=False)
-    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:  # type: ignore[attr-defined]
-        raise BadInputError(f"cannot read {onnx_path} for node names: {e}") from None
-    labels: dict[str, str] = {}
-    for node in model.graph.node:
-        label = onnx_node_label(node)
-        if node.name and label != node.name:
-            labels[node.name] = label
-            for out in node.output:  # ORT names some fused nodes after an output (Conv+Clip: "hardtanh_nchwc")
-                labels.setdefault(f"output:{out}", label)
-    return labels
-
-
 def label_nodes(nodes: list[NodeTiming], labels: dict[str, str]) -> None:
     """Set each node's ``module`` from ``labels`` (ORT may prefix or suffix fused node names)."""
     import re
@@ -444,8 +424,11 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
                 model=manifest.model.get("name"), model_size_mb=_engine_size_mb(engine_dir, manifest),
                 progress=progress)
         # The exported graph keeps the exporter's metadata; a runtime's optimized copy drops it.
+        # (an engine folder without the exported graph keeps its labels in node_labels.json).
         onnx_path = (engine_dir / manifest.files["onnx"]) if "onnx" in manifest.files else getattr(engine, "path", None)
-        if result.nodes and onnx_path is not None and str(onnx_path).endswith(".onnx") and Path(onnx_path).is_file():
+        if result.nodes and "node_labels" in manifest.files:
+            label_nodes(result.nodes, read_json(manifest.path_of(engine_dir, "node_labels"), "node labels", 64 << 20))
+        elif result.nodes and onnx_path is not None and str(onnx_path).endswith(".onnx") and Path(onnx_path).is_file():
             label_nodes(result.nodes, node_labels(onnx_path))
         rss_after = _current_rss_mb()
     finally:

@@ -45,7 +45,6 @@ on where there is any (every output: cosine, largest and mean absolute differenc
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import tempfile
 import time
@@ -70,7 +69,7 @@ from edgekit.compress.calibration import (
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples, resolve_samples
-from edgekit.sources.handle import InputSpec, ModelHandle, StepRecord
+from edgekit.sources.handle import ModelHandle, StepRecord, data_view
 from edgekit.sources.onnx_file import (
     ONNX_LOAD_ERRORS,
     QuantizedGraph,
@@ -555,12 +554,6 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
     return new
 
 
-def data_view(handle: ModelHandle) -> ModelHandle:
-    """``handle`` with a fixed first dimension shown as "batch": data sources stack samples on
-    that axis (a graph exported for batch 1 still calibrates on many samples, one at a time)."""
-    specs = [InputSpec(s.name, ("batch", *s.shape[1:]), s.dtype) if s.shape and isinstance(s.shape[0], int) else s
-             for s in handle.inputs]
-    return dataclasses.replace(handle, inputs=specs)
 
 
 def comparison_samples(view: ModelHandle, config: Any, ctx: Any, calib: Samples) -> tuple[Samples, str]:

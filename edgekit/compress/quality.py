@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from edgekit.errors import BadInputError
+from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
 from edgekit.schema import check_fields
-from edgekit.sources.handle import ModelHandle
+from edgekit.sources.handle import ModelHandle, data_view
 
 EVAL_WINDOWS = 8  # causal LM: eval-split windows (the int4 step's measurement used as many)
 EVAL_SAMPLES = 32  # other models: eval samples
@@ -92,16 +93,19 @@ class Reference:
 def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.ndarray]]]:
     from edgekit.sources.data import resolve_samples
 
-    spec = ctx.eval or handle.default_eval
+    # the evaluation data, else the eval split of the calibration source (disjoint from what it calibrates on)
+    spec = ctx.eval or handle.default_eval or ctx.calib
     names = [s.name for s in handle.inputs]
     if spec:
         limit = (getattr(ctx, "quality_windows", None) or EVAL_WINDOWS) if handle.kind == "causal-lm" else EVAL_SAMPLES
-        samples = resolve_samples(spec, handle, "eval", limit, None, ctx.seed)
+        samples = resolve_samples(spec, data_view(handle), "eval", limit, None, ctx.seed)
         if all(n in samples.inputs for n in names) and len(samples):
             sub = samples.subset(slice(0, limit)) if len(samples) > limit else samples
-            batch = 1 if handle.kind == "causal-lm" else 8
+            first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
+            batch = 1 if handle.kind == "causal-lm" else first if isinstance(first, int) else 8  # a static batch
             return f"{spec} (eval split, {len(sub)} samples)", [{n: b[n] for n in names} for b in sub.batches(batch)]
-    n = 2 if handle.kind == "causal-lm" else 8
+    first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
+    n = 2 if handle.kind == "causal-lm" else first if isinstance(first, int) else 8
     feeds = handle.sample_inputs(n)
     return f"the model's sample inputs ({n})", [{k: v for k, v in feeds.items() if k in names}]
 
@@ -110,7 +114,12 @@ def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
     """The first output of the model (its PyTorch module, else its ONNX graph) as float32."""
     from edgekit.evaluate import make_runner
 
-    return torch.from_numpy(np.asarray(make_runner(handle)(feeds)[0], dtype=np.float32))
+    try:
+        out = make_runner(handle)(feeds)[0]
+    except ort_errors() as e:  # an ONNX graph ONNX Runtime refuses: one line naming the node
+        raise BadInputError(f"{handle.onnx_path or handle.name} does not load in ONNX Runtime: "
+                            f"{ort_failure(e, handle.onnx_path)}") from None
+    return torch.from_numpy(np.asarray(out, dtype=np.float32))
 
 
 def _token_nll(logits: torch.Tensor, ids: np.ndarray) -> np.ndarray:

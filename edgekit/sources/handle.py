@@ -9,6 +9,7 @@ export, parity, compression and runtimes never special-case a model family.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,3 +186,11 @@ def fit_feeds(feeds: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) 
                                     f"sample input {name!r} has {out[name].ndim} {tuple(out[name].shape)}")
             out[name] = fit_array(out[name], dims)
     return out
+
+
+def data_view(handle: ModelHandle) -> ModelHandle:
+    """``handle`` with a fixed first dimension shown as "batch": data sources stack samples on
+    that axis (a graph exported for batch 1 still calibrates on many samples, one at a time)."""
+    specs = [InputSpec(s.name, ("batch", *s.shape[1:]), s.dtype) if s.shape and isinstance(s.shape[0], int) else s
+             for s in handle.inputs]
+    return dataclasses.replace(handle, inputs=specs)

@@ -21,6 +21,7 @@ weight-only exporters write (``weight_dequant_chains``).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -466,3 +467,20 @@ def onnx_node_label(node: onnx.NodeProto) -> str:
         module = next((s for s in reversed(scopes[:-1]) if s), "")
         return module or scopes[-1] or node.name
     return node.name or node.op_type
+
+
+def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
+    """ONNX node name -> the PyTorch module path the exporter recorded (``onnx_node_label``),
+    for the nodes that have one."""
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:  # type: ignore[attr-defined]
+        raise BadInputError(f"cannot read {onnx_path} for node names: {e}") from None
+    labels: dict[str, str] = {}
+    for node in model.graph.node:
+        label = onnx_node_label(node)
+        if node.name and label != node.name:
+            labels[node.name] = label
+            for out in node.output:  # ORT names some fused nodes after an output (Conv+Clip: "hardtanh_nchwc")
+                labels.setdefault(f"output:{out}", label)
+    return labels
