@@ -170,8 +170,8 @@ def part_effnet(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _photos(handle: Any) -> Any:
+    from edgekit.sources.assets import sample_photos
     from edgekit.sources.data import Samples
-    from edgekit.sources.zoo import sample_photos
 
     return Samples(source="photos", split="eval", inputs=handle.prepare(sample_photos()))
 

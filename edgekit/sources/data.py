@@ -73,6 +73,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources import detection_data
+from edgekit.sources.assets import resize_center_crop, sample_photos
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 SPLITS = ("calib", "eval", "train")
@@ -255,7 +256,6 @@ def _photo_pool() -> tuple[list[np.ndarray], list[tuple[int, float, int, int, bo
     """The photos and the crop pool: (photo, scale, row, col, flipped). Scale 1.0 is the
     centre crop only; smaller scales take a 3x3 grid of positions; each crop also comes
     flipped left-right: 7 photos x (1 + 3 x 9) x 2 = 392 crops."""
-    from edgekit.sources.zoo import sample_photos
 
     photos = [p[:, :, :3] if p.ndim == 3 else np.repeat(p[:, :, None], 3, axis=2) for p in sample_photos()]
     pool = []
@@ -776,7 +776,6 @@ def _default_image_inputs(images: list[np.ndarray] | np.ndarray) -> dict[str, np
     (or grey mixed with colour) are resized to 256 and centre-cropped to 224x224 RGB."""
     shapes = {tuple(np.asarray(im).shape) for im in images}
     if len(shapes) > 1:
-        from edgekit.sources.zoo import resize_center_crop
 
         images = [resize_center_crop(np.asarray(im), 256, 224) for im in images]
     arr = np.stack([np.asarray(im) for im in images]).astype(np.float32) / 255.0

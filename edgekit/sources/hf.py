@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, UnavailableError
+from edgekit.sources.assets import cache_lock
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.sources.weights import (
     check_finite_parameters,
@@ -147,7 +148,6 @@ def float_copy_of_gguf(folder: Path, gguf_file: str) -> Path:
     target = _gguf_cache_folder(gguf)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    from edgekit.sources.zoo import cache_lock
 
     with cache_lock(target.with_name(target.name + ".lock")):
         if not ((target / "config.json").is_file() and (target / "model.safetensors").is_file()):

@@ -35,6 +35,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import FieldError, check_fields, show
+from edgekit.sources.assets import resize_center_crop
 from edgekit.sources.data import image_input, read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, fit_array
 
@@ -343,7 +344,6 @@ def image_prepare(spec: InputSpec, pp: Preprocess) -> Callable[..., dict[str, np
     they are; others are resized (shorter side to ``pp.resize``, default 256/224 of the
     crop) and centre-cropped. Without a size (dynamic H and W), images of one size keep it,
     mixed sizes become 224x224."""
-    from edgekit.sources.zoo import resize_center_crop
 
     layout = pp.layout or "nchw"
     channels = spec.shape[3] if layout == "nhwc" else spec.shape[1]
