@@ -158,7 +158,7 @@ def test_quality_gate_stops_a_broken_surgery(calib, tmp_path, monkeypatch):
 
     q = json.loads((good / "manifest.json").read_text())["metrics"]["quality"]
     assert q["passed"] and q["perplexity_ratio"] < 1.5 and q["cosine"] > 0.9 and q["agreement"] > 0.9
-    assert q["data"].startswith("the model's sample inputs")
+    assert q["data"] == f"{calib} (eval split, 8 samples)"  # held out: the calibration source's eval split
     _break_surgery(monkeypatch)
     with pytest.raises(CheckFailedError, match=r"far from the float model.*perplexity .* is .*x the float model"):
         compress(tiny_gemma(), [("int4", cfg)], tmp_path / "bad", StepContext(calib=calib, progress=False))
