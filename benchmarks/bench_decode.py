@@ -30,11 +30,9 @@ import gc
 import importlib.util
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from edgekit.artifact import cache_dir  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,22 +52,6 @@ SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # --- machine ---------------------------------------------------------------------------------------
-
-def machine() -> dict[str, Any]:
-    flags = ""
-    model = platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Flags:"):
-                flags = " ".join(f for f in line.split()[1:] if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version()}
-
 
 def read_bandwidth_gbs(repeats: int = 7) -> tuple[float, float]:
     """Read bandwidth of one thread: numpy sum over a 1 GiB float32 array, median of ``repeats``,

@@ -21,33 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PARTS = ROOT / "benchmarks" / "results" / "llm_quality_parts"
 MODELS = ("gemma3-270m", "smollm2-135m")
 METHODS = ("rtn", "awq", "gptq")
-
-
-def machine() -> dict[str, Any]:
-    flags, model = "", platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Flags:"):
-                flags = " ".join(f for f in line.split()[1:] if f.startswith(("avx", "amx", "fma", "f16c")))
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def model_spec(name: str, work: Path, gguf: str | None = None) -> str:

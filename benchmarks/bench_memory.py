@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -36,27 +35,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from edgekit.artifact import cache_dir  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ("smollm2-135m", "gemma3-270m")
 GEMMA_GGUF = "gemma-3-270m-Q4_K_M.gguf"
-
-
-def machine() -> dict[str, Any]:
-    flags, model = "", platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Flags:"):
-                flags = " ".join(f for f in line.split()[1:] if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1),
-            "python": platform.python_version()}
 
 
 def versions() -> dict[str, str]:

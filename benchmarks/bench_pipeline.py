@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("EDGEKIT_PROGRESS", "0")
 
+from machine_info import machine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 from edgekit.artifact import atomic_write_json, now_iso, package_versions  # noqa: E402
 from edgekit.build import load_engine  # noqa: E402
 from edgekit.pipelines.frames import FrameRunner, callable_stage, engine_stage, to_frames  # noqa: E402
@@ -38,21 +38,6 @@ from edgekit.pipelines.recipe import parse_recipe, read_recipe_data  # noqa: E40
 from edgekit.pipelines.run import _import, run_recipe  # noqa: E402
 
 RECIPE = ROOT / "examples" / "driver-monitoring.yaml"
-
-
-def machine() -> dict[str, Any]:
-    flags, model = "", platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Flags:"):
-                flags = " ".join(f for f in line.split()[1:] if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": model, "simd_flags": flags, "cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version()}
 
 
 def variants() -> dict[str, dict[str, Any]]:
