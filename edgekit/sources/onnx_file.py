@@ -474,7 +474,7 @@ def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
     for the nodes that have one."""
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
-    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:  # type: ignore[attr-defined]
+    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:
         raise BadInputError(f"cannot read {onnx_path} for node names: {e}") from None
     labels: dict[str, str] = {}
     for node in model.graph.node:
