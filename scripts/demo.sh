@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 OUT=${OUT:-out/demo}
-rm -rf "$OUT"
+# edgekit replaces only its own output folders, so a second run writes over the first
 edgekit export efficientnet-lite0 -o "$OUT/onnx"
 edgekit build "$OUT/onnx" --target cpu -o "$OUT/engine"
 edgekit profile "$OUT/engine" --json "$OUT/profile.json"
