@@ -40,6 +40,9 @@ os.environ.setdefault("EDGEKIT_PROGRESS", "0")
 
 from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions, read_manifest  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_int8 import peer_quantize  # noqa: E402  (the same quantize_static settings as the INT8 benchmark)
+
 MODEL = "efficientnet-lite0"
 
 
@@ -71,30 +74,6 @@ def edgekit_int8(calib_n: int, out: Path) -> Path:
     from edgekit.compress.int8 import Int8Config
 
     return compress(MODEL, [("int8", Int8Config(calib_samples=calib_n))], out)
-
-
-def ort_quantize_static(fp32: Path, dst: Path, calib: Any, method: str) -> None:
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(calib.batches(1))
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.it, None)
-
-    cm = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-          "percentile": CalibrationMethod.Percentile}[method]
-    extra = {"CalibPercentile": 99.999} if method == "percentile" else {}
-    quantize_static(str(fp32), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, calibrate_method=cm,
-                    extra_options=extra)
 
 
 def nncf_quantize(fp32: Path, dst: Path, calib: Any) -> None:
@@ -226,7 +205,7 @@ def main() -> None:
         quant["edgekit"] = {"wall_s": round(w, 2), "cpu_s": round(c, 2)}
     print(f"edgekit int8: {quant['edgekit']}", flush=True)
     peer = work / f"ort-{args.peer_method}.onnx"
-    _, w, c = timed(lambda: ort_quantize_static(fp32, peer, calib, args.peer_method))
+    _, w, c = timed(lambda: peer_quantize(fp32, peer, calib, args.peer_method))
     quant["ort_quantize_static"] = {"method": args.peer_method, "wall_s": round(w, 2), "cpu_s": round(c, 2)}
     print(f"quantize_static {args.peer_method}: {quant['ort_quantize_static']}", flush=True)
     nncf_xml = work / "nncf" / "model.xml"

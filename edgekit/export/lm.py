@@ -614,6 +614,17 @@ def presents_to_past(sess: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarr
     return {n.replace("present", "past_key_values"): v for n, v in zip(names, outputs) if n.startswith("present")}
 
 
+def onnx_logits(sess: Any, ids: np.ndarray, prompt_len: int, with_past: bool) -> np.ndarray:
+    """Logits of ``ids`` through the session: a prefill of ``prompt_len`` tokens then one decode
+    step on the cache it returned (with past), else one forward."""
+    if with_past:
+        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
+        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
+        return np.concatenate([out[0], step[0]], axis=1)
+    return sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
+                           if k in {i.name for i in sess.get_inputs()}})[0]
+
+
 def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True, prompt_len: int = 16,
                     atol: float = 2e-3, rtol: float = 2e-3) -> dict[str, Any]:
     """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step."""
@@ -625,13 +636,7 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
     with torch.no_grad():
         ref = handle.module(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids))).float().numpy()
     report: dict[str, Any] = {"atol": atol, "rtol": rtol}
-    if with_past:
-        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
-        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
-        got = np.concatenate([out[0], step[0]], axis=1)
-    else:
-        got = sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
-                              if k in {i.name for i in sess.get_inputs()}})[0]
+    got = onnx_logits(sess, ids, prompt_len, with_past)
     diff = np.abs(got - ref)
     scale = np.abs(ref).max()
     report.update({"max_abs_diff": float(diff.max()), "max_rel_diff": float(diff.max() / max(scale, 1e-12)),
@@ -678,13 +683,7 @@ def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_
         packed = handle.module(t, torch.ones_like(t)).float().numpy()
     del base
     sess = lm_session(onnx_path, threads=2)
-    if with_past:
-        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
-        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
-        got = np.concatenate([out[0], step[0]], axis=1)
-    else:
-        got = sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
-                              if k in {i.name for i in sess.get_inputs()}})[0]
+    got = onnx_logits(sess, ids, prompt_len, with_past)
 
     def rel(a: np.ndarray) -> float:
         return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))
