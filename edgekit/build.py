@@ -28,7 +28,7 @@ from edgekit.artifact import atomic_write_json
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
-from edgekit.sources.data import read_arrays
+from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.onnx_file import node_labels

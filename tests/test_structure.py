@@ -17,10 +17,7 @@ KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 # Module cycles still to be cut (each set is one strongly connected group of modules).
 KNOWN_CYCLES = [
-    {"edgekit.estimate.calibrate", "edgekit.estimate.roofline"},
     {"edgekit.pipelines.html", "edgekit.pipelines.run", "edgekit.pipelines.sweep"},
-    {"edgekit.sources.data", "edgekit.sources.detection_data", "edgekit.sources.detectors", "edgekit.sources.fmnist",
-     "edgekit.sources.hf", "edgekit.sources.inputs", "edgekit.sources.zoo"},
     {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
      "edgekit.export.lm", "edgekit.sources.models"},
 ]

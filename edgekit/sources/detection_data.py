@@ -49,6 +49,7 @@ from PIL import Image, ImageDraw, ImageFont
 from edgekit.detection.boxes import Detections
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.sources.assets import sample_photos
+from edgekit.sources.text import lee_news_documents, split_sentences, wikipedia_articles
 
 PAGE_SIZE = (800, 608)  # (height, width): the layout model's input, a US-letter-like page
 FRAME_SIZE = (480, 640)
@@ -112,9 +113,6 @@ def _font(size: int) -> ImageFont.FreeTypeFont:
 
 @functools.lru_cache(maxsize=2)
 def _sentences(source: str) -> tuple[str, ...]:
-    # deferred: sources.data lists these detection sets in its registry (a cycle for the lead to split)
-    from edgekit.sources.data import lee_news_documents, split_sentences, wikipedia_articles
-
     docs = wikipedia_articles() if source == "wikipedia" else lee_news_documents()
     sentences = [" ".join(s.split()) for s in split_sentences(docs) if 6 <= len(s.split()) <= 60]
     return tuple(s for s in sentences if s.isascii())

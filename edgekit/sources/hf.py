@@ -42,9 +42,11 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.artifact import cache_dir, sha256_json, staged_dir
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.sources.assets import cache_lock
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.text import token_windows, window_prefix
 from edgekit.sources.weights import (
     check_finite_parameters,
     check_gguf,
@@ -132,8 +134,6 @@ def _transformers() -> Any:
 
 
 def _gguf_cache_folder(gguf: Path) -> Path:
-    from edgekit.artifact import cache_dir, sha256_json
-
     st = gguf.stat()
     key = sha256_json({"name": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})[:16]
     return cache_dir() / "hf-float" / f"{gguf.stem}-{key}"
@@ -156,8 +156,6 @@ def float_copy_of_gguf(folder: Path, gguf_file: str) -> Path:
 
 
 def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
-    from edgekit.artifact import staged_dir
-
     gguf = folder / gguf_file
     info = check_gguf(gguf)  # bounded header check before transformers parses it
     tf = _transformers()
@@ -443,8 +441,6 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
     model.config.use_cache = False
     wrapper = CausalLMWrapper(model).eval()
 
-    from edgekit.sources.data import window_prefix
-
     prefix = list(window_prefix(tokenizer))  # <bos> for Gemma: what the model saw at every sequence start
 
     def make_inputs(batch: int = 1, sequence: int | None = None, **_: int) -> dict[str, np.ndarray]:
@@ -461,8 +457,6 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
         return {"input_ids": ids_arr, "attention_mask": np.ones_like(ids_arr)}
 
     def prepare(text: str | list[str], seqlen: int | None = None) -> dict[str, np.ndarray]:
-        from edgekit.sources.data import token_windows
-
         joined = text if isinstance(text, str) else "\n\n".join(text)
         ids = token_windows(tokenizer, joined, int(seqlen or window_len), prefix=prefix)
         return {"input_ids": ids, "attention_mask": np.ones_like(ids)}

@@ -10,7 +10,7 @@ Three options, the same on ``export``, ``build``, ``profile``, ``estimate`` and
   input is ``DEFAULT_SEQUENCE`` tokens; any other is an error naming the input and its
   dimensions.
 * **inputs** (``--inputs FILE.npz``): real sample inputs, one array per model input
-  name, read through ``sources.data.read_arrays`` (headers checked, never unpickled) and
+  name, read through ``sources.arrays.read_arrays`` (headers checked, never unpickled) and
   checked against the model's input names, dtypes, ranks and static dimensions.
 * **preprocess**: how an image becomes the model's input (``Preprocess``): layout
   (``nchw``/``nhwc``), channel order (``rgb``/``bgr``), scale (the value white maps to:
@@ -35,8 +35,8 @@ import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import FieldError, check_fields, show
+from edgekit.sources.arrays import image_input, read_arrays
 from edgekit.sources.assets import resize_center_crop
-from edgekit.sources.data import image_input, read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, fit_array
 
 DEFAULT_SEQUENCE = 128  # tokens, for a dynamic dimension of a token-id input nobody binds
