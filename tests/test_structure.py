@@ -17,7 +17,6 @@ KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 # Module cycles still to be cut (each set is one strongly connected group of modules).
 KNOWN_CYCLES = [
-    {"edgekit.pipelines.html", "edgekit.pipelines.run", "edgekit.pipelines.sweep"},
     {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
      "edgekit.export.lm", "edgekit.sources.models"},
 ]

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ import numpy as np
 from edgekit.errors import BadInputError
 from edgekit.profiling import LatencyStats, ProfileConfig, repeat_while_noisy
 from edgekit.runtimes.base import check_feeds
+from edgekit.schema import read_json
+from edgekit.sources.handle import InputSpec
 
 FRAME = "frame"
 
@@ -74,12 +77,19 @@ class FrameMeasurement:
         return float(np.mean(self.stage_ms[name])) / mean if mean > 0 else 0.0
 
 
+def load_frames(path: Path) -> FrameMeasurement:
+    """A cached frame measurement (``frames.json``)."""
+    data = read_json(path, "frame measurement", 256 << 20)
+    try:
+        return FrameMeasurement(**data)
+    except TypeError as e:
+        raise BadInputError(f"{path} is not a frame measurement: {e}") from None
+
+
 def callable_stage(name: str, fn: Callable[..., Any], declared: dict[str, dict[str, Any]] | None = None,
                    feeds: dict[str, str] | None = None, parallel_with: Sequence[str] = ()) -> FrameStage:
     """A Python stage: inputs are ``declared`` (the first stage's ``inputs:``) or the
     function's required parameters."""
-    from edgekit.sources.handle import InputSpec
-
     if declared:
         specs = [InputSpec(n, tuple(s.get("shape", ())), str(s.get("dtype", "float32"))) for n, s in declared.items()]
     else:

@@ -8,6 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.artifact import atomic_write_bytes, atomic_write_text
+from edgekit.pipelines.frames import load_frames
+from edgekit.pipelines.results import (
+    STAGE_COLUMNS,
+    SWEEP_COLUMNS,
+    RunResult,
+    StageResult,
+    SweepRow,
+    stage_table,
+    sweep_table,
+    target_measurement,
+)
+from edgekit.profiling import ProfileResult
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem;color:#1b1f24;max-width:1200px}
@@ -50,7 +62,7 @@ def _table(columns: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def stage_bar_png(result: Any, target: str) -> bytes:
+def stage_bar_png(result: RunResult, target: str) -> bytes:
     """Where a frame's time goes: each stage as a bar from its start to its end (measured
     frames: the mean over the frames, so parallel stages overlap; estimates: the critical
     path of the stage estimates), the end-to-end figure and the budget as lines."""
@@ -81,13 +93,11 @@ def stage_bar_png(result: Any, target: str) -> bytes:
     return _png(fig)
 
 
-def latency_distribution_png(result: Any, target: str) -> bytes:
+def latency_distribution_png(result: RunResult, target: str) -> bytes:
     """The measured distribution: per stage and for the whole frame, a box (quartiles, median)
     with whiskers to p1 and p99 and the frames beyond them as points, from the same frames;
     the budgets as red ticks. A target that was estimated has no distribution: its p50 and
     p99 per stage are drawn as a bar and a whisker, and the plot says so."""
-    from edgekit.pipelines.run import load_frames
-
     plt = _figure()
     stages = [r for r in result.stages if r.target == target]
     t = result.targets[target]
@@ -124,10 +134,7 @@ def latency_distribution_png(result: Any, target: str) -> bytes:
     return _png(fig)
 
 
-def render_run_html(result: Any, path: Path) -> Path:
-    from edgekit.pipelines.run import STAGE_COLUMNS, stage_table
-    from edgekit.profiling import ProfileResult
-
+def render_run_html(result: RunResult, path: Path) -> Path:
     parts = [f"<h1>edgekit run: {html.escape(str(result.recipe['name']))}</h1>",
              f"<p class=\"{'pass' if result.passed else 'fail'}\">{'PASS' if result.passed else 'FAIL'}</p>",
              f"<p class=note>latency at {result.percentile}; seed {result.seed}; {result.seconds:.1f} s; "
@@ -138,8 +145,6 @@ def render_run_html(result: Any, path: Path) -> Path:
         verdict = "" if t["budget_ms"] is None else (
             f" against {t['budget_ms']:g} ms: <span class=\"{'pass' if t['passed'] else 'fail'}\">"
             f"{'PASS' if t['passed'] else 'FAIL'}</span> (margin {t['margin_ms']:+.3f} ms)")
-        from edgekit.pipelines.run import target_measurement
-
         noisy = " <b>noisy measurement: the verdict is uncertain</b>" if t.get("noisy") else ""
         parts += [f"<h2>{html.escape(target)}</h2>",
                   f"<p>{html.escape(target_measurement(t, result.percentile))}{verdict}{noisy}</p>",
@@ -166,7 +171,7 @@ def render_run_html(result: Any, path: Path) -> Path:
     return _write_html(path, f"edgekit run {result.recipe['name']}", parts)
 
 
-def _profile_path(r: Any) -> Path | None:
+def _profile_path(r: StageResult) -> Path | None:
     for key in ("profile", "estimate"):
         folder = r.artifacts.get(key)
         if folder and (Path(folder) / "profile.json").exists():
@@ -196,7 +201,7 @@ def pareto_2d(points: list[tuple[float, float]], higher_is_better: bool) -> list
     return out
 
 
-def sweep_plots(rows: list[Any], out: Path, budget_ms: float | None = None, percentile: str = "p99"
+def sweep_plots(rows: list[SweepRow], out: Path, budget_ms: float | None = None, percentile: str = "p99"
                 ) -> dict[str, Path]:
     """PNG files: metric vs latency (per target) and metric vs size, each with the Pareto
     set of its own two dimensions joined, every point labelled with its parameters; latency
@@ -231,7 +236,7 @@ def sweep_plots(rows: list[Any], out: Path, budget_ms: float | None = None, perc
     return plots
 
 
-def _scatter(ax: Any, points: list[tuple[float | None, Any]], xlabel: str, ylabel: str) -> None:
+def _scatter(ax: Any, points: list[tuple[float | None, SweepRow]], xlabel: str, ylabel: str) -> None:
     pts = [(x, r) for x, r in points if x is not None]
     front_mask = pareto_2d([(x, r.value) for x, r in pts], pts[0][1].higher_is_better) if pts else []
     ax.scatter([x for (x, r), f in zip(pts, front_mask) if not f], [r.value for (x, r), f in zip(pts, front_mask)
@@ -248,9 +253,7 @@ def _scatter(ax: Any, points: list[tuple[float | None, Any]], xlabel: str, ylabe
     ax.legend(fontsize=8)
 
 
-def render_sweep_html(rows: list[Any], path: Path, plots: dict[str, Path], recipe: str) -> Path:
-    from edgekit.pipelines.sweep import SWEEP_COLUMNS, sweep_table
-
+def render_sweep_html(rows: list[SweepRow], path: Path, plots: dict[str, Path], recipe: str) -> Path:
     parts = [f"<h1>edgekit sweep: {html.escape(recipe)}</h1>",
              "<p class=note>Table: Pareto set (*) in metric, latency and size together. Each plot joins the Pareto "
              "set of its own two axes. Latency is the measured end-to-end frame latency where edgekit can run the "

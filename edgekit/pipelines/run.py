@@ -30,76 +30,61 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgekit.artifact import (
+    Manifest,
     atomic_write_json,
     atomic_write_text,
     claim_work_folder,
     file_lock,
+    machine_info,
+    now_iso,
     package_versions,
     read_manifest,
     sha256_json,
     sha256_tree,
     staged_dir,
+    write_manifest,
 )
-from edgekit.errors import BadInputError, EdgekitError, UnavailableError
-from edgekit.pipelines.frames import FrameMeasurement, callable_stage, engine_stage, measure_frames, to_frames
+from edgekit.build import build_engine, load_engine, load_engine_inputs
+from edgekit.compress import StepContext, compress
+from edgekit.errors import BadInputError, EdgekitError
+from edgekit.estimate import estimate
+from edgekit.evaluate import evaluate
+from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.pipelines.frames import (
+    FrameMeasurement,
+    callable_stage,
+    engine_stage,
+    load_frames,
+    measure_frames,
+    to_frames,
+)
+from edgekit.pipelines.html import render_run_html
 from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
-from edgekit.profiling import ProfileConfig, ProfileResult, device_measurement
+from edgekit.pipelines.results import (
+    STAGE_COLUMNS,
+    RunResult,
+    StageResult,
+    stage_table,
+    target_measurement,
+    target_verdict,
+)
+from edgekit.profiling import ProfileConfig, ProfileResult, device_measurement, measure, profile_engine
 from edgekit.progress import StepProgress
 from edgekit.runtimes import RUNTIMES, get_runtime
+from edgekit.runtimes.base import BuildOptions
+from edgekit.sources.data import load_samples
+from edgekit.sources.handle import InputSpec
 from edgekit.sources.inputs import shapes_only
+from edgekit.sources.models import load_model
+from edgekit.targets import load_target
 
 RESULTS = "results.json"
-
-
-@dataclass
-class StageResult:
-    stage: str
-    target: str
-    kind: str  # "model" | "callable"
-    source: str  # "measured" | "estimated"
-    latency_ms: float  # at the recipe's percentile
-    p50_ms: float
-    p99_ms: float
-    start_ms: float = 0.0
-    end_ms: float = 0.0
-    budget_ms: float | None = None
-    passed: bool | None = None  # None when the stage has no budget
-    share: float = 0.0
-    metrics: dict[str, Any] = field(default_factory=dict)
-    gates: list[dict[str, Any]] = field(default_factory=list)  # accuracy thresholds
-    artifacts: dict[str, str] = field(default_factory=dict)
-    reused: dict[str, bool] = field(default_factory=dict)
-    size_mb: float | None = None
-    profile: str | None = None
-    parallel_with: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    estimated_ms: float | None = None  # roofline estimate of the same graph on the target
-    cv: float = 0.0  # coefficient of variation of the stage's times
-    noisy: bool = False  # cv above the recipe's noise threshold: a verdict on it is uncertain
-    range_ms: list[float] | None = None  # an estimate's range [low, high] (from its validation errors)
-
-
-@dataclass
-class RunResult:
-    recipe: dict[str, Any]
-    run_dir: str
-    percentile: str
-    seed: int
-    targets: dict[str, dict[str, Any]]
-    passed: bool
-    versions: dict[str, str]
-    seconds: float
-    stages: list[StageResult] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def set_seed(seed: int) -> None:
@@ -170,8 +155,6 @@ class CallableEngine:
     runtime = "python"
 
     def __init__(self, fn: Any, inputs: dict[str, dict[str, Any]]):
-        from edgekit.sources.handle import InputSpec
-
         self.fn = fn
         self.inputs = [InputSpec(n, tuple(s.get("shape", ())), str(s.get("dtype", "float32"))) for n, s in inputs.items()]
         self.outputs = ["output"]
@@ -208,8 +191,6 @@ def _profile_config(recipe: Recipe) -> ProfileConfig:
 
 def plan(recipe: Recipe) -> list[dict[str, Any]]:
     """The resolved plan, for ``--dry-run``: what each stage will do on each target."""
-    from edgekit.targets import load_target
-
     rows = []
     for t in recipe.targets:
         target = load_target(t)
@@ -267,8 +248,6 @@ def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: st
 
 def _run_locked(recipe: Recipe, run_dir: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None,
                 force: bool, progress: bool, remeasure: bool = False) -> RunResult:
-    from edgekit.targets import load_target
-
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -339,9 +318,6 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
         engine = CallableEngine(fn, stage.inputs)
 
         def build_profile(folder: Path) -> None:
-            from edgekit.artifact import Manifest, write_manifest
-            from edgekit.profiling import measure
-
             result = measure(engine, engine.sample_feeds(recipe.seed), dataclasses.replace(pconfig, node_profile=False),
                              engine_name=stage.callable or "", runtime="python", target=target.name, model=stage.name)
             with staged_dir(folder) as tmp:
@@ -357,9 +333,6 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
                              {"profile": preused}, {}, [], None, host_note), key
 
     # A model stage: compress -> export -> build -> profile (or estimate) -> evaluate.
-    from edgekit.compress import StepContext, compress
-    from edgekit.export.onnx import ExportConfig, export_onnx
-
     model_id = _model_identity(str(stage.model))
     estimated_ms: float | None = None
     target_aware = any(s.name == "int8" for s in stage.steps)
@@ -392,9 +365,6 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
     warnings: list[str] = []
     prof: ProfileResult | None
     if _measurable(target):
-        from edgekit.build import build_engine
-        from edgekit.runtimes.base import BuildOptions
-
         bkey = cache.key({"prev": key, "target": target.name, "build": stage.build})
         folder, reused["build"] = cache.get(
             "engine", bkey, lambda f: build_engine(str(onnx_folder), target, f, BuildOptions(**stage.build),
@@ -457,9 +427,6 @@ def _profile_model_stage(r: StageResult, recipe: Recipe, target: Any, cache: _Ca
                          key: str) -> None:
     """A model stage alone on its built engine (after the frames): its node table, the
     engine's own latency and noise, cached apart from the build."""
-    from edgekit.artifact import Manifest, write_manifest
-    from edgekit.profiling import profile_engine
-
     engine_folder = Path(r.artifacts["engine"])
     pkey = cache.key({"prev": key, "profile": recipe.profile})
 
@@ -487,8 +454,6 @@ def _measure_frames(recipe: Recipe, target: Any, results: list[StageResult], key
                       "frames": recipe.frames, "seed": recipe.seed, "target": target.name, "versions": versions})
 
     def build(folder: Path) -> None:
-        from edgekit.artifact import Manifest, write_manifest
-
         measured = _time_frames(recipe, results, pconfig, progress)
         with staged_dir(folder) as tmp:
             atomic_write_json(tmp / FRAMES, dataclasses.asdict(measured))
@@ -521,21 +486,8 @@ def _measure_frames(recipe: Recipe, target: Any, results: list[StageResult], key
             "sum_of_stage_ms": sum_of_stages, "frames_dir": str(folder), "stages": [r.stage for r in results]}
 
 
-def load_frames(path: Path) -> FrameMeasurement:
-    """A cached frame measurement (``frames.json``)."""
-    from edgekit.schema import read_json
-
-    data = read_json(path, "frame measurement", 256 << 20)
-    try:
-        return FrameMeasurement(**data)
-    except TypeError as e:
-        raise BadInputError(f"{path} is not a frame measurement: {e}") from None
-
-
 def _time_frames(recipe: Recipe, results: list[StageResult], pconfig: ProfileConfig, progress: bool
                  ) -> FrameMeasurement:
-    from edgekit.build import load_engine, load_engine_inputs
-
     stages = []
     engines = []
     try:
@@ -573,12 +525,6 @@ def _onnx_size_mb(onnx_folder: Path) -> float | None:
 
 def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
     """A roofline estimate as a ProfileResult (source "estimated")."""
-    from edgekit.artifact import Manifest, machine_info, now_iso, write_manifest
-
-    try:
-        from edgekit.estimate import estimate
-    except ImportError as e:
-        raise UnavailableError(f"cannot measure on {target.name} here and the estimator is unavailable: {e}") from None
     m = read_manifest(onnx_folder)
     est = estimate(str(m.path_of(onnx_folder, "onnx")), target)
     prof = est.to_profile()  # labelled an estimate, with its range and the range's basis
@@ -596,9 +542,6 @@ def _try_bundle(onnx_folder: Path, target: Any, cache: _Cache, key: str, stage: 
     target edgekit cannot measure here, from the target's preferred runtime (best effort):
     (folder, why not)."""
     try:
-        from edgekit.build import build_engine
-        from edgekit.runtimes.base import BuildOptions
-
         opts = {"precision": "best" if "int8" in target.precisions else "fp16", **stage.build}
         folder, _ = cache.get("bundle", cache.key({"prev": key, "bundle": opts}),
                               lambda f: build_engine(str(onnx_folder), target, f, BuildOptions(**opts)))
@@ -611,17 +554,10 @@ def _try_bundle(onnx_folder: Path, target: Any, cache: _Cache, key: str, stage: 
 
 def _evaluate_folder(stage: StageSpec, model_source: str, onnx_folder: Path, engine_folder: Path | None,
                      folder: Path) -> None:
-    from edgekit.artifact import Manifest, write_manifest
-    from edgekit.evaluate import evaluate
-    from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
-
     spec = stage.evaluate or {}
     reference = load_model(str(stage.model), stage.input_options())
     samples = load_samples(spec.get("data"), reference, split="eval", limit=spec.get("limit"))
     if engine_folder is not None:
-        from edgekit.build import load_engine
-
         engine = load_engine(engine_folder)
         try:
             metrics = evaluate(engine, samples, reference=reference)
@@ -714,59 +650,9 @@ def write_outputs(result: RunResult, run_dir: Path) -> None:
     atomic_write_text(run_dir / "junit.xml", junit_xml(result))
     atomic_write_text(run_dir / "summary.md", markdown_summary(result))
     try:
-        from edgekit.pipelines.html import render_run_html
-
         render_run_html(result, run_dir / "report.html")
     except ImportError:  # pragma: no cover - matplotlib missing
         pass
-
-
-def stage_table(result: RunResult) -> list[list[str]]:
-    rows = []
-    for r in result.stages:
-        rows.append([r.target, r.stage, f"{r.latency_ms:.3f}", f"{r.p50_ms:.3f}", f"{r.p99_ms:.3f}", f"{r.cv:.1%}",
-                     f"{r.share:.0%}", "-" if r.budget_ms is None else f"{r.budget_ms:g}",
-                     "-" if r.budget_ms is None else f"{r.budget_ms - r.latency_ms:+.3f}",
-                     _verdict(r.passed, r.noisy),
-                     r.source + (f" ({r.range_ms[0]:.3f}-{r.range_ms[1]:.3f})" if r.range_ms else "")
-                     + (" (reused)" if r.reused and all(r.reused.values()) else "")])
-    return rows
-
-
-STAGE_COLUMNS = ["target", "stage", "latency ms", "p50", "p99", "cv", "share", "budget", "margin", "verdict", "source"]
-
-
-def _verdict(passed: bool | None, noisy: bool) -> str:
-    if passed is None:
-        return "-"
-    return ("PASS" if passed else "FAIL") + (" (noisy)" if noisy else "")
-
-
-def target_measurement(t: dict[str, Any], percentile: str) -> str:
-    """``frame p99 31.2 ms (measured over 300 frames; p50 27.0, cv 4.1%)`` or ``p99 40.1 ms
-    (estimate (sum of stages))``."""
-    if t.get("method") == "measured frames":
-        noisy = f"; noisy after {t['attempts']} attempt(s)" if t.get("noisy") else ""
-        return (f"frame {percentile} {t['total_ms']:.3f} ms (measured over {t['frames']} frames; p50 "
-                f"{t['p50_ms']:.3f}, cv {t['cv']:.1%}; sum of stage {percentile}s {t['sum_of_stage_ms']:.3f}{noisy})")
-    rng = t.get("range_ms")
-    within = f", range {rng[0]:.3f}-{rng[1]:.3f} ms" if rng else ""
-    return f"{percentile} {t['total_ms']:.3f} ms ({t.get('method', 'sum of stages')}{within})"
-
-
-def target_verdict(t: dict[str, Any], markdown: bool = False, percentile: str = "p99") -> str:
-    """``frame p99 13.839 ms (measured ...) against 33 ms: PASS, margin +19.161 ms`` for one target's summary;
-    a verdict on a noisy measurement says so."""
-    what = target_measurement(t, percentile)
-    if t["budget_ms"] is None:
-        return f"{what} (no end-to-end budget)"
-    verdict = "PASS" if t["passed"] else "FAIL"
-    verdict = f"**{verdict}**" if markdown else verdict
-    noisy = " (noisy measurement: the verdict is uncertain)" if t.get("noisy") else ""
-    rng = t.get("range_ms")
-    if rng and rng[0] <= t["budget_ms"] < rng[1]:
-        noisy += " (the estimate's range crosses the budget: the verdict is uncertain)"
-    return f"{what} against {t['budget_ms']:g} ms: {verdict}{noisy}, margin {t['margin_ms']:+.3f} ms"
 
 
 def markdown_summary(result: RunResult) -> str:

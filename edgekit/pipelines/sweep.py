@@ -18,36 +18,19 @@ import dataclasses
 import itertools
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgekit.artifact import atomic_write_json, atomic_write_text, claim_work_folder, sha256_json
 from edgekit.compress import get_step
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.pipelines.html import render_sweep_html, sweep_plots
 from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
+from edgekit.pipelines.results import SWEEP_COLUMNS, RunResult, StageResult, SweepRow, sweep_table
+from edgekit.pipelines.run import run_recipe
+from edgekit.progress import progress_bar
 
 EXECUTORS = ("local", "process", "ray")
-
-
-@dataclass
-class SweepRow:
-    params: dict[str, Any]
-    run_dir: str
-    passed: bool
-    metric: str | None
-    value: float | None
-    higher_is_better: bool
-    size_mb: float | None
-    latency_ms: dict[str, float]  # target -> end-to-end at the recipe's percentile (measured frames, or estimated)
-    estimated_ms: dict[str, float] = field(default_factory=dict)  # target -> roofline estimate
-    pareto: bool = False  # not dominated in metric, latency (first target) and size together
-    seconds: float = 0.0
-    p50_ms: dict[str, float] = field(default_factory=dict)  # target -> measured frame p50 (no entry: estimated)
-    p99_ms: dict[str, float] = field(default_factory=dict)  # target -> measured frame p99
-    cv: dict[str, float] = field(default_factory=dict)  # target -> frame coefficient of variation
-    budget_ms: float | None = None
-    percentile: str = "p99"
 
 
 def parse_value(text: str) -> Any:
@@ -231,8 +214,6 @@ def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[d
     """One configuration (a top-level function so process pools and Ray can ship it)."""
     import time
 
-    from edgekit.pipelines.run import run_recipe
-
     data, run_dir, cache_dir, path, force = args
     t0 = time.perf_counter()
     recipe = parse_recipe(data, path)
@@ -247,8 +228,6 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
 
     >>> rows = run_sweep("examples/fmnist-sweep.yaml", ["bits=32,8", "prune.ratio=0,0.5"], "runs/sweep")  # doctest: +SKIP
     """
-    from edgekit.pipelines.run import RunResult, StageResult
-
     if executor not in EXECUTORS:
         raise bad_choice("executor", executor, EXECUTORS)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -305,8 +284,6 @@ def _execute(tasks: list[tuple[Any, ...]], jobs: int, executor: str, address: st
     if executor == "process" or jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             return list(pool.map(_run_one, tasks))
-    from edgekit.progress import progress_bar
-
     return [_run_one(t) for t in progress_bar(tasks, "sweep")]
 
 
@@ -315,8 +292,6 @@ def _execute_ray(tasks: list[tuple[Any, ...]], address: str | None,
     try:
         import ray
     except ImportError:
-        from edgekit.errors import UnavailableError
-
         raise UnavailableError("the ray executor needs ray (pip install 'edgekit[ray]')") from None
     started = False
     if not ray.is_initialized():
@@ -339,22 +314,6 @@ def _execute_ray(tasks: list[tuple[Any, ...]], address: str | None,
             ray.shutdown()
 
 
-SWEEP_COLUMNS = ["params", "metric", "value", "size MB", "latency ms", "cv", "estimated ms", "pareto", "pass"]
-
-
-def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
-    out = []
-    for r in rows:
-        out.append([", ".join(f"{k}={v}" for k, v in r.params.items()), r.metric or "-",
-                    "-" if r.value is None else f"{r.value:.4f}",
-                    "-" if r.size_mb is None else f"{r.size_mb:.2f}",
-                    "; ".join(f"{t} {v:.3f}" for t, v in r.latency_ms.items()),
-                    "; ".join(f"{t} {v:.1%}" for t, v in r.cv.items()) or "-",
-                    "; ".join(f"{t} {v:.3f}" for t, v in r.estimated_ms.items()) or "-",
-                    "*" if r.pareto else "", "PASS" if r.passed else "FAIL"])
-    return out
-
-
 def write_sweep_outputs(rows: list[SweepRow], out: Path, grid: dict[str, list[Any]], recipe: str) -> None:
     atomic_write_json(out / "sweep.json", {"recipe": recipe, "grid": grid, "rows": [dataclasses.asdict(r) for r in rows]})
     lines = [f"# edgekit sweep: {recipe}", "", "Pareto set marked *: not dominated in metric, latency and size together (each plot marks the Pareto "
@@ -362,8 +321,6 @@ def write_sweep_outputs(rows: list[SweepRow], out: Path, grid: dict[str, list[An
              "| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in sweep_table(rows)]
     atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
-    from edgekit.pipelines.html import render_sweep_html, sweep_plots
-
     plots = sweep_plots(rows, out, budget_ms=rows[0].budget_ms if rows else None,
                         percentile=rows[0].percentile if rows else "p99")
     render_sweep_html(rows, out / "sweep.html", plots, recipe)
