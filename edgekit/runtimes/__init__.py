@@ -1,19 +1,17 @@
 """Runtimes: one module per runtime, behind the protocol in ``base``.
 
-``RUNTIMES`` (in ``registry``) is the explicit registry, name -> "module:attribute" of
-the runtime object, imported on first use so that the package imports without
-onnxruntime, TensorRT or a GPU.
+``RUNTIMES`` is the explicit registry, name -> "module:attribute" of the runtime object,
+imported on first use so that the package imports without onnxruntime, TensorRT or a GPU.
+It is declared in ``edgekit/targets/runtime_registry.py``, below both: target files are
+checked against its names, and every runtime takes a ``Target``.
 """
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from edgekit.errors import bad_choice
-from edgekit.runtimes.registry import BEST_RUNTIME, RUNTIMES
-
-if TYPE_CHECKING:  # base imports this registry; the protocol is only a type here
-    from edgekit.runtimes.base import Runtime
+from edgekit.runtimes.base import Runtime
+from edgekit.targets.runtime_registry import BEST_RUNTIME, RUNTIMES
 
 __all__ = ["BEST_RUNTIME", "RUNTIMES", "get_runtime"]
 

@@ -21,10 +21,10 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes.registry import BEST_RUNTIME, RUNTIMES
 from edgekit.schema import FieldError, check_fields
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.targets import Target
+from edgekit.targets.runtime_registry import BEST_RUNTIME, RUNTIMES
 
 
 @dataclass

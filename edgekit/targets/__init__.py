@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes.registry import RUNTIMES
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
+from edgekit.targets.runtime_registry import RUNTIMES
 
 TARGETS_DIR = Path(__file__).parent
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
