@@ -168,9 +168,12 @@ def _build_best(model: Any, target: Any, out_dir: Path, options: BuildOptions,
     candidates: dict[str, dict[str, Any]] = {}
     for name in target.runtimes:
         rt = _try_runtime(name)
-        ok, why = rt.available() if rt is not None else (False, "not installed")
-        if ok and not rt.measures_here(target):
-            ok, why = False, f"cannot be timed here as it runs on target {target.name!r}"
+        if rt is None:
+            ok, why = False, "not installed"
+        else:
+            ok, why = rt.available()
+            if ok and not rt.measures_here(target):
+                ok, why = False, f"cannot be timed here as it runs on target {target.name!r}"
         if not ok:
             candidates[name] = {"skipped": why}
     names = [n for n in target.runtimes if n not in candidates]
@@ -303,7 +306,8 @@ def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
     from edgekit.artifact import atomic_write_bytes
 
     buf = io.BytesIO()
-    np.savez(buf, **{k: np.ascontiguousarray(v) for k, v in feeds.items()})
+    arrays: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in feeds.items()}  # Any: numpy's stub reads **kwds as allow_pickle
+    np.savez(buf, **arrays)
     atomic_write_bytes(path, buf.getvalue())
 
 

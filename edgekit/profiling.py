@@ -22,7 +22,7 @@ import numpy as np
 
 from edgekit.errors import BadInputError
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import NodeTiming, RecordedRun, read_folder_manifest
+from edgekit.runtimes.base import Engine, NodeTiming, RecordedRun, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.onnx_file import node_labels
@@ -264,7 +264,7 @@ def peak_rss_mb() -> float | None:
         return None
 
 
-def measure(engine: Any, feeds: dict[str, np.ndarray], config: ProfileConfig, *, engine_name: str,
+def measure(engine: Engine, feeds: dict[str, np.ndarray], config: ProfileConfig, *, engine_name: str,
             runtime: str, target: str | None, model: str | None, model_size_mb: float | None = None,
             progress: Any = None) -> ProfileResult:
     """Profile a loaded engine (any object with ``timed_run`` and ``node_profile``): the
@@ -425,7 +425,7 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
                 progress=progress)
         # The exported graph keeps the exporter's metadata; a runtime's optimized copy drops it.
         # (an engine folder without the exported graph keeps its labels in node_labels.json).
-        onnx_path = (engine_dir / manifest.files["onnx"]) if "onnx" in manifest.files else getattr(engine, "path", None)
+        onnx_path = (engine_dir / manifest.files["onnx"]) if "onnx" in manifest.files else engine.path
         if result.nodes and "node_labels" in manifest.files:
             label_nodes(result.nodes, read_json(manifest.path_of(engine_dir, "node_labels"), "node labels", 64 << 20))
         elif result.nodes and onnx_path is not None and str(onnx_path).endswith(".onnx") and Path(onnx_path).is_file():

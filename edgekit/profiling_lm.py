@@ -2,7 +2,7 @@
 
 A causal LM exported with its KV cache is timed the way it is used: a prefill of the prompt
 (time to first token, at each of ``prompt_lengths``), then one-token decode steps through the
-IO-bound KV-cache loop (``KVCacheDecoder``: in place where the graph allows it) for
+IO-bound KV-cache loop (the engine's ``token_decoder``: in place where the graph allows it) for
 ``new_tokens`` tokens after a context of each of ``contexts`` tokens. The percentile method is
 ``profiling.py``'s: warm-up by time, then at least ``iterations`` (prefills) or ``decode_runs``
 (generations) and at least ``duration_s``; min/mean/p50/p90/p95/p99/max, std and the coefficient
@@ -30,7 +30,7 @@ from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
 from edgekit.profiling import CV_WARNING, LatencyStats, ProfileConfig, ProfileResult, peak_rss_mb, profile_engine
-from edgekit.runtimes.onnxruntime import KVCacheDecoder, is_causal_lm_session
+from edgekit.runtimes.base import TokenDecoder
 from edgekit.sources.inputs import InputOptions
 
 GENERATION_METHOD = ("prefill: warm-up by time, then >= iterations and >= duration; decode: greedy generations "
@@ -84,15 +84,10 @@ def _stats(wall: list[float], cpu: list[float]) -> dict[str, Any]:
     return {"wall_ms": asdict(LatencyStats.from_samples(wall)), "cpu_ms": asdict(LatencyStats.from_samples(cpu))}
 
 
-def _vocab(session: Any) -> int:
-    dim = session.get_outputs()[0].shape[-1]
-    return int(dim) if isinstance(dim, int) and dim > 0 else 32_000
-
-
-def measure_generation(decoder: KVCacheDecoder, config: GenerationConfig) -> dict[str, Any]:
-    """Time to first token and decode throughput of a ``KVCacheDecoder`` (see the module doc)."""
+def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[str, Any]:
+    """Time to first token and decode throughput of an engine's ``TokenDecoder`` (see the module doc)."""
     rng = np.random.default_rng(config.seed)
-    vocab = _vocab(decoder.session)
+    vocab = decoder.vocab_size
     batch = decoder.batch
     warnings: list[str] = []
 
@@ -158,8 +153,7 @@ def measure_generation(decoder: KVCacheDecoder, config: GenerationConfig) -> dic
             "cpu_tokens_per_s": float(np.median([r["cpu_tokens_per_s"] for r in runs])),
             "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in runs],
         }
-    kv_bytes = sum(int(np.prod([batch, s.shape[1], config.max_length, s.shape[3]])) * np.dtype(decoder.dtype).itemsize
-                   for s in decoder.pasts) if decoder.shared else None
+    kv_bytes = decoder.kv_cache_bytes(config.max_length) if decoder.shared else None
     return {"method": GENERATION_METHOD, "settings": asdict(config), "batch": batch,
             "kv_cache": "in place (shared buffer)" if decoder.shared else "bound presents (copied by the graph)",
             "kv_cache_mb": round(kv_bytes / 2**20, 2) if kv_bytes is not None else None,
@@ -167,15 +161,16 @@ def measure_generation(decoder: KVCacheDecoder, config: GenerationConfig) -> dic
 
 
 def profile_generation(engine_dir: str | os.PathLike[str], config: GenerationConfig | None = None) -> dict[str, Any]:
-    """Generation metrics of a causal-LM engine folder (ONNX Runtime, exported with the KV cache)."""
+    """Generation metrics of a causal-LM engine folder (exported with the KV cache, on a runtime
+    whose engines decode through it: ``Engine.token_decoder``)."""
     config = config or GenerationConfig()
     engine = load_engine(engine_dir, threads=config.threads)
     try:
-        session = getattr(engine, "session", None)
-        if session is None or not is_causal_lm_session(session):
+        decoder = engine.token_decoder(config.max_length)
+        if decoder is None:
             raise BadInputError(f"{engine_dir} is not an ONNX Runtime engine of a causal LM exported with its KV "
                                 "cache (export with `edgekit export MODEL --kv-cache`)")
-        return measure_generation(KVCacheDecoder(session, config.max_length), config)
+        return measure_generation(decoder, config)
     finally:
         engine.close()
 
@@ -264,7 +259,7 @@ def check_generation(profile: str | os.PathLike[str] | ProfileResult, min_tokens
         result = profile_with_generation(folder, generation=GenerationConfig())
     else:
         result = load_profile(profile)
-    gen = getattr(result, "generation", None)
+    gen = result.generation
     if not gen:
         raise BadInputError("the profile has no generation metrics (profile a causal-LM engine exported with "
                             "--kv-cache, without --no-generation)")

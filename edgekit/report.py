@@ -103,10 +103,11 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
                   "", f"All times in ms over {s.count} timed inferences."]
         if prof.source == "device":
             mc = prof.machine
+            clocks_locked: Any = mc.get("clocks_locked")  # True, False or not recorded
             lines.append(f"Measured on the device: {mc.get('board') or mc.get('gpu') or 'unknown'}, JetPack "
                          f"{mc.get('jetpack') or 'not recorded'}, TensorRT {mc.get('tensorrt_version') or 'not recorded'}, "
                          f"power mode {mc.get('power_mode') or 'not recorded'}, clocks "
-                         + {True: "locked", False: "not locked"}.get(mc.get("clocks_locked"), "not recorded") + ".")
+                         + {True: "locked", False: "not locked"}.get(clocks_locked, "not recorded") + ".")
         if prof.model_size_mb is not None or prof.peak_memory_mb is not None:
             lines.append(f"Model size {_fmt(prof.model_size_mb, 2)} MB; peak memory {_fmt(prof.peak_memory_mb, 1)} MB.")
         if prof.float_share is not None:
@@ -134,9 +135,10 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
             data.verdicts.append({**v.to_dict(), "message": v.message()})
     if data.verdicts:
         lines += ["## Budget verdict", ""]
-        for v in data.verdicts:
-            msg = v.get("message") or f"{'PASS' if v['passed'] else 'FAIL'}: {v['percentile']} {v['latency_ms']:.3f} ms vs {v['budget_ms']} ms"
-            lines.append(f"- **{'PASS' if v['passed'] else 'FAIL'}** {msg.split(': ', 1)[-1]}")
+        for verdict in data.verdicts:
+            msg = verdict.get("message") or (f"{'PASS' if verdict['passed'] else 'FAIL'}: {verdict['percentile']} "
+                                             f"{verdict['latency_ms']:.3f} ms vs {verdict['budget_ms']} ms")
+            lines.append(f"- **{'PASS' if verdict['passed'] else 'FAIL'}** {msg.split(': ', 1)[-1]}")
         lines.append("")
         summary["verdicts"] = data.verdicts
     return "\n".join(lines) + "\n", summary

@@ -237,15 +237,15 @@ def sweep_plots(rows: list[SweepRow], out: Path, budget_ms: float | None = None,
 
 
 def _scatter(ax: Any, points: list[tuple[float | None, SweepRow]], xlabel: str, ylabel: str) -> None:
-    pts = [(x, r) for x, r in points if x is not None]
-    front_mask = pareto_2d([(x, r.value) for x, r in pts], pts[0][1].higher_is_better) if pts else []
-    ax.scatter([x for (x, r), f in zip(pts, front_mask) if not f], [r.value for (x, r), f in zip(pts, front_mask)
-                                                                    if not f], color="#8c959f", label="dominated", zorder=2)
-    front = sorted([(x, r) for (x, r), f in zip(pts, front_mask) if f], key=lambda p: p[0])
-    ax.plot([x for x, _ in front], [r.value for _, r in front], "o-", color="#0969da",
+    pts = [(x, r.value, r) for x, r in points if x is not None and r.value is not None]
+    front_mask = pareto_2d([(x, y) for x, y, _ in pts], pts[0][2].higher_is_better) if pts else []
+    ax.scatter([x for (x, _, _), f in zip(pts, front_mask) if not f], [y for (_, y, _), f in zip(pts, front_mask)
+                                                                       if not f], color="#8c959f", label="dominated", zorder=2)
+    front = sorted([(x, y) for (x, y, _), f in zip(pts, front_mask) if f], key=lambda p: p[0])
+    ax.plot([x for x, _ in front], [y for _, y in front], "o-", color="#0969da",
             label="Pareto set (these two axes)", zorder=3)
-    for x, r in pts:
-        ax.annotate(", ".join(f"{k}={v}" for k, v in r.params.items()), (x, r.value), fontsize=7,
+    for x, y, r in pts:
+        ax.annotate(", ".join(f"{k}={v}" for k, v in r.params.items()), (x, y), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

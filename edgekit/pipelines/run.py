@@ -77,7 +77,7 @@ from edgekit.pipelines.results import (
 from edgekit.profiling import ProfileConfig, ProfileResult, device_measurement, measure, profile_engine
 from edgekit.progress import StepProgress
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import BuildOptions
+from edgekit.runtimes.base import BuildOptions, NodeTiming
 from edgekit.sources.data import load_samples
 from edgekit.sources.handle import InputSpec
 from edgekit.sources.inputs import shapes_only
@@ -169,17 +169,31 @@ class CallableEngine:
                              else rng.standard_normal(shape).astype(dt))
         return feeds
 
+    @property
+    def path(self) -> None:
+        return None  # a Python function, no model file
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"runtime": self.runtime, "callable": getattr(self.fn, "__qualname__", repr(self.fn))}
+
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         out = self.fn(**feeds)
         return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.run(feeds)
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
         t0 = time.perf_counter()
         self.run(feeds)
         return (time.perf_counter() - t0) * 1e3
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int) -> list[Any]:
+    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         return []
+
+    def token_decoder(self, max_length: int) -> None:
+        return None
 
     def close(self) -> None:
         pass

@@ -6,8 +6,8 @@ runtime can) times each node. ``onnxruntime``, ``torch`` (AOTInductor) and
 ``tensorrt`` live in their own modules and are imported only there, so the package
 imports without them.
 
-Callers (build, profiling, pipelines) use only what ``Runtime`` and ``Engine`` declare;
-nothing outside ``edgekit/runtimes/`` names a runtime.
+Callers (build, profiling, profiling_lm, pipelines) use only what ``Runtime``, ``Engine``
+and ``TokenDecoder`` declare; nothing outside ``edgekit/runtimes/`` names a runtime.
 """
 from __future__ import annotations
 
@@ -170,6 +170,31 @@ class BuildOptions:
             raise FieldError("batch", f"must be >= 1, got {self.batch}")
 
 
+class TokenDecoder(Protocol):
+    """Prefill and one-token decode steps of a causal LM through its KV cache, as generation
+    runs (``Engine.token_decoder``): ``forward`` runs tokens after the cached ones."""
+
+    batch: int
+    shared: bool  # the KV cache is updated in place (one preallocated buffer per layer)
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' last dimension (what prompt token ids are drawn below)."""
+        ...
+
+    def kv_cache_bytes(self, length: int) -> int:
+        """Bytes of the KV cache holding ``length`` tokens (every layer's keys and values)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the cached tokens."""
+        ...
+
+    def forward(self, input_ids: np.ndarray) -> np.ndarray:
+        """Run ``input_ids`` (batch, tokens) after the cached tokens; logits (batch, tokens, vocab)."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     runtime: str
@@ -177,17 +202,35 @@ class Engine(Protocol):
     outputs: list[str]
 
     @property
+    def path(self) -> Path | None:
+        """The model file the engine runs (an ONNX graph, a plan, an IR, a package), or None."""
+        ...
+
+    @property
     def settings(self) -> dict[str, Any]:
         """The settings the engine runs with (threads, providers, ...), for the profile record."""
         ...
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The outputs for ``feeds``, which are checked against ``inputs`` first."""
+        ...
+
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """``run`` for feeds the caller checked once (``check_feeds``) before a timed loop:
+        no per-call check where ``run`` has one."""
+        ...
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
         """Latency of one inference in milliseconds (device time where it applies)."""
         ...
 
     def node_profile(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]: ...
+
+    def token_decoder(self, max_length: int) -> TokenDecoder | None:
+        """Generation through the KV cache for up to ``max_length`` tokens, for a causal LM
+        exported with its KV cache; None for other models and for runtimes without a
+        KV-cache loop."""
+        ...
 
     def close(self) -> None: ...
 

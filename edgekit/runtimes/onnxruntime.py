@@ -281,6 +281,9 @@ class OrtEngine:
         check_feeds(self.inputs, feeds)
         return list(self.session.run(None, feeds))
 
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return list(self.session.run(None, feeds))
+
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
         run = self.session.run
         t0 = time.perf_counter()
@@ -307,6 +310,9 @@ class OrtEngine:
         return parse_profile(events, runs=warm + max(1, iterations), skip_runs=warm,
                              graph_types=graph_dtypes(self.path), depthwise=depthwise_nodes(self.path),
                              node_bits=graph_bits(self.path))
+
+    def token_decoder(self, max_length: int) -> KVCacheDecoder | None:
+        return KVCacheDecoder(self.session, max_length) if is_causal_lm_session(self.session) else None
 
     def close(self) -> None:
         self.session = None
@@ -729,6 +735,17 @@ class KVCacheDecoder:
                 self.cache[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(
                     [self.batch, heads, self.max_length, dim], self.dtype, "cpu", 0)
         self.length = 0  # tokens in the cache
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' last dimension where it is static, else 32,000 (a common vocabulary)."""
+        dim = self.session.get_outputs()[0].shape[-1]
+        return int(dim) if isinstance(dim, int) and dim > 0 else 32_000
+
+    def kv_cache_bytes(self, length: int) -> int:
+        """Bytes of the KV cache holding ``length`` tokens: every layer's key and value buffers."""
+        return sum(int(np.prod([self.batch, s.shape[1], length, s.shape[3]])) * np.dtype(self.dtype).itemsize
+                   for s in self.pasts)
 
     def reset(self) -> None:
         """Forget the cached tokens (the shared buffers are reused as they are)."""

@@ -399,6 +399,12 @@ class OpenVinoEngine:
                     rec[2] += info.real_time.total_seconds() * 1e3
         return profile_nodes(totals, kernels, runs)
 
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.run(feeds)
+
+    def token_decoder(self, max_length: int) -> None:
+        return None  # no KV-cache generation loop in this runtime
+
     def close(self) -> None:
         self.request = None
         self.compiled = None

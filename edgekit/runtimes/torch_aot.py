@@ -322,6 +322,12 @@ class TorchAotEngine:
                     torch.cuda.synchronize()
         return kernel_timings(prof.key_averages(), iterations, cuda, str(self.dtype).replace("torch.", ""))
 
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.run(feeds)
+
+    def token_decoder(self, max_length: int) -> None:
+        return None  # no KV-cache generation loop in this runtime
+
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]  # released; a closed engine is not run again
         self._prepared = None

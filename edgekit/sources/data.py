@@ -648,6 +648,7 @@ def load_samples(spec: str | None, model: ModelHandle | None = None, *, split: s
     where = f"data source {spec!r} ({split} split)"
 
     ready: Samples | None = None
+    raw: _Raw | None
     if spec in DATASETS:
         raw = DATASETS[spec](split)
     else:

@@ -95,7 +95,7 @@ class ModelHandle:
     inputs: list[InputSpec] = field(default_factory=list)
     outputs: list[str] = field(default_factory=lambda: ["output"])
     make_inputs: Callable[..., dict[str, np.ndarray]] | None = None
-    prepare: Callable[[Any], dict[str, np.ndarray]] | None = None
+    prepare: Callable[..., dict[str, np.ndarray]] | None = None  # (raw samples, seqlen=None for text)
     default_calib: str | None = None
     default_eval: str | None = None
     default_train: str | None = None

@@ -505,7 +505,8 @@ def _encoder_handle(model: Any, folder: Path, config: Any, tokenizer: Any, name:
     pooling, normalize = _sentence_transformers_pooling(folder)
     wrapper = SentenceEncoderWrapper(model, pooling=pooling, normalize=normalize).eval()
     names = ["input_ids", "attention_mask"]
-    if "token_type_ids" in getattr(tokenizer, "model_input_names", []) and getattr(config, "type_vocab_size", 0):
+    type_vocab: Any = getattr(config, "type_vocab_size", 0)
+    if "token_type_ids" in getattr(tokenizer, "model_input_names", []) and type_vocab:
         names.append("token_type_ids")
     max_len = int(min(getattr(tokenizer, "model_max_length", 512) or 512, getattr(config, "max_position_embeddings", 512)))
 

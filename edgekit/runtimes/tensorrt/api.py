@@ -134,6 +134,7 @@ class TensorRTEngine:
         self.inputs = inputs
         self.outputs = outputs
         self.plan = plan
+        self.path = plan
         self._staged: tuple[int, dict[str, Any], dict[str, Any]] | None = None
 
     def _stage(self, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -207,6 +208,12 @@ class TensorRTEngine:
             except BadInputError:
                 info = None
         return nodes_from_trtexec(layer_times, info)
+
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.run(feeds)
+
+    def token_decoder(self, max_length: int) -> None:
+        return None  # no KV-cache generation loop in this runtime
 
     def close(self) -> None:
         self._staged = None
