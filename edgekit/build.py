@@ -24,15 +24,27 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.artifact import atomic_write_json
-from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.artifact import (
+    Manifest,
+    atomic_write_bytes,
+    atomic_write_json,
+    check_output_dir,
+    input_record,
+    read_manifest,
+    sha256_file,
+    staged_dir,
+    write_manifest,
+)
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
+from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
+from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels
-from edgekit.targets import Target
+from edgekit.targets import Target, load_target
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
@@ -71,7 +83,7 @@ def _try_runtime(name: str) -> Runtime | None:
         return None
 
 
-def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_dir: str | os.PathLike[str],
+def build_engine(model: str | os.PathLike[str] | ModelHandle, target: str | os.PathLike[str] | Target, out_dir: str | os.PathLike[str],
                  options: BuildOptions | None = None, input_options: InputOptions | None = None) -> Path:
     """Build an engine folder for ``target`` (a name, YAML path or Target). ``input_options``
     (``--shapes``, ``--inputs``: ``sources.inputs``) set the sample inputs the engine keeps
@@ -80,11 +92,6 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
     >>> build_engine("efficientnet-lite0", "cpu", "out/engine")  # doctest: +SKIP
     PosixPath('out/engine')
     """
-    from edgekit.artifact import Manifest, input_record, read_manifest, staged_dir, write_manifest
-    from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.sources.models import load_model
-    from edgekit.targets import load_target
-
     options = options or BuildOptions()
     target = load_target(target)
     target.require_precision(options.precision)
@@ -153,14 +160,12 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: Any, out_d
     return out_dir
 
 
-def _build_best(model: Any, target: Any, out_dir: Path, options: BuildOptions,
+def _build_best(model: str | os.PathLike[str] | ModelHandle, target: Target, out_dir: Path, options: BuildOptions,
                 input_options: InputOptions | None = None) -> Path:
     """``--runtime best``: build with each of the target's runtimes that is available and can be
     timed here, time each engine briefly (interleaved rounds), keep the fastest, and record every
     candidate's timing (or why it could not build) in the manifest."""
     import tempfile
-
-    from edgekit.artifact import check_output_dir, read_manifest, staged_dir, write_manifest
 
     protect = (model, getattr(model, "source", None), getattr(model, "onnx_path", None),
                getattr(input_options, "inputs", None))
@@ -243,8 +248,6 @@ def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) 
     >>> engine = load_engine("out/engine", threads=1)  # doctest: +SKIP
     >>> engine.run(load_engine_inputs("out/engine"))  # doctest: +SKIP
     """
-    from edgekit.artifact import read_manifest
-
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     if manifest.kind not in ("engine", "bundle"):  # a runtime may write a build bundle (TensorRT, off-device)
@@ -252,8 +255,6 @@ def load_engine(engine_dir: str | os.PathLike[str], threads: int | None = None) 
                             "`edgekit build`)")
     name = manifest.config.get("runtime")
     if name not in RUNTIMES:
-        from edgekit.errors import bad_choice
-
         raise bad_choice("runtime", name, RUNTIMES)
     runtime = _try_runtime(name)
     if runtime is None:
@@ -269,8 +270,6 @@ def load_engine_inputs(engine_dir: str | os.PathLike[str], batch: int | None = N
     """The sample inputs stored at build time, repeated or cut along axis 0 to ``batch`` (or
     the ``--inputs`` file as it is, checked against the engine's inputs), then brought to the
     ``--shapes`` given (cut or tiled along each axis, so ids stay ids and masks masks)."""
-    from edgekit.artifact import read_manifest
-
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir)
     specs = [InputSpec.from_dict(d) for d in manifest.model.get("inputs", [])
@@ -303,8 +302,6 @@ def _batched(feeds: dict[str, np.ndarray], manifest: Any, batch: int | None) -> 
 def _save_inputs(path: Path, feeds: dict[str, np.ndarray]) -> None:
     import io
 
-    from edgekit.artifact import atomic_write_bytes
-
     buf = io.BytesIO()
     arrays: dict[str, Any] = {k: np.ascontiguousarray(v) for k, v in feeds.items()}  # Any: numpy's stub reads **kwds as allow_pickle
     np.savez(buf, **arrays)
@@ -323,7 +320,6 @@ def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict
     if ("onnx" not in files or not model.endswith(".onnx")
             or any(Path(v).parts[:1] == (ONNX_DIR,) for k, v in files.items() if k != "onnx")):
         return
-    from edgekit.artifact import sha256_file
 
     src = folder / files.pop("onnx")
     labels = node_labels(src)  # the exporter's module paths, which the runtime's optimized copy drops
@@ -372,8 +368,6 @@ def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | Non
 
 
 def _kind(folder: Path) -> str | None:
-    from edgekit.artifact import read_manifest
-
     try:
         return read_manifest(folder).kind
     except BadInputError:

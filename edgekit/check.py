@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError
-from edgekit.profiling import ProfileResult, normalize_percentile
+from edgekit.profiling import ProfileResult, normalize_percentile, profile_engine
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResul
     if p.is_dir():
         if (p / "profile.json").is_file():
             return ProfileResult.load(p / "profile.json")
-        from edgekit.profiling import profile_engine
 
         return profile_engine(p)
     raise BadInputError(f"profile {str(p)!r} does not exist (give a profile JSON or an engine folder)")

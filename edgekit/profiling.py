@@ -20,9 +20,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from edgekit.artifact import atomic_write_json, check_output_file, machine_info, now_iso
+from edgekit.build import load_engine, load_engine_inputs
 from edgekit.errors import BadInputError
+from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import Engine, NodeTiming, RecordedRun, read_folder_manifest
+from edgekit.runtimes.base import Engine, NodeTiming, RecordedRun, check_feeds, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.onnx_file import node_labels
@@ -207,8 +210,6 @@ class ProfileResult:
 
     def save(self, path: str | os.PathLike[str], *, protect: Iterable[object] | None = None) -> Path:
         """Write the JSON atomically; ``protect``: see ``atomic_write_bytes``."""
-        from edgekit.artifact import atomic_write_json
-
         return atomic_write_json(path, self.to_dict(), protect=protect)
 
     @classmethod
@@ -271,8 +272,6 @@ def measure(engine: Engine, feeds: dict[str, np.ndarray], config: ProfileConfig,
     timing loop, then a separate per-node run, summarized into a ``ProfileResult``.
     ``profile_engine`` loads an engine folder and calls this; pipelines call it for
     in-process stages (Python callables) so every stage is timed the same way."""
-    from edgekit.artifact import machine_info, now_iso
-
     samples, cvs = repeat_while_noisy(lambda: time_engine(engine, feeds, config, progress=progress),
                                       lambda s: LatencyStats.from_samples(s).cv, config)
     stats = LatencyStats.from_samples(samples)
@@ -338,8 +337,6 @@ def label_nodes(nodes: list[NodeTiming], labels: dict[str, str]) -> None:
 def profile_from_recorded(run: RecordedRun, top_k: int | None = None) -> ProfileResult:
     """The ProfileResult of timings a runtime's own tool recorded (trtexec on the device):
     the same statistics, node summary and warnings as a local measurement."""
-    from edgekit.artifact import now_iso
-
     stats = LatencyStats.from_samples(run.latency_ms)
     total_nodes = len(run.nodes)
     top, op_types, float_share, quantized = summarize_nodes(list(run.nodes), top_k)
@@ -385,10 +382,6 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     >>> result = profile_engine("out/engine", ProfileConfig(duration_s=1))  # doctest: +SKIP
     >>> result.latency_ms.p99  # doctest: +SKIP
     """
-    from edgekit.artifact import check_output_file
-    from edgekit.build import load_engine, load_engine_inputs
-    from edgekit.runtimes.base import check_feeds
-
     config = config or ProfileConfig()
     engine_dir = Path(engine_dir)
     if out_json is not None:
@@ -491,8 +484,6 @@ class _timing_progress:
         self.task: Any = None
 
     def __enter__(self) -> Any:
-        from edgekit.progress import progress_enabled
-
         if not progress_enabled():
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

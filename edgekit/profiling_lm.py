@@ -29,7 +29,15 @@ from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
-from edgekit.profiling import CV_WARNING, LatencyStats, ProfileConfig, ProfileResult, peak_rss_mb, profile_engine
+from edgekit.profiling import (
+    CV_WARNING,
+    LatencyStats,
+    ProfileConfig,
+    ProfileResult,
+    normalize_percentile,
+    peak_rss_mb,
+    profile_engine,
+)
 from edgekit.runtimes.base import TokenDecoder
 from edgekit.sources.inputs import InputOptions
 
@@ -246,8 +254,6 @@ def check_generation(profile: str | os.PathLike[str] | ProfileResult, min_tokens
     >>> check_generation("out/profile.json", min_tokens_per_s=50).passed  # doctest: +SKIP
     True
     """
-    from edgekit.profiling import normalize_percentile
-
     for name, value in (("minimum tokens/s", min_tokens_per_s), ("time-to-first-token budget", max_ttft_ms)):
         if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
             raise BadInputError(f"{name} must be a positive number, got {value!r}")

@@ -22,7 +22,10 @@ from edgekit.artifact import (
     check_output_file,
     read_manifest,
 )
+from edgekit.check import check_budget
 from edgekit.errors import BadInputError, EdgekitError
+from edgekit.pipelines.html import render_run_html
+from edgekit.pipelines.results import RunResult, StageResult, markdown_summary
 from edgekit.profiling import ProfileResult
 
 
@@ -73,8 +76,6 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 def render_markdown(data: ReportData, budget_ms: float | None = None, percentile: str = "p99",
                     top_k: int = 10) -> tuple[str, dict[str, Any]]:
-    from edgekit.check import check_budget
-
     lines = [f"# edgekit report: {data.folder}", ""]
     summary: dict[str, Any] = {"folder": str(data.folder), "artifacts": [], "profiles": [], "verdicts": []}
     if data.artifacts:
@@ -211,9 +212,6 @@ def _is_report_file(path: Path) -> bool:
 
 
 def _render_run(folder: Path, out: str | os.PathLike[str] | None) -> Path:
-    from edgekit.pipelines.html import render_run_html
-    from edgekit.pipelines.run import RunResult, StageResult, markdown_summary
-
     data = json.loads((folder / "results.json").read_text())
     data["stages"] = [StageResult(**s) for s in data["stages"]]
     result = RunResult(**data)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+from xml.sax.saxutils import escape, quoteattr
 
 
 @dataclass
@@ -140,3 +141,59 @@ def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
                     "; ".join(f"{t} {v:.3f}" for t, v in r.estimated_ms.items()) or "-",
                     "*" if r.pareto else "", "PASS" if r.passed else "FAIL"])
     return out
+
+
+def markdown_summary(result: RunResult) -> str:
+    lines = [f"# edgekit run: {result.recipe['name']}", "",
+             f"{'PASS' if result.passed else 'FAIL'}; latency at {result.percentile}; seed {result.seed}; "
+             f"{result.seconds:.1f} s", ""]
+    lines += ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---|" * len(STAGE_COLUMNS)]
+    for row in stage_table(result):
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    for name, t in result.targets.items():
+        lines.append(f"- **{name}**: {target_verdict(t, markdown=True, percentile=result.percentile)}")
+    gates = [g for r in result.stages for g in r.gates]
+    if gates:
+        lines += ["", "| stage | metric | value | threshold | verdict |", "|---|---|---|---|---|"]
+        for g in gates:
+            thr = f">= {g['min']}" if "min" in g else f"<= {g['max']}"
+            lines.append(f"| {g['stage']} | {g['metric']} | {g['value']:.4f} | {thr} | {'PASS' if g['passed'] else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def junit_xml(result: RunResult) -> str:
+    cases = []
+    for name, t in result.targets.items():
+        if t["budget_ms"] is not None:
+            ok = t["passed"]
+            msg = f"{target_measurement(t, result.percentile)} vs budget {t['budget_ms']:g} ms" + (
+                " (noisy measurement: the verdict is uncertain)" if t.get("noisy") else "")
+            cases.append((f"{name}.total_budget", ok, msg, t["total_ms"] / 1e3))
+    for r in result.stages:
+        if r.budget_ms is not None:
+            cases.append((f"{r.target}.{r.stage}.budget", r.passed,
+                          f"{result.percentile} {r.latency_ms:.3f} ms vs budget {r.budget_ms:g} ms ({r.source}; "
+                          f"cv {r.cv:.1%}{', noisy: the verdict is uncertain' if r.noisy else ''})",
+                          r.latency_ms / 1e3))
+        for g in r.gates:
+            thr = f">= {g['min']}" if "min" in g else f"<= {g['max']}"
+            cases.append((f"{r.target}.{r.stage}.{g['metric']}", g["passed"], f"{g['metric']} {g['value']:.4f} {thr}", 0.0))
+    failures = sum(1 for c in cases if not c[1])
+    out = ['<?xml version="1.0" encoding="UTF-8"?>',
+           f'<testsuites name="edgekit" tests="{len(cases)}" failures="{failures}">',
+           f'  <testsuite name={quoteattr("edgekit." + str(result.recipe["name"]))} tests="{len(cases)}" '
+           f'failures="{failures}" time="{result.seconds:.3f}">']
+    for name, ok, msg, secs in cases:
+        out.append(f'    <testcase classname="edgekit" name={quoteattr(name)} time="{secs:.6f}">')
+        if not ok:
+            out.append(f"      <failure message={quoteattr(msg)}/>")
+        else:
+            out.append(f"      <system-out>{_xml_text(msg)}</system-out>")
+        out.append("    </testcase>")
+    out += ["  </testsuite>", "</testsuites>"]
+    return "\n".join(out) + "\n"
+
+
+def _xml_text(s: str) -> str:
+    return escape(s)

@@ -66,14 +66,18 @@ from edgekit.pipelines.frames import (
 )
 from edgekit.pipelines.html import render_run_html
 from edgekit.pipelines.recipe import Recipe, StageSpec, validate_recipe
+
+# The run's tables, as the CLI prints them (declared in results.py, with the records).
+# STAGE_COLUMNS, stage_table, target_verdict: the run's tables as the CLI prints them (from results.py).
+from edgekit.pipelines.results import STAGE_COLUMNS as STAGE_COLUMNS
 from edgekit.pipelines.results import (
-    STAGE_COLUMNS,
     RunResult,
     StageResult,
-    stage_table,
-    target_measurement,
-    target_verdict,
+    junit_xml,
+    markdown_summary,
 )
+from edgekit.pipelines.results import stage_table as stage_table
+from edgekit.pipelines.results import target_verdict as target_verdict
 from edgekit.profiling import ProfileConfig, ProfileResult, device_measurement, measure, profile_engine
 from edgekit.progress import StepProgress
 from edgekit.runtimes import RUNTIMES, get_runtime
@@ -82,7 +86,7 @@ from edgekit.sources.data import load_samples
 from edgekit.sources.handle import InputSpec
 from edgekit.sources.inputs import shapes_only
 from edgekit.sources.models import load_model
-from edgekit.targets import load_target
+from edgekit.targets import Target, load_target
 
 RESULTS = "results.json"
 
@@ -227,7 +231,7 @@ def _kv(d: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
-def _measurable(target: Any) -> bool:
+def _measurable(target: Target) -> bool:
     """Can edgekit build and time an engine for ``target`` on this machine (with any of
     the target's runtimes)?"""
     for name in target.runtimes:
@@ -239,8 +243,8 @@ def _measurable(target: Any) -> bool:
     return False
 
 
-def _runtime_for(target: Any) -> str:
-    return target.runtimes[0] if target.runtimes else "onnxruntime"
+def _runtime_for(target: Target) -> str:
+    return target.runtimes[0]  # a target names at least one runtime (checked as it loads)
 
 
 def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
@@ -310,7 +314,7 @@ def _run_locked(recipe: Recipe, run_dir: str | os.PathLike[str], cache_dir: str 
     return result
 
 
-def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pconfig: ProfileConfig,
+def _run_stage(stage: StageSpec, target: Target, recipe: Recipe, cache: _Cache, pconfig: ProfileConfig,
                versions: dict[str, str], prev_key: str, progress: bool,
                frame_mode: bool = False) -> tuple[StageResult, str]:
     base = {"prev": prev_key, "versions": versions, "seed": recipe.seed}
@@ -437,7 +441,7 @@ def _run_stage(stage: StageSpec, target: Any, recipe: Recipe, cache: _Cache, pco
     return result, eval_key
 
 
-def _profile_model_stage(r: StageResult, recipe: Recipe, target: Any, cache: _Cache, pconfig: ProfileConfig,
+def _profile_model_stage(r: StageResult, recipe: Recipe, target: Target, cache: _Cache, pconfig: ProfileConfig,
                          key: str) -> None:
     """A model stage alone on its built engine (after the frames): its node table, the
     engine's own latency and noise, cached apart from the build."""
@@ -460,7 +464,7 @@ def _profile_model_stage(r: StageResult, recipe: Recipe, target: Any, cache: _Ca
 FRAMES = "frames.json"
 
 
-def _measure_frames(recipe: Recipe, target: Any, results: list[StageResult], keys: list[str], cache: _Cache,
+def _measure_frames(recipe: Recipe, target: Target, results: list[StageResult], keys: list[str], cache: _Cache,
                     pconfig: ProfileConfig, versions: dict[str, str], progress: bool) -> dict[str, Any]:
     """Frames through the chained stages (cached as ``frames-<key>``); the stage results get
     their figures from the same frames; returns the target's summary."""
@@ -537,7 +541,7 @@ def _onnx_size_mb(onnx_folder: Path) -> float | None:
         return None
 
 
-def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
+def _estimate_folder(onnx_folder: Path, target: Target, folder: Path) -> None:
     """A roofline estimate as a ProfileResult (source "estimated")."""
     m = read_manifest(onnx_folder)
     est = estimate(str(m.path_of(onnx_folder, "onnx")), target)
@@ -551,7 +555,7 @@ def _estimate_folder(onnx_folder: Path, target: Any, folder: Path) -> None:
                                               "high_ms": float(est.high_ms), "basis": est.basis}))
 
 
-def _try_bundle(onnx_folder: Path, target: Any, cache: _Cache, key: str, stage: StageSpec) -> tuple[str | None, str]:
+def _try_bundle(onnx_folder: Path, target: Target, cache: _Cache, key: str, stage: StageSpec) -> tuple[str | None, str]:
     """A build bundle (what the device needs to build and time the engine itself) for a
     target edgekit cannot measure here, from the target's preferred runtime (best effort):
     (folder, why not)."""
@@ -604,7 +608,7 @@ def _gates(stage: StageSpec, metrics: dict[str, Any]) -> list[dict[str, Any]]:
     return gates
 
 
-def _stage_result(stage: StageSpec, target: Any, kind: str, prof: ProfileResult, recipe: Recipe,
+def _stage_result(stage: StageSpec, target: Target, kind: str, prof: ProfileResult, recipe: Recipe,
                   artifacts: dict[str, str], reused: dict[str, bool], metrics: dict[str, Any],
                   gates: list[dict[str, Any]], size_mb: float | None, warnings: list[str] | None = None) -> StageResult:
     lat = prof.latency_ms.get(recipe.percentile)
@@ -667,63 +671,3 @@ def write_outputs(result: RunResult, run_dir: Path) -> None:
         render_run_html(result, run_dir / "report.html")
     except ImportError:  # pragma: no cover - matplotlib missing
         pass
-
-
-def markdown_summary(result: RunResult) -> str:
-    lines = [f"# edgekit run: {result.recipe['name']}", "",
-             f"{'PASS' if result.passed else 'FAIL'}; latency at {result.percentile}; seed {result.seed}; "
-             f"{result.seconds:.1f} s", ""]
-    lines += ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---|" * len(STAGE_COLUMNS)]
-    for row in stage_table(result):
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    for name, t in result.targets.items():
-        lines.append(f"- **{name}**: {target_verdict(t, markdown=True, percentile=result.percentile)}")
-    gates = [g for r in result.stages for g in r.gates]
-    if gates:
-        lines += ["", "| stage | metric | value | threshold | verdict |", "|---|---|---|---|---|"]
-        for g in gates:
-            thr = f">= {g['min']}" if "min" in g else f"<= {g['max']}"
-            lines.append(f"| {g['stage']} | {g['metric']} | {g['value']:.4f} | {thr} | {'PASS' if g['passed'] else 'FAIL'} |")
-    return "\n".join(lines) + "\n"
-
-
-def junit_xml(result: RunResult) -> str:
-    from xml.sax.saxutils import quoteattr
-
-    cases = []
-    for name, t in result.targets.items():
-        if t["budget_ms"] is not None:
-            ok = t["passed"]
-            msg = f"{target_measurement(t, result.percentile)} vs budget {t['budget_ms']:g} ms" + (
-                " (noisy measurement: the verdict is uncertain)" if t.get("noisy") else "")
-            cases.append((f"{name}.total_budget", ok, msg, t["total_ms"] / 1e3))
-    for r in result.stages:
-        if r.budget_ms is not None:
-            cases.append((f"{r.target}.{r.stage}.budget", r.passed,
-                          f"{result.percentile} {r.latency_ms:.3f} ms vs budget {r.budget_ms:g} ms ({r.source}; "
-                          f"cv {r.cv:.1%}{', noisy: the verdict is uncertain' if r.noisy else ''})",
-                          r.latency_ms / 1e3))
-        for g in r.gates:
-            thr = f">= {g['min']}" if "min" in g else f"<= {g['max']}"
-            cases.append((f"{r.target}.{r.stage}.{g['metric']}", g["passed"], f"{g['metric']} {g['value']:.4f} {thr}", 0.0))
-    failures = sum(1 for c in cases if not c[1])
-    out = ['<?xml version="1.0" encoding="UTF-8"?>',
-           f'<testsuites name="edgekit" tests="{len(cases)}" failures="{failures}">',
-           f'  <testsuite name={quoteattr("edgekit." + str(result.recipe["name"]))} tests="{len(cases)}" '
-           f'failures="{failures}" time="{result.seconds:.3f}">']
-    for name, ok, msg, secs in cases:
-        out.append(f'    <testcase classname="edgekit" name={quoteattr(name)} time="{secs:.6f}">')
-        if not ok:
-            out.append(f"      <failure message={quoteattr(msg)}/>")
-        else:
-            out.append(f"      <system-out>{_xml_text(msg)}</system-out>")
-        out.append("    </testcase>")
-    out += ["  </testsuite>", "</testsuites>"]
-    return "\n".join(out) + "\n"
-
-
-def _xml_text(s: str) -> str:
-    from xml.sax.saxutils import escape
-
-    return escape(s)
