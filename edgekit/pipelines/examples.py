@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.sources.zoo import load_zoo_model
 
 FRAME_SHAPE = (480, 640, 3)
 
@@ -31,8 +32,6 @@ def preprocess(image: np.ndarray) -> np.ndarray:
 
 
 def _effnet() -> Any:
-    from edgekit.sources.zoo import load_zoo_model
-
     return load_zoo_model("efficientnet-lite0")
 
 

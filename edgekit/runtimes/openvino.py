@@ -33,7 +33,7 @@ from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
 from edgekit.runtimes.onnxruntime import cpu_isa_flags, verify_onnx_runs
-from edgekit.sources.handle import InputSpec
+from edgekit.sources.handle import InputSpec, random_inputs
 from edgekit.targets import Target
 
 IR_FILE = "model.xml"
@@ -269,8 +269,6 @@ class OpenVinoRuntime:
         graph = _read(src)
         feeds = options.extra.get("feeds") or {}
         if not feeds:
-            from edgekit.sources.handle import random_inputs
-
             feeds = random_inputs(_inputs_of(graph), options.batch)
         dynamic = dynamic_dims(graph, src)
         shapes = _static_shapes(graph, feeds)
