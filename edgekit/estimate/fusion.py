@@ -5,7 +5,8 @@ Every node ends up in one of four states: ``folded`` (constant: computed at buil
 read by its consumer, and on TensorRT concatenations and transposes that it eliminates),
 ``fused`` (part of a kernel headed by another node) or ``runs`` (heads a kernel).
 
-Fusions per runtime (``FUSION_RUNTIMES``):
+Fusions per runtime (``FUSION_MODELS``: each runtime's rules as data, so the grouping below
+never asks which runtime it models):
 
 * ``tensorrt``: a convolution or matrix product takes the pointwise chain after it as its
   epilogue (bias, batch norm, activation, residual add, Q/DQ); pointwise chains,
@@ -34,13 +35,36 @@ from edgekit.estimate.cost import (
 )
 from edgekit.estimate.graph import Graph, Node
 
-FUSION_RUNTIMES = ("tensorrt", "onnxruntime", "none")
+
+@dataclass(frozen=True)
+class FusionModel:
+    """How a runtime groups a graph's nodes into kernels (see the module docstring)."""
+
+    fuses: bool = True  # False: every node runs as written (constants are not folded either)
+    free_ops: frozenset[str] = frozenset()  # ops its engine eliminates (folds into neighbouring kernels)
+    free_transposes_at_conv: bool = False  # a layout optimizer cancels transposes next to a convolution
+    pattern_islands_only: bool = False  # only recognised pointwise patterns fuse; others run one by one
+    silu_fusion: bool = False  # x * sigmoid(x) becomes one kernel
+    island_epilogue: bool = False  # a conv / matrix product takes the whole pointwise island after it
+    chain_epilogue: bool = False  # ... or a short chain: batch norm, a bias, one activation, a residual add
+    attention_keeps_scores: bool = False  # the fused attention still writes its scores
+    blocked_reorders: bool = False  # on blocked-layout CPUs, reorder copies where convolutions meet other ops
+
+
+FUSION_MODELS: dict[str, FusionModel] = {
+    "tensorrt": FusionModel(free_ops=frozenset({"Concat", "Split", "Transpose", "Slice"}), island_epilogue=True),
+    "onnxruntime": FusionModel(free_transposes_at_conv=True, pattern_islands_only=True, silu_fusion=True,
+                               chain_epilogue=True, attention_keeps_scores=True, blocked_reorders=True),
+    "none": FusionModel(fuses=False),
+}
+FUSION_RUNTIMES = tuple(FUSION_MODELS)
+DEFAULT_FUSION = "onnxruntime"  # what a runtime without a fusion model of its own is read as
 ANCHOR_OPS = CONV_OPS | MATMUL_OPS | ATTENTION_OPS
 # Reductions that engines fuse with their pointwise neighbours (the axis is inner, not global).
 _FUSABLE_REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceSumSquare", "ReduceL2"}
 POINTWISE_OPS = set(ELEMENTWISE_OPS) | set(NORMALIZATION_OPS) | _FUSABLE_REDUCE
-# What ONNX Runtime folds into a convolution / matrix product.
-_ORT_EPILOGUE = {"BatchNormalization", "Relu", "Clip", "LeakyRelu", "HardSigmoid", "Sigmoid", "Tanh"}
+# What a chain epilogue (ONNX Runtime's) folds into a convolution / matrix product.
+_CHAIN_EPILOGUE = {"BatchNormalization", "Relu", "Clip", "LeakyRelu", "HardSigmoid", "Sigmoid", "Tanh"}
 
 
 @dataclass
@@ -92,17 +116,18 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
     """Group the graph's nodes into the kernels ``runtime`` runs (see the module docstring).
     ``blocked_layout``: ONNX Runtime on a CPU with AVX-512/AVX2 runs convolutions in its
     blocked NCHWc layout, with a reorder copy wherever a convolution meets another op."""
-    if runtime not in FUSION_RUNTIMES:
+    if runtime not in FUSION_MODELS:
         raise BadInputError(bad_choice("fusion runtime", runtime, FUSION_RUNTIMES))
+    model = FUSION_MODELS[runtime]
     status: dict[int, str] = {}
     for node in graph.nodes:
         outs = [t for t in node.outputs if t is not None]
-        if node.op == "Constant" or (runtime != "none" and outs and all(t.const for t in outs)):
+        if node.op == "Constant" or (model.fuses and outs and all(t.const for t in outs)):
             status[node.index] = "folded"
-        elif node.op in VIEW_OPS or _is_free(node, runtime, graph):
+        elif node.op in VIEW_OPS or _is_free(node, model, graph):
             status[node.index] = "view"
     live = [n for n in graph.nodes if n.index not in status]
-    if runtime == "none":
+    if not model.fuses:
         kernels = [Kernel(n, [n], "single") for n in live]
         return _finish(kernels, status)
 
@@ -176,13 +201,14 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
             for m in (qk[0], av[0]):
                 sets.union(island, m.index)
             attention = {sets.find(a) for a in attention} | {sets.find(island)}
-    if runtime == "onnxruntime":  # only recognised patterns fuse; other element-wise ops run one by one
+    if model.pattern_islands_only:  # other element-wise ops run one by one
         in_attention = {sets.find(a) for a in attention}
         for root, ns in list(members.items()):
             if root not in in_attention and ns[0].index in pointwise and len(ns) > 1 \
                     and _island_pattern(ns) == "pointwise":
                 for n in ns:
                     sets.split(n.index)
+    if model.silu_fusion:
         for n in live:  # x * sigmoid(x): its QuickGelu/SiLU fusion
             if n.op == "Sigmoid" and n.inputs and n.inputs[0] is not None and sets.size(n.index) == 1:
                 readers = consumers(n)
@@ -197,7 +223,7 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
         readers = consumers(n)
         if not readers or any(r.index not in pointwise for r in readers):
             continue
-        if runtime == "tensorrt":
+        if model.island_epilogue:
             roots = {sets.find(r.index) for r in readers}
             if len(roots) != 1:
                 continue
@@ -206,8 +232,8 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
                 continue
             sets.union(n.index, root)
             anchored.add(sets.find(root))
-        else:
-            _ort_epilogue(n, consumers, sets, pointwise)
+        elif model.chain_epilogue:
+            _chain_epilogue(n, consumers, sets, pointwise)
     groups: dict[int, list[Node]] = {}
     for n in live:
         groups.setdefault(sets.find(n.index), []).append(n)
@@ -218,7 +244,7 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
         head = heads[0] if heads else ns[0]
         if root in {sets.find(a) for a in attention}:
             kernels.append(Kernel(head, [head, *[m for m in ns if m is not head]], "attention",
-                                  keeps_intermediates=runtime == "onnxruntime"))
+                                  keeps_intermediates=model.attention_keeps_scores))
         elif heads and len(ns) > 1:
             kernels.append(Kernel(head, [head, *[m for m in ns if m is not head]], "epilogue"))
         elif len(ns) > 1:
@@ -226,7 +252,7 @@ def fuse(graph: Graph, runtime: str, blocked_layout: bool = False) -> Fused:
         else:
             kernels.append(Kernel(head, ns, "single"))
     kernels.sort(key=lambda k: k.head.index)
-    if blocked_layout and runtime == "onnxruntime":
+    if blocked_layout and model.blocked_reorders:
         _mark_reorders(kernels, graph, consumers, producers)
     return _finish(kernels, status)
 
@@ -248,9 +274,9 @@ def _mark_reorders(kernels: list[Kernel], graph: Graph, consumers: Callable[[Nod
             any(t is not None and t.name in graph.outputs for n in k.nodes for t in n.outputs)
 
 
-def _ort_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets, pointwise: set[int]) -> None:
-    """ONNX Runtime's conv/matmul fusions: batch norm, a bias add, one activation and (for a
-    convolution) a residual add, each the single reader of the previous output."""
+def _chain_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets, pointwise: set[int]) -> None:
+    """Conv/matmul fusions of a chain (ONNX Runtime's): batch norm, a bias add, one activation
+    and (for a convolution) a residual add, each the single reader of the previous output."""
     chain: list[Node] = []
     cur = n
     activation = False
@@ -260,7 +286,7 @@ def _ort_epilogue(n: Node, consumers: Callable[[Node], list[Node]], sets: _Sets,
         if len(rs) != 1 or rs[0].index not in pointwise or sets.size(rs[0].index) > 1:
             break
         r = rs[0]
-        if r.op in _ORT_EPILOGUE and not activation:
+        if r.op in _CHAIN_EPILOGUE and not activation:
             activation = r.op != "BatchNormalization"
         elif r.op == "QuantizeLinear":  # QDQ fusion: the kernel writes the 8-bit tensor
             chain.append(r)
@@ -294,17 +320,17 @@ def _island_pattern(nodes: list[Node]) -> str:
     return "pointwise"
 
 
-def _is_free(node: Node, runtime: str, graph: Graph | None = None) -> bool:
+def _is_free(node: Node, model: FusionModel, graph: Graph | None = None) -> bool:
     """Nodes that move no data in this runtime's engine."""
     if node.op == "DequantizeLinear" and node.inputs and node.inputs[0] is not None and not node.inputs[0].const:
         outs = {t.name for t in node.outputs if t is not None}
-        return runtime != "none" and not (graph is not None and outs & graph.outputs)  # the consumer reads int8
+        return model.fuses and not (graph is not None and outs & graph.outputs)  # the consumer reads int8
     if node.op == "Cast" and node.inputs and node.inputs[0] is not None and node.outputs and node.outputs[0] is not None:
         if node.inputs[0].elem == node.outputs[0].elem:
             return True
-    if runtime == "tensorrt" and node.op in ("Concat", "Split", "Transpose", "Slice"):
+    if node.op in model.free_ops:
         return True  # concatenation elimination; layouts folded into the neighbouring kernels
-    if runtime == "onnxruntime" and node.op == "Transpose" and graph is not None:
+    if model.free_transposes_at_conv and node.op == "Transpose" and graph is not None:
         near = [graph.producer.get(t.name) for t in node.inputs if t is not None]
         near += [c for t in node.outputs if t is not None for c in graph.consumers.get(t.name, [])]
         return any(n is not None and n.op in CONV_OPS for n in near)  # its layout optimizer cancels these

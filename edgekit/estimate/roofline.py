@@ -26,7 +26,7 @@ from typing import Any
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.estimate.cost import OP_CLASSES, Precision, node_cost, op_class, tensor_bits
 from edgekit.estimate.efficiency import Roofs, roofs_for, shape_factor
-from edgekit.estimate.fusion import FUSION_RUNTIMES, Fused, Kernel, fuse
+from edgekit.estimate.fusion import DEFAULT_FUSION, FUSION_MODELS, FUSION_RUNTIMES, Fused, Kernel, fuse
 from edgekit.estimate.graph import Graph, load_graph, read_graph, strip_weights
 from edgekit.estimate.uncertainty import estimate_range, op_mix
 from edgekit.profiling import LatencyStats, ProfileResult
@@ -196,11 +196,11 @@ def fusion_runtime(target: Target, runtime: str | None, fuse_graph: bool) -> str
     if not fuse_graph:
         return "none"
     rt = runtime or target.runtimes[0]
-    if rt in FUSION_RUNTIMES:
+    if rt in FUSION_MODELS:
         return rt
     if runtime is not None and runtime not in target.runtimes:
         raise BadInputError(bad_choice("runtime", runtime, sorted({*FUSION_RUNTIMES, *target.runtimes})))
-    return "onnxruntime"
+    return DEFAULT_FUSION
 
 
 def _float_precision(tgt: Target, precision: str | None) -> str:
@@ -505,5 +505,5 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
         crossover=crossover, peak_tops=dict(tgt.peak_tops), memory_bandwidth_gbs=tgt.memory_bandwidth_gbs,
         nodes=nodes, kernels=len(fused.kernels), fusions=dict(fused.counts), runtime=rt, op_mix=mix,
         op_types=_group(nodes, "op_type", total), op_classes=classes, stages=_group(nodes, "stage", total),
-        unknown_ops=dict(unknown), efficiency=dict(roofs.eff), calibration=roofs.calibration, fuse=rt != "none",
+        unknown_ops=dict(unknown), efficiency=dict(roofs.eff), calibration=roofs.calibration, fuse=FUSION_MODELS[rt].fuses,
         warnings=warnings, notes=notes)
