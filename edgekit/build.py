@@ -44,7 +44,7 @@ from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels
-from edgekit.targets import Target, load_target
+from edgekit.targets import Target, TargetLike, load_target
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
@@ -83,7 +83,7 @@ def _try_runtime(name: str) -> Runtime | None:
         return None
 
 
-def build_engine(model: str | os.PathLike[str] | ModelHandle, target: str | os.PathLike[str] | Target, out_dir: str | os.PathLike[str],
+def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike, out_dir: str | os.PathLike[str],
                  options: BuildOptions | None = None, input_options: InputOptions | None = None) -> Path:
     """Build an engine folder for ``target`` (a name, YAML path or Target). ``input_options``
     (``--shapes``, ``--inputs``: ``sources.inputs``) set the sample inputs the engine keeps

@@ -220,7 +220,7 @@ class ProfileResult:
         return cls.from_dict(read_json(p, "profile", PROFILE_MAX_BYTES), f"profile {str(p)!r}")
 
 
-def time_engine(engine: Any, feeds: dict[str, np.ndarray], config: ProfileConfig,
+def time_engine(engine: Engine, feeds: dict[str, np.ndarray], config: ProfileConfig,
                 progress: Any = None) -> list[float]:
     """The timing loop: warm-up by time, then at least ``iterations`` and ``duration_s``."""
     t_end = time.perf_counter() + config.warmup_ms / 1e3

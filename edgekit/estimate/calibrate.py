@@ -46,11 +46,11 @@ from edgekit.runtimes.base import BuildOptions
 from edgekit.sources.handle import bind_dims, random_inputs
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import load_model, load_onnx_file
-from edgekit.targets import load_target
+from edgekit.targets import TargetLike, load_target
 
 
 # --- the saved factors -----------------------------------------------------------------------------
-def save_calibration(target: Any, efficiency: dict[str, float], kernel_overhead_us: float,
+def save_calibration(target: TargetLike, efficiency: dict[str, float], kernel_overhead_us: float,
                      meta: dict[str, Any]) -> Path:
 
     tgt = load_target(target)
@@ -197,7 +197,7 @@ def _feeds_for(onnx_path: Path, batch: int, dims: dict[str, int]) -> dict[str, n
     return feeds
 
 
-def measure_cpu(model_or_onnx: Any, target: Any = "cpu", *, batch: int = 1, dims: dict[str, int] | None = None,
+def measure_cpu(model_or_onnx: Any, target: TargetLike = "cpu", *, batch: int = 1, dims: dict[str, int] | None = None,
                 threads: int | None = 1, duration_s: float = 2.0, iterations: int = 30,
                 node_iterations: int = 10, optimization_level: str = "all", name: str | None = None) -> Measurement:
     """Build an ONNX Runtime engine of the graph on this CPU and time it (end to end and per node)."""
@@ -291,7 +291,7 @@ def _rel(est: float, meas: float) -> float:
     return (est - meas) / meas if meas > 0 else float("nan")
 
 
-def calibrate(cases: list[Any], target: Any = "cpu", *, threads: int | None = 1, duration_s: float = 2.0,
+def calibrate(cases: list[Any], target: TargetLike = "cpu", *, threads: int | None = 1, duration_s: float = 2.0,
               iterations: int = 30, save: bool = True, user_estimates: bool = True,
               measurements: list[Measurement] | None = None) -> CalibrationReport:
     """Measure each case on ``target``, fit efficiency factors, save them, report errors.
@@ -438,7 +438,7 @@ def _lookup(eff: dict[str, float], key: str) -> float:
     return 0.3
 
 
-def measure_gpu(model: Any, target: Any, *, batch: int = 1, dims: dict[str, int] | None = None,
+def measure_gpu(model: Any, target: TargetLike, *, batch: int = 1, dims: dict[str, int] | None = None,
                 name: str | None = None, precision: str = "fp32", duration_s: float = 2.0) -> Measurement:
     """Build the PyTorch-native engine on CUDA and time it (CUDA events). Needs a GPU."""
     try:
@@ -462,7 +462,7 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
            "save_calibration", "estimate_with_calibration"]
 
 
-def estimate_with_calibration(model: Any, target: Any, *, precision: str | None = None, batch: int = 1,
+def estimate_with_calibration(model: Any, target: TargetLike, *, precision: str | None = None, batch: int = 1,
                               dims: dict[str, int] | None = None, calibrate: bool = False,
                               runtime: str | None = None,
                               input_options: InputOptions | None = None) -> tuple[Estimate, CalibrationReport | None]:

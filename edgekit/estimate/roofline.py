@@ -31,7 +31,7 @@ from edgekit.estimate.graph import Graph, load_graph, read_graph, strip_weights
 from edgekit.estimate.uncertainty import estimate_range, op_mix
 from edgekit.profiling import LatencyStats, ProfileResult
 from edgekit.runtimes.base import NodeTiming
-from edgekit.targets import PRECISIONS, Target, load_target
+from edgekit.targets import PRECISIONS, Target, TargetLike, load_target
 
 ESTIMATE_NOTE = "ESTIMATE (roofline model, not a measurement)"
 FLOAT_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -214,7 +214,7 @@ def _float_precision(tgt: Target, precision: str | None) -> str:
     return precision
 
 
-def estimate(model_or_onnx: Any, target: Any, precision: str | None = None, batch: int = 1, *,
+def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = None, batch: int = 1, *,
              dims: dict[str, int] | None = None, fuse: bool = True, runtime: str | None = None,
              efficiency: dict[str, float] | None = None, kernel_overhead_us: float | None = None,
              calibrated: bool = True) -> Estimate:

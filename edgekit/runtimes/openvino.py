@@ -33,7 +33,7 @@ from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
 from edgekit.runtimes.onnxruntime import cpu_isa_flags, verify_onnx_runs
-from edgekit.sources.handle import InputSpec, random_inputs
+from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
 
 IR_FILE = "model.xml"
@@ -253,7 +253,7 @@ class OpenVinoRuntime:
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None
 
-    def build(self, model: Any, target: Any, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
+    def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Convert ``model`` (an ONNX file or onnx artifact) to OpenVINO IR for a CPU target."""
         ov = _ov()
         if getattr(target, "kind", "cpu") != "cpu":

@@ -136,6 +136,9 @@ class Target:
         return version_in_range(version, self.tensorrt_versions)
 
 
+TargetLike = str | os.PathLike[str] | Target  # what load_target takes: a built-in name, a YAML path, a Target
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     parts = []
     for p in str(v).strip().split("."):
@@ -184,7 +187,7 @@ def list_targets() -> list[str]:
     return list(target_files())
 
 
-def load_target(name_or_path: str | os.PathLike[str] | Target) -> Target:
+def load_target(name_or_path: TargetLike) -> Target:
     """A built-in target by name, or a user's YAML file.
 
     >>> load_target("cpu").kind
