@@ -113,7 +113,8 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
         options = dataclasses.replace(options, batch=shaped)
     inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
     t0 = time.perf_counter()
-    with staged_dir(out_dir, (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))) as tmp:
+    given_inputs = input_options.inputs if input_options is not None else None
+    with staged_dir(out_dir, (model, handle.source, handle.onnx_path, given_inputs)) as tmp:
         files: dict[str, str] = {}
         metrics: dict[str, Any] = {}
         feeds = handle.sample_inputs(options.batch)
@@ -167,8 +168,8 @@ def _build_best(model: str | os.PathLike[str] | ModelHandle, target: Target, out
     candidate's timing (or why it could not build) in the manifest."""
     import tempfile
 
-    protect = (model, getattr(model, "source", None), getattr(model, "onnx_path", None),
-               getattr(input_options, "inputs", None))
+    handle_paths = (model.source, model.onnx_path) if isinstance(model, ModelHandle) else (None, None)
+    protect = (model, *handle_paths, input_options.inputs if input_options is not None else None)
     check_output_dir(out_dir, protect)
     candidates: dict[str, dict[str, Any]] = {}
     for name in target.runtimes:

@@ -217,8 +217,7 @@ def sweep_plots(rows: list[SweepRow], out: Path, budget_ms: float | None = None,
         fig, ax = plt.subplots(figsize=(7, 4.6))
         pts = [(r.latency_ms.get(t), r) for r in rows]
         _scatter(ax, pts, f"end-to-end latency on {t} (ms, {percentile}; bars p50-p99)", metric)
-        bars = [(x, r) for x, r in pts if x is not None and t in getattr(r, "p50_ms", {})
-                and t in getattr(r, "p99_ms", {})]
+        bars = [(x, r) for x, r in pts if x is not None and t in r.p50_ms and t in r.p99_ms]
         if bars:
             ax.errorbar([x for x, _ in bars], [r.value for _, r in bars],
                         xerr=[[max(x - r.p50_ms[t], 0.0) for x, r in bars],
