@@ -31,7 +31,7 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, check_feeds, resolve_onnx
+from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
 from edgekit.runtimes.onnxruntime import cpu_isa_flags, verify_onnx_runs
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
@@ -421,4 +421,4 @@ def profile_nodes(totals: dict[str, list[Any]], kernels: dict[str, dict[str, str
     return out
 
 
-RUNTIME = OpenVinoRuntime()
+RUNTIME: Runtime = OpenVinoRuntime()
