@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import itertools
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,6 @@ def _row_from_result(params: dict[str, Any], result: Any, seconds: float) -> Swe
 
 def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[dict[str, Any], dict[str, Any], float]:
     """One configuration (a top-level function so process pools and Ray can ship it)."""
-    import time
-
     data, run_dir, cache_dir, path, force = args
     t0 = time.perf_counter()
     recipe = parse_recipe(data, path)
