@@ -109,12 +109,7 @@ def engine_stage(name: str, engine: Engine, feeds: dict[str, str] | None = None,
                  parallel_with: Sequence[str] = ()) -> FrameStage:
     """A built engine: inputs and outputs as the engine declares them. The frame runner checks
     every hand-over before timing, so the stage runs without a per-call feed check."""
-    run_unchecked = engine.run_unchecked
-
-    def run(values: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return list(run_unchecked(values))
-
-    return FrameStage(name=name, run=run, inputs=list(engine.inputs), outputs=list(engine.outputs),
+    return FrameStage(name=name, run=engine.run_unchecked, inputs=list(engine.inputs), outputs=list(engine.outputs),
                       feeds=dict(feeds or {}), parallel_with=tuple(parallel_with), model=True)
 
 
