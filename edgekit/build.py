@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import Error as ProtobufError  # what onnx.load raises for a damaged file
 
 from edgekit.artifact import (
     Manifest,
@@ -355,7 +356,7 @@ def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | Non
 
         try:
             nodes = list(onnx.load(str(onnx_path), load_external_data=False).graph.node)
-        except Exception:
+        except (OSError, ValueError, ProtobufError):  # no graph to read: the precision asked for
             return options.precision
         ops = {n.op_type for n in nodes}
         if ops & {"MatMulNBits", "GatherBlockQuantized"}:  # packed weights: their ``bits`` (default 4)

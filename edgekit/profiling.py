@@ -261,7 +261,7 @@ def peak_rss_mb() -> float | None:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    except Exception:  # pragma: no cover - non-Unix
+    except (ImportError, OSError):  # pragma: no cover - non-Unix
         return None
 
 

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import Error as ProtobufError  # what onnx.load raises for a damaged file
 
+from edgekit import interrupts
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
@@ -210,6 +212,7 @@ class OnnxRuntime:
                                  "using the original graph optimized at load time")
                 del check
             except Exception as e:  # ORT's caveat: some optimized graphs do not reload
+                interrupts.reraise(e)
                 offline = False
                 notes.append(f"the saved optimized graph does not reload ({str(e).splitlines()[0][:200]}); "
                              "using the original graph optimized at load time")
@@ -485,7 +488,7 @@ def graph_dtypes(path: Path) -> dict[str, tuple[str, str, list[str]]]:
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
-    except Exception:
+    except (ImportError, OSError, ValueError, ProtobufError):  # no graph to read: no dtypes (best effort)
         return {}
     types: dict[str, str] = {}
     g = model.graph
@@ -504,7 +507,7 @@ def graph_bits(path: Path) -> dict[str, int]:
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
-    except Exception:
+    except (ImportError, OSError, ValueError, ProtobufError):  # no graph to read: no widths (best effort)
         return {}
     return {n.name: int(a.i) for n in model.graph.node if n.op_type in NBITS_OPS
             for a in n.attribute if a.name == "bits"}
@@ -515,7 +518,7 @@ def _elem_name(et: int) -> str:
 
     try:
         return str(onnx.helper.tensor_dtype_to_np_dtype(et))
-    except Exception:
+    except (KeyError, ValueError, TypeError):  # no numpy dtype (bfloat16, float8, int4): ONNX's own name
         return onnx.TensorProto.DataType.Name(et).lower()
 
 

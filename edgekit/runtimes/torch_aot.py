@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit import interrupts
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds
@@ -159,6 +160,7 @@ class TorchAotRuntime:
             package = aoti_compile_and_package(ep, package_path=str(out_dir / PACKAGE_FILE),
                                                inductor_configs=configs)
         except Exception as e:
+            interrupts.reraise(e)  # a Ctrl-C during the long compile, wrapped in the compiler's own error
             raise BadInputError(f"AOTInductor could not compile {handle.name!r} for {device}: {_first_line(e)} "
                                 "(build it with --runtime onnxruntime)") from None
         compile_s = time.perf_counter() - t0
@@ -204,12 +206,14 @@ def _export(torch: Any, module: Any, args: tuple[Any, ...], handle: ModelHandle,
             with torch.no_grad():
                 return torch.export.export(module, args, dynamic_shapes=shapes, strict=False), True
         except Exception as e:  # a guard on the batch size, data-dependent control flow, ...
+            interrupts.reraise(e)
             errors.append(_first_line(e))
             notes.append(f"dynamic batch export failed ({errors[-1][:160]}); exported with static shapes")
     try:
         with torch.no_grad():
             return torch.export.export(module, args, strict=False), False
     except Exception as e:
+        interrupts.reraise(e)
         raise BadInputError(f"torch.export cannot capture model {handle.name!r}: {_first_line(e)} "
                             "(build it with --runtime onnxruntime, which exports through ONNX)") from None
 
