@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit import interrupts
 from edgekit.artifact import cache_dir, sha256_json, staged_dir
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.sources.assets import cache_lock
@@ -163,6 +164,7 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
         try:
             config = tf.AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
         except Exception as e:  # transformers raises ValueError, KeyError, OSError, ...: all mean "cannot read"
+            interrupts.reraise(e)  # a Ctrl-C the library wrapped stops the command (exit 130)
             raise BadInputError(f"{gguf} is not a GGUF model transformers can load: {first_line(e)}") from None
         # GGUF configs carry no architectures: all are causal LMs
         check_parameter_budget(tf.AutoModelForCausalLM, config, info.elements, str(gguf))
@@ -174,6 +176,7 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
                     str(folder), gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False,
                     output_loading_info=True)
         except Exception as e:  # as above; the message names the file
+            interrupts.reraise(e)
             raise BadInputError(f"transformers cannot load {gguf} as a causal LM: {first_line(e)}") from None
     _require_all_weights(loading, gguf.name, str(gguf))
     check_finite_parameters(model, str(gguf))
@@ -318,6 +321,7 @@ def _check_torch_bin(path: Path) -> int:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # UnpicklingError for a refused global; anything else for a corrupt file
+        interrupts.reraise(e)
         if refused_by_unpickler(e):
             raise BadInputError(f"{path} holds a pickle that only arbitrary code can load ({unpickler_reason(e)}); "
                                 "edgekit reads .bin weights only through the weights-only unpickler") from None
@@ -335,6 +339,7 @@ def check_parameter_budget(auto_class: Any, config: Any, available: int, where: 
         try:
             model = auto_class.from_config(config, trust_remote_code=False)
         except Exception as e:  # a config transformers cannot build a model from
+            interrupts.reraise(e)
             raise BadInputError(f"{where}: transformers cannot build the architecture its config describes: "
                                 f"{first_line(e)}") from None
     declared = sum(p.numel() for p in model.parameters())
@@ -351,6 +356,7 @@ def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, opti
                                                  use_safetensors=weights.safetensors, weights_only=True,
                                                  output_loading_info=True)
     except Exception as e:  # OSError, ValueError, RuntimeError, SafetensorError, ...: all mean "cannot load"
+        interrupts.reraise(e)
         raise BadInputError(f"{folder}: transformers cannot load the weights "
                             f"({', '.join(f.name for f in weights.files)}): {first_line(e)}") from None
     _require_all_weights(info, ", ".join(f.name for f in weights.files), str(folder), optional)
@@ -404,6 +410,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
         try:
             config = tf.AutoConfig.from_pretrained(str(hf_folder), trust_remote_code=False)
         except Exception as e:  # transformers raises ValueError, KeyError, OSError, ...
+            interrupts.reraise(e)
             raise BadInputError(f"{hf_folder}/config.json cannot be read: {first_line(e)}") from None
         if _is_causal_lm(config):
             auto_class = tf.AutoModelForCausalLM
@@ -417,6 +424,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
         try:
             tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder), trust_remote_code=False)
         except Exception as e:  # OSError, ValueError, TypeError, tokenizers' Exception: the tokenizer files are bad
+            interrupts.reraise(e)
             raise BadInputError(f"{hf_folder}: the tokenizer cannot be loaded: {first_line(e)}") from None
         if auto_class is tf.AutoModelForCausalLM:
             model = _from_pretrained(auto_class, hf_folder, weights)
