@@ -57,7 +57,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress import StepContext, config_to_dict
+from edgekit.compress import StepContext, config_to_dict, qdq
 from edgekit.compress.calibration import (
     MIN_CALIB_SAMPLES,
     HistogramObserver,
@@ -360,8 +360,8 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
             tensors.append(t)
     fixed = static_batch(model, input_names)
     observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src)
-    symmetric = scheme == "trt"
-    qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
+    fmt = qdq.act_format(scheme)
+    symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     ranges = {}
     for t, obs in observers.items():
         if obs.count == 0:
@@ -433,7 +433,7 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
 
     tensors_range = TensorsData(CalibrationMethod.MinMax, {k: (v[0], v[1]) for k, v in ranges.items()})
     act = QuantType.QUInt8 if scheme == "u8s8" else QuantType.QInt8
-    extra = {"ActivationSymmetric": scheme == "trt", "WeightSymmetric": True}
+    extra = {"ActivationSymmetric": qdq.act_format(scheme).symmetric, "WeightSymmetric": True}
     quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES, extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
@@ -459,8 +459,8 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     ONNX Runtime fuses each into ``MatMulIntegerToFloat``."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    symmetric = scheme == "trt"
-    qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
+    fmt = qdq.act_format(scheme)
+    symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     zp_type = TensorProto.UINT8 if scheme == "u8s8" else TensorProto.INT8
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it

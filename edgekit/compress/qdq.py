@@ -85,6 +85,13 @@ ACT_FORMATS = {
 WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 127]
 
 
+def act_format(scheme: str) -> ActFormat:
+    """The activation grid of a Q/DQ scheme (``BadInputError`` naming the valid ones)."""
+    if scheme not in ACT_FORMATS:
+        raise bad_choice("quantization scheme", scheme, SCHEMES)
+    return ACT_FORMATS[scheme]
+
+
 class ActQuant(nn.Module):
     """Per-tensor fake quantizer of one activation. ``mode``: "observe" (collect a
     histogram, pass through), "quant" (fake-quantize; the default so a rebuilt model
@@ -479,9 +486,7 @@ class TraceError(Exception):
 def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
     """Trace ``module`` and return (fake-quant GraphModule, plan). Raises BadInputError
     when the model has no convolution or linear layer to quantize."""
-    if scheme not in SCHEMES:
-        raise bad_choice("quantization scheme", scheme, SCHEMES)
-    fmt = ACT_FORMATS[scheme]
+    fmt = act_format(scheme)
     module = module.eval()
     gm = _trace(module)
     _functionalize_layers(gm)
