@@ -5,10 +5,12 @@ capability. Errors are one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,48 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
     for r in rows:
         t.add_row(*[str(x) for x in r])
     return t
+
+
+def _cell(value: Any) -> str:
+    """A value as a table shows it: numbers to 4 significant digits, lists joined, never a repr."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, (dict, list, tuple)) for v in value):
+            return f"{len(value)} entries (in the JSON)"
+        shown = ", ".join(_cell(v) for v in value[:8])
+        return shown + (f", ... ({len(value)} in all)" if len(value) > 8 else "")
+    return str(value)
+
+
+def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
+    """Nested mappings as [dotted key, readable value] rows (``quality.cosine``, not a dict's repr)."""
+    if isinstance(data, dict):
+        rows: list[list[str]] = []
+        for k, v in data.items():
+            rows += _flat_rows(v, f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    return [[prefix, _cell(data)]]
+
+
+def _print_json(doc: Any) -> None:
+    """The one JSON document of ``--json`` on stdout."""
+    click.echo(json.dumps(doc, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def _json_stdout(enabled: bool) -> Iterator[None]:
+    """With ``--json`` stdout carries the JSON document only: what the work prints (progress lines,
+    libraries' messages) goes to stderr meanwhile."""
+    if not enabled:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 @click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -439,91 +483,76 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 
 # --- compress ---
 
-@cli.command()
+class StepOptionsCommand(click.Command):
+    """A command whose step options come from the step configs (``edgekit.compress.options``):
+    read on first use, so that the other commands do not import the steps. They go after the
+    option named by ``after``, each as its field declares it, unset unless given."""
+
+    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after = after
+        self._added = False
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not self._added:
+            from edgekit.compress.options import step_options
+
+            generated = [_step_option(o) for o in step_options()]
+            at = next(i for i, p in enumerate(self.params) if p.name == self._after) + 1
+            taken = {d for p in self.params for d in (*p.opts, *p.secondary_opts)}
+            clash = sorted(taken & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
+            if clash:
+                raise TypeError(f"step options {clash} are also options of `{self.name}` itself")
+            self.params[at:at] = generated
+            self._added = True
+        return super().get_params(ctx)
+
+
+def _step_option(o: Any) -> click.Option:
+    """The click option of a step option (``edgekit.compress.options.StepOption``)."""
+    if o.is_pair:
+        return click.Option([o.dest, *o.decls], default=None, help=o.help or None)
+    return click.Option([o.dest, *o.decls], type=o.type, multiple=o.multiple, default=() if o.multiple else None,
+                        help=o.help or None)
+
+
+@cli.command(cls=StepOptionsCommand)
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
-@click.option("--bits", type=int, default=None, help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn).")
-@click.option("--method", default=None, help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only).")
-@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
-@click.option("--calib-method", default=None, help="INT8: minmax | percentile | entropy | mse.")
-@click.option("--calib-samples", type=int, default=None)
-@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--max-accuracy-drop", type=float, default=None, help="INT8: keep the most sensitive layers in float until the accuracy drop is within this many percentage points (e.g. 0.5).")
-@click.option("--placement", default=None, help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: transformers) | all.")
-@click.option("--keep-float", multiple=True, help="INT8: a layer whose weights stay float: first | last | a layer name (repeatable; costs speed).")
-@click.option("--rounding", default=None, help="INT8 weights: gptq (default: output-error-aware rounding) | nearest.")
-@click.option("--group-size", type=int, default=None, help="Weight-only: group size (-1 = per channel).")
-@click.option("--sym/--asym", default=None, help="Weight-only: symmetric or asymmetric grid.")
-@click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; static groups keep the packed layout).")
-@click.option("--gptaq-alpha", type=float, default=None, help="GPTQ: how far each layer matches the float model's output instead of its own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ).")
-@click.option("--refit/--no-refit", default=None, help="GPTQ: re-solve the group scales by least squares once the codes are fixed (default on).")
-@click.option("--seqlen", type=int, default=None, help="Calibration sequence length for language models.")
-@click.option("--device", default=None, help="cpu | cuda (GPTQ/AWQ).")
-@click.option("--prune", type=float, default=None, help="Structured pruning ratio in (0, 1).")
-@click.option("--importance", default=None, help="Pruning: l1 | l2 | taylor | bn-scale.")
-@click.option("--global/--uniform", "global_pruning", default=None, help="Pruning: global or per-layer ratio.")
-@click.option("--round-to", type=int, default=None, help="Pruning: round channel counts to a multiple.")
-@click.option("--ignore", multiple=True, help="Pruning: a layer to protect (repeatable).")
-@click.option("--iterative-steps", type=int, default=None)
 @click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
-@click.option("--epochs", type=int, default=None, help="Distillation / QAT epochs.")
-@click.option("--temperature", type=float, default=None, help="Distillation temperature.")
-@click.option("--alpha", type=float, default=None, help="Distillation: weight of the soft loss.")
+@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
 @click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
+@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
-def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
-             calib_samples: int | None, target: str | None, max_accuracy_drop: float | None, placement: str | None,
-             keep_float: tuple[str, ...], rounding: str | None, group_size: int | None,
-             sym: bool | None, act_order: bool | None, gptaq_alpha: float | None, refit: bool | None,
-             seqlen: int | None, device: str | None, prune: float | None,
-             importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
-             iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
-             alpha: float | None, train_data: str | None, seed: int, input_options: Any, accept_quality_loss: bool,
-             max_ppl_ratio: float | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result (folder, steps, metrics) as JSON.")
+def compress(model: str, out: str, distill: bool, calib: str | None, train_data: str | None, target: str | None,
+             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: bool,
+             **step_flags: Any) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
+    The step options below come from the steps' configs; a recipe names the same fields.
     The result is measured against the float model on held-out data (perplexity ratio,
     agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
-    from edgekit.compress import StepContext
-    from edgekit.compress import compress as run_compress
-    from edgekit.compress.plan import plan_steps
-    from edgekit.targets import load_target
+    from edgekit.compress.plan import compress_from_flags
 
-    steps = plan_steps(
-        bits=bits, method=method, prune=prune, distill=distill,
-        int8={"calib_method": calib_method, "calib_samples": calib_samples, "max_accuracy_drop": max_accuracy_drop,
-              "placement": placement, "keep_float": tuple(keep_float), "rounding": rounding,
-              "qat_epochs": epochs if method == "qat" else None},
-        int4={"group_size": group_size, "sym": sym, "act_order": act_order, "gptaq_alpha": gptaq_alpha,
-              "refit": refit, "calib_samples": calib_samples,
-              "seqlen": seqlen, "device": device},
-        prune_options={"importance": importance, "global_pruning": global_pruning, "round_to": round_to,
-                       "ignore": tuple(ignore), "iterative_steps": iterative_steps},
-        distill_options={"epochs": epochs, "temperature": temperature, "alpha": alpha},
-    )
-    bounds = None
-    if max_ppl_ratio is not None:
-        from dataclasses import replace
-
-        from edgekit.compress import make_config
-        from edgekit.compress.quality import QualityBounds, default_bounds
-
-        base = default_bounds([(n, make_config(n, c)) for n, c in steps]) or QualityBounds()
-        bounds = replace(base, max_ppl_ratio=max_ppl_ratio)
-    ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train_data, seed=seed,
-                      device=device or "cpu", inputs=input_options, accept_quality_loss=accept_quality_loss,
-                      quality_bounds=bounds)
-    folder = run_compress(model, steps, out, ctx)
+    with _json_stdout(as_json):
+        folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
+                                seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
+                                max_ppl_ratio=max_ppl_ratio)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
-    rows = [[k, json.dumps(v) if not isinstance(v, (int, float, str)) else v] for k, v in m.metrics.items()]
+    steps = [s["name"] for s in m.steps]
+    if as_json:
+        _print_json({"folder": str(folder), "steps": steps, "metrics": m.metrics})
+        return
+    rows = _flat_rows(m.metrics)
     if rows:
         _console().print(_table("compression metrics", ["metric", "value"], rows))
-    click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
+    click.echo(f"wrote {folder} ({' -> '.join(steps)})")
 
 
 # --- distill ---

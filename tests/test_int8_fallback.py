@@ -207,7 +207,7 @@ def test_cli_flags_map_onto_the_config():
     from edgekit.cli import cli
     from edgekit.compress.plan import plan_steps
 
-    steps = plan_steps(bits=8, int8={"keep_float": ("first", "_fc"), "rounding": "nearest", "calib_method": None})
+    steps = plan_steps(bits=8, keep_float=("first", "_fc"), rounding="nearest", calib_method=None)
     assert steps == [("int8", {"method": "ptq", "keep_float": ("first", "_fc"), "rounding": "nearest"})]
     cfg = Int8Config(**{k: v for k, v in steps[0][1].items()})
     assert cfg.keep_float == ("first", "_fc") and cfg.rounding == "nearest"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from edgekit.compress.calibration import (
 from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8_gptq import round_model
 from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
+from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
 from edgekit.errors import BadInputError, bad_choice
@@ -114,26 +115,34 @@ class Int8Config:
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
     """
 
-    method: str = "ptq"
-    calib_method: str | None = None
+    method: str = field(default="ptq", metadata=option("--method"))
+    calib_method: str | None = field(
+        default=None, metadata=option("--calib-method", help="INT8: minmax | percentile | entropy | mse."))
     percentile: float = 99.99
-    calib_samples: int = 128
+    calib_samples: int = field(default=128, metadata=option("--calib-samples"))
     scheme: str | None = None
     per_channel: bool = True
-    max_accuracy_drop: float | None = None
-    rounding: str = "gptq"
-    keep_float: tuple[str, ...] = ()
+    max_accuracy_drop: float | None = field(default=None, metadata=option(
+        "--max-accuracy-drop", help="INT8: keep the most sensitive layers in float until the accuracy "
+        "drop is within this many percentage points (e.g. 0.5)."))
+    rounding: str = field(default="gptq", metadata=option(
+        "--rounding", help="INT8 weights: gptq (default: output-error-aware rounding) | nearest."))
+    keep_float: tuple[str, ...] = field(default=(), metadata=option(
+        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name "
+        "(repeatable; costs speed)."))
     fallback_samples: int = 128
     fallback_candidates: int | None = 12
     equalize: bool = True
     bias_correction: bool = True
-    qat_epochs: int = 1
+    qat_epochs: int = field(default=1, metadata=option("--epochs", when={"method": ("qat",)}))
     qat_lr: float = 1e-4
     qat_batch_size: int = 32
     qat_max_steps: int | None = None
     learnable_scales: bool = False
     eval_samples: int | None = None
-    placement: str = "auto"
+    placement: str = field(default="auto", metadata=option(
+        "--placement", help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: "
+        "transformers) | all."))
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
