@@ -79,9 +79,9 @@ def field_flags(config: type) -> list[tuple[str, Flag, Any]]:
 def _flag_type(tp: Any, where: str) -> tuple[type, bool]:
     """(click value type, repeatable) for a field annotation."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return _flag_type(args[0], where)
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(members) == 1:
+            return _flag_type(members[0], where)
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis and args[0] in (int, float, str):
