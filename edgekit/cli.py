@@ -6,6 +6,7 @@ capability. Errors are one line on stderr, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -24,7 +25,7 @@ class EdgekitGroup(click.Group):
     """Turns edgekit errors, OS errors, click usage errors and Ctrl-C into one line and an
     exit code (130 for Ctrl-C, also when a library swallowed the KeyboardInterrupt)."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
@@ -99,6 +100,19 @@ def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
             rows += _flat_rows(v, f"{prefix}.{k}" if prefix else str(k))
         return rows
     return [[prefix, _cell(data)]]
+
+
+def _json_flag(what: str) -> Any:
+    """``--json``: print ``what`` as one JSON document on stdout, instead of the tables."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON (one document on stdout).")
+
+
+def _json_file_or_stdout(what: str) -> Any:
+    """``--json [FILE]``: write ``what`` to FILE, or with no FILE (or ``-``) print it on stdout as
+    the only output."""
+    return click.option("--json", "json_out", type=click.Path(), default=None, is_flag=False, flag_value="-",
+                        metavar="[FILE]", help=f"Write {what} to FILE; without FILE (or with -) print it on stdout "
+                        "instead of the tables.")
 
 
 def _print_json(doc: Any) -> None:
@@ -176,10 +190,15 @@ def with_input_options(*which: str) -> Any:
 # --- export, build, profile, check, report ---
 
 @cli.command()
-def zoo() -> None:
+@_json_flag("the models")
+def zoo(as_json: bool) -> None:
     """List the built-in models."""
     from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
 
+    if as_json:
+        _print_json([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
+                      "package": e.package} for name, e in ZOO.items()])
+        return
     for name, e in ZOO.items():
         click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
                    f"weights from {e.package}")
@@ -209,9 +228,10 @@ def zoo() -> None:
                    "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
                    "when the weights were quantized with --sym).")
 @with_input_options("shapes", "inputs")
+@_json_flag("the folder, the ONNX file and the parity check")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
            no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any) -> None:
+           weight_format: str, input_options: Any, as_json: bool) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -224,14 +244,16 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         from edgekit.sources.models import load_model
 
         check_output_dir(out, (model,))  # before loading the model
-        handle = load_model(model)
-        if handle.kind != "causal-lm":
-            raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} model")
-        tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
-        level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
-        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
-                                  block_size=block_size, fmt=weight_format, **level, **tol)
-        _print_parity(folder)
+        options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
+                                   if v is not None}
+        with _json_stdout(as_json):
+            handle = load_model(model)
+            if handle.kind != "causal-lm":
+                raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
+                                    "model")
+            folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+                                      block_size=block_size, fmt=weight_format, **options)
+        _print_parity(folder, as_json)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
@@ -246,15 +268,19 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         fields["atol"] = atol
     if rtol is not None:
         fields["rtol"] = rtol
-    folder = export_onnx(model, out, ExportConfig(**fields), input_options)
-    _print_parity(folder)
+    with _json_stdout(as_json):
+        folder = export_onnx(model, out, ExportConfig(**fields), input_options)
+    _print_parity(folder, as_json)
 
 
-def _print_parity(folder: Path) -> None:
+def _print_parity(folder: Path, as_json: bool = False) -> None:
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
+    if as_json:
+        _print_json({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity})
+        return
     outputs = parity.get("outputs") or {}
     if outputs:
         rows = [[name, f"{r.get('max_abs_error', 0):.3e}", f"{r.get('max_rel_error', 0):.3e}",
@@ -278,9 +304,10 @@ def _print_parity(folder: Path) -> None:
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
 @click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 @with_input_options("shapes", "inputs")
+@_json_flag("the engine folder, its config and metrics")
 def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
           opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
-          max_batch: int | None, input_options: Any) -> None:
+          max_batch: int | None, input_options: Any, as_json: bool) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
@@ -289,10 +316,15 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
                                                 "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
     options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
                            batch=batch, extra=extra)
-    folder = build_engine(model, target, out, options, input_options)
+    with _json_stdout(as_json):
+        folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
+    if as_json:
+        _print_json({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
+                     "metrics": m.metrics})
+        return
     for line in m.config.get("messages", []):
         click.echo(line)
     check_summary = (m.metrics.get("tensorrt_check") or {}).get("summary")
@@ -315,7 +347,7 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--top-k", type=int, default=15, show_default=True)
 @click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@_json_file_or_stdout("the profile JSON")
 @click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
 @click.option("--prompt-lengths", default="128,512", show_default=True,
               help="Causal LMs: prompt lengths whose prefill (time to first token) is timed.")
@@ -336,12 +368,17 @@ def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: in
     generation = None if no_generation else GenerationConfig(
         prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
         new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
-    result = profile_with_generation(engine_dir, config, generation, out_json=json_out, input_options=input_options)
+    file = None if json_out == "-" else json_out
+    with _json_stdout(json_out == "-"):
+        result = profile_with_generation(engine_dir, config, generation, out_json=file, input_options=input_options)
+    if json_out == "-":
+        _print_json(result.to_dict())
+        return
     _print_profile(result, top_k)
     if result.generation:
         _print_generation(result.generation)
-    if json_out:
-        click.echo(f"wrote {json_out}")
+    if file:
+        click.echo(f"wrote {file}")
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -420,7 +457,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
 
     report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        _print_json(report.to_dict())
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
@@ -440,7 +477,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
               help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
 @click.option("--max-ttft-ms", type=float, default=None,
               help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the verdict JSON here.")
+@_json_file_or_stdout("the verdict JSON")
 def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
           min_tokens_per_s: float | None, max_ttft_ms: float | None, json_out: str | None) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
@@ -454,16 +491,20 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
         verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter))
     if min_tokens_per_s is not None or max_ttft_ms is not None:
         verdicts.append(check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile))
+    code = 0 if all(v.passed for v in verdicts) else 1
     if json_out:
         from edgekit.artifact import atomic_write_json
 
         record = {**verdicts[0].to_dict(), "message": verdicts[0].message()}
         if len(verdicts) > 1:
             record["generation"] = {**verdicts[1].to_dict(), "message": verdicts[1].message()}
+        if json_out == "-":
+            _print_json(record)
+            return code
         atomic_write_json(json_out, record, protect=(profile,))
     for v in verdicts:
         click.echo(v.message())
-    return 0 if all(v.passed for v in verdicts) else 1
+    return code
 
 
 @cli.command()
@@ -472,11 +513,16 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
 @click.option("--percentile", default="p99", show_default=True)
 @click.option("--top-k", type=int, default=10, show_default=True)
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int) -> None:
+@_json_flag("the report (what the JSON file holds)")
+def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: bool) -> None:
     """Render a Markdown and JSON report of a run folder."""
     from edgekit.report import render_report
 
-    path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    with _json_stdout(as_json):
+        path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    if as_json:
+        _print_json(json.loads(path.with_suffix(".json").read_text()))
+        return
     click.echo(path.read_text())
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
 
@@ -574,9 +620,11 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 @click.option("--limit", type=int, default=None, help="At most this many training samples.")
 @click.option("--seqlen", type=int, default=128, show_default=True, help="Token window for text data.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@_json_flag("the folder, the training history and the final evaluation")
 def distill_command(teacher: str, student: str, data: str | None, eval_data: str | None, out: str,
                     temperature: float, alpha: float, epochs: int, lr: float, batch_size: int, feature_loss: bool,
-                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int) -> None:
+                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int,
+                    as_json: bool) -> None:
     """Distill TEACHER into STUDENT: temperature-scaled KD loss (x T^2) plus the hard-label loss.
     Checkpoints go to OUT.work; running the same command again resumes."""
     from edgekit.artifact import read_manifest
@@ -585,16 +633,22 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
     config = DistillConfig(temperature=temperature, alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size,
                            feature_loss=feature_loss, seed=seed, patience=patience, max_steps=max_steps,
                            limit=limit, seqlen=seqlen)
-    distill(teacher, student, data, config, out, eval_data=eval_data)
+    with _json_stdout(as_json):
+        distill(teacher, student, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
+    if as_json:
+        _print_json({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
+                     "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
+                     "metrics": m.metrics})
+        return
     rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
             for e in meta.get("fit", {}).get("history", [])]
     _console().print(_table(f"distillation ({meta.get('validation')} on validation)",
                             ["epoch", "train loss", "validation", "s"], rows))
     ev = meta.get("eval", {})
     if ev:
-        _console().print(_table("final evaluation", ["metric", "value"], [[k, v] for k, v in ev.items()]))
+        _console().print(_table("final evaluation", ["metric", "value"], _flat_rows(ev)))
     click.echo(f"wrote {out} ({' -> '.join(s['name'] for s in m.steps)})")
 
 
@@ -610,14 +664,19 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
 @click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
 @click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
               "exiting with status 2.")
+@_json_flag("the results (what results.json holds; with --dry-run, the plan)")
 def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool) -> int:
+            wait: bool, as_json: bool) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
 
     parsed = load_recipe(recipe)
     if dry_run:
+        if as_json:
+            _print_json({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
+                         "percentile": parsed.percentile})
+            return 0
         for row in plan(parsed):
             budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
             par = f" (parallel with {', '.join(row['parallel_with'])})" if row["parallel_with"] else ""
@@ -625,8 +684,12 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force, wait=wait,
-                        remeasure=remeasure)
+    with _json_stdout(as_json):
+        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
+                            wait=wait, remeasure=remeasure)
+    if as_json:
+        _print_json(result.to_dict())
+        return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
         click.echo(f"{name}: {target_verdict(t, percentile=result.percentile)}")
@@ -647,8 +710,9 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
 @click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
 @click.option("--force", is_flag=True)
+@_json_flag("the rows (what sweep.json holds)")
 def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int, executor: str,
-          address: str | None, force: bool) -> None:
+          address: str | None, force: bool, as_json: bool) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
     from edgekit.pipelines.sweep import SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
 
@@ -658,13 +722,15 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
         for item in combo_list:
             pairs = [p.split("=", 1) for p in item.split(",") if p.strip()]
             if any(len(p) != 2 for p in pairs):
-                from edgekit.errors import BadInputError
-
                 raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
             combos.append({k.strip(): parse_value(v) for k, v in pairs})
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
-    rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
-                     force=force)
+    with _json_stdout(as_json):
+        rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
+                         force=force)
+    if as_json:
+        _print_json({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]})
+        return
     _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
 
@@ -672,13 +738,28 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 # --- targets, TensorRT and remote devices ---
 
 @cli.group("targets", invoke_without_command=True)
+@_json_flag("the targets")
 @click.pass_context
-def targets_group(ctx: click.Context) -> None:
-    """List the built-in targets (`edgekit targets`), or show one (`edgekit targets show NAME`)."""
-    if ctx.invoked_subcommand is not None:
-        return
+def targets_group(ctx: click.Context, as_json: bool) -> None:
+    """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
+    (`edgekit targets show NAME`)."""
+    if ctx.invoked_subcommand is None:
+        _list_targets(as_json)
+
+
+@targets_group.command("list")
+@_json_flag("the targets")
+def targets_list(as_json: bool) -> None:
+    """List the built-in targets: dense peaks, memory, DLA cores, TensorRT versions, runtimes."""
+    _list_targets(as_json)
+
+
+def _list_targets(as_json: bool) -> None:
     from edgekit.targets import list_targets, load_target
 
+    if as_json:
+        _print_json([load_target(name).to_dict() for name in list_targets()])
+        return
     header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
     rows = [header]
     for name in list_targets():
@@ -694,7 +775,7 @@ def targets_group(ctx: click.Context) -> None:
 
 @targets_group.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the target as JSON.")
+@_json_flag("the target")
 def targets_show(name: str, as_json: bool) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
     from edgekit.targets import load_target
@@ -702,10 +783,9 @@ def targets_show(name: str, as_json: bool) -> None:
     t = load_target(name)
     d = t.to_dict()
     if as_json:
-        click.echo(json.dumps(d, indent=2))
+        _print_json(d)
         return
-    rows = [[k, json.dumps(v) if isinstance(v, (dict, list, tuple)) else v]
-            for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})]
+    rows = _flat_rows({k: v for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})})
     _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
     if t.provenance:
         _console().print(_table("where the numbers come from", ["field", "source"], [[k, v] for k, v in t.provenance.items()]))
@@ -764,7 +844,7 @@ def remote_build_cmd(model: str, target: str, out: str, precision: str | None, r
 
 @remote_group.command("profile")
 @click.argument("engine_dir", type=click.Path())
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@_json_file_or_stdout("the profile JSON")
 @click.option("--duration-s", type=float, default=None)
 @click.option("--iterations", type=int, default=None)
 @_with_remote_options
@@ -777,10 +857,15 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
     h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
     args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
         (["--iterations", str(iterations)] if iterations is not None else [])
-    result = remote_profile(engine_dir, h, json_out=json_out, extra_args=args)
+    file = None if json_out == "-" else json_out
+    with _json_stdout(json_out == "-"):
+        result = remote_profile(engine_dir, h, json_out=file, extra_args=args)
+    if json_out == "-":
+        _print_json(result.to_dict())
+        return
     _print_profile(result, 10)
-    if json_out:
-        click.echo(f"wrote {json_out}")
+    if file:
+        click.echo(f"wrote {file}")
 
 
 # --- estimate ---
@@ -795,7 +880,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
               "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
 @click.option("--top-k", type=int, default=10, show_default=True)
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the estimate JSON here.")
+@_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
                  runtime: str | None, calibrate: bool, top_k: int, json_out: str | None, input_options: Any) -> None:
@@ -804,7 +889,6 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
     kernel against the target's roofs; the range comes from the estimator's validation
     errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
-    from edgekit.errors import BadInputError
     from edgekit.estimate.calibrate import estimate_with_calibration
 
     bound: dict[str, int] = {}
@@ -813,8 +897,13 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
         if not name or not value.strip().lstrip("-").isdigit() or int(value) < 1:
             raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
         bound[name] = int(value)
-    est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                            calibrate=calibrate, runtime=runtime, input_options=input_options)
+    with _json_stdout(json_out == "-"):
+        est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
+                                                calibrate=calibrate, runtime=runtime, input_options=input_options)
+    doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
+    if json_out == "-":
+        _print_json(doc)
+        return
     if report is not None:
         click.echo(report.render())
         click.echo("")
@@ -822,8 +911,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None},
-                          protect=(model,))
+        atomic_write_json(json_out, doc, protect=(model,))
         click.echo(f"wrote {json_out}")
 
 
@@ -860,11 +948,12 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
 @click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between checkpoints (0: none).")
 @click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@_json_flag("the folder, the steps and the metrics")
 def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: int, alpha: float, dropout: float,
              targets: str | None, epochs: int | None, steps: int | None, lr: float, batch_size: int, seqlen: int,
              train_samples: int | None, eval_samples: int, qlora: bool, qlora_base: str, merge: bool | None,
              requant: str | None, bits: int | None, method: str | None, group_size: int | None,
-             checkpoint_every: int, resume: bool, seed: int) -> None:
+             checkpoint_every: int, resume: bool, seed: int, as_json: bool) -> None:
     """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data."""
     from edgekit.artifact import read_manifest
     from edgekit.finetune import finetune as run_finetune
@@ -879,9 +968,13 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
                           if v is not None}
     elif requant == "int8" and method is not None:
         requant_config = {"method": method}
-    folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
-                          requant_config=requant_config, seed=seed, resume=resume)
+    with _json_stdout(as_json):
+        folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
+                              requant_config=requant_config, seed=seed, resume=resume)
     m = read_manifest(folder)
+    if as_json:
+        _print_json({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+        return
     lm = m.metrics.get("lora", {})
     rows = []
     for key in ("before", "after", "after_merge"):
@@ -895,7 +988,6 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
     click.echo(f"trained {lm.get('trainable_params', 0):,} of {lm.get('total_params', 0):,} parameters "
                f"({lm.get('modules')} layers, {lm.get('steps')} steps, {lm.get('seconds_per_step')} s/step)")
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
-
 
 
 def main() -> None:
