@@ -531,26 +531,28 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 
 class StepOptionsCommand(click.Command):
     """A command whose step options come from the step configs (``edgekit.compress.options``):
-    read on first use, so that the other commands do not import the steps. They go after the
-    option named by ``after``, each as its field declares it, unset unless given."""
+    read when the command runs or shows its help, so that the other commands do not import the
+    steps. They go after the option named by ``after``, unset unless given."""
 
     def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._after = after
-        self._added = False
+        self._own = list(self.params)
+        self._registry: tuple[tuple[str, str], ...] | None = None
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        if not self._added:
-            from edgekit.compress.options import step_options
+        from edgekit.compress import STEPS
+        from edgekit.compress.options import step_options
 
+        if self._registry != tuple(STEPS.items()):  # the registry as it is now (tests add steps)
             generated = [_step_option(o) for o in step_options()]
-            at = next(i for i, p in enumerate(self.params) if p.name == self._after) + 1
-            taken = {d for p in self.params for d in (*p.opts, *p.secondary_opts)}
-            clash = sorted(taken & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
+            flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
+            clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
             if clash:
                 raise TypeError(f"step options {clash} are also options of `{self.name}` itself")
-            self.params[at:at] = generated
-            self._added = True
+            at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
+            self.params = [*self._own[:at], *generated, *self._own[at:]]
+            self._registry = tuple(STEPS.items())
         return super().get_params(ctx)
 
 
