@@ -542,10 +542,10 @@ class StepOptionsCommand(click.Command):
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         from edgekit.compress import STEPS
-        from edgekit.compress.options import step_options
+        from edgekit.compress.plan import compress_options
 
         if self._registry != tuple(STEPS.items()):  # the registry as it is now (tests add steps)
-            generated = [_step_option(o) for o in step_options()]
+            generated = [_step_option(o) for o in compress_options()]
             flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
             clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
             if clash:

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from edgekit.cli import cli
 from edgekit.compress import STEPS, Step, StepContext, config_to_dict
-from edgekit.compress.options import option, step_options
-from edgekit.compress.plan import plan_steps
+from edgekit.compress.options import option
+from edgekit.compress.plan import compress_options, plan_steps
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -47,7 +47,7 @@ def test_compress_keeps_its_flags_and_help_texts():
 
 
 def test_shared_flags_set_every_step_that_has_the_field():
-    fields = {o.dest: {(s, f) for s, f, _ in o.fields} for o in step_options()}
+    fields = {o.dest: {(s, f) for s, f, _ in o.fields} for o in compress_options()}
     assert fields["calib_samples"] == {("int8", "calib_samples"), ("int4", "calib_samples")}
     assert fields["seqlen"] == {("distill", "seqlen"), ("int4", "seqlen")}
     assert fields["epochs"] == {("distill", "epochs"), ("int8", "qat_epochs")}
@@ -119,7 +119,7 @@ def test_declarations_must_agree(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(STEPS, "clash", f"{__name__}:STEP_CLASH")
     with pytest.raises(TypeError, match=r"^the flag of distill.seqlen, int4.seqlen, clash.seqlen is declared "
                                         r"differently .*help texts \['Another text.', 'Token window"):
-        step_options()
+        compress_options()
 
     @dataclass(frozen=True)
     class OnOff:
@@ -128,6 +128,6 @@ def test_declarations_must_agree(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(globals(), "STEP_ONOFF", dataclasses.replace(STEP, config=OnOff))
     monkeypatch.setitem(STEPS, "clash", f"{__name__}:STEP_ONOFF")
     with pytest.raises(TypeError, match=r"a bool field's flag is an '--on/--off' pair"):
-        step_options()
+        compress_options()
     with pytest.raises(ValueError, match=r"option\(\) takes flag declarations"):
         option("group-size")

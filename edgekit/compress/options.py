@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edgekit.compress import STEPS, get_step
 from edgekit.schema import type_hints
 
 OPTION = "edgekit.option"  # the metadata key of a field's flag
@@ -91,16 +90,19 @@ def _flag_type(tp: Any, where: str) -> tuple[type, bool]:
     raise TypeError(f"{where}: a flag needs an int, float, str, bool or tuple[X, ...] field, not {tp!r}")
 
 
-def step_options(steps: Iterable[str] | None = None) -> list[StepOption]:
-    """The command-line options the steps declare, in registry order (each where the field
-    with its help text is), one per flag however many steps share it.
+def step_options(steps: Iterable[tuple[str, type]]) -> list[StepOption]:
+    """The command-line options that the configs of ``steps`` (name, config class) declare, in
+    that order (each where the field with its help text is), one per flag however many steps
+    share it.
 
-    >>> [o.dest for o in step_options(["prune"])][:2]
+    >>> from edgekit.compress.prune import PruneConfig
+    >>> [o.dest for o in step_options([("prune", PruneConfig)])][:2]
     ['prune', 'importance']
     """
+    steps = list(steps)
     found: dict[str, list[tuple[str, str, Flag, type, bool]]] = {}
-    for name in STEPS if steps is None else steps:
-        for field_name, flag, tp in field_flags(get_step(name).config):
+    for name, config in steps:
+        for field_name, flag, tp in field_flags(config):
             where = f"{name}.{field_name} ({', '.join(flag.decls)})"
             kind, multiple = _flag_type(tp, where)
             if kind is bool and not any("/" in d for d in flag.decls):
@@ -121,8 +123,7 @@ def step_options(steps: Iterable[str] | None = None) -> list[StepOption]:
         options.append((first, uses[first], StepOption(dest, uses[0][2].decls, next(iter(helps), ""), kind, multiple,
                                                        tuple((u[0], u[1], u[2]) for u in uses))))
     # each option where its help text is declared (registry order of steps, then field order)
-    order = {(n, f): i for i, (n, f) in enumerate((n, f) for n in (STEPS if steps is None else steps)
-                                                  for f, _, _ in field_flags(get_step(n).config))}
+    order = {(n, f): i for i, (n, f) in enumerate((n, f) for n, config in steps for f, _, _ in field_flags(config))}
     return [o for _, u, o in sorted(options, key=lambda t: order[(t[1][0], t[1][1])])]
 
 

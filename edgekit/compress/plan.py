@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edgekit.compress import STEPS, StepContext, compress, make_config
+from edgekit.compress import STEPS, StepContext, compress, get_step, make_config
 from edgekit.compress.int8 import QAT_METHODS
-from edgekit.compress.options import step_options, step_values
+from edgekit.compress.options import StepOption, step_options, step_values
 from edgekit.compress.packing import SUPPORTED_BITS
 from edgekit.compress.quality import QualityBounds, default_bounds
 from edgekit.compress.weight_only import METHODS as WEIGHT_ONLY_METHODS
@@ -30,6 +30,11 @@ from edgekit.targets import load_target
 INT8, WEIGHT_ONLY, DISTILL, PRUNE = "int8", "int4", "distill", "prune"
 
 
+def compress_options() -> list[StepOption]:
+    """The options of the registered steps' configs: the step flags of ``edgekit compress``."""
+    return step_options((name, get_step(name).config) for name in STEPS)
+
+
 def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
     """The chain for the compress flags, by their names (``group_size``, ``keep_float``, ...;
     None or ``()``: not given), and ``distill``.
@@ -39,7 +44,7 @@ def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
     >>> plan_steps(prune=0.3, distill=True, epochs=2)
     [('prune', {'ratio': 0.3}), ('distill', {'epochs': 2})]
     """
-    options = step_options()
+    options = compress_options()
     known = {o.dest for o in options}
     unknown = sorted(set(flags) - known - {"distill"})
     if unknown:
