@@ -63,7 +63,7 @@ def test_shared_flags_set_every_step_that_has_the_field():
         ("prune", {"ratio": 0.2, "global_pruning": True, "ignore": ("fc",)})]
 
 
-def test_plan_rules_and_messages():
+def test_plan_rules_and_messages(tmp_path: Path):
     with pytest.raises(BadInputError, match=r"^--distill recovers a pruned model: give --prune RATIO too"):
         plan_steps(distill=True)
     with pytest.raises(BadInputError, match=r"^--method awq needs --bits \(choose from 2, 3, 4, 8\)$"):
@@ -75,6 +75,9 @@ def test_plan_rules_and_messages():
     with pytest.raises(TypeError, match=r"unknown flags \['group'\]"):
         plan_steps(group=64)
     assert plan_steps() == []
+    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 2 and r.stderr == "error: no compression step given (use --bits, --prune, --half or a recipe)\n"
+    assert not (tmp_path / "o").exists()
 
 
 # --- a new step: its module, one registry line, nothing else ---

@@ -94,6 +94,9 @@ def compress_from_flags(model: str, out: str | os.PathLike[str], flags: Mapping[
     """``edgekit compress``: plan the chain from the step flags, then ``compress`` it.
     ``max_ppl_ratio`` replaces the perplexity bound of the chain's quality gate."""
     steps = plan_steps(**flags, distill=distill)
+    if not steps:
+        chooser = ["--bits"] + [o.decls[0] for o in compress_options() if any(f.selects for _, _, f in o.fields)]
+        raise BadInputError(f"no compression step given (use {', '.join(chooser)} or a recipe)")
     bounds = None
     if max_ppl_ratio is not None:
         base = default_bounds([(n, make_config(n, c)) for n, c in steps]) or QualityBounds()
