@@ -123,12 +123,19 @@ def _print_json(doc: Any) -> None:
 @contextlib.contextmanager
 def _json_stdout(enabled: bool) -> Iterator[None]:
     """With ``--json`` stdout carries the JSON document only: what the work prints (progress lines,
-    libraries' messages) goes to stderr meanwhile."""
+    libraries' messages, also native code's on file descriptor 1) goes to stderr meanwhile."""
     if not enabled:
         yield
         return
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -3,6 +3,8 @@ else there; and human tables show readable values, never a Python repr or raw JS
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -109,3 +111,12 @@ def test_run_dry_run_run_and_report(tmp_path: Path):
     assert result["passed"] is True and result["stages"][0]["stage"] == "mlp"
     report = one_document(run("report", tmp_path / "r", "--json"))
     assert isinstance(report, dict) and report
+
+
+def test_a_real_process_prints_only_the_document(tmp_path: Path):
+    """The exporter and ONNX Runtime print while they work (Python and native code): with --json
+    that goes to stderr, and stdout is the document alone."""
+    r = subprocess.run([sys.executable, "-m", "edgekit.cli", "export", MLP, "-o", str(tmp_path / "x"), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["folder"] == str(tmp_path / "x")
