@@ -5,10 +5,13 @@ capability. Errors are one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ class EdgekitGroup(click.Group):
     """Turns edgekit errors, OS errors, click usage errors and Ctrl-C into one line and an
     exit code (130 for Ctrl-C, also when a library swallowed the KeyboardInterrupt)."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
@@ -71,6 +74,68 @@ def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
     for r in rows:
         t.add_row(*[str(x) for x in r])
     return t
+
+
+def _cell(value: Any) -> str:
+    """A value as a table shows it: numbers to 4 significant digits, lists joined, never a repr."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, (dict, list, tuple)) for v in value):
+            return f"{len(value)} entries (in the JSON)"
+        shown = ", ".join(_cell(v) for v in value[:8])
+        return shown + (f", ... ({len(value)} in all)" if len(value) > 8 else "")
+    return str(value)
+
+
+def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
+    """Nested mappings as [dotted key, readable value] rows (``quality.cosine``, not a dict's repr)."""
+    if isinstance(data, dict):
+        rows: list[list[str]] = []
+        for k, v in data.items():
+            rows += _flat_rows(v, f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    return [[prefix, _cell(data)]]
+
+
+def _json_flag(what: str) -> Any:
+    """``--json``: print ``what`` as one JSON document on stdout, instead of the tables."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON (one document on stdout).")
+
+
+def _json_file_or_stdout(what: str) -> Any:
+    """``--json [FILE]``: write ``what`` to FILE, or with no FILE (or ``-``) print it on stdout as
+    the only output."""
+    return click.option("--json", "json_out", type=click.Path(), default=None, is_flag=False, flag_value="-",
+                        metavar="[FILE]", help=f"Write {what} to FILE; without FILE (or with -) print it on stdout "
+                        "instead of the tables.")
+
+
+def _print_json(doc: Any) -> None:
+    """The one JSON document of ``--json`` on stdout."""
+    click.echo(json.dumps(doc, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def _json_stdout(enabled: bool) -> Iterator[None]:
+    """With ``--json`` stdout carries the JSON document only: what the work prints (progress lines,
+    libraries' messages, also native code's on file descriptor 1) goes to stderr meanwhile."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,10 +197,15 @@ def with_input_options(*which: str) -> Any:
 # --- export, build, profile, check, report ---
 
 @cli.command()
-def zoo() -> None:
+@_json_flag("the models")
+def zoo(as_json: bool) -> None:
     """List the built-in models."""
     from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
 
+    if as_json:
+        _print_json([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
+                      "package": e.package} for name, e in ZOO.items()])
+        return
     for name, e in ZOO.items():
         click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
                    f"weights from {e.package}")
@@ -165,9 +235,10 @@ def zoo() -> None:
                    "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
                    "when the weights were quantized with --sym).")
 @with_input_options("shapes", "inputs")
+@_json_flag("the folder, the ONNX file and the parity check")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
            no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any) -> None:
+           weight_format: str, input_options: Any, as_json: bool) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -180,14 +251,16 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         from edgekit.sources.models import load_model
 
         check_output_dir(out, (model,))  # before loading the model
-        handle = load_model(model)
-        if handle.kind != "causal-lm":
-            raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} model")
-        tol = {k: v for k, v in (("atol", atol), ("rtol", rtol)) if v is not None}
-        level = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
-        folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
-                                  block_size=block_size, fmt=weight_format, **level, **tol)
-        _print_parity(folder)
+        options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
+                                   if v is not None}
+        with _json_stdout(as_json):
+            handle = load_model(model)
+            if handle.kind != "causal-lm":
+                raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
+                                    "model")
+            folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+                                      block_size=block_size, fmt=weight_format, **options)
+        _print_parity(folder, as_json)
         return
     if accuracy_level is not None:
         raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
@@ -202,15 +275,19 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         fields["atol"] = atol
     if rtol is not None:
         fields["rtol"] = rtol
-    folder = export_onnx(model, out, ExportConfig(**fields), input_options)
-    _print_parity(folder)
+    with _json_stdout(as_json):
+        folder = export_onnx(model, out, ExportConfig(**fields), input_options)
+    _print_parity(folder, as_json)
 
 
-def _print_parity(folder: Path) -> None:
+def _print_parity(folder: Path, as_json: bool = False) -> None:
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
+    if as_json:
+        _print_json({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity})
+        return
     outputs = parity.get("outputs") or {}
     if outputs:
         rows = [[name, f"{r.get('max_abs_error', 0):.3e}", f"{r.get('max_rel_error', 0):.3e}",
@@ -234,9 +311,10 @@ def _print_parity(folder: Path) -> None:
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
 @click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 @with_input_options("shapes", "inputs")
+@_json_flag("the engine folder, its config and metrics")
 def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
           opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
-          max_batch: int | None, input_options: Any) -> None:
+          max_batch: int | None, input_options: Any, as_json: bool) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
@@ -245,10 +323,15 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
                                                 "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
     options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
                            batch=batch, extra=extra)
-    folder = build_engine(model, target, out, options, input_options)
+    with _json_stdout(as_json):
+        folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
+    if as_json:
+        _print_json({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
+                     "metrics": m.metrics})
+        return
     for line in m.config.get("messages", []):
         click.echo(line)
     check_summary = (m.metrics.get("tensorrt_check") or {}).get("summary")
@@ -271,7 +354,7 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--top-k", type=int, default=15, show_default=True)
 @click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@_json_file_or_stdout("the profile JSON")
 @click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
 @click.option("--prompt-lengths", default="128,512", show_default=True,
               help="Causal LMs: prompt lengths whose prefill (time to first token) is timed.")
@@ -292,12 +375,17 @@ def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: in
     generation = None if no_generation else GenerationConfig(
         prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
         new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
-    result = profile_with_generation(engine_dir, config, generation, out_json=json_out, input_options=input_options)
+    file = None if json_out == "-" else json_out
+    with _json_stdout(json_out == "-"):
+        result = profile_with_generation(engine_dir, config, generation, out_json=file, input_options=input_options)
+    if json_out == "-":
+        _print_json(result.to_dict())
+        return
     _print_profile(result, top_k)
     if result.generation:
         _print_generation(result.generation)
-    if json_out:
-        click.echo(f"wrote {json_out}")
+    if file:
+        click.echo(f"wrote {file}")
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -376,7 +464,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
 
     report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        _print_json(report.to_dict())
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
@@ -396,7 +484,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
               help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
 @click.option("--max-ttft-ms", type=float, default=None,
               help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the verdict JSON here.")
+@_json_file_or_stdout("the verdict JSON")
 def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
           min_tokens_per_s: float | None, max_ttft_ms: float | None, json_out: str | None) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
@@ -410,16 +498,20 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
         verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter))
     if min_tokens_per_s is not None or max_ttft_ms is not None:
         verdicts.append(check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile))
+    code = 0 if all(v.passed for v in verdicts) else 1
     if json_out:
         from edgekit.artifact import atomic_write_json
 
         record = {**verdicts[0].to_dict(), "message": verdicts[0].message()}
         if len(verdicts) > 1:
             record["generation"] = {**verdicts[1].to_dict(), "message": verdicts[1].message()}
+        if json_out == "-":
+            _print_json(record)
+            return code
         atomic_write_json(json_out, record, protect=(profile,))
     for v in verdicts:
         click.echo(v.message())
-    return 0 if all(v.passed for v in verdicts) else 1
+    return code
 
 
 @cli.command()
@@ -428,102 +520,94 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
 @click.option("--percentile", default="p99", show_default=True)
 @click.option("--top-k", type=int, default=10, show_default=True)
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int) -> None:
+@_json_flag("the report (what the JSON file holds)")
+def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: bool) -> None:
     """Render a Markdown and JSON report of a run folder."""
     from edgekit.report import render_report
 
-    path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    with _json_stdout(as_json):
+        path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+    if as_json:
+        _print_json(json.loads(path.with_suffix(".json").read_text()))
+        return
     click.echo(path.read_text())
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
 
 
 # --- compress ---
 
-@cli.command()
+class StepOptionsCommand(click.Command):
+    """A command whose step options come from the step configs (``edgekit.compress.options``):
+    read when the command runs or shows its help, so that the other commands do not import the
+    steps. They go after the option named by ``after``, unset unless given."""
+
+    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after = after
+        self._own = list(self.params)
+        self._registry: tuple[tuple[str, str], ...] | None = None
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from edgekit.compress import STEPS
+        from edgekit.compress.plan import compress_options
+
+        if self._registry != tuple(STEPS.items()):  # the registry as it is now (tests add steps)
+            generated = [_step_option(o) for o in compress_options()]
+            flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
+            clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
+            if clash:
+                raise TypeError(f"step options {clash} are also options of `{self.name}` itself")
+            at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
+            self.params = [*self._own[:at], *generated, *self._own[at:]]
+            self._registry = tuple(STEPS.items())
+        return super().get_params(ctx)
+
+
+def _step_option(o: Any) -> click.Option:
+    """The click option of a step option (``edgekit.compress.options.StepOption``)."""
+    if o.is_pair:
+        return click.Option([o.dest, *o.decls], default=None, help=o.help or None)
+    return click.Option([o.dest, *o.decls], type=o.type, multiple=o.multiple, default=() if o.multiple else None,
+                        help=o.help or None)
+
+
+@cli.command(cls=StepOptionsCommand)
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
-@click.option("--bits", type=int, default=None, help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn).")
-@click.option("--method", default=None, help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only).")
-@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
-@click.option("--calib-method", default=None, help="INT8: minmax | percentile | entropy | mse.")
-@click.option("--calib-samples", type=int, default=None)
-@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--max-accuracy-drop", type=float, default=None, help="INT8: keep the most sensitive layers in float until the accuracy drop is within this many percentage points (e.g. 0.5).")
-@click.option("--placement", default=None, help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: transformers) | all.")
-@click.option("--keep-float", multiple=True, help="INT8: a layer whose weights stay float: first | last | a layer name (repeatable; costs speed).")
-@click.option("--rounding", default=None, help="INT8 weights: gptq (default: output-error-aware rounding) | nearest.")
-@click.option("--group-size", type=int, default=None, help="Weight-only: group size (-1 = per channel).")
-@click.option("--sym/--asym", default=None, help="Weight-only: symmetric or asymmetric grid.")
-@click.option("--act-order/--no-act-order", default=None, help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; static groups keep the packed layout).")
-@click.option("--gptaq-alpha", type=float, default=None, help="GPTQ: how far each layer matches the float model's output instead of its own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ).")
-@click.option("--refit/--no-refit", default=None, help="GPTQ: re-solve the group scales by least squares once the codes are fixed (default on).")
-@click.option("--seqlen", type=int, default=None, help="Calibration sequence length for language models.")
-@click.option("--device", default=None, help="cpu | cuda (GPTQ/AWQ).")
-@click.option("--prune", type=float, default=None, help="Structured pruning ratio in (0, 1).")
-@click.option("--importance", default=None, help="Pruning: l1 | l2 | taylor | bn-scale.")
-@click.option("--global/--uniform", "global_pruning", default=None, help="Pruning: global or per-layer ratio.")
-@click.option("--round-to", type=int, default=None, help="Pruning: round channel counts to a multiple.")
-@click.option("--ignore", multiple=True, help="Pruning: a layer to protect (repeatable).")
-@click.option("--iterative-steps", type=int, default=None)
 @click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
-@click.option("--epochs", type=int, default=None, help="Distillation / QAT epochs.")
-@click.option("--temperature", type=float, default=None, help="Distillation temperature.")
-@click.option("--alpha", type=float, default=None, help="Distillation: weight of the soft loss.")
+@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
 @click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
+@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
-def compress(model: str, out: str, bits: int | None, method: str | None, calib: str | None, calib_method: str | None,
-             calib_samples: int | None, target: str | None, max_accuracy_drop: float | None, placement: str | None,
-             keep_float: tuple[str, ...], rounding: str | None, group_size: int | None,
-             sym: bool | None, act_order: bool | None, gptaq_alpha: float | None, refit: bool | None,
-             seqlen: int | None, device: str | None, prune: float | None,
-             importance: str | None, global_pruning: bool | None, round_to: int | None, ignore: tuple[str, ...],
-             iterative_steps: int | None, distill: bool, epochs: int | None, temperature: float | None,
-             alpha: float | None, train_data: str | None, seed: int, input_options: Any, accept_quality_loss: bool,
-             max_ppl_ratio: float | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result (folder, steps, metrics) as JSON.")
+def compress(model: str, out: str, distill: bool, calib: str | None, train_data: str | None, target: str | None,
+             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: bool,
+             **step_flags: Any) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
+    The step options below come from the steps' configs; a recipe names the same fields.
     The result is measured against the float model on held-out data (perplexity ratio,
     agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
-    from edgekit.compress import StepContext
-    from edgekit.compress import compress as run_compress
-    from edgekit.compress.plan import plan_steps
-    from edgekit.targets import load_target
+    from edgekit.compress.plan import compress_from_flags
 
-    steps = plan_steps(
-        bits=bits, method=method, prune=prune, distill=distill,
-        int8={"calib_method": calib_method, "calib_samples": calib_samples, "max_accuracy_drop": max_accuracy_drop,
-              "placement": placement, "keep_float": tuple(keep_float), "rounding": rounding,
-              "qat_epochs": epochs if method == "qat" else None},
-        int4={"group_size": group_size, "sym": sym, "act_order": act_order, "gptaq_alpha": gptaq_alpha,
-              "refit": refit, "calib_samples": calib_samples,
-              "seqlen": seqlen, "device": device},
-        prune_options={"importance": importance, "global_pruning": global_pruning, "round_to": round_to,
-                       "ignore": tuple(ignore), "iterative_steps": iterative_steps},
-        distill_options={"epochs": epochs, "temperature": temperature, "alpha": alpha},
-    )
-    bounds = None
-    if max_ppl_ratio is not None:
-        from dataclasses import replace
-
-        from edgekit.compress import make_config
-        from edgekit.compress.quality import QualityBounds, default_bounds
-
-        base = default_bounds([(n, make_config(n, c)) for n, c in steps]) or QualityBounds()
-        bounds = replace(base, max_ppl_ratio=max_ppl_ratio)
-    ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train_data, seed=seed,
-                      device=device or "cpu", inputs=input_options, accept_quality_loss=accept_quality_loss,
-                      quality_bounds=bounds)
-    folder = run_compress(model, steps, out, ctx)
+    with _json_stdout(as_json):
+        folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
+                                seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
+                                max_ppl_ratio=max_ppl_ratio)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
-    rows = [[k, json.dumps(v) if not isinstance(v, (int, float, str)) else v] for k, v in m.metrics.items()]
+    steps = [s["name"] for s in m.steps]
+    if as_json:
+        _print_json({"folder": str(folder), "steps": steps, "metrics": m.metrics})
+        return
+    rows = _flat_rows(m.metrics)
     if rows:
         _console().print(_table("compression metrics", ["metric", "value"], rows))
-    click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
+    click.echo(f"wrote {folder} ({' -> '.join(steps)})")
 
 
 # --- distill ---
@@ -545,9 +629,11 @@ def compress(model: str, out: str, bits: int | None, method: str | None, calib: 
 @click.option("--limit", type=int, default=None, help="At most this many training samples.")
 @click.option("--seqlen", type=int, default=128, show_default=True, help="Token window for text data.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@_json_flag("the folder, the training history and the final evaluation")
 def distill_command(teacher: str, student: str, data: str | None, eval_data: str | None, out: str,
                     temperature: float, alpha: float, epochs: int, lr: float, batch_size: int, feature_loss: bool,
-                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int) -> None:
+                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int,
+                    as_json: bool) -> None:
     """Distill TEACHER into STUDENT: temperature-scaled KD loss (x T^2) plus the hard-label loss.
     Checkpoints go to OUT.work; running the same command again resumes."""
     from edgekit.artifact import read_manifest
@@ -556,16 +642,22 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
     config = DistillConfig(temperature=temperature, alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size,
                            feature_loss=feature_loss, seed=seed, patience=patience, max_steps=max_steps,
                            limit=limit, seqlen=seqlen)
-    distill(teacher, student, data, config, out, eval_data=eval_data)
+    with _json_stdout(as_json):
+        distill(teacher, student, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
+    if as_json:
+        _print_json({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
+                     "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
+                     "metrics": m.metrics})
+        return
     rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
             for e in meta.get("fit", {}).get("history", [])]
     _console().print(_table(f"distillation ({meta.get('validation')} on validation)",
                             ["epoch", "train loss", "validation", "s"], rows))
     ev = meta.get("eval", {})
     if ev:
-        _console().print(_table("final evaluation", ["metric", "value"], [[k, v] for k, v in ev.items()]))
+        _console().print(_table("final evaluation", ["metric", "value"], _flat_rows(ev)))
     click.echo(f"wrote {out} ({' -> '.join(s['name'] for s in m.steps)})")
 
 
@@ -581,14 +673,19 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
 @click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
 @click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
               "exiting with status 2.")
+@_json_flag("the results (what results.json holds; with --dry-run, the plan)")
 def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool) -> int:
+            wait: bool, as_json: bool) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
 
     parsed = load_recipe(recipe)
     if dry_run:
+        if as_json:
+            _print_json({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
+                         "percentile": parsed.percentile})
+            return 0
         for row in plan(parsed):
             budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
             par = f" (parallel with {', '.join(row['parallel_with'])})" if row["parallel_with"] else ""
@@ -596,8 +693,12 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force, wait=wait,
-                        remeasure=remeasure)
+    with _json_stdout(as_json):
+        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
+                            wait=wait, remeasure=remeasure)
+    if as_json:
+        _print_json(result.to_dict())
+        return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
         click.echo(f"{name}: {target_verdict(t, percentile=result.percentile)}")
@@ -618,8 +719,9 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
 @click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
 @click.option("--force", is_flag=True)
+@_json_flag("the rows (what sweep.json holds)")
 def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int, executor: str,
-          address: str | None, force: bool) -> None:
+          address: str | None, force: bool, as_json: bool) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
     from edgekit.pipelines.sweep import SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
 
@@ -629,13 +731,15 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
         for item in combo_list:
             pairs = [p.split("=", 1) for p in item.split(",") if p.strip()]
             if any(len(p) != 2 for p in pairs):
-                from edgekit.errors import BadInputError
-
                 raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
             combos.append({k.strip(): parse_value(v) for k, v in pairs})
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
-    rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
-                     force=force)
+    with _json_stdout(as_json):
+        rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
+                         force=force)
+    if as_json:
+        _print_json({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]})
+        return
     _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
 
@@ -643,13 +747,28 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 # --- targets, TensorRT and remote devices ---
 
 @cli.group("targets", invoke_without_command=True)
+@_json_flag("the targets")
 @click.pass_context
-def targets_group(ctx: click.Context) -> None:
-    """List the built-in targets (`edgekit targets`), or show one (`edgekit targets show NAME`)."""
-    if ctx.invoked_subcommand is not None:
-        return
+def targets_group(ctx: click.Context, as_json: bool) -> None:
+    """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
+    (`edgekit targets show NAME`)."""
+    if ctx.invoked_subcommand is None:
+        _list_targets(as_json)
+
+
+@targets_group.command("list")
+@_json_flag("the targets")
+def targets_list(as_json: bool) -> None:
+    """List the built-in targets: dense peaks, memory, DLA cores, TensorRT versions, runtimes."""
+    _list_targets(as_json)
+
+
+def _list_targets(as_json: bool) -> None:
     from edgekit.targets import list_targets, load_target
 
+    if as_json:
+        _print_json([load_target(name).to_dict() for name in list_targets()])
+        return
     header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
     rows = [header]
     for name in list_targets():
@@ -665,7 +784,7 @@ def targets_group(ctx: click.Context) -> None:
 
 @targets_group.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the target as JSON.")
+@_json_flag("the target")
 def targets_show(name: str, as_json: bool) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
     from edgekit.targets import load_target
@@ -673,10 +792,9 @@ def targets_show(name: str, as_json: bool) -> None:
     t = load_target(name)
     d = t.to_dict()
     if as_json:
-        click.echo(json.dumps(d, indent=2))
+        _print_json(d)
         return
-    rows = [[k, json.dumps(v) if isinstance(v, (dict, list, tuple)) else v]
-            for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})]
+    rows = _flat_rows({k: v for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})})
     _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
     if t.provenance:
         _console().print(_table("where the numbers come from", ["field", "source"], [[k, v] for k, v in t.provenance.items()]))
@@ -735,7 +853,7 @@ def remote_build_cmd(model: str, target: str, out: str, precision: str | None, r
 
 @remote_group.command("profile")
 @click.argument("engine_dir", type=click.Path())
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the profile JSON here.")
+@_json_file_or_stdout("the profile JSON")
 @click.option("--duration-s", type=float, default=None)
 @click.option("--iterations", type=int, default=None)
 @_with_remote_options
@@ -748,10 +866,15 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
     h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
     args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
         (["--iterations", str(iterations)] if iterations is not None else [])
-    result = remote_profile(engine_dir, h, json_out=json_out, extra_args=args)
+    file = None if json_out == "-" else json_out
+    with _json_stdout(json_out == "-"):
+        result = remote_profile(engine_dir, h, json_out=file, extra_args=args)
+    if json_out == "-":
+        _print_json(result.to_dict())
+        return
     _print_profile(result, 10)
-    if json_out:
-        click.echo(f"wrote {json_out}")
+    if file:
+        click.echo(f"wrote {file}")
 
 
 # --- estimate ---
@@ -766,7 +889,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
               "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
 @click.option("--top-k", type=int, default=10, show_default=True)
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the estimate JSON here.")
+@_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
                  runtime: str | None, calibrate: bool, top_k: int, json_out: str | None, input_options: Any) -> None:
@@ -775,7 +898,6 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
     kernel against the target's roofs; the range comes from the estimator's validation
     errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
-    from edgekit.errors import BadInputError
     from edgekit.estimate.calibrate import estimate_with_calibration
 
     bound: dict[str, int] = {}
@@ -784,8 +906,13 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
         if not name or not value.strip().lstrip("-").isdigit() or int(value) < 1:
             raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
         bound[name] = int(value)
-    est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                            calibrate=calibrate, runtime=runtime, input_options=input_options)
+    with _json_stdout(json_out == "-"):
+        est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
+                                                calibrate=calibrate, runtime=runtime, input_options=input_options)
+    doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
+    if json_out == "-":
+        _print_json(doc)
+        return
     if report is not None:
         click.echo(report.render())
         click.echo("")
@@ -793,8 +920,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        atomic_write_json(json_out, {**est.to_dict(), "calibration_report": report.to_dict() if report else None},
-                          protect=(model,))
+        atomic_write_json(json_out, doc, protect=(model,))
         click.echo(f"wrote {json_out}")
 
 
@@ -831,11 +957,12 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
 @click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between checkpoints (0: none).")
 @click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@_json_flag("the folder, the steps and the metrics")
 def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: int, alpha: float, dropout: float,
              targets: str | None, epochs: int | None, steps: int | None, lr: float, batch_size: int, seqlen: int,
              train_samples: int | None, eval_samples: int, qlora: bool, qlora_base: str, merge: bool | None,
              requant: str | None, bits: int | None, method: str | None, group_size: int | None,
-             checkpoint_every: int, resume: bool, seed: int) -> None:
+             checkpoint_every: int, resume: bool, seed: int, as_json: bool) -> None:
     """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data."""
     from edgekit.artifact import read_manifest
     from edgekit.finetune import finetune as run_finetune
@@ -850,9 +977,13 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
                           if v is not None}
     elif requant == "int8" and method is not None:
         requant_config = {"method": method}
-    folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
-                          requant_config=requant_config, seed=seed, resume=resume)
+    with _json_stdout(as_json):
+        folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
+                              requant_config=requant_config, seed=seed, resume=resume)
     m = read_manifest(folder)
+    if as_json:
+        _print_json({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+        return
     lm = m.metrics.get("lora", {})
     rows = []
     for key in ("before", "after", "after_merge"):
@@ -866,7 +997,6 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: i
     click.echo(f"trained {lm.get('trainable_params', 0):,} of {lm.get('total_params', 0):,} parameters "
                f"({lm.get('modules')} layers, {lm.get('steps')} steps, {lm.get('seconds_per_step')} s/step)")
     click.echo(f"wrote {folder} ({' -> '.join(s['name'] for s in m.steps)})")
-
 
 
 def main() -> None:

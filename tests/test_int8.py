@@ -169,6 +169,21 @@ def test_scheme_follows_the_target():
                   precisions=("fp16", "int8"))
     assert resolve_scheme(Int8Config(), orin) == "trt"
     assert resolve_scheme(Int8Config(scheme="s8s8"), orin) == "s8s8"
+    # the scheme is the runtimes' declaration (Runtime.int8_scheme): the first runtime's, or on a
+    # GPU target any runtime's; a CPU target whose first runtime runs any Q/DQ form gets "u8s8"
+    gpu = dataclasses.replace(orin, kind="gpu", runtimes=("onnxruntime", "tensorrt"))
+    assert resolve_scheme(Int8Config(), gpu) == "trt"
+    assert resolve_scheme(Int8Config(), dataclasses.replace(gpu, kind="cpu")) == "u8s8"
+    assert resolve_scheme(Int8Config(), dataclasses.replace(gpu, kind="cpu", runtimes=("tensorrt",))) == "trt"
+
+
+def test_every_runtime_declares_an_int8_scheme_the_int8_step_knows():
+    from edgekit.compress.qdq import SCHEMES
+    from edgekit.runtimes import RUNTIMES, get_runtime
+
+    declared = {name: get_runtime(name).int8_scheme for name in RUNTIMES}
+    assert declared["tensorrt"] == "trt" and declared["onnxruntime"] is None
+    assert all(s is None or s in SCHEMES for s in declared.values())
 
 
 # ----------------------------------------------------------------------------- PTQ, export, parity

@@ -207,7 +207,7 @@ def test_cli_flags_map_onto_the_config():
     from edgekit.cli import cli
     from edgekit.compress.plan import plan_steps
 
-    steps = plan_steps(bits=8, int8={"keep_float": ("first", "_fc"), "rounding": "nearest", "calib_method": None})
+    steps = plan_steps(bits=8, keep_float=("first", "_fc"), rounding="nearest", calib_method=None)
     assert steps == [("int8", {"method": "ptq", "keep_float": ("first", "_fc"), "rounding": "nearest"})]
     cfg = Int8Config(**{k: v for k, v in steps[0][1].items()})
     assert cfg.keep_float == ("first", "_fc") and cfg.rounding == "nearest"
@@ -229,3 +229,20 @@ def test_fallback_of_a_gptq_rounded_layer_restores_its_float_weights():
     assert torch.equal(gm.get_parameter("mid.weight"), w_float)
     unit.set_float(False)
     assert torch.equal(gm.get_parameter("mid.weight"), w_rounded)
+
+
+def test_output_sqnr_after_gptq_rounding_compares_against_the_float_weights():
+    """GPTQ rounding stores on-grid weights in place; the SQNR reference is the float weight kept
+    aside, so a rounded layer is as noisy as with nearest rounding (not ~300 dB, i.e. no noise)."""
+    from edgekit.compress.int8_gptq import round_model
+
+    h = _handle(noisy_mid=True)
+    gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
+    qdq.update_weight_scales(gm, plan, search=False)
+    calibrate(gm, _images(16, 1), ["input"], Int8Config(calib_samples=16, calib_method="minmax"))
+    nearest = output_sqnr(gm, plan, _images(8, 4), ["input"])
+    round_model(gm, plan, _images(16, 1), ["input"])
+    rounded = output_sqnr(gm, plan, _images(8, 4), ["input"])
+    for layer in ("stem", "mid", "fc"):
+        assert 20 < rounded[layer] < 80, (layer, rounded[layer])
+        assert abs(rounded[layer] - nearest[layer]) < 12

@@ -50,7 +50,7 @@ def _cli(*args):
     (lambda d: d.update(budget_ms=0), "recipe budget_ms: must be a positive number of milliseconds, got 0"),
     (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms: must be a positive number"),
     (lambda d: d["stages"][1].update(steps=[{"quantize": {}}]),
-     "stage 'mlp' steps[0]: unknown step 'quantize' (choose from 'distill', 'int4', 'int8', 'lora', 'prune')"),
+     "stage 'mlp' steps[0]: unknown step 'quantize' (choose from 'distill', 'half', 'int4', 'int8', 'lora', 'prune')"),
     (lambda d: d.update(target="nosuch-board"), "recipe targets[0]: unknown target 'nosuch-board'"),
     (lambda d: d.update(percentile="p42"), "recipe percentile: unknown percentile 'p42'"),
     (lambda d: d["stages"][0].update(parallel_with=["mlp"]),

@@ -17,7 +17,7 @@ PACKAGE = Path(edgekit.__file__).parent
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 # Runtime-name branches outside edgekit/runtimes/ still to be removed (module, name); then delete the line.
-KNOWN_RUNTIME_BRANCHES: set[tuple[str, str]] = {("edgekit.compress.int8", "tensorrt")}
+KNOWN_RUNTIME_BRANCHES: set[tuple[str, str]] = set()
 # Comparisons with a runtime's name that are not about runtimes: "torch" is also the namespace of
 # PyTorch's operators in a .pt2 program.
 NOT_RUNTIME_NAMES = {("edgekit.sources.pt2", "torch")}

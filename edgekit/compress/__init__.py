@@ -45,6 +45,7 @@ STEPS: dict[str, str] = {
     "lora": "edgekit.compress.lora:STEP",
     "int8": "edgekit.compress.int8:STEP",
     "int4": "edgekit.compress.weight_only:STEP",
+    "half": "edgekit.compress.half:STEP",
 }
 
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+import torch.nn as nn
 
+from edgekit.compress import StepContext
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
 from edgekit.sources.data import Samples, check_arrays, load_samples
@@ -210,7 +211,7 @@ class QRange:
 # Calibration data and metrics
 
 
-def load_split(handle: ModelHandle, ctx: Any, split: str, limit: int | None) -> Samples:
+def load_split(handle: ModelHandle, ctx: StepContext, split: str, limit: int | None) -> Samples:
     """Samples of one split. ``ctx.calib`` / ``ctx.train`` / ``ctx.eval`` (a ``StepContext``)
     may be a data spec, None (the model's default) or an already loaded ``Samples``."""
     spec = {"calib": ctx.calib, "train": ctx.train, "eval": ctx.eval}[split]
@@ -231,7 +232,7 @@ def tensor_batches(samples: Samples, names: list[str], batch_size: int) -> Itera
         yield tuple(torch.from_numpy(np.ascontiguousarray(b[n])) for n in names)
 
 
-def run_module(module: Any, samples: Samples, names: list[str], batch_size: int = 32) -> np.ndarray:
+def run_module(module: nn.Module, samples: Samples, names: list[str], batch_size: int = 32) -> np.ndarray:
     """First output of ``module`` on every sample, as one array."""
     outs = []
     with torch.no_grad():

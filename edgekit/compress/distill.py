@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch import nn
 
 from edgekit.artifact import check_output_dir, sha256_json, work_folder
 from edgekit.compress import Step, StepContext, compress, config_to_dict
+from edgekit.compress.options import option
 from edgekit.compress.prune import find_output_layers
 from edgekit.errors import BadInputError
 from edgekit.schema import check_fields
@@ -53,9 +54,9 @@ class DistillConfig:
     seqlen: token window for text data, eval_limit: samples in the final evaluation,
     schedule: learning rate "cosine" (decays to 0 over the run) or "constant"."""
 
-    temperature: float = 4.0
-    alpha: float = 0.7
-    epochs: int = 3
+    temperature: float = field(default=4.0, metadata=option("--temperature", help="Distillation temperature."))
+    alpha: float = field(default=0.7, metadata=option("--alpha", help="Distillation: weight of the soft loss."))
+    epochs: int = field(default=3, metadata=option("--epochs", help="Distillation / QAT epochs."))
     lr: float = 1e-3
     batch_size: int = 64
     feature_loss: bool = False
@@ -65,7 +66,7 @@ class DistillConfig:
     max_steps: int | None = None
     limit: int | None = None
     val_fraction: float = 0.1
-    seqlen: int = 128
+    seqlen: int = field(default=128, metadata=option("--seqlen"))
     eval_limit: int | None = 2000
     schedule: str = "cosine"
 

@@ -17,8 +17,6 @@ layers, up to border effects for padded convolutions) and is subtracted from the
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
+from edgekit.sources.data import Samples
 
 
 def _is_relu(gm: fx.GraphModule, n: fx.Node) -> bool:
@@ -68,7 +67,7 @@ def equalize_pairs(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return pairs
 
 
-def equalize(gm: fx.GraphModule, plan: Any, iterations: int = 3) -> list[str]:
+def equalize(gm: fx.GraphModule, plan: qdq.QuantPlan, iterations: int = 3) -> list[str]:
     """Equalize every eligible pair in place; returns "a -> b" names of the pairs."""
     pairs = equalize_pairs(gm)
     done = []
@@ -130,6 +129,13 @@ def _ensure_bias(gm: fx.GraphModule, n: fx.Node, channels: int) -> str:
     return new_bpath
 
 
+def _recorder(gm: fx.GraphModule, name: str) -> _MeanRecorder:
+    m = gm.get_submodule(name)
+    if not isinstance(m, _MeanRecorder):  # internal invariant: correct_bias added it
+        raise RuntimeError(f"{name} is not a mean recorder")
+    return m
+
+
 class _MeanRecorder(nn.Module):
     """Identity that accumulates the per-channel sum of what flows through it (axis 1 for
     conv inputs, the last axis for linear inputs)."""
@@ -149,7 +155,7 @@ class _MeanRecorder(nn.Module):
         return x
 
 
-def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any, names: list[str],
+def correct_bias(gm: fx.GraphModule, plan: qdq.QuantPlan, float_module: nn.Module, samples: Samples, names: list[str],
                  batch_size: int = 16, max_samples: int = 64) -> int:
     """Empirical bias correction from the quantized inputs' per-channel means (one pass over
     at most ``max_samples`` calibration samples). Returns the number of layers corrected."""
@@ -157,6 +163,7 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         samples = samples.subset(slice(0, max_samples))
     targets = []
     added: list[tuple[fx.Node, str]] = []
+    x_of: dict[fx.Node, fx.Node] = {}  # recorder call -> the input it records
     g = gm.graph
     for n in list(g.nodes):
         if not (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) or qdq.weight_quant_node(n) is None:
@@ -170,6 +177,7 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
             rec = g.call_module(name, (x,))
         n.replace_input_with(x, rec)
         added.append((rec, name))
+        x_of[rec] = x
         targets.append((n, name))
     gm.recompile()
     gm.eval()
@@ -177,10 +185,10 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         with torch.no_grad():
             for args in tensor_batches(samples, names, batch_size):
                 gm(*args)
-        recorders = {name: gm.get_submodule(name) for _, name in added}
+        recorders = {name: _recorder(gm, name) for _, name in added}
     finally:
         for rec, name in added:
-            rec.replace_all_uses_with(rec.args[0])
+            rec.replace_all_uses_with(x_of[rec])
             g.erase_node(rec)
             delattr(gm, name)
         gm.recompile()
@@ -192,8 +200,8 @@ def correct_bias(gm: fx.GraphModule, plan: Any, float_module: Any, samples: Any,
         mean_x = (hook.sum / hook.count).float()
         wpath, _ = qdq.param_paths(gm, n)
         w = qdq.get_attr(gm, wpath).detach()
-        wq_mod = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
-        if not wq_mod.enabled:
+        wq_mod = qdq.layer_weight_quant(gm, n)
+        if wq_mod is None or not wq_mod.enabled:
             continue
         w_float = wq_mod.float_weight[1] if wq_mod.float_weight is not None else w  # before GPTQ rounding
         dw = wq_mod(w) - w_float  # (out, in/groups, k...)

@@ -32,12 +32,15 @@ from __future__ import annotations
 import copy
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
+import torch.nn as nn
 
+from edgekit import interrupts
 from edgekit.compress import Step, StepContext, config_to_dict, qdq
 from edgekit.compress.calibration import (
     METHODS,
@@ -50,12 +53,16 @@ from edgekit.compress.calibration import (
 from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8_gptq import round_model
 from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
+from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.runtimes import get_runtime
 from edgekit.schema import check_fields
+from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.targets import Target
 
 QAT_METHODS = ("ptq", "qat")
 ROUNDINGS = ("nearest", "gptq")
@@ -63,7 +70,7 @@ ROUNDINGS = ("nearest", "gptq")
 # ranges beat percentile 99.99 (84.6% vs 82.4% top-1 agreement), and GPTQ rounding cut the
 # held-out calibration KL 3x at the same engine speed; on the Fashion-MNIST CNN all are within 0.1 pt
 TORCH_CALIB_METHOD = "mse"
-SCHEMES = ("u8s8", "s8s8", "trt")
+SCHEMES = qdq.SCHEMES  # "u8s8" | "s8s8" | "trt"
 # ONNX Runtime's INT8 engine against the PyTorch fake-quant model: the engine requantizes in
 # integer arithmetic, so values may land one quantization step away and the difference grows
 # through the layers. (atol, rtol) for export parity; tests pin tighter bounds per model.
@@ -108,26 +115,34 @@ class Int8Config:
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
     """
 
-    method: str = "ptq"
-    calib_method: str | None = None
+    method: str = field(default="ptq", metadata=option("--method"))
+    calib_method: str | None = field(
+        default=None, metadata=option("--calib-method", help="INT8: minmax | percentile | entropy | mse."))
     percentile: float = 99.99
-    calib_samples: int = 128
+    calib_samples: int = field(default=128, metadata=option("--calib-samples"))
     scheme: str | None = None
     per_channel: bool = True
-    max_accuracy_drop: float | None = None
-    rounding: str = "gptq"
-    keep_float: tuple[str, ...] = ()
+    max_accuracy_drop: float | None = field(default=None, metadata=option(
+        "--max-accuracy-drop", help="INT8: keep the most sensitive layers in float until the accuracy "
+        "drop is within this many percentage points (e.g. 0.5)."))
+    rounding: str = field(default="gptq", metadata=option(
+        "--rounding", help="INT8 weights: gptq (default: output-error-aware rounding) | nearest."))
+    keep_float: tuple[str, ...] = field(default=(), metadata=option(
+        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name "
+        "(repeatable; costs speed)."))
     fallback_samples: int = 128
     fallback_candidates: int | None = 12
     equalize: bool = True
     bias_correction: bool = True
-    qat_epochs: int = 1
+    qat_epochs: int = field(default=1, metadata=option("--epochs", when={"method": ("qat",)}))
     qat_lr: float = 1e-4
     qat_batch_size: int = 32
     qat_max_steps: int | None = None
     learnable_scales: bool = False
     eval_samples: int | None = None
-    placement: str = "auto"
+    placement: str = field(default="auto", metadata=option(
+        "--placement", help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: "
+        "transformers) | all."))
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -170,15 +185,19 @@ class Int8Config:
                                 "accuracy on depthwise convolutions (use per_channel=True)")
 
 
-def resolve_scheme(config: Int8Config, target: Any) -> str:
-    """The Q/DQ flavour: explicit, else from the target (TensorRT -> "trt", else "u8s8")."""
+def resolve_scheme(config: Int8Config, target: Target | None) -> str:
+    """The Q/DQ flavour: explicit, else the one the target's runtimes require
+    (``Runtime.int8_scheme``: the first runtime's, or on a GPU target any of its runtimes',
+    e.g. TensorRT's "trt"), else "u8s8" (ONNX Runtime's x86 kernels)."""
     if config.scheme is not None:
         return config.scheme
-    runtimes = tuple(getattr(target, "runtimes", ()) or ())
-    if runtimes and runtimes[0] == "tensorrt":
-        return "trt"
-    if getattr(target, "kind", "cpu") in ("gpu", "jetson") and "tensorrt" in runtimes:
-        return "trt"
+    if target is None:
+        return "u8s8"
+    required = [get_runtime(name).int8_scheme for name in target.runtimes]
+    if required and required[0] is not None:
+        return required[0]
+    if target.has_gpu:
+        return next((s for s in required if s is not None), "u8s8")
     return "u8s8"
 
 
@@ -186,7 +205,7 @@ def resolve_scheme(config: Int8Config, target: Any) -> str:
 # Data
 
 
-def resolve_keep_float(keep: tuple[str, ...], plan: Any) -> list[str]:
+def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan) -> list[str]:
     """Layer names from ``Int8Config.keep_float`` ("first" / "last": the first / last
     quantizable layer in graph order)."""
     order = list(plan.layers)
@@ -200,7 +219,7 @@ def resolve_keep_float(keep: tuple[str, ...], plan: Any) -> list[str]:
     return out
 
 
-def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tuple[Any, Any]:
+def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tuple[Samples, Samples | None]:
     """(calibration samples, fallback samples): with ``max_accuracy_drop``, the calib split's
     samples after the first ``calib_samples`` are held out for the fallback's measurements
     (the calibration samples themselves when the split has no more); else (samples, None)."""
@@ -223,7 +242,7 @@ def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepConte
     return calib, held
 
 
-def parity_tolerance(module: Any, handle: ModelHandle) -> dict[str, float]:
+def parity_tolerance(module: nn.Module, handle: ModelHandle) -> dict[str, float]:
     """Export parity tolerance of the INT8 engine against the fake-quant model: PARITY_TOLERANCE,
     with atol widened to 5% of the output's largest magnitude on the model's sample inputs
     (about six int8 steps of the output: the engine requantizes every layer in integer
@@ -236,8 +255,8 @@ def parity_tolerance(module: Any, handle: ModelHandle) -> dict[str, float]:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         absmax = max(float(o.detach().abs().max()) for o in outs if torch.is_tensor(o))
         atol = max(atol, 0.05 * absmax)
-    except Exception:  # the sample inputs are a convenience; fall back to the fixed tolerance
-        pass
+    except Exception as e:  # the sample inputs are a convenience; fall back to the fixed tolerance
+        interrupts.reraise(e)
     return {"atol": round(atol, 6), "rtol": rtol}
 
 
@@ -273,7 +292,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         return _quantize_via_onnx(handle, config, ctx, scheme)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
-        gm.get_submodule(plan.layers[name]).enabled = False
+        qdq.weight_quant(gm, plan.layers[name]).enabled = False
     if config.equalize:
         meta["equalized"] = equalize(gm, plan)
     qdq.update_weight_scales(gm, plan)
@@ -281,7 +300,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
         for q in exclusive_input_quants(gm, set(kept_float)):
-            gm.get_submodule(q).mode = "float"
+            qdq.act_quant(gm, q).mode = "float"
             float_inputs.append(plan.activations[q])
     meta["float_activations"] = float_inputs
     with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
@@ -312,7 +331,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
 
     float_layers: list[str] = list(kept_float)
     with qdq.fast_fake_quant(gm):
-        if config.max_accuracy_drop is not None:
+        if config.max_accuracy_drop is not None and held_out is not None:  # held out exactly then
             # measured on calibration-split samples held out of range calibration, never on eval
             held_ref = run_module(reference, held_out, names)
             report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
@@ -351,7 +370,7 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
     return out
 
 
-def calibrate(gm: Any, samples: Any, names: list[str], config: Int8Config, batch_size: int = 16) -> None:
+def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: Int8Config, batch_size: int = 16) -> None:
     """One streaming pass over the calibration data, then ranges by ``config.calib_method``."""
 
     gm.eval()
@@ -377,7 +396,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
     floats = set(meta.get("float_activations", ()))
     for qname, tensor in plan.activations.items():
         if tensor in floats:
-            gm.get_submodule(qname).mode = "float"
+            qdq.act_quant(gm, qname).mode = "float"
     if config.learnable_scales and config.method == "qat":
         for m in qdq.act_quants(gm):
             m.make_learnable()
@@ -387,7 +406,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
     return new
 
 
-def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
+def rewrite_onnx(model: onnx.ModelProto, handle: ModelHandle, record: StepRecord) -> onnx.ModelProto:
     return qdq.rewrite_qdq(model)
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
 from edgekit.compress.gptq import HessianAccumulator, gptq_solve
+from edgekit.sources.data import Samples
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
 
@@ -44,15 +45,15 @@ def _conv_args(n: fx.Node, env_args: list[Any]) -> tuple[Any, Any, Any, int]:
     return arg(3, "stride", 1), arg(4, "padding", 0), arg(5, "dilation", 1), int(arg(6, "groups", 1))
 
 
-def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 32,
+def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], limit: int = 32,
                    batch_size: int = 2) -> dict[str, torch.Tensor]:
     """layer name -> ``2 E[x xᵀ]`` of its inputs (``gptq.HessianAccumulator``; see the module
     docstring), one pass."""
     targets: dict[fx.Node, str] = {}
     for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function" and qdq.weight_quant_node(n) is not None:
-            wq = gm.get_submodule(str(qdq.weight_quant_node(n).target))  # type: ignore[union-attr]
-            if wq.enabled:
+        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and n.op == "call_function":
+            wq = qdq.layer_weight_quant(gm, n)
+            if wq is not None and wq.enabled:
                 targets[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
     acc: dict[str, HessianAccumulator] = {}
 
@@ -64,10 +65,10 @@ def input_hessians(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str]
     class _Probe(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             if n in targets:
-                args = list(self.map_nodes_to_values(n.args, n))
+                args = list(self.fetch_args_kwargs_from_env(n)[0])
                 x = args[0].detach().float()
-                w = qdq.get_attr(self.module, str(n.args[1].args[0].target))  # type: ignore[union-attr]
-                if qdq.is_linear(self.module, n):
+                w = qdq.get_attr(gm, qdq.param_paths(gm, n)[0])
+                if qdq.is_linear(gm, n):
                     hessian(targets[n], x.shape[-1]).add_batch(x)
                 elif x.dim() == 4:
                     stride, padding, dilation, groups = _conv_args(n, args)
@@ -118,14 +119,15 @@ def output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     return float(torch.einsum("ri,ij,rj->", D, H.double(), D))
 
 
-def round_model(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 32) -> dict[str, Any]:
+def round_model(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str],
+                limit: int = 32) -> dict[str, Any]:
     """GPTQ-round every enabled layer's weights in place (grid unchanged). Returns per-layer
     output errors of round-to-nearest and GPTQ (same H), and their total ratio."""
     hs = input_hessians(gm, plan, samples, names, limit=limit)
     before = after = 0.0
     layers: dict[str, list[float]] = {}
     for name, H in hs.items():
-        wq = gm.get_submodule(plan.layers[name])
+        wq = qdq.weight_quant(gm, plan.layers[name])
         wpath = name + ".weight"
         w = qdq.get_attr(gm, wpath).detach()
         W2 = w.reshape(w.shape[0], -1).float()

@@ -49,7 +49,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -57,7 +57,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress import config_to_dict
+from edgekit.compress import StepContext, config_to_dict, qdq
 from edgekit.compress.calibration import (
     MIN_CALIB_SAMPLES,
     HistogramObserver,
@@ -82,6 +82,26 @@ from edgekit.sources.onnx_file import (
 OP_TYPES = ["Conv", "MatMul", "Gemm", "Add", "Mul", "GlobalAveragePool", "AveragePool", "MaxPool",
             "Relu", "Clip", "Concat", "Reshape", "Flatten", "Transpose", "Sigmoid", "Resize"]
 PLACEMENTS = ("auto", "linear", "all")
+
+
+class OnnxInt8Options(Protocol):
+    """What the ONNX-graph path reads from the int8 step's config (``Int8Config``, a dataclass)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def calib_method(self) -> str | None: ...
+    @property
+    def percentile(self) -> float: ...
+    @property
+    def calib_samples(self) -> int: ...
+    @property
+    def max_accuracy_drop(self) -> float | None: ...
+    @property
+    def eval_samples(self) -> int | None: ...
+    @property
+    def placement(self) -> str: ...
+
 LINEAR_OPS = ("MatMul", "Gemm")
 WEIGHT_OPS = ("MatMul", "Gemm", "Conv")  # input 1 is the weight
 # Calibration when the config leaves it open. MiniLM-L6, linear placement, 533 sentences: mean cosine
@@ -244,7 +264,7 @@ def _region_refusal(src: Path, found: QuantizedGraph, placement: str) -> BadInpu
                          "and profile this one as it is")
 
 
-def quantize_onnx_file(src: Path, dst: Path, samples: Any, input_names: list[str], method: str | None,
+def quantize_onnx_file(src: Path, dst: Path, samples: Samples, input_names: list[str], method: str | None,
                        percentile: float, scheme: str, batch_size: int = 8, placement: str = "auto") -> dict[str, Any]:
     """Calibrate ``src`` on ``samples`` and write the QDQ model to ``dst`` (Q/DQ per ``placement``),
     loaded and run once by ONNX Runtime on the first calibration batch.
@@ -307,7 +327,7 @@ def check_quantizable(src: Path, placement: str) -> None:
     plan_placement(model, placement, src, found)
 
 
-def quantize_and_verify(src: Path, dst: Path, samples: Any, input_names: list[str], method: str | None,
+def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: list[str], method: str | None,
                         percentile: float, scheme: str, batch_size: int = 8,
                         placement: str = "auto") -> tuple[dict[str, Any], VerifiedRun]:
     """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
@@ -340,8 +360,8 @@ def quantize_and_verify(src: Path, dst: Path, samples: Any, input_names: list[st
             tensors.append(t)
     fixed = static_batch(model, input_names)
     observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src)
-    symmetric = scheme == "trt"
-    qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
+    fmt = qdq.act_format(scheme)
+    symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     ranges = {}
     for t, obs in observers.items():
         if obs.count == 0:
@@ -362,7 +382,7 @@ def quantize_and_verify(src: Path, dst: Path, samples: Any, input_names: list[st
     return info, run
 
 
-def _observe(model: onnx.ModelProto, tensors: list[str], samples: Any, input_names: list[str],
+def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
              batch_size: int, static: bool, src: Path) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
     """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
     first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
@@ -413,7 +433,7 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
 
     tensors_range = TensorsData(CalibrationMethod.MinMax, {k: (v[0], v[1]) for k, v in ranges.items()})
     act = QuantType.QUInt8 if scheme == "u8s8" else QuantType.QInt8
-    extra = {"ActivationSymmetric": scheme == "trt", "WeightSymmetric": True}
+    extra = {"ActivationSymmetric": qdq.act_format(scheme).symmetric, "WeightSymmetric": True}
     quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES, extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
@@ -439,8 +459,8 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     ONNX Runtime fuses each into ``MatMulIntegerToFloat``."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    symmetric = scheme == "trt"
-    qmin, qmax = (0, 255) if scheme == "u8s8" else (-128, 127)
+    fmt = qdq.act_format(scheme)
+    symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     zp_type = TensorProto.UINT8 if scheme == "u8s8" else TensorProto.INT8
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
@@ -502,10 +522,9 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     return model
 
 
-def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str) -> ModelHandle:
+def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str) -> ModelHandle:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
-    with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an
-    ``Int8Config`` and ``ctx`` a ``StepContext`` (typed loosely: ``int8`` imports this module)."""
+    with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an ``Int8Config``."""
     if config.method != "ptq":
         raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
                             "is possible (QAT needs the PyTorch model)")
@@ -556,7 +575,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: Any, ctx: Any, scheme: str
 
 
 
-def comparison_samples(view: ModelHandle, config: Any, ctx: Any, calib: Samples) -> tuple[Samples, str]:
+def comparison_samples(view: ModelHandle, config: OnnxInt8Options, ctx: StepContext, calib: Samples) -> tuple[Samples, str]:
     """Data to compare the INT8 graph with the float one on: the eval data (given, or the
     model's default); else the eval split of the calibration source (disjoint from its calib
     split); only when neither exists, the calibration samples themselves (said so)."""

@@ -29,12 +29,13 @@ import fnmatch
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import numpy as np
 
 from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress.options import option
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import check_fields
@@ -74,12 +75,17 @@ class PruneConfig:
     calib_batches: batches of calibration data for "taylor" importance.
     """
 
-    ratio: float = 0.5
-    importance: str = "auto"
-    global_pruning: bool = False
-    round_to: int | None = None
-    ignore: tuple[str, ...] = ()
-    iterative_steps: int = 1
+    ratio: float = field(
+        default=0.5, metadata=option("--prune", selects=True, help="Structured pruning ratio in (0, 1)."))
+    importance: str = field(
+        default="auto", metadata=option("--importance", help="Pruning: l1 | l2 | taylor | bn-scale."))
+    global_pruning: bool = field(
+        default=False, metadata=option("--global/--uniform", help="Pruning: global or per-layer ratio."))
+    round_to: int | None = field(
+        default=None, metadata=option("--round-to", help="Pruning: round channel counts to a multiple."))
+    ignore: tuple[str, ...] = field(
+        default=(), metadata=option("--ignore", help="Pruning: a layer to protect (repeatable)."))
+    iterative_steps: int = field(default=1, metadata=option("--iterative-steps"))
     scope: str = "auto"
     head_ratio: float | None = None
     calib_batches: int = 4

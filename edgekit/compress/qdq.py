@@ -22,10 +22,10 @@ fake-quant model computes and the engines fuse.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ import torch.nn.functional as F
 
 from edgekit.compress.calibration import HistogramObserver, choose_range, qparams
 from edgekit.errors import BadInputError, bad_choice
+
+if TYPE_CHECKING:  # imported where used: exporting is the only path that needs onnx
+    import onnx
 
 SCHEMES = ("u8s8", "s8s8", "trt")
 
@@ -63,7 +66,7 @@ def _register_meta_kernels() -> None:
     _META_LIB = lib
 
 
-_META_LIB: Any = None
+_META_LIB: torch.library.Library | None = None
 _register_meta_kernels()
 
 
@@ -82,10 +85,20 @@ ACT_FORMATS = {
 WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 127]
 
 
+def act_format(scheme: str) -> ActFormat:
+    """The activation grid of a Q/DQ scheme (``BadInputError`` naming the valid ones)."""
+    if scheme not in ACT_FORMATS:
+        raise bad_choice("quantization scheme", scheme, SCHEMES)
+    return ACT_FORMATS[scheme]
+
+
 class ActQuant(nn.Module):
     """Per-tensor fake quantizer of one activation. ``mode``: "observe" (collect a
     histogram, pass through), "quant" (fake-quantize; the default so a rebuilt model
     exports quantized) or "float" (pass through)."""
+
+    scale: torch.Tensor  # a buffer; an nn.Parameter once ``make_learnable``
+    zero_point: torch.Tensor
 
     def __init__(self, name: str, qmin: int, qmax: int, symmetric: bool) -> None:
         super().__init__()
@@ -166,6 +179,8 @@ class WeightQuant(nn.Module):
     """Per-output-channel symmetric int8 fake quantizer of one weight (axis 0).
     The scale follows the weight (max |w| per channel); in training (QAT) it is
     recomputed each step. ``enabled=False`` keeps the layer in floating point."""
+
+    scale: torch.Tensor  # (channels,) buffer
 
     def __init__(self, name: str, channels: int) -> None:
         super().__init__()
@@ -278,11 +293,30 @@ class _NotQuantizable(Exception):
 # Preparation
 
 
-def get_attr(gm: fx.GraphModule, path: str) -> Any:
+def get_attr(gm: nn.Module, path: str) -> torch.Tensor:
+    """The parameter or buffer at ``path`` (``"features.0.weight"``) of ``gm``."""
     obj: Any = gm
     for part in path.split("."):
         obj = getattr(obj, part)
+    if not isinstance(obj, torch.Tensor):  # internal invariant: paths come from get_attr nodes
+        raise RuntimeError(f"{path} is not a tensor of the model")
     return obj
+
+
+def weight_quant(gm: nn.Module, qname: str) -> WeightQuant:
+    """The weight quantizer submodule ``qname`` (a value of ``QuantPlan.layers``)."""
+    m = gm.get_submodule(qname)
+    if not isinstance(m, WeightQuant):  # internal invariant: prepare_qdq named it
+        raise RuntimeError(f"{qname} is not a weight quantizer")
+    return m
+
+
+def act_quant(gm: nn.Module, qname: str) -> ActQuant:
+    """The activation quantizer submodule ``qname`` (a key of ``QuantPlan.activations``)."""
+    m = gm.get_submodule(qname)
+    if not isinstance(m, ActQuant):  # internal invariant: prepare_qdq named it
+        raise RuntimeError(f"{qname} is not an activation quantizer")
+    return m
 
 
 def set_param(gm: fx.GraphModule, path: str, value: torch.Tensor) -> None:
@@ -328,7 +362,8 @@ def _fold_batchnorms(gm: fx.GraphModule) -> list[str]:
             continue
         conv = n.args[0]
         if not (isinstance(conv, fx.Node) and is_conv(gm, conv) and conv.op == "call_function"
-                and len(conv.users) == 1 and bn.track_running_stats and bn.running_var is not None):
+                and len(conv.users) == 1 and bn.track_running_stats and bn.running_var is not None
+                and bn.running_mean is not None):
             continue
         try:
             wpath, bpath = _weight_source(gm, conv)
@@ -400,15 +435,24 @@ def param_paths(gm: fx.GraphModule, n: fx.Node) -> tuple[str, str | None]:
     if wq is None:  # callers pass only layers with a weight quantizer
         raise RuntimeError(f"{n.name} has no weight quantizer")
     wget = wq.args[0]
+    if not isinstance(wget, fx.Node):  # prepare_qdq feeds every weight quantizer a get_attr node
+        raise RuntimeError(f"{n.name}: the weight quantizer reads no parameter")
     b = n.args[2] if len(n.args) > 2 else None
-    return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)  # type: ignore[union-attr]
+    return str(wget.target), (str(b.target) if isinstance(b, fx.Node) and b.op == "get_attr" else None)
+
+
+def layer_weight_quant(gm: nn.Module, n: fx.Node) -> WeightQuant | None:
+    """The weight quantizer module of the prepared conv/linear node ``n``, or None."""
+    wq = weight_quant_node(n)
+    return weight_quant(gm, str(wq.target)) if wq is not None else None
 
 
 def conv_groups(n: fx.Node) -> int:
     """The ``groups`` argument of a functional conv node (1 when absent)."""
-    if len(n.args) > 6:
-        return int(n.args[6])  # type: ignore[arg-type]
-    return int(n.kwargs.get("groups", 1))  # type: ignore[arg-type]
+    groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    if not isinstance(groups, (int, float)):  # a traced conv's groups are a Python number
+        raise RuntimeError(f"{n.name}: groups {groups!r} is not a number")
+    return int(groups)
 
 
 def quantized_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
@@ -442,9 +486,7 @@ class TraceError(Exception):
 def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
     """Trace ``module`` and return (fake-quant GraphModule, plan). Raises BadInputError
     when the model has no convolution or linear layer to quantize."""
-    if scheme not in SCHEMES:
-        raise bad_choice("quantization scheme", scheme, SCHEMES)
-    fmt = ACT_FORMATS[scheme]
+    fmt = act_format(scheme)
     module = module.eval()
     gm = _trace(module)
     _functionalize_layers(gm)
@@ -528,14 +570,19 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
         qname = qname_of[q] if q in qname_of else qname_of[_producer(gm, tied[q])]
         with g.inserting_after(q):
             qn = g.call_module(qname, (q,))
-        q.replace_all_uses_with(qn, delete_user_cb=lambda u, qn=qn: u is not qn)
+        q.replace_all_uses_with(qn, delete_user_cb=_user_other_than(qn))
     g.lint()
     gm.recompile()
     gm.delete_all_unused_submodules()
     for name in float_layers:
         if name in layers:
-            gm.get_submodule(layers[name]).enabled = False
+            weight_quant(gm, layers[name]).enabled = False
     return gm, QuantPlan(scheme, layers, activations, folded)
+
+
+def _user_other_than(qn: fx.Node) -> Callable[[fx.Node], bool]:
+    """``replace_all_uses_with`` filter: every user of a tensor except its new quantizer call."""
+    return lambda u: u is not qn
 
 
 def _only_passthrough_path(gm: fx.GraphModule, p: fx.Node, a: fx.Node) -> bool:
@@ -614,14 +661,14 @@ def fit_bias_range(gm: fx.GraphModule) -> int:
 
 def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:
     for name, qname in plan.layers.items():
-        gm.get_submodule(qname).update_scale(get_attr(gm, name + ".weight"), search=search)
+        weight_quant(gm, qname).update_scale(get_attr(gm, name + ".weight"), search=search)
 
 
 # ------------------------------------------------------------------------------------------
 # ONNX rewrite
 
 
-def rewrite_qdq(model: Any) -> Any:
+def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     """Make an exported fake-quant graph deployable: int8 weights behind DequantizeLinear,
     int32 biases, weight transposes folded. Returns the same ModelProto, changed."""
     import onnx
@@ -640,7 +687,7 @@ def rewrite_qdq(model: Any) -> Any:
         return consts.get(name)
 
     producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[Any]] = {}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
@@ -651,7 +698,7 @@ def rewrite_qdq(model: Any) -> Any:
         inits[name] = t
         return name
 
-    remove: list[Any] = []
+    remove: list[onnx.NodeProto] = []
     # 1. Q(const float weight) -> DQ  ==>  const int8 -> DQ
     for q in list(g.node):
         if q.op_type != "QuantizeLinear":
@@ -746,11 +793,11 @@ def rewrite_qdq(model: Any) -> Any:
     return model
 
 
-def _fold_pads(g: Any, value: Any) -> int:
+def _fold_pads(g: onnx.GraphProto, value: Callable[[str], np.ndarray | None]) -> int:
     import onnx
 
     producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[Any]] = {}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
@@ -772,7 +819,8 @@ def _fold_pads(g: Any, value: Any) -> int:
         if pad is None or pad.op_type != "Pad":
             continue
         dq_a = producers.get(pad.input[0])
-        if dq_a is None or dq_a.op_type != "DequantizeLinear" or len(q_b.input) < 3 or len(dq_a.input) < 3:
+        if (q_b is None or dq_c is None or dq_a is None or dq_a.op_type != "DequantizeLinear"
+                or len(q_b.input) < 3 or len(dq_a.input) < 3):
             continue
         if not (same(q_b.input[1], dq_a.input[1]) and same(q_b.input[2], dq_a.input[2])):
             continue
@@ -785,10 +833,10 @@ def _fold_pads(g: Any, value: Any) -> int:
             cval = value(pad.input[2])
             if cval is None or np.any(cval != 0):
                 continue
-        pads = value(pad.input[1])
-        if pads is None:
+        pads_value = value(pad.input[1])
+        if pads_value is None:
             continue
-        pads = [int(p) for p in pads.reshape(-1)]
+        pads = [int(p) for p in pads_value.reshape(-1)]
         r = len(pads) // 2
         begin, end = pads[:r], pads[r:]
         if r < 3 or any(begin[:2]) or any(end[:2]) or min(pads) < 0:

@@ -32,6 +32,7 @@ from edgekit.compress import qdq
 from edgekit.compress.calibration import quality, run_module, score, tensor_batches
 from edgekit.evaluate import agreement_metrics, cosine_metrics
 from edgekit.progress import progress_bar
+from edgekit.sources.data import Samples
 
 MAX_SCANNED_LAYERS = 64  # above this, only the lowest-SQNR candidates are scanned
 
@@ -42,7 +43,7 @@ def _error(outputs: np.ndarray, ref: np.ndarray, evaluator: str | None) -> float
     return agreement_metrics(outputs, ref)["mean_kl"]
 
 
-def layer_macs(gm: fx.GraphModule, plan: Any, example: tuple[torch.Tensor, ...]) -> dict[str, int]:
+def layer_macs(gm: fx.GraphModule, plan: qdq.QuantPlan, example: tuple[torch.Tensor, ...]) -> dict[str, int]:
     """Multiply-accumulates per quantized layer for one sample."""
 
     modes = {m: m.mode for m in qdq.act_quants(gm)}
@@ -66,11 +67,11 @@ def layer_macs(gm: fx.GraphModule, plan: Any, example: tuple[torch.Tensor, ...])
     return out
 
 
-def weight_sqnr(gm: fx.GraphModule, plan: Any) -> dict[str, float]:
+def weight_sqnr(gm: fx.GraphModule, plan: qdq.QuantPlan) -> dict[str, float]:
     out = {}
     for name, qname in plan.layers.items():
         w = qdq.get_attr(gm, name + ".weight").detach()
-        m = gm.get_submodule(qname)
+        m = qdq.weight_quant(gm, qname)
         was = m.enabled
         m.enabled = True
         err = m(w) - w
@@ -103,15 +104,15 @@ def exclusive_input_quants(gm: fx.GraphModule, layers: set[str]) -> list[str]:
     return out
 
 
-class _Unit:
+class FallbackUnit:
     """One thing fallback can return to float: a layer's weights (with the activation
     quantizers that only feed it), or one activation tensor."""
 
-    def __init__(self, name: str, module: Any, gm: fx.GraphModule | None = None) -> None:
+    def __init__(self, name: str, module: qdq.WeightQuant | qdq.ActQuant, gm: fx.GraphModule | None = None) -> None:
         self.name, self.module, self.gm = name, module, gm
-        self.inputs: list[Any] = []
+        self.inputs: list[qdq.ActQuant] = []
         if isinstance(module, qdq.WeightQuant) and gm is not None:
-            self.inputs = [gm.get_submodule(q) for q in exclusive_input_quants(gm, {name})]
+            self.inputs = [qdq.act_quant(gm, q) for q in exclusive_input_quants(gm, {name})]
 
     @property
     def is_float(self) -> bool:
@@ -138,9 +139,9 @@ class _Unit:
             m.mode = "float" if flag else "quant"
 
 
-def fallback_units(gm: fx.GraphModule, plan: Any) -> list[_Unit]:
-    units = [_Unit(name, gm.get_submodule(q), gm) for name, q in plan.layers.items()]
-    units += [_Unit(f"act:{tensor}", gm.get_submodule(q)) for q, tensor in plan.activations.items()]
+def fallback_units(gm: fx.GraphModule, plan: qdq.QuantPlan) -> list[FallbackUnit]:
+    units = [FallbackUnit(name, qdq.weight_quant(gm, q), gm) for name, q in plan.layers.items()]
+    units += [FallbackUnit(f"act:{tensor}", qdq.act_quant(gm, q)) for q, tensor in plan.activations.items()]
     return units
 
 
@@ -148,7 +149,7 @@ def _sqnr_db(signal: float, noise: float) -> float:
     return float(10 * math.log10(max(signal, 1e-30) / max(noise, 1e-30)))
 
 
-def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], limit: int = 16,
+def output_sqnr(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], limit: int = 16,
                 batch_size: int = 8) -> dict[str, float]:
     """SQNR in dB of every fallback unit, from one pass over ``limit`` samples of the
     quantized model: for a layer, its output with quantized against float weights (same,
@@ -171,22 +172,28 @@ def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if n in layer_of:
-                wq = n.args[1]
-                mod = self.module.get_submodule(str(wq.target))  # type: ignore[union-attr]
-                if mod.enabled:
-                    args = list(self.map_nodes_to_values(n.args, n))
-                    args[1] = qdq.get_attr(self.module, str(wq.args[0].target))  # the float weight  # type: ignore[union-attr]
-                    kwargs = self.map_nodes_to_values(n.kwargs, n)
+                mod = qdq.layer_weight_quant(gm, n)
+                if mod is not None and mod.enabled:
+                    args_t, kwargs = self.fetch_args_kwargs_from_env(n)
+                    args = list(args_t)
+                    wpath = qdq.param_paths(gm, n)[0]
+                    # The float weight; GPTQ rounding stores the rounded one in place and keeps
+                    # the float one aside (comparing against it measured 308-343 dB: noise 0).
+                    fw = mod.float_weight
+                    args[1] = fw[1] if fw is not None and fw[0] == wpath else qdq.get_attr(gm, wpath)
                     if n.op == "call_module":
-                        fn = self.module.get_submodule(str(n.target))
+                        fn = gm.get_submodule(str(n.target))
                         ref = fn(*args, **kwargs)
-                    else:
-                        ref = n.target(*args, **kwargs)  # type: ignore[operator]
+                    elif callable(n.target):
+                        ref = n.target(*args, **kwargs)
+                    else:  # layer_of holds conv/linear calls only
+                        raise RuntimeError(f"{n.name} calls no function")
                     add(layer_of[n], ref, out)
             elif n.op == "call_module" and str(n.target) in act_of:
-                aq = self.module.get_submodule(str(n.target))
-                if aq.mode == "quant":
-                    add("act:" + act_of[str(n.target)], self.env[n.args[0]], out)  # type: ignore[index]
+                aq = qdq.act_quant(gm, str(n.target))
+                x = n.args[0]
+                if aq.mode == "quant" and isinstance(x, fx.Node):
+                    add("act:" + act_of[str(n.target)], self.env[x], out)
             return out
 
     sub = samples.subset(slice(0, min(limit, len(samples))))
@@ -197,7 +204,7 @@ def output_sqnr(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], l
     return {k: _sqnr_db(v[0], v[1]) for k, v in acc.items()}
 
 
-def layer_sensitivity(gm: fx.GraphModule, units: list[_Unit], samples: Any, names: list[str], ref: np.ndarray,
+def layer_sensitivity(gm: fx.GraphModule, units: list[FallbackUnit], samples: Samples, names: list[str], ref: np.ndarray,
                       evaluator: str | None, subset: int = 32) -> dict[str, float]:
     """Error reduction when each unit alone returns to float (bigger = more sensitive):
     one pass over ``subset`` samples per unit."""
@@ -214,7 +221,7 @@ def layer_sensitivity(gm: fx.GraphModule, units: list[_Unit], samples: Any, name
     return scores
 
 
-def fall_back(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], ref: np.ndarray,
+def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], ref: np.ndarray,
               fp32: dict[str, float], max_drop: float, evaluator: str | None, candidates: int | None = 12,
               subset: int = 32) -> dict[str, Any]:
     """Return the most sensitive layers (weights) and activations to float until the
@@ -274,7 +281,7 @@ def fall_back(gm: fx.GraphModule, plan: Any, samples: Any, names: list[str], ref
     float_units = [n for n in order if units[n].is_float]
     float_layers = [n for n in float_units if not n.startswith("act:")]
     # the activation tensors now in float: the units chosen, and the inputs of float layers
-    float_acts = [t for q, t in plan.activations.items() if gm.get_submodule(q).mode == "float"]
+    float_acts = [t for q, t in plan.activations.items() if qdq.act_quant(gm, q).mode == "float"]
     sqnr = weight_sqnr(gm, plan)
     example = tuple(torch.from_numpy(np.ascontiguousarray(samples.inputs[n][:1])) for n in names)
     macs = layer_macs(gm, plan, example)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from torch import nn
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.families import embedding_scale, family_of
+from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.rtn import rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
@@ -83,25 +84,35 @@ class WeightOnlyConfig:
     when the step is applied on its own (``compress`` measures against the float model itself).
     """
 
-    method: str = "gptq"
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = False
-    act_order: bool = True
+    method: str = field(default="gptq", metadata=option(
+        "--method", help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only)."))
+    bits: int = field(
+        default=4, metadata=option("--bits", help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn)."))
+    group_size: int = field(
+        default=128, metadata=option("--group-size", help="Weight-only: group size (-1 = per channel)."))
+    sym: bool = field(default=False, metadata=option("--sym/--asym", help="Weight-only: symmetric or asymmetric grid."))
+    act_order: bool = field(default=True, metadata=option(
+        "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; "
+        "static groups keep the packed layout)."))
     static_groups: bool = False
     damp: float = 0.01
     block_size: int = 128
     mse_grid: bool | None = None
-    refit: bool = True
-    gptaq_alpha: float = 0.25
+    refit: bool = field(default=True, metadata=option(
+        "--refit/--no-refit", help="GPTQ: re-solve the group scales by least squares once the codes are "
+        "fixed (default on)."))
+    gptaq_alpha: float = field(default=0.25, metadata=option(
+        "--gptaq-alpha", help="GPTQ: how far each layer matches the float model's output instead of its "
+        "own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ)."))
     true_sequential: bool = True
     value_hessian: str = "attention"
-    calib_samples: int = 128
-    seqlen: int | None = 512
+    calib_samples: int = field(default=128, metadata=option("--calib-samples"))
+    seqlen: int | None = field(default=512, metadata=option(
+        "--seqlen", help="Token window for language models: calibration (GPTQ/AWQ) and distillation."))
     awq_grid: int = 20
     awq_clip: bool = True
     head: str = "int8"
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata=option("--device", help="cpu | cuda (GPTQ/AWQ)."))
     eval_windows: int = 8
 
     def __post_init__(self) -> None:

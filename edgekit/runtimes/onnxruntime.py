@@ -150,6 +150,7 @@ class OnnxRuntime:
 
     name = "onnxruntime"
     input_format = "onnx"
+    int8_scheme: str | None = None
 
     def available(self) -> tuple[bool, str]:
         try:

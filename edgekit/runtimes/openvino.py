@@ -237,6 +237,7 @@ class OpenVinoRuntime:
 
     name = "openvino"
     input_format = "onnx"
+    int8_scheme: str | None = None
 
     def available(self) -> tuple[bool, str]:
         try:

@@ -89,6 +89,7 @@ class TorchAotRuntime:
 
     name = "torch"
     input_format = "module"  # build_engine passes the ModelHandle, not an ONNX file
+    int8_scheme: str | None = None
 
     def available(self) -> tuple[bool, str]:
         try:

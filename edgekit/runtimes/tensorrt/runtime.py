@@ -150,6 +150,7 @@ class TensorRTRuntime:
 
     name = "tensorrt"
     input_format = "onnx"
+    int8_scheme: str | None = "trt"  # explicit quantization: symmetric int8, Q/DQ where TensorRT fuses them
 
     def available(self) -> tuple[bool, str]:
         # Always: without TensorRT here, build writes a bundle for the device.
