@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from edgekit.compress import Step, StepContext, config_to_dict
-from edgekit.compress.families import embedding_scale, family_of
+from edgekit.compress.families import embedding_scale, family_of, linearize
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.rtn import rtn_quantize
@@ -506,7 +506,9 @@ def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> No
 def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
                     progress: bool = False) -> tuple[Quantized, dict[str, Any]]:
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
-    values) and return their codes. ``calib`` is needed by GPTQ and AWQ."""
+    values) and return their codes. ``calib`` is needed by GPTQ and AWQ. transformers' ``Conv1D``
+    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``)."""
+    converted = linearize(module)
     prefix, blocks, linears = quantizable_linears(module)
     check_blocks(module, prefix, blocks)
     if not linears:
@@ -520,6 +522,8 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         raise UnavailableError("device 'cuda' asked for but CUDA is not available here (use --device cpu)")
     results: Quantized = {}
     info: dict[str, Any] = {"blocks": len(blocks), "block_prefix": prefix}
+    if converted:
+        info["conv1d_as_linear"] = len(converted)
     t0, c0 = time.perf_counter(), time.process_time()
     if config.method == "rtn":
         for name, lin in linears.items():
