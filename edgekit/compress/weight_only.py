@@ -286,12 +286,13 @@ class BlockWalker:
 
         def grab(_m, args, kwargs):
             kw = dict(kwargs)
-            if "past_key_values" in kw:
-                kw["past_key_values"] = None
-            if "past_key_value" in kw:
-                kw["past_key_value"] = None
+            for cache in ("past_key_values", "past_key_value", "layer_past"):  # GPT-NeoX: layer_past
+                if cache in kw:
+                    kw[cache] = None
             if "use_cache" in kw:
                 kw["use_cache"] = False
+            # a KV cache passed positionally (GPT-2's blocks take it as their 2nd argument): none
+            args = tuple(None if hasattr(a, "get_seq_length") else a for a in args)
             captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw))
             raise _Stop
 
