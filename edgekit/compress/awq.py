@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgekit.compress.blocks import find_blocks
 from edgekit.compress.families import Family, family_of, norm_offset, require_known
+from edgekit.compress.gptq import HessianAccumulator, solve_group
 from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
 from edgekit.errors import BadInputError
 
@@ -120,9 +122,6 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
     """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN); with
     ``config.method == "awq-gptq"`` GPTQ replaces clip search + RTN on the scaled weights
     (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``)."""
-    from edgekit.compress.gptq import HessianAccumulator, solve_group
-    from edgekit.compress.weight_only import find_blocks
-
     prefix, blocks = find_blocks(module)
     family = family_of(module)
     require_known(family, "AWQ")

@@ -28,7 +28,7 @@ rather than its own on already-degraded inputs (GPTAQ, Li et al., 2025: ``Asymme
 collects ``dXXT``; ``asymmetric_target`` turns it into the weight GPTQ then quantizes).
 
 The driver that walks a model block by block, feeding each layer the outputs of the
-already-quantized layers before it, lives in ``weight_only.py`` (shared with AWQ);
+already-quantized layers before it, lives in ``blocks.py`` (shared with AWQ);
 ``gptq_visit`` is its per-group callback.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from edgekit.compress.rtn import group_width, num_groups, qparams, quantize_int
+from edgekit.compress.blocks import value_projection
+from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, qparams, quantize_int
 
 
 class HessianAccumulator:
@@ -304,8 +305,6 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     reaches the model only as ``P_h (X Wᵀ)``). ``col_scale``: the inputs were divided by it
     (AWQ), so the mixed inputs are too.
     """
-    from edgekit.compress.weight_only import value_projection
-
     def solve(W: torch.Tensor, Hm: torch.Tensor):
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
@@ -344,8 +343,6 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
 def gptq_visit(module: torch.nn.Module, config, results: dict):
     """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
     then the weights onto the grid (only after every Hessian of the group saw float layers)."""
-    from edgekit.compress.rtn import dequantize_groups
-
     def visit(_block: int, names: list[str], inputs) -> None:
         linears = [module.get_submodule(n) for n in names]
         weights = {n: lin.weight.detach().float() for n, lin in zip(names, linears)}
