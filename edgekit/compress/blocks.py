@@ -12,11 +12,12 @@ this module knows none of them.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from edgekit.compress.families import family_of, hf_model
 from edgekit.errors import BadInputError
@@ -27,12 +28,29 @@ Quantized = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # name -
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+class ValueProjection(NamedTuple):
+    """An attention's value projection, for GPTQ's attention-mixed Hessian (``value_projection``)."""
+
+    name: str  # the projection's path in the model
+    attn: nn.Module  # the attention module around it
+    rep: int  # query heads per key/value head
+    head_dim: int
+
+
 # --- finding the layers -------------------------------------------------------------------------
 
 
 def submodule(module: nn.Module, name: str) -> nn.Module:
     """``module``'s submodule ``name`` (the module itself for "")."""
     return module.get_submodule(name) if name else module
+
+
+def linear_at(module: nn.Module, name: str) -> nn.Linear:
+    """The ``nn.Linear`` at ``name`` inside ``module`` (TypeError for anything else)."""
+    m = submodule(module, name)
+    if not isinstance(m, nn.Linear):
+        raise TypeError(f"{name!r} is a {type(m).__name__}, not nn.Linear")
+    return m
 
 
 def replace_module(module: nn.Module, name: str, new: nn.Module) -> None:
@@ -52,7 +70,9 @@ def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
                 best, best_n = name, n
     if best is None:
         return "", [module]
-    return best, list(submodule(module, best))
+    found = submodule(module, best)
+    assert isinstance(found, nn.ModuleList)  # found among the ModuleLists above
+    return best, list(found)
 
 
 def check_blocks(module: nn.Module, prefix: str, blocks: list[nn.Module]) -> None:
@@ -80,6 +100,7 @@ def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
 
 
 def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
+    """(block prefix, blocks, name -> nn.Linear) of the linears inside the blocks, the LM head left out."""
     prefix, blocks = find_blocks(module)
     head, _ = head_layers(module)
     names = {id(m): n for n, m in module.named_modules()}
@@ -123,14 +144,14 @@ class BlockWalker:
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
 
-    def _capture_block0(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def _capture_block0(self) -> list[Batch]:
         if not self.prefix:  # the whole model is the block: its inputs are the samples
             n = self.calib[0].shape[0]
             return [(tuple(t[i:i + self.batch_size].to(self.device) for t in self.calib), {})
                     for i in range(0, n, self.batch_size)]
-        captured: list[tuple[Any, dict[str, Any]]] = []
+        captured: list[Batch] = []
 
-        def grab(_m, args, kwargs):
+        def grab(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             kw = dict(kwargs)
             for cache in ("past_key_values", "past_key_value", "layer_past"):  # GPT-NeoX: layer_past
                 if cache in kw:
@@ -154,10 +175,10 @@ class BlockWalker:
             h.remove()
         return captured
 
-    def _input_groups(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> list[list[str]]:
+    def _input_groups(self, block: nn.Module, batch: Batch) -> list[list[str]]:
         """Linears of ``block`` in execution order, grouped by identical input tensor."""
-        order: list[tuple[str, int]] = []
-        hooks = []
+        order: list[tuple[str, torch.Tensor]] = []
+        hooks: list[RemovableHandle] = []
         for m in block.modules():
             if isinstance(m, nn.Linear) and self.names[id(m)] in self.linears:
                 name = self.names[id(m)]
@@ -170,7 +191,7 @@ class BlockWalker:
             for h in hooks:
                 h.remove()
         groups: list[list[str]] = []
-        last = None
+        last: torch.Tensor | None = None
         for name, x in order:  # tensors kept alive here, so identity is reliable
             if any(name in g for g in groups):
                 continue
@@ -182,11 +203,10 @@ class BlockWalker:
         return groups
 
     @torch.no_grad()
-    def walk(self, linears: dict[str, nn.Linear],
-             visit_group: Callable[[int, list[str], Callable[[], Any]], None]) -> None:
+    def walk(self, linears: dict[str, nn.Linear], visit_group: GroupVisit) -> None:
         self.linears = linears
         data = self._capture_block0()
-        data_fp = data if self.track_float else None  # the blocks before the first are not quantized
+        data_fp: list[Batch] | None = data if self.track_float else None  # the blocks before the first are not quantized
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
             if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
@@ -204,22 +224,26 @@ class BlockWalker:
                 data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
             data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
 
-    def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
+    def _run(self, block: nn.Module, batch: Batch) -> torch.Tensor:
         args, kw = batch
         return _first(block(*args, **kw)).detach()
 
-    def _run_capturing(self, block: nn.Module, data: list[tuple[Any, dict[str, Any]]], names: list[str]):
+    def _run_capturing(self, block: nn.Module, data: list[Batch],
+                       names: list[str]) -> tuple[list[Batch], dict[str, list[torch.Tensor]]]:
         """``block`` over ``data``: its outputs as the next block's data, and the inputs of the
         named layers, per batch."""
         captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         hooks = [submodule(self.module, n).register_forward_pre_hook(
             lambda _m, args, n=n: captured[n].append(args[0].detach())) for n in names]
         try:
-            out = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+            out: list[Batch] = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
         finally:
             for h in hooks:
                 h.remove()
         return out, captured
+
+
+GroupVisit = Callable[[int, list[str], "GroupInputs"], None]  # (block index, linear names, their inputs)
 
 
 class GroupInputs:
@@ -232,31 +256,31 @@ class GroupInputs:
     output only matters through ``P @ (X Wᵀ)``, so its GPTQ objective uses ``P X``.
     """
 
-    def __init__(self, block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]) -> None:
+    def __init__(self, block: nn.Module, first: nn.Module, data: list[Batch]) -> None:
         self.block, self.first, self.data = block, first, data
         self.float_inputs: list[torch.Tensor] | None = None  # per batch, in the float model (track_float)
 
-    def __call__(self):
+    def __call__(self) -> Iterator[torch.Tensor]:
         return _group_inputs(self.block, self.first, self.data)
 
-    def paired(self):
+    def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model
         (needs a walker with ``track_float``)."""
         if self.float_inputs is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
         return zip(self(), self.float_inputs, strict=True)
 
-    def attention_mixed(self, attn: nn.Module, v_proj: nn.Module):
+    def attention_mixed(self, attn: nn.Module, v_proj: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
-        config = attn.config
+        config: Any = attn.config  # a transformers PretrainedConfig
         saved = config._attn_implementation
         xs: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
 
-        def grab_x(_m, args):
+        def grab_x(_m: nn.Module, args: tuple[Any, ...]) -> None:
             xs.append(args[0].detach())
 
-        def grab_p(_m, _args, out):
+        def grab_p(_m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
             probs.append(out[1].detach())
             raise _Stop
 
@@ -283,11 +307,11 @@ class GroupInputs:
                 h.remove()
 
 
-def _group_inputs(block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]):
+def _group_inputs(block: nn.Module, first: nn.Module, data: list[Batch]) -> Iterator[torch.Tensor]:
     """Per batch of ``data``, the input of ``first``, running ``block`` only up to it."""
     box: list[torch.Tensor] = []
 
-    def grab(_m, args):
+    def grab(_m: nn.Module, args: tuple[Any, ...]) -> None:
         box.append(args[0].detach())
         raise _Stop
 
@@ -305,7 +329,7 @@ def _group_inputs(block: nn.Module, first: nn.Module, data: list[tuple[Any, dict
         h.remove()
 
 
-def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Module, int, int] | None:
+def value_projection(module: nn.Module, names: list[str]) -> ValueProjection | None:
     """(name, attention module, heads per key/value head, head dim) of the value projection
     among ``names``, for the families whose description names one (``families.py``: Llama,
     Gemma, ...: ``v_proj`` inside a module with ``head_dim``, ``num_key_value_groups`` and a
@@ -318,14 +342,15 @@ def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Modul
         if not name.endswith("." + value) and name != value:
             continue
         attn = submodule(module, parent_name)
-        if all(hasattr(attn, a) for a in ("head_dim", "num_key_value_groups", "config")) and \
-                hasattr(attn.config, "_attn_implementation"):
-            return name, attn, int(attn.num_key_value_groups), int(attn.head_dim)
+        groups, head_dim = getattr(attn, "num_key_value_groups", None), getattr(attn, "head_dim", None)
+        if isinstance(groups, int) and isinstance(head_dim, int) and \
+                hasattr(getattr(attn, "config", None), "_attn_implementation"):
+            return ValueProjection(name, attn, groups, head_dim)
     return None
 
 
 def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in kw.items():
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 and k != "cache_position":
             out[k] = v[:n]
@@ -336,5 +361,6 @@ def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Batch", "BlockWalker", "GroupInputs", "Quantized", "check_blocks", "find_blocks", "head_layers",
-           "quantizable_linears", "replace_module", "submodule", "value_projection"]
+__all__ = ["Batch", "BlockWalker", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
+           "find_blocks", "head_layers", "linear_at", "quantizable_linears", "replace_module", "submodule",
+           "value_projection"]

@@ -121,8 +121,8 @@ def family_of(module: nn.Module) -> Family:
     hf = hf_model(module)
     if hf is None:
         return GENERIC
-    config = hf.config
-    model_type = config.model_type
+    config = getattr(hf, "config", None)  # a transformers PretrainedConfig (hf_model checked model_type)
+    model_type = str(getattr(config, "model_type", ""))
     for fam in FAMILIES:
         if model_type in fam.model_types:
             unmet = [f"{k}={getattr(config, k, None)!r}" for k, v in fam.requires if getattr(config, k, None) != v]

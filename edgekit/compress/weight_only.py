@@ -34,6 +34,7 @@ from edgekit.compress.blocks import (
     check_blocks,
     find_blocks,
     head_layers,
+    linear_at,
     quantizable_linears,
     replace_module,
     submodule,
@@ -255,7 +256,7 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     a scaled embedding's factor, a bias, a custom forward), else ``CheckFailedError``."""
     layers: dict[str, Any] = {}
     for name, (q, s, z) in results.items():
-        lin = submodule(module, name)
+        lin = linear_at(module, name)
         qlin = QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias)
         check_replacement(name, lin, qlin)
         replace_module(module, name, qlin)
@@ -266,14 +267,14 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     if head is not None and config.head != "none":
         hbits = 8 if config.head == "int8" else 4
         hgroup = config.group_size
-        lin = submodule(module, head)
-        tied = emb is not None and submodule(module, emb).weight.data_ptr() == lin.weight.data_ptr()
+        lin = linear_at(module, head)
+        e = _embedding_at(module, emb) if emb is not None else None
+        tied = e is not None and e.weight.data_ptr() == lin.weight.data_ptr()
         q, s, z = rtn_quantize(lin.weight.detach(), hbits, hgroup, config.sym)
         qhead = QuantLinear.from_quantized(q, s, z, hbits, hgroup, lin.bias)
         check_replacement(head, lin, qhead)
         qemb = None
-        if emb is not None:
-            e = submodule(module, emb)
+        if emb is not None and e is not None:
             qemb = QuantEmbedding(e.num_embeddings, e.embedding_dim, hbits, hgroup, e.padding_idx,
                                   scale=embedding_scale(e))
             if tied:
@@ -293,21 +294,31 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     return meta
 
 
+def _embedding_at(module: nn.Module, name: str) -> nn.Embedding:
+    m = submodule(module, name)
+    if not isinstance(m, nn.Embedding):
+        raise TypeError(f"{name!r} is a {type(m).__name__}, not nn.Embedding")
+    return m
+
+
 PROBE_ROWS = 64  # output rows / table rows a replacement is checked on
 
 
 @torch.no_grad()
-def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None:
+def check_replacement(name: str, original: nn.Module, packed: QuantLinear | QuantEmbedding) -> None:
     """Raise ``CheckFailedError`` unless ``packed`` computes what ``original`` computes with the
     dequantized weight, on a tiny probe (a few inputs, ``PROBE_ROWS`` rows of the weight): the
     original's own forward runs (``torch.func.functional_call``), so whatever it does besides
     the matrix product or lookup (a scale, a bias, a custom op) must be reproduced."""
-    w = original.weight
+    w = getattr(original, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise CheckFailedError(f"cannot check the packed replacement of {name!r} ({type(original).__name__}): "
+                               "it has no weight tensor")
     if isinstance(packed, QuantEmbedding):
         rows = min(PROBE_ROWS, packed.num_embeddings)
         ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
         table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
-        probe = copy.copy(original)  # padding_idx changes gradients only, and may lie beyond the probe's rows
+        probe: Any = copy.copy(original)  # a shallow copy of the original module; padding_idx changes gradients only, and may lie beyond the probe's rows
         if getattr(probe, "padding_idx", None) is not None:
             probe.padding_idx = None
         try:
@@ -320,8 +331,9 @@ def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None
         rows = min(PROBE_ROWS, packed.out_features)
         x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
         params = {"weight": packed.dequantize_rows(0, rows).to(w.dtype)}
-        if getattr(original, "bias", None) is not None:
-            params["bias"] = original.bias[:rows]
+        bias = getattr(original, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            params["bias"] = bias[:rows]
         try:
             want = functional_call(original, params, (x,))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -368,7 +380,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                            "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
                            "float_bytes": float_bytes,
                            **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
-    if windows is not None:
+    if windows is not None and ppl_float is not None:
         ppl = _perplexity(handle, windows, ctx)
         ctx.metrics["int4"].update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),
                                     "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
