@@ -47,6 +47,7 @@ from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.evaluate import perplexity
+from edgekit.export.lm import rewrite_packed_graph
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -458,8 +459,6 @@ def validate_packed(module: nn.Module) -> None:
 def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
     """Replace the exported dequantize-then-matmul of each packed layer by ``MatMulNBits``
     (and the packed embedding lookup by ``GatherBlockQuantized``); see ``export/lm.py``."""
-    from edgekit.export.lm import rewrite_packed_graph
-
     # fp32 compute, exact against PyTorch (the plain export's parity is strict); the causal-LM export
     # with the KV cache (``export_causal_lm``, ``edgekit export --kv-cache``) defaults to int8 compute
     return rewrite_packed_graph(model, handle.module, fmt="matmulnbits")
