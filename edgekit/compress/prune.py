@@ -412,7 +412,7 @@ def _whole_heads(module: Any, ratio: float) -> dict[str, Any]:
 
 def _update_encoder_heads(module: Any) -> dict[str, Any]:
     """After pruning: each BERT-style attention's head count and width from its query rows."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, attn in _encoder_attentions(module):
         width = attn.query.out_features
         if width % attn.attention_head_size or width != attn.key.out_features or width != attn.value.out_features:
@@ -420,7 +420,7 @@ def _update_encoder_heads(module: Any) -> dict[str, Any]:
                                 f"{attn.value.out_features}, not whole heads of {attn.attention_head_size}")
         heads = width // attn.attention_head_size
         if heads != attn.num_attention_heads:
-            out[name] = heads
+            out[name] = {"heads": heads}
         attn.num_attention_heads = heads
         if hasattr(attn, "all_head_size"):
             attn.all_head_size = width
