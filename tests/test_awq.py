@@ -1,6 +1,7 @@
 """AWQ search pieces on tiny layers (issue 4)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,3 +65,22 @@ def test_fold_into_norm_and_linear_preserves_the_function():
     _fold(up, s6)
     down.weight.data.mul_(s6)
     torch.testing.assert_close(down(up(x)), y, rtol=1e-5, atol=1e-5)
+
+
+def test_family_descriptions_for_opt_and_gpt_neox_and_post_norm_opt_refused():
+    """OPT and GPT-NeoX are described (pre-norm: each norm feeds its own projections); OPT with
+    post-norm layers (``do_layer_norm_before=False``, OPT-350m) is a structure AWQ must not guess at."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM
+
+    from edgekit.compress.families import family_of, require_known
+    from edgekit.errors import BadInputError
+
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    opt = OPTForCausalLM(OPTConfig(**small, ffn_dim=32, word_embed_proj_dim=16))
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(**small, intermediate_size=32))
+    assert family_of(opt).pair_for("fc1").producer == "final_layer_norm"
+    assert family_of(neox).pair_for("mlp.dense_h_to_4h").producer == "post_attention_layernorm"
+    require_known(family_of(opt), "AWQ")
+    post = OPTForCausalLM(OPTConfig(**small, ffn_dim=32, word_embed_proj_dim=16, do_layer_norm_before=False))
+    with pytest.raises(BadInputError, match="'opt with do_layer_norm_before=False'"):
+        require_known(family_of(post), "AWQ")

@@ -221,6 +221,33 @@ def test_lora_float_llama_unmerged_roundtrip(tmp_path: Path) -> None:
     torch.testing.assert_close(_logits(back, ids), want)
 
 
+def test_lora_gpt2_conv1d_unmerged_roundtrip_and_nf4_refused(tmp_path: Path) -> None:
+    """GPT-2's projections are transformers' Conv1D (weight (in, out)): peft adapts them as such
+    (fan_in_fan_out), the adapters reload beside the same Conv1D layers; NF4 (nn.Linear only) stops."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tiny_models import save_tiny
+
+    from edgekit.sources.models import load_model
+
+    folder = save_tiny("gpt2", tmp_path)
+    h = load_model(str(folder))
+    cfg = lora.LoraConfig(r=4, steps=3, lr=1e-2, batch_size=4, merge=False, dropout=0.0)
+    out = compress(h, [("lora", cfg)], tmp_path / "m", _ctx(text_samples(8, 0), text_samples(4, 1, "eval")))
+    assert h.steps[-1].meta["modules"] == [f"model.transformer.h.{i}.{m}" for i in (0, 1)
+                                            for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    ids = _pattern_windows(2, 12, 5)
+    want = _logits(h, ids)
+    back = load_compressed(out)
+    assert len(lora.lora_layers(back.module)) == 8
+    torch.testing.assert_close(_logits(back, ids), want)
+    nf4 = lora.LoraConfig(r=4, steps=1, qlora=True, qlora_base="nf4")
+    with pytest.raises(BadInputError, match="Conv1D"):
+        compress(load_model(str(folder)), [("lora", nf4)], tmp_path / "n", _ctx(text_samples(8, 0),
+                                                                                 text_samples(4, 1, "eval")))
+
+
 def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = lora.LoraConfig(r=2, steps=6, lr=1e-2, batch_size=4, checkpoint_every=2, dropout=0.1)
     train, val = labelled(24, (16,), 0), labelled(8, (16,), 1, "eval")

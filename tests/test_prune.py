@@ -230,6 +230,37 @@ def test_llama_mlp_and_heads_pruning_roundtrip(tmp_path) -> None:
     assert meta["mac_ratio"] > 1.1
 
 
+def test_bert_prunes_whole_heads_and_keeps_the_hidden_size(tmp_path) -> None:
+    """A BERT sentence encoder: whole attention heads go (query/key/value rows of the same heads,
+    the output projection's columns), the intermediate channels too; the hidden size (the pooled
+    embedding) stays, although the unused pooler runs after the last layer; reload is exact."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tiny_models import save_tiny
+
+    from edgekit.sources.models import load_model
+
+    h = load_model(str(save_tiny("bert", tmp_path)))
+    x = example_inputs(h, 2)
+    with torch.no_grad():
+        before = h.module(*x)
+    out = compress(h, [("prune", PruneConfig(ratio=0.25))], tmp_path / "pruned")
+    for layer in h.module.model.encoder.layer:
+        attn = layer.attention.self
+        assert attn.num_attention_heads == 3 and attn.all_head_size == 48 == attn.query.out_features
+        assert attn.key.out_features == attn.value.out_features == 48 == layer.attention.output.dense.in_features
+        assert layer.intermediate.dense.out_features == 96
+    assert h.module.model.embeddings.word_embeddings.embedding_dim == 64
+    meta = json.loads((out / "manifest.json").read_text())["steps"][0]["meta"]
+    assert meta["heads"] == {f"model.encoder.layer.{i}.attention.self": {"heads": 3} for i in (0, 1)}
+    loaded = load_compressed(out)
+    with torch.no_grad():
+        a, b = h.module(*x), loaded.module(*x)
+    assert a.shape == before.shape and torch.equal(a, b)
+
+
 def test_llama_scope_rejected_for_cnn() -> None:
     with pytest.raises(BadInputError, match="scope 'mlp' is for causal LMs"):
         apply(tiny_cnn(), PruneConfig(ratio=0.5, scope="mlp"), StepContext())

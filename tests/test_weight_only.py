@@ -432,3 +432,27 @@ def test_mse_grid_defaults_on_for_groups_and_off_per_channel():
     assert WeightOnlyConfig(group_size=-1, mse_grid=True).grid_search is True
     assert WeightOnlyConfig(group_size=64, mse_grid=False).grid_search is False
 
+
+
+def test_conv1d_becomes_the_linear_it_computes_checked_against_its_own_forward():
+    """GPT-2's Conv1D (weight (in, out)) is swapped for an nn.Linear with the weight transposed;
+    a Conv1D whose forward is not x @ W + b is refused, not replaced."""
+    from transformers.pytorch_utils import Conv1D
+
+    from edgekit.compress.families import conv1d_as_linear, linearize
+    from edgekit.errors import CheckFailedError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv1D(12, 8), torch.nn.GELU(), Conv1D(8, 12))
+    for conv in model[::2]:
+        torch.nn.init.normal_(conv.bias)
+    x = torch.randn(3, 5, 8)
+    want = model(x)
+    assert linearize(model) == ["0", "2"]
+    assert isinstance(model[0], torch.nn.Linear) and tuple(model[0].weight.shape) == (12, 8)
+    torch.testing.assert_close(model(x), want)
+    odd = Conv1D(4, 4)
+    plain = odd.forward
+    odd.forward = lambda t: 2 * plain(t)
+    with pytest.raises(CheckFailedError, match="does not compute x @ weight"):
+        conv1d_as_linear("odd", odd)

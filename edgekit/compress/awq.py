@@ -19,16 +19,29 @@ layers; ``awq_visit`` is the ``BlockWalker`` callback.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, find_blocks, linear_at
 from edgekit.compress.families import Family, family_of, norm_offset, require_known
+from edgekit.compress.gptq import GPTQOptions, HessianAccumulator, solve_group
 from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
 from edgekit.errors import BadInputError
 
 MAX_TOKENS = 2048  # calibration tokens kept per group for the searches (spread over all windows)
+
+
+class AWQOptions(GPTQOptions, Protocol):
+    """The options AWQ reads (GPTQ's too, for "awq-gptq"; ``weight_only.WeightOnlyConfig``)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def awq_grid(self) -> int: ...
+    @property
+    def awq_clip(self) -> bool: ...
 
 
 def _fake_quant(W: torch.Tensor, bits: int, group_size: int, sym: bool,
@@ -103,7 +116,7 @@ def _producer(family: Family, block: nn.Module, rel: list[str]) -> tuple[str, nn
         return pair.producer, prod, norm_offset(prod, family)
     if not isinstance(prod, nn.Linear):
         return None
-    if prod.out_features != block.get_submodule(rel[0]).in_features:  # grouped heads: v feeds several o columns
+    if prod.out_features != linear_at(block, rel[0]).in_features:  # grouped heads: v feeds several o columns
         return None
     return pair.producer, prod, 0.0
 
@@ -116,24 +129,21 @@ def _has(block: nn.Module, path: str) -> bool:
     return True
 
 
-def awq_visit(module: nn.Module, config: Any, results: dict):
+def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized) -> GroupVisit:
     """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN); with
     ``config.method == "awq-gptq"`` GPTQ replaces clip search + RTN on the scaled weights
     (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``)."""
-    from edgekit.compress.gptq import HessianAccumulator, solve_group
-    from edgekit.compress.weight_only import find_blocks
-
     prefix, blocks = find_blocks(module)
     family = family_of(module)
     require_known(family, "AWQ")
     then_gptq = config.method == "awq-gptq"
 
-    def visit(block_index: int, names: list[str], inputs) -> None:
-        linears = [module.get_submodule(n) for n in names]
+    def visit(block_index: int, names: list[str], inputs: GroupInputs) -> None:
+        linears = [linear_at(module, n) for n in names]
         cols = linears[0].in_features
         total = torch.zeros(cols, dtype=torch.float64)
         count = 0
-        batches = []
+        batches: list[torch.Tensor] = []
         acc = HessianAccumulator(cols, device=linears[0].weight.device) if then_gptq else None
         for x in inputs():
             x = x.reshape(-1, cols)
@@ -150,10 +160,12 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
         block_prefix = f"{prefix}.{block_index}." if prefix else ""
         rel = [n[len(block_prefix):] for n in names]
         prod = _producer(family, blocks[block_index], rel)
+        scale = torch.ones(cols, device=W.device)  # the inputs' divisor: 1 without a producer to fold into
         if prod is not None:
             s, _, _ = search_scale(W, X, x_mean, config.bits, config.group_size, config.sym, config.awq_grid)
+            scale = s
             _fold(prod[1], s, prod[2])
-            if prod[1].weight.dim() == 2:  # an already-quantized linear: its row scales absorb 1/s
+            if isinstance(prod[1], nn.Linear):  # an already-quantized linear: its row scales absorb 1/s
                 pname = block_prefix + prod[0]
                 if pname in results:
                     q0, sc0, z0 = results[pname]
@@ -162,10 +174,9 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
             X = X / s
             for lin in linears:
                 lin.weight.data.mul_(s.to(lin.weight.dtype))
-        if then_gptq:
-            scale = s if prod is not None else torch.ones(cols, device=W.device)
+        if acc is not None:  # awq-gptq
             H = acc.H / (scale[:, None] * scale[None, :]).to(acc.H.device)
-            row, weights = 0, {}
+            row, weights = 0, dict[str, torch.Tensor]()
             for name, lin in zip(names, linears):
                 weights[name] = W[row:row + lin.out_features]
                 row += lin.out_features
@@ -174,7 +185,7 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
                 q, sc, z = results[name]
                 lin.weight.data.copy_(dequantize_groups(q, sc, z, config.group_size).to(lin.weight.device, lin.weight.dtype))
             return
-        clip = None
+        clip: torch.Tensor | None = None
         if config.awq_clip and not any(n.endswith(("q_proj", "k_proj")) for n in names):
             clip = search_clip(W, X, config.bits, config.group_size, config.sym, grid=config.awq_grid)
         row = 0
@@ -191,12 +202,12 @@ def awq_visit(module: nn.Module, config: Any, results: dict):
 def _fold(producer: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
     """Divide the producer's output channels by ``s``. A norm computing ``x_hat * (offset + w) + b``
     gets ``w' = (offset + w) / s - offset`` (Gemma's ``1 + w``) and ``b' = b / s``."""
-    w = producer.weight
+    w, bias = getattr(producer, "weight", None), getattr(producer, "bias", None)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(producer).__name__} has no weight to fold AWQ's scales into")
     if w.dim() == 1:  # a norm's elementwise weight
         w.data.copy_(((w.data.double() + offset) / s.to(w.device).double() - offset).to(w.dtype))
-        if getattr(producer, "bias", None) is not None:
-            producer.bias.data.div_(s.to(w.dtype))
     else:  # a linear's output rows
         w.data.div_(s.to(w.dtype)[:, None])
-        if getattr(producer, "bias", None) is not None:
-            producer.bias.data.div_(s.to(w.dtype))
+    if isinstance(bias, torch.Tensor):
+        bias.data.div_(s.to(w.dtype))

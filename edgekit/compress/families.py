@@ -13,6 +13,10 @@ know how the family wires them:
 * GPTQ's attention-aware Hessian needs the value projection of each attention module.
 * Packing the input embedding must keep a scaled embedding's factor (Gemma 3 multiplies
   the looked-up rows by ``sqrt(hidden)`` inside its embedding module).
+* GPT-2's projections are transformers' ``Conv1D``, a linear layer whose weight is stored
+  transposed, (in, out). ``linearize`` swaps each for the ``nn.Linear`` it computes (weight
+  transposed, same bias), checked numerically against the ``Conv1D``'s own forward on the spot,
+  so the weight-only algorithms and the packed layers meet one kind of layer.
 
 ``family_of(module)`` finds the Hugging Face model inside ``module`` and returns its
 ``Family`` from ``config.model_type``; a Hugging Face model of a type not listed here is
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, CheckFailedError
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Family:
     value_proj: str | None = None  # attention value projection, "self_attn.v_proj"
     out_proj: str | None = None  # the projection reading the attention output, "self_attn.o_proj"
     known: bool = True
+    # config attributes the description assumes, with their values (OPT: pre-norm layers only)
+    requires: tuple[tuple[str, object], ...] = ()
 
     def pair_for(self, consumer: str) -> ScalePair | None:
         """The pair whose consumers include ``consumer`` (a path inside the block)."""
@@ -71,6 +77,15 @@ _LLAMA_PAIRS = (ScalePair("input_layernorm", _ATTN), ScalePair("post_attention_l
 _GEMMA2_PAIRS = (ScalePair("input_layernorm", _ATTN), ScalePair("pre_feedforward_layernorm", _MLP),
                  ScalePair("mlp.up_proj", ("mlp.down_proj",)), ScalePair("self_attn.v_proj", ("self_attn.o_proj",)))
 
+_OPT_PAIRS = (ScalePair("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+              ScalePair("final_layer_norm", ("fc1",)), ScalePair("self_attn.v_proj", ("self_attn.out_proj",)))
+# GPT-NeoX: input_layernorm feeds only the attention and post_attention_layernorm only the MLP, with
+# the parallel residual (x + attn(ln1(x)) + mlp(ln2(x))) as without it (mlp(ln2(x + attn(ln1(x))))).
+_NEOX_PAIRS = (ScalePair("input_layernorm", ("attention.query_key_value",)),
+               ScalePair("post_attention_layernorm", ("mlp.dense_h_to_4h",)))
+# GPT-2 (its Conv1D layers seen as nn.Linear, see ``linearize``): ln_1 feeds the fused q/k/v, ln_2 the MLP
+_GPT2_PAIRS = (ScalePair("ln_1", ("attn.c_attn",)), ScalePair("ln_2", ("mlp.c_fc",)))
+
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama", "mistral", "qwen2", "qwen3", "smollm3"), _LLAMA_PAIRS,
            value_proj="self_attn.v_proj", out_proj="self_attn.o_proj"),
@@ -80,6 +95,9 @@ FAMILIES: tuple[Family, ...] = (
            value_proj="self_attn.v_proj", out_proj="self_attn.o_proj"),
     Family("phi3", ("phi3",), (ScalePair("input_layernorm", ("self_attn.qkv_proj",)),
                                ScalePair("post_attention_layernorm", ("mlp.gate_up_proj",)))),
+    Family("opt", ("opt",), _OPT_PAIRS, requires=(("do_layer_norm_before", True),)),
+    Family("gpt-neox", ("gpt_neox",), _NEOX_PAIRS),
+    Family("gpt2", ("gpt2",), _GPT2_PAIRS),
 )
 GENERIC = Family("generic", (), known=True)  # a plain PyTorch module: nothing to fold, nothing guessed
 
@@ -103,9 +121,13 @@ def family_of(module: nn.Module) -> Family:
     hf = hf_model(module)
     if hf is None:
         return GENERIC
-    model_type = hf.config.model_type
+    config = getattr(hf, "config", None)  # a transformers PretrainedConfig (hf_model checked model_type)
+    model_type = str(getattr(config, "model_type", ""))
     for fam in FAMILIES:
         if model_type in fam.model_types:
+            unmet = [f"{k}={getattr(config, k, None)!r}" for k, v in fam.requires if getattr(config, k, None) != v]
+            if unmet:  # a variant the description does not fit (OPT-350m's post-norm layers)
+                return Family(f"{model_type} with {', '.join(unmet)}", (model_type,), known=False)
             return fam
     return Family(model_type, (model_type,), known=False)
 
@@ -163,6 +185,47 @@ def embedding_scale(emb: nn.Module) -> float:
     return scale
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): ``y = x @ W + b`` with ``W`` (in, out);
+    checked without importing transformers."""
+    cls = type(module)
+    w = getattr(module, "weight", None)
+    return (cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+            and isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+@torch.no_grad()
+def conv1d_as_linear(name: str, conv: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` a ``Conv1D`` computes (weight transposed to (out, in), same bias), checked
+    on a probe input against the ``Conv1D``'s own forward (``CheckFailedError`` if it differs)."""
+    w = conv.weight
+    bias = getattr(conv, "bias", None)
+    if not isinstance(w, torch.Tensor) or (bias is not None and not isinstance(bias, torch.Tensor)):
+        raise CheckFailedError(f"{name!r} ({type(conv).__name__}) has no weight tensor to read as a linear layer")
+    nx, nf = w.shape
+    lin = nn.Linear(nx, nf, bias=bias is not None, device=w.device, dtype=w.dtype)
+    lin.weight.copy_(w.t())
+    if bias is not None:
+        lin.bias.copy_(bias)
+    lin.train(conv.training)
+    x = torch.randn(2, 3, nx, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    want, got = conv(x), lin(x)
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0)):
+        raise CheckFailedError(f"{name!r} ({type(conv).__name__}) does not compute x @ weight + bias; edgekit "
+                               "does not replace modules it cannot reproduce")
+    return lin
+
+
+def linearize(module: nn.Module) -> list[str]:
+    """Replace every ``Conv1D`` inside ``module`` by the ``nn.Linear`` it computes
+    (``conv1d_as_linear``); returns the names replaced. Nothing the model computes changes."""
+    names = [n for n, m in module.named_modules() if n and is_conv1d(m)]
+    for n in names:
+        module.set_submodule(n, conv1d_as_linear(n, module.get_submodule(n)))
+    return names
+
+
 def block_path(module: nn.Module, block: nn.Module, name: str) -> str:
     """``name`` (a path in ``module``) relative to ``block``."""
     for n, m in module.named_modules():
@@ -172,5 +235,6 @@ def block_path(module: nn.Module, block: nn.Module, name: str) -> str:
 
 
 __all__ = ["Family", "ScalePair", "FAMILIES", "GENERIC", "family_of", "require_known", "norm_offset",
-           "embedding_scale", "hf_model", "known_model_types", "block_path"]
+           "embedding_scale", "hf_model", "known_model_types", "block_path", "is_conv1d", "conv1d_as_linear",
+           "linearize"]
 

@@ -28,16 +28,45 @@ rather than its own on already-degraded inputs (GPTAQ, Li et al., 2025: ``Asymme
 collects ``dXXT``; ``asymmetric_target`` turns it into the weight GPTQ then quantizes).
 
 The driver that walks a model block by block, feeding each layer the outputs of the
-already-quantized layers before it, lives in ``weight_only.py`` (shared with AWQ);
+already-quantized layers before it, lives in ``blocks.py`` (shared with AWQ);
 ``gptq_visit`` is its per-group callback.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from edgekit.compress.rtn import group_width, num_groups, qparams, quantize_int
+from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, linear_at, value_projection
+from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, qparams, quantize_int
+
+
+class GPTQOptions(Protocol):
+    """The options GPTQ reads (``weight_only.WeightOnlyConfig`` documents them)."""
+
+    @property
+    def bits(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def sym(self) -> bool: ...
+    @property
+    def act_order(self) -> bool: ...
+    @property
+    def static_groups(self) -> bool: ...
+    @property
+    def damp(self) -> float: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def grid_search(self) -> bool: ...
+    @property
+    def refit(self) -> bool: ...
+    @property
+    def gptaq_alpha(self) -> float: ...
+    @property
+    def value_hessian(self) -> str: ...
 
 
 class HessianAccumulator:
@@ -152,7 +181,11 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size
             w = W1[:, i]
             d = Hinv1[..., i, i]  # () or (rows,)
             col = i1 + i if order is None else order[i1 + i]
-            q = grid(col, w, lambda n, i=i, W1=W1, i2=i2: torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :n])
+
+            def ahead(n: int, i: int = i, W1: torch.Tensor = W1, i2: int = i2) -> torch.Tensor:
+                return torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :n]
+
+            q = grid(col, w, ahead)
             Q1[:, i] = q
             err1 = (w - q) / d
             W1[:, i:] -= err1.unsqueeze(1) * Hinv1[..., i, i:]
@@ -185,7 +218,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     """
     W = W.detach().clone().float()
     H = H.detach().clone().float().to(W.device)
-    W_orig, H_orig = (W.clone(), H.clone()) if refit else (None, None)
+    originals = (W.clone(), H.clone()) if refit else None
     rows, cols = W.shape
     maxq = 2**bits - 1
     g = group_width(cols, group_size)
@@ -215,8 +248,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
 
     gptq_solve(W, H, grid, block_size=block_size, damp=damp, act_order=act_order)
     Q = codes.clamp(0, maxq)
-    if refit:
-        scales = refit_scales(W_orig, H_orig, Q, scales, zeros, group_size, damp)
+    if originals is not None:
+        scales = refit_scales(*originals, Q, scales, zeros, group_size, damp)
     return Q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
@@ -294,7 +327,7 @@ def quantization_error(W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor) -> fl
 
 
 def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, torch.Tensor], H: torch.Tensor,
-                inputs, config, col_scale: torch.Tensor | None = None) -> dict[str, tuple]:
+                inputs: GroupInputs, config: GPTQOptions, col_scale: torch.Tensor | None = None) -> Quantized:
     """GPTQ on one group of linears sharing an input: ``weights[name]`` (rows, cols) float,
     ``H`` their input Hessian. Returns name -> (codes, scales, zeros).
 
@@ -304,9 +337,7 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     reaches the model only as ``P_h (X Wᵀ)``). ``col_scale``: the inputs were divided by it
     (AWQ), so the mixed inputs are too.
     """
-    from edgekit.compress.weight_only import value_projection
-
-    def solve(W: torch.Tensor, Hm: torch.Tensor):
+    def solve(W: torch.Tensor, Hm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
                              act_order=config.act_order, static_groups=config.static_groups,
                              damp=config.damp, block_size=config.block_size,
@@ -316,7 +347,7 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     v_hessians: list[HessianAccumulator] = []
     if value is not None:
         v_name, attn, rep, head_dim = value
-        v_lin = module.get_submodule(v_name)
+        v_lin = linear_at(module, v_name)
         v_hessians = [HessianAccumulator(v_lin.in_features, device=H.device)
                       for _ in range(v_lin.out_features // head_dim)]
         for P, X in inputs.attention_mixed(attn, v_lin):
@@ -324,8 +355,8 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
             for g, acc_g in enumerate(v_hessians):
                 for h in range(g * rep, (g + 1) * rep):
                     acc_g.add_batch(torch.matmul(P[:, h].float(), X))
-    results: dict[str, tuple] = {}
-    plain = [n for n in names if not (v_hessians and n == value[0])]
+    results: Quantized = {}
+    plain = [n for n in names if not (value is not None and v_hessians and n == value.name)]
     if plain:
         q, s, z = solve(torch.cat([weights[n] for n in plain], dim=0), H)
         row = 0
@@ -333,27 +364,27 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
             rows = weights[name].shape[0]
             results[name] = (q[row:row + rows].cpu(), s[row:row + rows].cpu(), z[row:row + rows].cpu())
             row += rows
-    if v_hessians:
-        v_name, head_dim = value[0], value[3]
-        Wv = weights[v_name]
-        parts = [solve(Wv[g * head_dim:(g + 1) * head_dim], acc_g.H) for g, acc_g in enumerate(v_hessians)]
-        results[v_name] = tuple(torch.cat([p[i] for p in parts], dim=0).cpu() for i in range(3))
+    if value is not None and v_hessians:
+        Wv = weights[value.name]
+        d = value.head_dim
+        parts = [solve(Wv[g * d:(g + 1) * d], acc_g.H) for g, acc_g in enumerate(v_hessians)]
+        q, s, z = (torch.cat([p[i] for p in parts], dim=0).cpu() for i in range(3))
+        results[value.name] = (q, s, z)
     return results
 
 
-def gptq_visit(module: torch.nn.Module, config, results: dict):
+def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized) -> GroupVisit:
     """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
     then the weights onto the grid (only after every Hessian of the group saw float layers)."""
-    from edgekit.compress.rtn import dequantize_groups
-
-    def visit(_block: int, names: list[str], inputs) -> None:
-        linears = [module.get_submodule(n) for n in names]
+    def visit(_block: int, names: list[str], inputs: GroupInputs) -> None:
+        linears = [linear_at(module, n) for n in names]
         weights = {n: lin.weight.detach().float() for n, lin in zip(names, linears)}
+        acc: HessianAccumulator
         if config.gptaq_alpha > 0:
-            acc = AsymmetricAccumulator(linears[0].in_features, device=linears[0].weight.device)
+            pairs = acc = AsymmetricAccumulator(linears[0].in_features, device=linears[0].weight.device)
             for x, x_fp in inputs.paired():
-                acc.add_pair(x, x_fp)
-            weights = {n: asymmetric_target(w, acc.H, acc.dXXT, config.gptaq_alpha, config.damp)
+                pairs.add_pair(x, x_fp)
+            weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, config.gptaq_alpha, config.damp)
                        for n, w in weights.items()}
         else:
             acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device)

@@ -36,7 +36,7 @@ import numpy as np
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.options import option
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples
@@ -50,7 +50,7 @@ SCOPES = ("auto", "channels", "mlp", "heads", "mlp+heads")
 _ATTRS = ("in_channels", "out_channels", "groups", "in_features", "out_features", "num_features",
           "normalized_shape", "num_embeddings", "embedding_dim", "num_channels", "num_groups",
           "num_heads", "num_key_value_heads", "num_key_value_groups", "head_dim", "hidden_size",
-          "intermediate_size")
+          "intermediate_size", "num_attention_heads", "all_head_size")
 _HF_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
 
 
@@ -70,8 +70,8 @@ class PruneConfig:
     iterative_steps: reach ``ratio`` in K steps, re-scoring between them.
     scope: "auto" (every conv/linear channel for vision models; MLP channels for
         causal LMs), "channels", "mlp", "heads" or "mlp+heads" (causal LMs).
-    head_ratio: fraction of attention heads removed when scope includes heads
-        (None: ``ratio``).
+    head_ratio: fraction of attention heads removed when scope includes heads, and of
+        each BERT-style encoder layer's heads (pruned whole, at least one kept) (None: ``ratio``).
     calib_batches: batches of calibration data for "taylor" importance.
     """
 
@@ -133,23 +133,31 @@ def _first_output(out: Any) -> Any:
 def find_output_layers(module: Any, inputs: tuple[Any, ...]) -> list[str]:
     """Names of the conv/linear layers whose output channels are the model's output
     channels (the classifier head; an LM head): the last such layer run whose output
-    size matches the model output's feature axis."""
+    size matches the model output's feature axis, among the layers the output depends on
+    (BERT's pooler runs last, but a sentence embedding pooled from the hidden states does not
+    read it)."""
     import torch
 
-    runs: list[tuple[str, tuple[int, ...]]] = []
+    runs: list[tuple[str, tuple[int, ...], Any]] = []
     hooks = []
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
             hooks.append(m.register_forward_hook(
-                lambda mod, args, out, name=name: runs.append((name, tuple(_first_output(out).shape)))))
+                lambda mod, args, out, name=name: runs.append((name, tuple(_first_output(out).shape),
+                                                               _first_output(out)))))
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             out = _first_output(module(*inputs))
+            tracked = [i for i, r in enumerate(runs) if isinstance(r[2], torch.Tensor) and r[2].requires_grad]
+            if out.requires_grad and tracked:
+                grads = torch.autograd.grad(out.float().sum(), [runs[i][2] for i in tracked], allow_unused=True)
+                unused = {i for i, g in zip(tracked, grads) if g is None}
+                runs = [r for i, r in enumerate(runs) if i not in unused]
     finally:
         for h in hooks:
             h.remove()
     shape = tuple(out.shape)
-    for name, s in reversed(runs):
+    for name, s, _ in reversed(runs):
         if s == shape or (len(s) >= 2 and len(shape) >= 2 and s[-1] == shape[-1] and len(shape) <= 3) \
                 or (len(s) == 4 and len(shape) == 2 and s[1] == shape[1]):
             return [name]
@@ -343,6 +351,8 @@ def prune_module(handle: ModelHandle, config: PruneConfig, ctx: StepContext | No
         kwargs: dict[str, Any] = {}
         if is_lm:
             kwargs["output_transform"] = _first_output
+        else:
+            kwargs.update(_whole_heads(module, config.head_ratio if config.head_ratio is not None else config.ratio))
         import warnings
 
         with warnings.catch_warnings():  # RMSNorm weights are "unwrapped"; the hidden size is not pruned
@@ -367,7 +377,54 @@ def prune_module(handle: ModelHandle, config: PruneConfig, ctx: StepContext | No
                                      config.importance, ignored_names=user)
     if is_lm:
         _update_llama_config(module)
+    else:
+        heads = _update_encoder_heads(module)
+        if heads:
+            facts["heads"] = heads
     return facts
+
+
+def _encoder_attentions(module: Any) -> list[tuple[str, Any]]:
+    """(name, self-attention) of BERT-style encoders: ``query``/``key``/``value`` linears split
+    into ``num_attention_heads`` heads of ``attention_head_size`` (reshaped in the forward)."""
+    import torch
+
+    return [(n, m) for n, m in module.named_modules()
+            if all(isinstance(getattr(m, a, None), torch.nn.Linear) for a in ("query", "key", "value"))
+            and isinstance(getattr(m, "num_attention_heads", None), int)
+            and isinstance(getattr(m, "attention_head_size", None), int)]
+
+
+def _whole_heads(module: Any, ratio: float) -> dict[str, Any]:
+    """MetaPruner options that prune BERT-style attention by whole heads (query, key and value
+    rows of the same heads, the output projection's columns with them), so the forward's reshape
+    to (heads, head size) stays valid; at least one head stays in every layer."""
+    attns = _encoder_attentions(module)
+    if not attns:
+        return {}
+    fewest = min(a.num_attention_heads for _, a in attns)
+    num_heads = {lin: a.num_attention_heads for _, a in attns for lin in (a.query, a.key, a.value)}
+    # Torch-Pruning removes ceil(ratio * heads) heads; keep ratio * heads below heads - 1 + 1
+    head_ratio = min(ratio, (fewest - 1) / fewest - 1e-9) if fewest > 1 else 0.0
+    return {"num_heads": num_heads, "prune_num_heads": head_ratio > 0, "prune_head_dims": False,
+            "head_pruning_ratio": max(head_ratio, 0.0)}
+
+
+def _update_encoder_heads(module: Any) -> dict[str, Any]:
+    """After pruning: each BERT-style attention's head count and width from its query rows."""
+    out: dict[str, Any] = {}
+    for name, attn in _encoder_attentions(module):
+        width = attn.query.out_features
+        if width % attn.attention_head_size or width != attn.key.out_features or width != attn.value.out_features:
+            raise CheckFailedError(f"pruning left {name} with query/key/value widths {width}/{attn.key.out_features}/"
+                                f"{attn.value.out_features}, not whole heads of {attn.attention_head_size}")
+        heads = width // attn.attention_head_size
+        if heads != attn.num_attention_heads:
+            out[name] = {"heads": heads}
+        attn.num_attention_heads = heads
+        if hasattr(attn, "all_head_size"):
+            attn.all_head_size = width
+    return out
 
 
 def prune_heads(module: Any, ratio: float, importance: str = "l2", ignored_names: Sequence[str] = ()) -> dict[str, Any]:

@@ -5,13 +5,11 @@ whole model when it has none) to ``bits`` with per-group scales and zero points,
 them by packed ``QuantLinear`` modules (``packing.py`` documents the layout) and, for a
 causal LM, quantizes the LM head and its tied embedding table (``head``, 8 bits by default).
 
-Calibrated methods walk the model **block by block** (``BlockWalker``): the inputs of
-block 0 are captured once for all calibration windows; then, for each block, its linear
-layers are visited in execution order, grouped by shared input (q/k/v, o, gate/up, down
-for a Llama block), each group seeing inputs produced by the already-quantized groups
-before it (the forward stops right after the group's input is seen); finally the
-quantized block is re-run to produce the next block's inputs. Memory holds one block's
-activations for all windows, never the whole model's.
+Calibrated methods walk the model **block by block** (``blocks.BlockWalker``): each group
+of linears sharing one input is handed, with its calibration inputs, to the method's
+callback (``gptq.gptq_visit``, ``awq.awq_visit``), which quantizes it in place before the
+walk moves on. transformers' ``Conv1D`` layers (GPT-2) are first swapped for the
+``nn.Linear`` they compute (``families.linearize``, checked on the spot).
 
 >>> from edgekit.compress import compress
 >>> compress("smollm2-135m", [("int4", WeightOnlyConfig())], "out/w4")  # doctest: +SKIP
@@ -20,21 +18,38 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from edgekit.compress import Step, StepContext, config_to_dict
-from edgekit.compress.families import embedding_scale, family_of
+from edgekit.compress.awq import awq_visit
+from edgekit.compress.blocks import (
+    BlockWalker,
+    Quantized,
+    check_blocks,
+    find_blocks,
+    head_layers,
+    linear_at,
+    quantizable_linears,
+    replace_module,
+    submodule,
+    value_projection,
+)
+from edgekit.compress.families import embedding_scale, linearize
+from edgekit.compress.gptq import gptq_visit
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
-from edgekit.compress.rtn import rtn_quantize
-from edgekit.errors import BadInputError, CheckFailedError, bad_choice
+from edgekit.compress.rtn import dequantize_groups, rtn_quantize
+from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
+from edgekit.evaluate import perplexity
+from edgekit.export.lm import rewrite_packed_graph
 from edgekit.schema import check_fields
+from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
@@ -152,77 +167,11 @@ class WeightOnlyConfig:
         return self.group_size != -1 if self.mse_grid is None else self.mse_grid
 
 
-# --- finding the layers -------------------------------------------------------------------------
-
-
-def _get(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name) if name else module
-
-
-def _set(module: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(_get(module, parent), child, new)
-
-
-def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
-    """The repeated blocks to walk: the ``nn.ModuleList`` holding the most linear layers
-    (a transformer's layers); else the whole model as one block. Returns (prefix, blocks)."""
-    best, best_n = None, 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            n = sum(isinstance(x, nn.Linear) for x in m.modules())
-            if n > best_n:
-                best, best_n = name, n
-    if best is None:
-        return "", [module]
-    return best, list(_get(module, best))
-
-
-def check_blocks(module: nn.Module, prefix: str, blocks: list[nn.Module]) -> None:
-    """The walked blocks must be the model's layers as its config counts them (a Hugging Face model);
-    anything else is a structure the walk would only guess at."""
-    from edgekit.compress.families import hf_model
-
-    hf = hf_model(module)
-    n = getattr(getattr(hf, "config", None), "num_hidden_layers", None)
-    if isinstance(n, int) and prefix and len(blocks) != n:
-        raise BadInputError(f"the block walk found {len(blocks)} blocks in {prefix!r}, but the model's config declares "
-                            f"{n} layers; edgekit does not know this model's structure")
-
-
-def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
-    """(LM head name, input embedding name) of a Hugging Face causal LM inside ``module``."""
-    for _name, m in module.named_modules():
-        if hasattr(m, "get_output_embeddings") and hasattr(m, "get_input_embeddings"):
-            try:
-                out, inp = m.get_output_embeddings(), m.get_input_embeddings()
-            except (NotImplementedError, AttributeError):
-                continue
-            if isinstance(out, nn.Linear):
-                names = {id(x): n for n, x in module.named_modules()}
-                return names.get(id(out)), names.get(id(inp)) if isinstance(inp, nn.Embedding) else None
-    return None, None
-
-
-def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
-    prefix, blocks = find_blocks(module)
-    head, _ = head_layers(module)
-    names = {id(m): n for n, m in module.named_modules()}
-    linears: dict[str, nn.Linear] = {}
-    for b in blocks:
-        for m in b.modules():
-            if isinstance(m, nn.Linear) and names[id(m)] != head:
-                linears[names[id(m)]] = m
-    return prefix, blocks, linears
-
-
 # --- calibration data -----------------------------------------------------------------------------
 
 
 def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> list[torch.Tensor]:
     """Calibration samples as one tensor per model input (axis 0 = sample)."""
-    from edgekit.sources.data import load_samples
-
     spec = ctx.calib or handle.default_calib
     samples = load_samples(spec, handle, split="calib", seqlen=config.seqlen, seed=ctx.seed)
     names = [s.name for s in handle.inputs]
@@ -236,8 +185,6 @@ def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepC
     if extra > 0 and samples.meta.get("kind") == "token-windows" and samples.text and set(names) <= {"input_ids", "attention_mask"}:
         # The text holds fewer non-overlapping windows than asked: top up with windows at random
         # offsets, as the GPTQ reference samples all of its calibration windows.
-        from edgekit.sources.data import random_token_windows
-
         more = random_token_windows(handle.tokenizer, samples.text, int(samples.meta["seqlen"]), extra,
                                     seed=ctx.seed, prefix=samples.meta.get("prefix", ()))
         inputs["input_ids"] = np.concatenate([inputs["input_ids"], more])
@@ -246,254 +193,8 @@ def calibration_inputs(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepC
     return [torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in names]
 
 
-class _Stop(Exception):
-    pass
-
-
-def _first(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-class BlockWalker:
-    """Runs the calibration set through the model one block at a time.
-
-    ``walk(visit_group)`` calls ``visit_group(block_index, names, inputs)`` for each group of
-    linears sharing one input, in execution order; ``inputs`` (a ``GroupInputs``) is an
-    iterator factory yielding that group's input activations batch by batch (computed on
-    demand through the block's already-quantized layers). ``visit_group`` quantizes the group in place (float
-    weights on the quantized grid) before the walk moves on.
-    """
-
-    def __init__(self, module: nn.Module, calib: list[torch.Tensor], device: str = "cpu",
-                 batch_size: int = 8, progress: bool = True, track_float: bool = False) -> None:
-        self.module = module
-        self.calib = calib
-        self.device = torch.device(device)
-        self.batch_size = batch_size
-        self.progress = progress
-        # also carry the float model's activations: one forward of each block before it is quantized
-        # keeps every group's float inputs (one block's worth of activations) for GroupInputs.paired()
-        self.track_float = track_float
-        self.prefix, self.blocks = find_blocks(module)
-        self.names = {id(m): n for n, m in module.named_modules()}
-
-    def _capture_block0(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        if not self.prefix:  # the whole model is the block: its inputs are the samples
-            n = self.calib[0].shape[0]
-            return [(tuple(t[i:i + self.batch_size].to(self.device) for t in self.calib), {})
-                    for i in range(0, n, self.batch_size)]
-        captured: list[tuple[Any, dict[str, Any]]] = []
-
-        def grab(_m, args, kwargs):
-            kw = dict(kwargs)
-            if "past_key_values" in kw:
-                kw["past_key_values"] = None
-            if "past_key_value" in kw:
-                kw["past_key_value"] = None
-            if "use_cache" in kw:
-                kw["use_cache"] = False
-            captured.append((tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), kw))
-            raise _Stop
-
-        h = self.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            n = self.calib[0].shape[0]
-            for i in range(0, n, self.batch_size):
-                try:
-                    self.module(*[t[i:i + self.batch_size].to(self.device) for t in self.calib])
-                except _Stop:
-                    pass
-        finally:
-            h.remove()
-        return captured
-
-    def _input_groups(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> list[list[str]]:
-        """Linears of ``block`` in execution order, grouped by identical input tensor."""
-        order: list[tuple[str, int]] = []
-        hooks = []
-        for m in block.modules():
-            if isinstance(m, nn.Linear) and self.names[id(m)] in self.linears:
-                name = self.names[id(m)]
-                hooks.append(m.register_forward_pre_hook(
-                    lambda _m, args, name=name: order.append((name, args[0]))))
-        try:
-            args, kw = batch
-            block(*tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), **_slice_kwargs(kw, 1))
-        finally:
-            for h in hooks:
-                h.remove()
-        groups: list[list[str]] = []
-        last = None
-        for name, x in order:  # tensors kept alive here, so identity is reliable
-            if any(name in g for g in groups):
-                continue
-            if groups and x is last:
-                groups[-1].append(name)
-            else:
-                groups.append([name])
-            last = x
-        return groups
-
-    @torch.no_grad()
-    def walk(self, linears: dict[str, nn.Linear],
-             visit_group: Callable[[int, list[str], Callable[[], Any]], None]) -> None:
-        from edgekit.progress import progress_bar
-
-        self.linears = linears
-        data = self._capture_block0()
-        data_fp = data if self.track_float else None  # the blocks before the first are not quantized
-        for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
-            block = self.blocks[bi]
-            if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
-                groups = self._input_groups(block, data[0])
-                float_inputs: dict[str, list[torch.Tensor]] = {}
-                if data_fp is not None:
-                    # The float block never changes, so one forward gives every group's float
-                    # inputs (and the next block's float input) before this block is touched.
-                    data_fp, float_inputs = self._run_capturing(block, data_fp, [g[0] for g in groups])
-                for names in groups:
-                    inputs = GroupInputs(block, _get(self.module, names[0]), data)
-                    inputs.float_inputs = float_inputs.get(names[0])
-                    visit_group(bi, names, inputs)
-            elif data_fp is not None:
-                data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
-            data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
-
-    def _run(self, block: nn.Module, batch: tuple[Any, dict[str, Any]]) -> torch.Tensor:
-        args, kw = batch
-        return _first(block(*args, **kw)).detach()
-
-    def _run_capturing(self, block: nn.Module, data: list[tuple[Any, dict[str, Any]]], names: list[str]):
-        """``block`` over ``data``: its outputs as the next block's data, and the inputs of the
-        named layers, per batch."""
-        captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        hooks = [_get(self.module, n).register_forward_pre_hook(
-            lambda _m, args, n=n: captured[n].append(args[0].detach())) for n in names]
-        try:
-            out = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
-        finally:
-            for h in hooks:
-                h.remove()
-        return out, captured
-
-
-class GroupInputs:
-    """The inputs of one group of linears, recomputed on demand from the block's inputs.
-
-    ``inputs()`` yields the group's input activations batch by batch (the block's forward
-    stops right at the group's first layer). ``attention_mixed(attn, v_proj)`` yields, per
-    batch, the attention probabilities ``P`` (batch, heads, queries, keys) of ``attn`` and
-    the inputs ``X`` (batch, keys, features) of its value projection: a value projection's
-    output only matters through ``P @ (X Wᵀ)``, so its GPTQ objective uses ``P X``.
-    """
-
-    def __init__(self, block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]) -> None:
-        self.block, self.first, self.data = block, first, data
-        self.float_inputs: list[torch.Tensor] | None = None  # per batch, in the float model (track_float)
-
-    def __call__(self):
-        return _group_inputs(self.block, self.first, self.data)
-
-    def paired(self):
-        """``(x, x_float)`` per batch: the group's input here and in the unquantized model
-        (needs a walker with ``track_float``)."""
-        if self.float_inputs is None:
-            raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        return zip(self(), self.float_inputs, strict=True)
-
-    def attention_mixed(self, attn: nn.Module, v_proj: nn.Module):
-        """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
-        config = attn.config
-        saved = config._attn_implementation
-        xs: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-
-        def grab_x(_m, args):
-            xs.append(args[0].detach())
-
-        def grab_p(_m, _args, out):
-            probs.append(out[1].detach())
-            raise _Stop
-
-        hooks = [v_proj.register_forward_pre_hook(grab_x), attn.register_forward_hook(grab_p)]
-        config._attn_implementation = "eager"
-        try:
-            for args, kw in self.data:
-                xs.clear()
-                probs.clear()
-                kw = dict(kw)
-                if kw.get("attention_mask") is None:  # sdpa ran causal without a mask; eager needs one
-                    n = args[0].shape[1]
-                    causal = torch.full((n, n), torch.finfo(args[0].dtype).min, device=args[0].device).triu(1)
-                    kw["attention_mask"] = causal[None, None].expand(args[0].shape[0], 1, n, n)
-                try:
-                    self.block(*args, **kw)
-                except _Stop:
-                    pass
-                if probs and probs[0] is not None and xs:
-                    yield probs[0], xs[0]
-        finally:
-            config._attn_implementation = saved
-            for h in hooks:
-                h.remove()
-
-
-def _group_inputs(block: nn.Module, first: nn.Module, data: list[tuple[Any, dict[str, Any]]]):
-    """Per batch of ``data``, the input of ``first``, running ``block`` only up to it."""
-    box: list[torch.Tensor] = []
-
-    def grab(_m, args):
-        box.append(args[0].detach())
-        raise _Stop
-
-    h = first.register_forward_pre_hook(grab)
-    try:
-        for args, kw in data:
-            box.clear()
-            try:
-                block(*args, **kw)
-            except _Stop:
-                pass
-            if box:
-                yield box[0]
-    finally:
-        h.remove()
-
-
-def value_projection(module: nn.Module, names: list[str]) -> tuple[str, nn.Module, int, int] | None:
-    """(name, attention module, heads per key/value head, head dim) of the value projection
-    among ``names``, for the families whose description names one (``families.py``: Llama,
-    Gemma, ...: ``v_proj`` inside a module with ``head_dim``, ``num_key_value_groups`` and a
-    config); None otherwise."""
-    value = family_of(module).value_proj
-    if value is None:
-        return None
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        if not name.endswith("." + value) and name != value:
-            continue
-        attn = _get(module, parent_name)
-        if all(hasattr(attn, a) for a in ("head_dim", "num_key_value_groups", "config")) and \
-                hasattr(attn.config, "_attn_implementation"):
-            return name, attn, int(attn.num_key_value_groups), int(attn.head_dim)
-    return None
-
-
-def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
-    out = {}
-    for k, v in kw.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 and k != "cache_position":
-            out[k] = v[:n]
-        elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
-            out[k] = tuple(t[:n] if t.dim() > 0 and t.shape[0] > 1 else t for t in v)
-        else:
-            out[k] = v
-    return out
-
-
 # --- apply / rebuild ------------------------------------------------------------------------------
 
-Quantized = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # name -> (q, scales, zeros)
 
 
 def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> None:
@@ -506,7 +207,9 @@ def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> No
 def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
                     progress: bool = False) -> tuple[Quantized, dict[str, Any]]:
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
-    values) and return their codes. ``calib`` is needed by GPTQ and AWQ."""
+    values) and return their codes. ``calib`` is needed by GPTQ and AWQ. transformers' ``Conv1D``
+    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``)."""
+    converted = linearize(module)
     prefix, blocks, linears = quantizable_linears(module)
     check_blocks(module, prefix, blocks)
     if not linears:
@@ -515,11 +218,11 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
     _check_layers(linears, config)
     device = config.device
     if device == "cuda" and not torch.cuda.is_available():
-        from edgekit.errors import UnavailableError
-
         raise UnavailableError("device 'cuda' asked for but CUDA is not available here (use --device cpu)")
     results: Quantized = {}
     info: dict[str, Any] = {"blocks": len(blocks), "block_prefix": prefix}
+    if converted:
+        info["conv1d_as_linear"] = len(converted)
     t0, c0 = time.perf_counter(), time.process_time()
     if config.method == "rtn":
         for name, lin in linears.items():
@@ -532,14 +235,7 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         module.to(device)
         walker = BlockWalker(module, calib, device=device, progress=progress,
                              track_float=config.method == "gptq" and config.gptaq_alpha > 0)
-        if config.method == "gptq":
-            from edgekit.compress.gptq import gptq_visit
-
-            visit = gptq_visit(module, config, results)
-        else:
-            from edgekit.compress.awq import awq_visit
-
-            visit = awq_visit(module, config, results)
+        visit = (gptq_visit if config.method == "gptq" else awq_visit)(module, config, results)
         walker.walk(linears, visit)
         module.to("cpu")
         info["calib_windows"] = int(calib[0].shape[0])
@@ -550,8 +246,6 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
 
 
 def _set_weight(lin: nn.Linear, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int) -> None:
-    from edgekit.compress.rtn import dequantize_groups
-
     lin.weight.data.copy_(dequantize_groups(q, s, z, group_size).to(lin.weight.device, lin.weight.dtype))
 
 
@@ -563,10 +257,10 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     a scaled embedding's factor, a bias, a custom forward), else ``CheckFailedError``."""
     layers: dict[str, Any] = {}
     for name, (q, s, z) in results.items():
-        lin = _get(module, name)
+        lin = linear_at(module, name)
         qlin = QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias)
         check_replacement(name, lin, qlin)
-        _set(module, name, qlin)
+        replace_module(module, name, qlin)
         layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": config.bits,
                         "group_size": config.group_size, "bias": lin.bias is not None}
     meta: dict[str, Any] = {"layers": layers, "head": None, "embedding": None, "tied": False}
@@ -574,14 +268,14 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     if head is not None and config.head != "none":
         hbits = 8 if config.head == "int8" else 4
         hgroup = config.group_size
-        lin = _get(module, head)
-        tied = emb is not None and _get(module, emb).weight.data_ptr() == lin.weight.data_ptr()
+        lin = linear_at(module, head)
+        e = _embedding_at(module, emb) if emb is not None else None
+        tied = e is not None and e.weight.data_ptr() == lin.weight.data_ptr()
         q, s, z = rtn_quantize(lin.weight.detach(), hbits, hgroup, config.sym)
         qhead = QuantLinear.from_quantized(q, s, z, hbits, hgroup, lin.bias)
         check_replacement(head, lin, qhead)
         qemb = None
-        if emb is not None:
-            e = _get(module, emb)
+        if emb is not None and e is not None:
             qemb = QuantEmbedding(e.num_embeddings, e.embedding_dim, hbits, hgroup, e.padding_idx,
                                   scale=embedding_scale(e))
             if tied:
@@ -589,11 +283,11 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
             else:
                 qemb.set_quantized(*rtn_quantize(e.weight.detach(), hbits, hgroup, config.sym))
             check_replacement(emb, e, qemb)
-        _set(module, head, qhead)
+        replace_module(module, head, qhead)
         meta["head"] = {"name": head, "in": lin.in_features, "out": lin.out_features, "bits": hbits,
                         "group_size": hgroup, "bias": lin.bias is not None}
         if emb is not None and qemb is not None:
-            _set(module, emb, qemb)
+            replace_module(module, emb, qemb)
             meta["embedding"] = {"name": emb, "rows": qemb.num_embeddings, "dim": qemb.embedding_dim, "bits": hbits,
                                  "group_size": hgroup, "padding_idx": qemb.padding_idx, "scale": qemb.scale}
             meta["tied"] = tied
@@ -601,23 +295,31 @@ def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig)
     return meta
 
 
+def _embedding_at(module: nn.Module, name: str) -> nn.Embedding:
+    m = submodule(module, name)
+    if not isinstance(m, nn.Embedding):
+        raise TypeError(f"{name!r} is a {type(m).__name__}, not nn.Embedding")
+    return m
+
+
 PROBE_ROWS = 64  # output rows / table rows a replacement is checked on
 
 
 @torch.no_grad()
-def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None:
+def check_replacement(name: str, original: nn.Module, packed: QuantLinear | QuantEmbedding) -> None:
     """Raise ``CheckFailedError`` unless ``packed`` computes what ``original`` computes with the
     dequantized weight, on a tiny probe (a few inputs, ``PROBE_ROWS`` rows of the weight): the
     original's own forward runs (``torch.func.functional_call``), so whatever it does besides
     the matrix product or lookup (a scale, a bias, a custom op) must be reproduced."""
-    from torch.func import functional_call
-
-    w = original.weight
+    w = getattr(original, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise CheckFailedError(f"cannot check the packed replacement of {name!r} ({type(original).__name__}): "
+                               "it has no weight tensor")
     if isinstance(packed, QuantEmbedding):
         rows = min(PROBE_ROWS, packed.num_embeddings)
         ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
         table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
-        probe = copy.copy(original)  # padding_idx changes gradients only, and may lie beyond the probe's rows
+        probe: Any = copy.copy(original)  # a shallow copy of the original module; padding_idx changes gradients only, and may lie beyond the probe's rows
         if getattr(probe, "padding_idx", None) is not None:
             probe.padding_idx = None
         try:
@@ -630,8 +332,9 @@ def check_replacement(name: str, original: nn.Module, packed: nn.Module) -> None
         rows = min(PROBE_ROWS, packed.out_features)
         x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
         params = {"weight": packed.dequantize_rows(0, rows).to(w.dtype)}
-        if getattr(original, "bias", None) is not None:
-            params["bias"] = original.bias[:rows]
+        bias = getattr(original, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            params["bias"] = bias[:rows]
         try:
             want = functional_call(original, params, (x,))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -664,8 +367,6 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     if device == "cuda" and not torch.cuda.is_available():
         device = "cpu" if config.device == "cpu" else device
     if device != config.device:
-        from dataclasses import replace
-
         config = replace(config, device=device)
     calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
     windows = _eval_windows(handle, config, ctx)
@@ -680,7 +381,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                            "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
                            "float_bytes": float_bytes,
                            **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
-    if windows is not None:
+    if windows is not None and ppl_float is not None:
         ppl = _perplexity(handle, windows, ctx)
         ctx.metrics["int4"].update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),
                                     "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
@@ -695,8 +396,6 @@ def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContex
         return None
     if ctx.quality_reference is not None:  # compress() measures against the float model itself
         return None
-    from edgekit.sources.data import resolve_samples
-
     samples = resolve_samples(ctx.eval or handle.default_eval, handle, "eval", config.eval_windows, config.seqlen,
                               ctx.seed)
     if "input_ids" not in samples.inputs:
@@ -705,8 +404,6 @@ def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContex
 
 
 def _perplexity(handle: ModelHandle, windows: Any, ctx: StepContext) -> float:
-    from edgekit.evaluate import perplexity
-
     return perplexity(handle, windows, progress=ctx.progress)
 
 
@@ -727,20 +424,20 @@ def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -
     meta = record.meta or {}
     try:
         for name, spec in meta.get("layers", {}).items():
-            _set(module, name, QuantLinear(int(spec["in"]), int(spec["out"]), int(spec["bits"]),
+            replace_module(module, name, QuantLinear(int(spec["in"]), int(spec["out"]), int(spec["bits"]),
                                            int(spec["group_size"]), bool(spec["bias"])))
         head = meta.get("head")
         if head:
             qhead = QuantLinear(int(head["in"]), int(head["out"]), int(head["bits"]), int(head["group_size"]),
                                 bool(head["bias"]))
-            _set(module, head["name"], qhead)
+            replace_module(module, head["name"], qhead)
             emb = meta.get("embedding")
             if emb:
                 qemb = QuantEmbedding(int(emb["rows"]), int(emb["dim"]), int(emb["bits"]), int(emb["group_size"]),
                                       emb.get("padding_idx"), scale=float(emb.get("scale", 1.0)))
                 if meta.get("tied"):
                     qemb.tie_to(qhead)
-                _set(module, emb["name"], qemb)
+                replace_module(module, emb["name"], qemb)
             _untie_config(module)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise BadInputError(f"the int4 step record does not fit model {handle.name}: {e}") from None
@@ -762,8 +459,6 @@ def validate_packed(module: nn.Module) -> None:
 def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
     """Replace the exported dequantize-then-matmul of each packed layer by ``MatMulNBits``
     (and the packed embedding lookup by ``GatherBlockQuantized``); see ``export/lm.py``."""
-    from edgekit.export.lm import rewrite_packed_graph
-
     # fp32 compute, exact against PyTorch (the plain export's parity is strict); the causal-LM export
     # with the KV cache (``export_causal_lm``, ``edgekit export --kv-cache``) defaults to int8 compute
     return rewrite_packed_graph(model, handle.module, fmt="matmulnbits")
@@ -780,4 +475,4 @@ STEP = Step(
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",
-           "find_blocks", "BlockWalker"]
+           "find_blocks", "BlockWalker", "quantizable_linears", "value_projection", "check_blocks", "head_layers"]

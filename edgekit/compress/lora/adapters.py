@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.config import LoraConfig
 from edgekit.compress.lora.nf4 import dequantize_nf4, is_nf4
 from edgekit.compress.lora.packed import LoraQuantLinear, repack
@@ -42,9 +43,12 @@ def inject(handle: ModelHandle, config: LoraConfig, names: list[str], base: str)
         from peft import inject_adapter_in_model
 
         pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"
+        # transformers' Conv1D (GPT-2) stores its weight (in, out): peft's fan_in_fan_out
+        conv1d = bool(names) and all(is_conv1d(module.get_submodule(n)) for n in names)
         # peft annotates lora_alpha as int; it scales by alpha / r in float, so a float alpha is kept
         peft_config = PeftLoraConfig(r=config.r, lora_alpha=config.alpha,  # type: ignore[arg-type]
-                                     lora_dropout=config.dropout, target_modules=pattern, bias="none")
+                                     lora_dropout=config.dropout, target_modules=pattern, bias="none",
+                                     fan_in_fan_out=conv1d)
         try:
             inject_adapter_in_model(peft_config, module)
         except (ValueError, TypeError, NotImplementedError) as e:

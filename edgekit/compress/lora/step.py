@@ -8,6 +8,7 @@ from torch import nn
 
 from edgekit.artifact import sha256_json
 from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.adapters import adapter_state, inject, merge_adapters, trainable_parameters
 from edgekit.compress.lora.config import LoraConfig
 from edgekit.compress.lora.nf4 import to_nf4
@@ -99,6 +100,10 @@ def _check_base(handle: ModelHandle, config: LoraConfig) -> str:
                                 "or use --qlora-base nf4 (bitsandbytes) on the float model")
         if config.qlora_base == "nf4" and base != "float":
             raise BadInputError(f"--qlora-base nf4 quantizes a float model itself; {handle.name!r} is already {base}")
+        if config.qlora_base == "nf4" and any(is_conv1d(m) for m in handle.module.modules()):
+            raise BadInputError(f"--qlora-base nf4 quantizes nn.Linear layers, but {handle.name!r} computes its "
+                                "projections with transformers' Conv1D (GPT-2); use plain LoRA, or --qlora over "
+                                "the packed 4-bit model (compress --bits 4 first)")
     elif base == "packed":
         raise BadInputError(f"{handle.name!r} has packed 4-bit weights: add --qlora to train adapters over them")
     return base

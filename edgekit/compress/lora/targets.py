@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.nf4 import is_nf4
 from edgekit.compress.lora.packed import LoraQuantLinear
 from edgekit.compress.packing import QuantLinear
@@ -13,7 +14,8 @@ from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle
 
 # Default targets for transformer models (Llama/SmolLM2 names); CNNs and other models take
-# every nn.Linear and (non-depthwise) nn.Conv2d instead.
+# every nn.Linear, transformers' Conv1D (GPT-2's transposed linears, which peft adapts as such)
+# and (non-depthwise) nn.Conv2d instead.
 TRANSFORMER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LM_HEADS = ("lm_head", "embed_out", "output")
 
@@ -36,7 +38,7 @@ def adaptable(m: nn.Module, base: str) -> bool:
         return is_nf4(m) or isinstance(m, nn.Linear)
     if isinstance(m, nn.Conv2d):
         return m.groups == 1  # peft's LoRA does not split grouped/depthwise convolutions
-    return isinstance(m, nn.Linear)
+    return isinstance(m, nn.Linear) or is_conv1d(m)
 
 
 def is_head(name: str, handle: ModelHandle) -> bool:
@@ -58,7 +60,7 @@ def resolve_targets(handle: ModelHandle, targets: Iterable[str], base: str) -> l
     cands = candidate_modules(handle, base)
     if not cands:
         kinds = {"packed": "packed 4-bit linear (QuantLinear)", "nf4": "linear",
-                 "float": "nn.Linear or nn.Conv2d"}[base]
+                 "float": "nn.Linear, Conv1D or nn.Conv2d"}[base]
         raise BadInputError(f"model {handle.name!r} has no {kinds} layers for LoRA to adapt")
     targets = list(targets)
     if not targets:
