@@ -39,7 +39,8 @@ def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Com
 
 
 def test_every_table_command_has_json():
-    ctx = click.Context(cli)
+    # the group's own settings (-h): click caches each command's help option on first use
+    ctx = click.Context(cli, **cli.context_settings)
     missing = [name for name, cmd in _commands(cli) if name not in NO_TABLE and name != "remote"
                and "--json" not in {o for p in cmd.get_params(ctx) for o in p.opts}]
     assert missing == []
