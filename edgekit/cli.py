@@ -592,11 +592,12 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
     The result is measured against the float model on held-out data (perplexity ratio,
     agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
     from edgekit.compress.plan import compress_from_flags
+    from edgekit.measure import engine_latency
 
     with _json_stdout(as_json):
         folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
-                                seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
-                                max_ppl_ratio=max_ppl_ratio)
+                                     seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
+                                     max_ppl_ratio=max_ppl_ratio, latency=engine_latency)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)

@@ -173,8 +173,6 @@ def test_find_output_layers() -> None:
 def test_compress_load_compressed_roundtrip_and_export(tmp_path) -> None:
     import onnxruntime as ort
 
-    from edgekit.compress.prune import export_plain_onnx
-
     h = tiny_cnn()
     out = compress(h, [("prune", PruneConfig(ratio=0.5, round_to=4))], tmp_path / "pruned")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -186,7 +184,8 @@ def test_compress_load_compressed_roundtrip_and_export(tmp_path) -> None:
     x = example_inputs(h, 3)
     with torch.no_grad():
         assert torch.equal(h.module(*x), loaded.module(*x))
-    path = export_plain_onnx(loaded, tmp_path / "m.onnx")
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(loaded.module.eval(), (x[0][:1],), str(path), input_names=["input"], dynamo=False, opset_version=17)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"input": x[0].numpy()[:1]})[0]
     np.testing.assert_allclose(got, h.module(x[0][:1]).detach().numpy(), atol=1e-4)
@@ -194,10 +193,16 @@ def test_compress_load_compressed_roundtrip_and_export(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_latency_measured_with_target(monkeypatch) -> None:
-    """With a target, the step builds both engines (spine's build_engine + profile_engine)."""
-    monkeypatch.setattr(importlib.import_module("edgekit.compress.prune"), "LATENCY_SECONDS", 0.05)
+    """With a target and a timer (the CLI's and pipelines' edgekit.measure.engine_latency), the
+    step builds and profiles both engines; without a timer it reports MACs only."""
+    from edgekit.measure import engine_latency
+
+    monkeypatch.setattr(importlib.import_module("edgekit.measure"), "LATENCY_SECONDS", 0.05)
+    untimed = tiny_cnn()
+    apply(untimed, PruneConfig(ratio=0.5), StepContext(target="cpu"))
+    assert "latency_before_ms" not in untimed.steps[-1].meta and untimed.steps[-1].meta["mac_ratio"] > 1
     h = tiny_cnn()
-    ctx = StepContext(target="cpu")
+    ctx = StepContext(target="cpu", latency=engine_latency)
     apply(h, PruneConfig(ratio=0.5), ctx)
     meta = h.steps[-1].meta
     assert meta["latency_before_ms"] > 0 and meta["latency_after_ms"] > 0 and meta["speedup"] > 0

@@ -78,6 +78,9 @@ class StepContext:
     # the float model's outputs on held-out data (quality.measure_reference): measured by compress() unless
     # given (by a caller compressing one base model several ways); steps then need not measure again
     quality_reference: Any = None
+    # times a model's engine on a target: (handle, target) -> {"p50_ms", "p90_ms", "via"}. Given by the
+    # callers above build and profile (edgekit.measure.engine_latency); None: steps report no latency
+    latency: Callable[[ModelHandle, Any], Mapping[str, Any]] | None = None
 
 
 # What a model's weights are between steps. Each step declares which of these it takes and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from edgekit.compress.packing import SUPPORTED_BITS
 from edgekit.compress.quality import QualityBounds, default_bounds
 from edgekit.compress.weight_only import METHODS as WEIGHT_ONLY_METHODS
 from edgekit.errors import BadInputError
+from edgekit.sources.handle import ModelHandle
 from edgekit.sources.inputs import InputOptions
 from edgekit.targets import load_target
 
@@ -90,9 +91,11 @@ def _quantizer(bits: int | None, method: str | None) -> tuple[str, dict[str, Any
 def compress_from_flags(model: str, out: str | os.PathLike[str], flags: Mapping[str, Any], *, distill: bool = False,
                         calib: str | None = None, train: str | None = None, target: str | None = None, seed: int = 0,
                         inputs: InputOptions | None = None, accept_quality_loss: bool = False,
-                        max_ppl_ratio: float | None = None) -> Path:
+                        max_ppl_ratio: float | None = None,
+                        latency: Callable[[ModelHandle, Any], Mapping[str, Any]] | None = None) -> Path:
     """``edgekit compress``: plan the chain from the step flags, then ``compress`` it.
-    ``max_ppl_ratio`` replaces the perplexity bound of the chain's quality gate."""
+    ``max_ppl_ratio`` replaces the perplexity bound of the chain's quality gate; ``latency``
+    times an engine for steps that report their latency effect (``StepContext.latency``)."""
     steps = plan_steps(**flags, distill=distill)
     if not steps:
         chooser = ["--bits"] + [o.decls[0] for o in compress_options() if any(f.selects for _, _, f in o.fields)]
@@ -103,5 +106,5 @@ def compress_from_flags(model: str, out: str | os.PathLike[str], flags: Mapping[
         bounds = dataclasses.replace(base, max_ppl_ratio=max_ppl_ratio)
     ctx = StepContext(target=load_target(target) if target else None, calib=calib, train=train, seed=seed,
                       device=flags.get("device") or "cpu", inputs=inputs, accept_quality_loss=accept_quality_loss,
-                      quality_bounds=bounds)
+                      quality_bounds=bounds, latency=latency)
     return compress(model, steps, out, ctx)

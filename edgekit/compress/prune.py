@@ -30,20 +30,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.options import option
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
-from edgekit.runtimes.base import BuildOptions
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
-from edgekit.targets import Target
 
-LATENCY_SECONDS = 1.0  # timed seconds per model when a step measures engine latency
 IMPORTANCES = ("auto", "l1", "l2", "taylor", "bn-scale")
 SCOPES = ("auto", "channels", "mlp", "heads", "mlp+heads")
 # Layer attributes that pruning may change and rebuild must restore.
@@ -542,80 +539,12 @@ def rebuild(handle: ModelHandle, config: PruneConfig, record: StepRecord) -> Mod
     return handle
 
 
-# ----------------------------------------------------------------------------- latency
-
-
-class Latency(TypedDict):
-    p50_ms: float
-    p90_ms: float
-    via: str  # how it was timed: "profile_engine" or "onnxruntime"
-
-
-def measure_latency(handle: ModelHandle, target: Target | str | None = None, *, duration_s: float | None = None,
-                    threads: int = 1) -> Latency:
-    """p50/p90 latency (ms) of the model's ONNX Runtime engine at batch 1: through
-    ``build_engine`` + ``profile_engine`` when the spine provides them, else a direct
-    ONNX Runtime session on a plain export."""
-    import tempfile
-    from pathlib import Path
-
-    duration_s = LATENCY_SECONDS if duration_s is None else duration_s
-    with tempfile.TemporaryDirectory(prefix="edgekit-prune-") as tmp:
-        try:
-            from edgekit.build import build_engine
-            from edgekit.profiling import ProfileConfig, profile_engine
-
-            engine = build_engine(handle, target or "cpu", Path(tmp) / "engine",
-                                  BuildOptions(threads=threads, runtime="onnxruntime"))
-            prof = profile_engine(engine, ProfileConfig(warmup_ms=100, duration_s=duration_s, iterations=30,
-                                                        threads=threads, node_profile=False))
-            lat = prof.latency_ms
-            return {"p50_ms": float(lat.p50), "p90_ms": float(lat.p90), "via": "profile_engine"}
-        except ImportError:
-            pass
-        times = time_onnx(handle, Path(tmp) / "m.onnx", duration_s=duration_s, threads=threads)
-        return {"p50_ms": float(np.percentile(times, 50)), "p90_ms": float(np.percentile(times, 90)),
-                "via": "onnxruntime"}
-
-
-def export_plain_onnx(handle: ModelHandle, path: Any) -> Any:
-    """Export with the spine's ``export_onnx`` when present, else ``torch.onnx.export``."""
-    import torch
-
-    inputs = example_inputs(handle, 1)
-    names = [i.name for i in handle.inputs] or [f"input_{i}" for i in range(len(inputs))]
-    torch.onnx.export(handle.module.eval(), inputs, str(path), input_names=names,
-                      output_names=list(handle.outputs), dynamo=False, opset_version=17)
-    return path
-
-
-def time_onnx(handle: ModelHandle, path: Any, *, duration_s: float = 1.0, threads: int = 1) -> list[float]:
-    import onnxruntime as ort
-
-    export_plain_onnx(handle, path)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    feeds = handle.sample_inputs(1)
-    feeds = {i.name: feeds[n] for i, n in zip(sess.get_inputs(), [s.name for s in handle.inputs] or list(feeds), strict=False)}
-    for _ in range(5):
-        sess.run(None, feeds)
-    times: list[float] = []
-    end = time.perf_counter() + duration_s
-    while time.perf_counter() < end or len(times) < 20:
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        times.append((time.perf_counter() - t0) * 1000)
-    return times
-
-
 # ----------------------------------------------------------------------------- the step
 
 
 def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> ModelHandle:
-    """Prune ``handle`` in place, record shapes and MACs, and (with a target) measure
-    the engine latency before and after."""
+    """Prune ``handle`` in place, record shapes and MACs, and (with a target and the
+    context's ``latency`` timer) measure the engine latency before and after."""
     import copy
 
 
@@ -623,7 +552,8 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> 
         raise BadInputError(f"pruning needs a PyTorch model; {handle.name} is ONNX only")
     inputs = example_inputs(handle, 1)
     target = ctx.target if ctx is not None else None
-    before_model = copy.deepcopy(handle.module) if target is not None else None
+    timed = target is not None and ctx is not None and ctx.latency is not None
+    before_model = copy.deepcopy(handle.module) if timed else None
     macs_before = count_macs(handle.module, inputs)
     shapes0, attrs0 = _snapshot(handle.module)
     cfg = _hf_config(handle.module)
@@ -647,10 +577,10 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> 
         "param_ratio": round(macs_before["params"] / max(macs_after["params"], 1), 4),
         "seconds": round(seconds, 3),
     }
-    if target is not None and before_model is not None:
+    if target is not None and before_model is not None and ctx is not None and ctx.latency is not None:
         before = ModelHandle(**{**handle.__dict__, "module": before_model, "steps": []})
-        lat_b = measure_latency(before, target)
-        lat_a = measure_latency(handle, target)
+        lat_b = ctx.latency(before, target)
+        lat_a = ctx.latency(handle, target)
         summary.update({"latency_before_ms": round(lat_b["p50_ms"], 4), "latency_after_ms": round(lat_a["p50_ms"], 4),
                         "speedup": round(lat_b["p50_ms"] / max(lat_a["p50_ms"], 1e-9), 3)})
     meta = {**facts, **summary, "layers": layers, "shapes": _diff_shapes(shapes0, shapes1),

@@ -56,6 +56,7 @@ from edgekit.errors import BadInputError, EdgekitError
 from edgekit.estimate import estimate
 from edgekit.evaluate import evaluate
 from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.measure import engine_latency
 from edgekit.pipelines.frames import (
     FrameMeasurement,
     callable_stage,
@@ -367,7 +368,8 @@ def _run_stage(stage: StageSpec, target: Target, recipe: Recipe, cache: _Cache, 
 
         def build_model(folder: Path) -> None:
             ctx = StepContext(target=target, calib=stage.calib, train=stage.train, seed=recipe.seed,
-                              progress=progress, work_dir=cache.root / f"work-{key}", inputs=io)
+                              progress=progress, work_dir=cache.root / f"work-{key}", inputs=io,
+                              latency=engine_latency)
             set_seed(recipe.seed)
             compress(str(stage.model), [(s.name, dict(s.config)) for s in stage.steps], folder, ctx)
 
