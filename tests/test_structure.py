@@ -108,3 +108,13 @@ def test_only_the_runtimes_branch_on_a_runtime_name():
                     if isinstance(operand, ast.Constant) and operand.value in RUNTIMES:
                         found.add((module, operand.value))
     assert found - KNOWN_RUNTIME_BRANCHES - NOT_RUNTIME_NAMES == set()
+
+
+def test_tests_mirror_the_package():
+    """tests/<package>/ holds the tests of edgekit/<package>/; nothing else gets a folder."""
+    tests = Path(__file__).parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in {"fixtures", "__pycache__"}}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders and folders <= packages, sorted(folders - packages)
+    for folder in folders:
+        assert all(f.name.startswith("test_") for f in (tests / folder).glob("*.py")), folder

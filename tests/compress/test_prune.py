@@ -242,7 +242,7 @@ def test_bert_prunes_whole_heads_and_keeps_the_hidden_size(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import save_tiny
 
     from edgekit.sources.models import load_model

@@ -440,7 +440,7 @@ def test_remote_code_in_a_real_process_with_yes_piped(hf_folders, tmp_path, mark
     folder = _remote_code_folder(hf_folders["safetensors"], tmp_path / "remote", marker)
     r = subprocess.run([sys.executable, "-m", "edgekit.cli", "export", str(folder), "-o", str(tmp_path / "out")],
                        input="y\n" * 4, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "needs custom code" in r.stderr
     assert "Do you wish to run the custom code" not in r.stdout + r.stderr

@@ -226,7 +226,7 @@ def test_lora_gpt2_conv1d_unmerged_roundtrip_and_nf4_refused(tmp_path: Path) -> 
     (fan_in_fan_out), the adapters reload beside the same Conv1D layers; NF4 (nn.Linear only) stops."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import save_tiny
 
     from edgekit.sources.models import load_model

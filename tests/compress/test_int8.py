@@ -244,9 +244,9 @@ def test_trt_scheme_is_symmetric_int8_and_quantizes_residual_adds(tmp_path):
 
 
 def residual_model() -> ModelHandle:
-    """Entry point ``tests.test_int8:residual_model`` (load_compressed reloads the base from it)."""
+    """Entry point ``tests.compress.test_int8:residual_model`` (load_compressed reloads the base from it)."""
     h = _residual_handle()
-    h.source = "tests.test_int8:residual_model"
+    h.source = "tests.compress.test_int8:residual_model"
     return h
 
 

@@ -14,8 +14,8 @@ from edgekit.compress.weight_only import BlockWalker, WeightOnlyConfig, apply, q
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import InputSpec, ModelHandle
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "tests.test_weight_only:tiny_llama"
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = "tests.compress.test_weight_only:tiny_llama"
 
 
 def tiny_llama() -> ModelHandle:
@@ -409,7 +409,7 @@ def test_gptaq_and_refit_each_lower_the_logit_error(calib):
 
 def test_calibration_tops_up_with_random_windows_when_the_text_is_short(tmp_path):
     from edgekit.compress.weight_only import calibration_inputs
-    from tests.test_data import CharTokenizer
+    from tests.sources.test_data import CharTokenizer
 
     h = tiny_llama()
     h.tokenizer = CharTokenizer()

@@ -13,7 +13,7 @@ from edgekit.estimate.efficiency import roofs_for, shape_factor
 from edgekit.estimate.uncertainty import VALIDATION_FILE, estimate_range, op_mix
 from edgekit.targets import load_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -48,7 +48,7 @@ def tiny_llama(hidden_act: str = "silu") -> ModelHandle:
         return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
     seq = {0: "batch", 1: "sequence"}
-    return ModelHandle(name="tiny-llama", source="tests.test_decode:tiny_llama", kind="causal-lm", module=module,
+    return ModelHandle(name="tiny-llama", source="tests.export.test_decode:tiny_llama", kind="causal-lm", module=module,
                        inputs=[InputSpec("input_ids", ("batch", "sequence"), "int64"),
                                InputSpec("attention_mask", ("batch", "sequence"), "int64")],
                        outputs=["logits"], make_inputs=make_inputs, default_calib=None,

@@ -19,7 +19,7 @@ from edgekit.errors import BadInputError
 from edgekit.profiling import ProfileResult, profile_from_recorded
 from edgekit.runtimes.tensorrt import parsers as tp
 
-FIX = Path(__file__).parent / "fixtures" / "trtexec"
+FIX = Path(__file__).parents[1] / "fixtures" / "trtexec"
 
 
 @pytest.mark.parametrize("fmt,want", [

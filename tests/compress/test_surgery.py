@@ -20,8 +20,8 @@ from edgekit.compress.weight_only import WeightOnlyConfig, apply, check_replacem
 from edgekit.errors import BadInputError, CheckFailedError
 from edgekit.sources.handle import InputSpec, ModelHandle
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "tests.test_surgery:tiny_gemma"
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = "tests.compress.test_surgery:tiny_gemma"
 VOCAB, RUN, WINDOW = 128, 16, 32
 
 

@@ -30,7 +30,7 @@ from edgekit.pipelines.sweep import apply_overrides, run_sweep
 from edgekit.runtimes.base import BuildExtras, BuildOptions
 from edgekit.schema import known_keys, parse_yaml
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 MLP = "edgekit.pipelines.examples:tiny_mlp"
 
 

@@ -30,7 +30,7 @@ from edgekit.runtimes.tensorrt.device import DeviceInfo, parse_probe
 from edgekit.runtimes.tensorrt.settings import TrtSettings, settings_for, trtexec_argv
 from edgekit.targets import load_target
 
-FIX = Path(__file__).parent / "fixtures" / "trtexec"
+FIX = Path(__file__).parents[1] / "fixtures" / "trtexec"
 H100 = DeviceInfo(gpu="NVIDIA H100 80GB HBM3", sm="sm_90", tensorrt_version="10.3.0")
 ORIN = DeviceInfo(gpu="Jetson AGX Orin", sm="sm_87", tensorrt_version="10.3.0")
 

@@ -47,7 +47,7 @@ def _handle(noisy_mid: bool = False, fragile: bool = False) -> ModelHandle:
         if fragile:  # classes 0 and 1 nearly tied: int8 noise flips some top-1 predictions
             m.fc.weight[1] = m.fc.weight[0] + 1e-3 * torch.randn(8)
             m.fc.bias[:2] = 5.0
-    return ModelHandle(name="tiny-net", source="tests.test_int8_fallback:net_model", kind="image-classifier", module=m,
+    return ModelHandle(name="tiny-net", source="tests.compress.test_int8_fallback:net_model", kind="image-classifier", module=m,
                        inputs=[InputSpec("input", ("batch", 3, 16, 16), "float32")], outputs=["logits"],
                        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
 
@@ -72,7 +72,7 @@ def _ort_ops(handle: ModelHandle, out) -> dict[str, int]:
 
 
 def net_model() -> ModelHandle:
-    """Entry point ``tests.test_int8_fallback:net_model`` (load_compressed reloads the base from it)."""
+    """Entry point ``tests.compress.test_int8_fallback:net_model`` (load_compressed reloads the base from it)."""
     return _handle()
 
 
