@@ -30,11 +30,13 @@ from typing import Any
 
 from edgekit.compress.quality import check_quality, compare, default_bounds, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
+from edgekit.export.onnx import register_rewrite_lookup
 from edgekit.progress import StepProgress
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.inputs import InputOptions
+from edgekit.sources.models import register_artifact_loader
 from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -370,3 +372,8 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle
+
+
+# The layers below find compressed models and the steps' graph rewrites through these registrations.
+register_artifact_loader("model", load_compressed)
+register_rewrite_lookup(lambda name: get_step(name).rewrite_onnx)

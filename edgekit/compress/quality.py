@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from edgekit.errors import BadInputError
+from edgekit.evaluate import make_runner, window_nll
 from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, data_view
@@ -114,8 +115,6 @@ def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.nda
 
 def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
     """The first output of the model (its PyTorch module, else its ONNX graph) as float32."""
-    from edgekit.evaluate import make_runner
-
     try:
         out = make_runner(handle)(feeds)[0]
     except ort_errors() as e:  # an ONNX graph ONNX Runtime refuses: one line naming the node
@@ -125,9 +124,8 @@ def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
 
 
 def _token_nll(logits: torch.Tensor, ids: np.ndarray) -> np.ndarray:
-    lp = torch.log_softmax(logits[:, :-1], dim=-1)
-    target = torch.from_numpy(ids[:, 1:]).long()
-    return (-lp.gather(-1, target[..., None])[..., 0]).numpy()
+    """Per-token NLL (b, t - 1), a chunk of positions at a time (never a second vocabulary-sized copy)."""
+    return window_nll(logits.numpy(), ids)
 
 
 def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:

@@ -43,8 +43,10 @@ import numpy as np
 
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph
+from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
+from edgekit.memory import release_memory
 from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
-from edgekit.sources.models import decode_step_inputs
+from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
 
 log = logging.getLogger(__name__)
@@ -66,17 +68,21 @@ def with_accuracy_level(proto: Any, level: int | None) -> Any:
     """A copy of ``proto`` whose MatMulNBits nodes carry ``accuracy_level`` (None: removed)."""
     import copy
 
+    return set_accuracy_level(copy.deepcopy(proto), level)
+
+
+def set_accuracy_level(proto: Any, level: int | None) -> Any:
+    """Set (None: remove) ``accuracy_level`` on the MatMulNBits nodes of ``proto``, in place; returns it."""
     from onnx import helper
 
-    out = copy.deepcopy(proto)
-    for node in out.graph.node:
+    for node in proto.graph.node:
         if node.op_type == "MatMulNBits":
             keep = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend(keep)
             if level is not None:
                 node.attribute.append(helper.make_attribute("accuracy_level", level))
-    return out
+    return proto
 
 
 def _digest(a: np.ndarray) -> str:
@@ -98,8 +104,6 @@ def _block_size(in_features: int, group_size: int, exact: bool = False) -> int |
 def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(B (N, blocks, blob), scales (N*blocks,), zero_points (N*zp_bytes,), blocks) for MatMulNBits."""
     import torch
-
-    from edgekit.compress.packing import pack_codes, storage_bits
 
     K = layer._cols
     bits = storage_bits(layer.bits)
@@ -182,8 +186,6 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     """Replace every packed layer's traced dequantization by MatMulNBits/GatherBlockQuantized
     (or blocked DequantizeLinear with ``fmt="qdq"``). Returns the (modified) ModelProto."""
     from onnx import helper, numpy_helper
-
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear
 
     if fmt not in FORMATS:
         raise bad_choice("int4 ONNX format", fmt, FORMATS)
@@ -354,8 +356,6 @@ def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indi
 def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
     from onnx import helper
 
-    from edgekit.compress.packing import pack_codes
-
     D = layer._cols
     block = _block_size(D, layer.group_size, exact=True)
     if fmt == "matmulnbits" and layer.bits in (4, 8) and block is not None:
@@ -463,26 +463,33 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
         export_s = time.perf_counter() - t0
         proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
     out_dir = Path(out_dir)
-    with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder:
-        large = proto.ByteSize() > 2**31 - 2**20
+    # what the manifest and the checks need from the graph, so that the proto is freed once saved:
+    # the checks below hold ONNX Runtime sessions and the float model, never the proto beside them
+    names = [i.name for i in proto.graph.input]
+    outputs = [o.name for o in proto.graph.output]
+    blocks = _graph_block_size(proto)
+    step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+    large = proto.ByteSize() > 2**31 - 2**20
+    twin_parity = parity and bool(accuracy_level)
+    with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder, \
+            tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
         onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                         location="model.onnx.data" if large else None)
-        step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+        twin = os.path.join(tmp, "model.onnx")
+        if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy)
+            onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
+                            location="model.onnx.data" if large else None)
+        del proto
+        release_memory()
         verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
         metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),
                                    "onnx_bytes": sum(f.stat().st_size for f in folder.iterdir())}
-        if parity and accuracy_level:
+        if twin_parity:
             # int8 compute is an approximation by design: the graph itself is checked strictly on a twin
             # with fp32 compute, the shipped setting's deviation is recorded beside it
-            with tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
-                twin = with_accuracy_level(proto, None)
-                onnx.save_model(twin, os.path.join(tmp, "model.onnx"), save_as_external_data=large,
-                                location="model.onnx.data" if large else None)
-                metrics["parity"] = check_lm_parity(handle, os.path.join(tmp, "model.onnx"), with_past=with_past,
-                                                    atol=atol, rtol=rtol)
-                if handle.steps:  # against the float model too (quantization error as the tolerance)
-                    metrics["parity_float"] = check_against_float(handle, os.path.join(tmp, "model.onnx"),
-                                                                  with_past=with_past)
+            metrics["parity"] = check_lm_parity(handle, twin, with_past=with_past, atol=atol, rtol=rtol)
+            if handle.steps:  # against the float model too (quantization error as the tolerance)
+                metrics["parity_float"] = check_against_float(handle, twin, with_past=with_past)
             metrics["parity"]["compute"] = "fp32 (twin of the shipped graph without accuracy_level)"
             metrics["parity_int8_compute"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past,
                                                              atol=atol, rtol=INT8_COMPUTE_RTOL)
@@ -490,15 +497,14 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
             metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
         if parity and handle.steps and "parity_float" not in metrics:
             metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past)
-        names = [i.name for i in proto.graph.input]
         write_manifest(folder, Manifest(
             kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
             model={**handle.describe(), "inputs": [{"name": n} for n in names],
-                   "outputs": [o.name for o in proto.graph.output], "kv_cache": with_past},
+                   "outputs": outputs, "kv_cache": with_past},
             steps=[{"name": s.name, "config": s.config, "meta": {k: v for k, v in s.meta.items() if k != "layers"}}
                    for s in handle.steps],
             config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset, "graph": graph,
-                    "block_size": _graph_block_size(proto)}))
+                    "block_size": blocks}))
     return out_dir
 
 
@@ -539,8 +545,6 @@ def float_placeholders(module: Any):
     float export costs, and ``rewrite_packed_graph`` finds the weights by content."""
     import torch
     from torch import nn
-
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear, ScaledEmbedding
 
     swapped = []
     tables: dict[int, nn.Parameter] = {}
@@ -670,20 +674,23 @@ def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_
     that matches an already-wrong PyTorch model does not pass."""
     import torch
 
-    from edgekit.sources.models import load_model
-
-    base = load_model(handle.source)
-    if base.module is None:
-        return {"skipped": f"the base model {handle.source} has no PyTorch module"}
     feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
     ids = feeds["input_ids"][:, : prompt_len + 1]
     t = torch.from_numpy(ids)
+    # the compressed model's and the graph's logits first, the float model last and alone: it never
+    # shares the memory with an ONNX Runtime session
     with torch.no_grad():
-        ref = base.module(t, torch.ones_like(t)).float().numpy()
         packed = handle.module(t, torch.ones_like(t)).float().numpy()
-    del base
     sess = lm_session(onnx_path, threads=2)
     got = onnx_logits(sess, ids, prompt_len, with_past)
+    del sess
+    release_memory()
+    base = load_model(handle.source)
+    if base.module is None:
+        return {"skipped": f"the base model {handle.source} has no PyTorch module"}
+    with torch.no_grad():
+        ref = base.module(t, torch.ones_like(t)).float().numpy()
+    del base
 
     def rel(a: np.ndarray) -> float:
         return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))

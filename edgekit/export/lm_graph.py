@@ -39,7 +39,7 @@ import torch
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 from torch import nn
 
-from edgekit.compress.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
+from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.errors import BadInputError
 from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
 

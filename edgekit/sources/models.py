@@ -16,6 +16,7 @@ import importlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -334,14 +335,25 @@ def _load_entry_point(spec: str) -> ModelHandle:
                        dynamic_axes={n: {0: "batch"} for n in names})
 
 
+# Loaders of artifact kinds that a higher layer defines, by manifest kind: ``edgekit.compress``
+# registers "model" (a compressed model: base model + step chain + weights) when it is imported.
+ARTIFACT_LOADERS: dict[str, Callable[[Path], ModelHandle]] = {}
+
+
+def register_artifact_loader(kind: str, loader: Callable[[Path], ModelHandle]) -> None:
+    """Load artifact folders of manifest ``kind`` with ``loader(folder) -> ModelHandle``."""
+    ARTIFACT_LOADERS[kind] = loader
+
+
 def _load_artifact(folder: Path) -> ModelHandle:
     from edgekit.artifact import read_manifest
 
     manifest = read_manifest(folder)
+    if manifest.kind in ARTIFACT_LOADERS:
+        return ARTIFACT_LOADERS[manifest.kind](folder)
     if manifest.kind == "model":
-        from edgekit.compress import load_compressed
-
-        return load_compressed(folder)
+        raise BadInputError(f"{folder} is a compressed model; loading it needs the compression steps "
+                            "(import edgekit.compress first: the edgekit command does)")
     if manifest.kind == "onnx":
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         base = manifest.model
