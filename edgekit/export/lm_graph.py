@@ -39,8 +39,8 @@ import torch
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 from torch import nn
 
-from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.errors import BadInputError
+from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
 
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
