@@ -1,10 +1,12 @@
-"""Give freed memory back to the operating system between the phases of a command.
+"""Give memory back to the operating system between the phases of a command.
 
-Large tensors and ONNX protos freed by Python stay in the C allocator's heap (glibc keeps freed
-chunks for reuse), so a command's resident memory only grows: the float model loaded after an
-export's graph was built and freed lands on top of the freed graph. ``release_memory`` runs the
-garbage collector and, on glibc, ``malloc_trim(0)``, which returns the free pages; elsewhere it
-only collects.
+* ``release_memory``: tensors and ONNX protos freed by Python stay in the C allocator's heap
+  (glibc keeps freed chunks for reuse), so a command's resident memory only grows; this runs the
+  garbage collector and, on glibc, ``malloc_trim(0)``, which returns the free pages.
+* ``own_memory(module)``: a model loaded from a memory-mapped safetensors file keeps the whole
+  file resident while any of its tensors still points into it: after a compression step replaced
+  the large weights, the few float tensors left (norms, biases) hold the float model's file in
+  memory. This copies those tensors out (Linux: read from ``/proc/self/maps``), so the mapping goes.
 
 >>> release_memory()  # doctest: +SKIP
 """
@@ -40,4 +42,41 @@ def release_memory() -> None:
         lib.malloc_trim(0)
 
 
-__all__ = ["release_memory"]
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed mappings of data files (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].startswith("/") and parts[5].endswith(".safetensors"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def own_memory(module: Any) -> int:
+    """Copy the parameters and buffers of ``module`` that live in a memory-mapped safetensors file
+    into memory of their own (shared tensors stay shared); returns how many were copied."""
+    ranges = _file_mappings()
+    if not ranges:
+        return 0
+    seen: set[int] = set()
+    copied = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in seen or t.device.type != "cpu" or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        ptr = t.untyped_storage().data_ptr()
+        if any(lo <= ptr < hi for lo, hi in ranges):
+            t.data = t.data.clone()
+            copied += 1
+    if copied:
+        release_memory()
+    return copied
+
+
+__all__ = ["own_memory", "release_memory"]

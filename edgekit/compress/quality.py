@@ -33,6 +33,7 @@ import torch
 
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
+from edgekit.memory import own_memory, release_memory
 from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, data_view
@@ -144,11 +145,14 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
         idx = np.linspace(0, flat.shape[0] - 1, min(per_feed, flat.shape[0])).astype(np.int64)
         index.append(idx)
         rows.append(flat[torch.from_numpy(idx)].numpy())
+    release_memory()  # the last window's logits
     return Reference(source, feeds, nll, top, np.concatenate(rows), index)
 
 
 def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     """Quality of ``handle`` (compressed) against the float reference, on the same inputs."""
+    if handle.module is not None:  # the float model's file, still mapped through its untouched tensors
+        own_memory(handle.module)
     nll: list[np.ndarray] = []
     agree, count, rows = 0, 0, []
     for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.memory import own_memory, release_memory
 from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.sources.inputs import (
@@ -350,7 +351,11 @@ def _load_artifact(folder: Path) -> ModelHandle:
 
     manifest = read_manifest(folder)
     if manifest.kind in ARTIFACT_LOADERS:
-        return ARTIFACT_LOADERS[manifest.kind](folder)
+        handle = ARTIFACT_LOADERS[manifest.kind](folder)
+        if handle.module is not None:  # rebuilt from its float model: let go of that model's file
+            own_memory(handle.module)
+        release_memory()
+        return handle
     if manifest.kind == "model":
         raise BadInputError(f"{folder} is a compressed model; loading it needs the compression steps "
                             "(import edgekit.compress first: the edgekit command does)")
