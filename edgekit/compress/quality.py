@@ -168,7 +168,8 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     cos = (got * want).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1), 1e-30)
     report: dict[str, Any] = {"data": ref.source, "agreement": round(agree / max(count, 1), 4),
                               "cosine": round(float(cos.mean()), 5),
-                              "relative_error": round(float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)), 5)}
+                              "relative_error": round(float(np.linalg.norm(got - want)) / max(float(np.linalg.norm(want)),
+                                                                                             1e-30), 5)}
     if ref.nll is not None:
         p_float = math.exp(float(np.mean(np.concatenate([a.ravel() for a in ref.nll]))))
         p = math.exp(min(float(np.mean(np.concatenate([a.ravel() for a in nll]))), 700.0))

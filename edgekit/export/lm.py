@@ -36,8 +36,9 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,6 +51,13 @@ from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
 
 log = logging.getLogger(__name__)
+
+
+class AddInit(Protocol):
+    """rewrite_packed_graph's initializer writer: adds ``arr`` as ``name`` (once), returns the name."""
+
+    def __call__(self, name: str, arr: np.ndarray, dtype: int | None = None) -> str: ...
+
 
 MATMULNBITS_BITS = (2, 3, 4, 8)
 _MATCH_TYPES = (2, 6, 7, 1)  # onnx UINT8, INT32, INT64, FLOAT  # 3-bit codes are stored (and run) as 4-bit
@@ -283,7 +291,8 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     return model
 
 
-def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None, add_init) -> list:
+def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None,
+                  add_init: AddInit) -> list[Any]:
     from onnx import helper
 
     out = node.output[0]
@@ -318,7 +327,7 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
 
 
 def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indices: str, out: str, fmt: str,
-                       add_init) -> list | None:
+                       add_init: AddInit) -> list[Any] | None:
     """The lookup of an embedding tied to a packed LM head, reading the head's MatMulNBits table
     ``(vocab, blocks, block bytes)`` (the same bytes: rows of codes, two 4-bit codes a byte, low
     nibble first) through GatherBlockQuantized along its last axis, then the blocks reshaped into
@@ -353,7 +362,7 @@ def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indi
     return nodes
 
 
-def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
+def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init: AddInit) -> list[Any]:
     from onnx import helper
 
     D = layer._cols
@@ -362,10 +371,10 @@ def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_i
         g = D if layer.group_size == -1 else layer.group_size
         gidx = np.arange(D // block) * block // g  # group of each block
         data = layer.qweight.numpy() if layer.bits == 8 else pack_codes(layer.codes(), 4).numpy()
-        zeros = pack_codes(layer.zeros()[:, gidx], layer.bits).numpy()
+        packed_zeros = pack_codes(layer.zeros()[:, gidx], layer.bits).numpy()
         ins = [add_init(f"{safe}_Gq", data), indices,
                add_init(f"{safe}_Gs{block}", layer.scales.float().numpy()[:, gidx]),
-               add_init(f"{safe}_Gz{block}", zeros)]
+               add_init(f"{safe}_Gz{block}", packed_zeros)]
         return [helper.make_node("GatherBlockQuantized", ins, [out], name=f"{safe}_GatherBlockQuantized",
                                  domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block,
                                  bits=layer.bits)]
@@ -539,7 +548,7 @@ def _graph_block_size(proto: Any) -> list[int]:
 
 
 @contextlib.contextmanager
-def float_placeholders(module: Any):
+def float_placeholders(module: Any) -> Iterator[Any]:
     """Temporarily swap packed layers for float ``nn.Linear`` / ``nn.Embedding`` holding the
     dequantized weights (a tied table stays one shared tensor). Tracing then costs what a
     float export costs, and ``rewrite_packed_graph`` finds the weights by content."""
@@ -554,6 +563,7 @@ def float_placeholders(module: Any):
         key = m.qweight.data_ptr()
         if key not in tables:
             tables[key] = nn.Parameter(m.dequantize().detach(), requires_grad=False)
+        new: nn.Module
         if isinstance(m, QuantLinear):
             new = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
             new.weight = tables[key]

@@ -34,12 +34,14 @@ the float weight, and ``weight`` is the same, as a read-only property.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+Device = torch.device | str | None
 # QuantLinear.forward dequantizes the whole weight when it has at most this many elements (64 MiB in
 # float32), else a block of output rows at a time (Gemma 3's 262,144 x 640 LM head: 640 MiB at once).
 FORWARD_CHUNK = 1 << 24
@@ -106,8 +108,18 @@ class _PackedTable(nn.Module):
     qweight: torch.Tensor  # buffers (registered in _init_buffers), declared for type checkers
     scales: torch.Tensor
     qzeros: torch.Tensor
+    bits: int
+    group_size: int
 
-    def _init_buffers(self, rows: int, cols: int, bits: int, group_size: int, device=None) -> None:
+    @property
+    def _rows(self) -> int:  # rows of the weight (out_features, num_embeddings)
+        raise NotImplementedError
+
+    @property
+    def _cols(self) -> int:  # columns of the weight (in_features, embedding_dim)
+        raise NotImplementedError
+
+    def _init_buffers(self, rows: int, cols: int, bits: int, group_size: int, device: Device = None) -> None:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
         self.bits = bits
@@ -176,8 +188,10 @@ class QuantLinear(_PackedTable):
     torch.Size([2, 64])
     """
 
+    bias: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
-                 bias: bool = False, device=None) -> None:
+                 bias: bool = False, device: Device = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -205,7 +219,7 @@ class QuantLinear(_PackedTable):
         out_f, in_f = q.shape
         layer = cls(in_f, out_f, bits, group_size, bias=bias is not None, device=q.device)
         layer.set_quantized(q, scales, zeros)
-        if bias is not None:
+        if bias is not None and layer.bias is not None:
             layer.bias.copy_(bias.detach().float())
         return layer
 
@@ -235,7 +249,7 @@ class QuantEmbedding(_PackedTable):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8, group_size: int = 128,
-                 padding_idx: int | None = None, device=None, scale: float = 1.0) -> None:
+                 padding_idx: int | None = None, device: Device = None, scale: float = 1.0) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -278,7 +292,7 @@ class ScaledEmbedding(nn.Embedding):
     """``nn.Embedding`` whose rows are multiplied by a constant: the float stand-in of a packed
     scaled embedding (Gemma 3) while a graph is traced (``export.lm.float_placeholders``)."""
 
-    def __init__(self, *args, scale: float = 1.0, **kwargs) -> None:
+    def __init__(self, *args: Any, scale: float = 1.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.scale = float(scale)
 

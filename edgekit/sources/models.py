@@ -207,10 +207,10 @@ def decode_step_inputs(specs: list[InputSpec]) -> Any:
         feeds: dict[str, np.ndarray] = {}
         for spec in specs:
             if spec.name.startswith("past_key_values."):
-                shape = [batch, spec.shape[1], past, spec.shape[3]]
-                if not all(isinstance(d, int) for d in shape):
+                heads, dim = spec.shape[1], spec.shape[3]
+                if not (isinstance(heads, int) and isinstance(dim, int)):
                     raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
-                feeds[spec.name] = (0.1 * rng.standard_normal(shape)).astype(np.dtype(spec.dtype))
+                feeds[spec.name] = (0.1 * rng.standard_normal((batch, heads, past, dim))).astype(np.dtype(spec.dtype))
             elif spec.name == "input_ids":
                 feeds[spec.name] = rng.integers(0, 100, size=(batch, seq)).astype(np.int64)
             elif spec.name == "attention_mask":
