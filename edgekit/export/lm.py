@@ -471,6 +471,7 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
         proto = _traced_graph(handle, task, with_past, opset)
         export_s = time.perf_counter() - t0
         proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
+        release_memory()  # the traced float weights the rewrite replaced
     out_dir = Path(out_dir)
     # what the manifest and the checks need from the graph, so that the proto is freed once saved:
     # the checks below hold ONNX Runtime sessions and the float model, never the proto beside them
@@ -536,6 +537,7 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
                                        no_post_process=True)
         finally:
             hf.config.use_cache = use_cache
+        release_memory()  # the float placeholders and the exporter's own copies, before the graph loads
         return onnx.load(os.path.join(tmp, "model.onnx"))
 
 
