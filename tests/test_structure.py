@@ -21,8 +21,7 @@ KNOWN_CYCLES = [
     {"edgekit.pipelines.html", "edgekit.pipelines.run", "edgekit.pipelines.sweep"},
     {"edgekit.sources.data", "edgekit.sources.detection_data", "edgekit.sources.detectors", "edgekit.sources.fmnist",
      "edgekit.sources.hf", "edgekit.sources.inputs", "edgekit.sources.zoo"},
-    {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
-     "edgekit.export.lm", "edgekit.sources.models"},
+    {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only"},
 ]
 
 
