@@ -60,18 +60,28 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 def own_memory(module: Any) -> int:
     """Copy the parameters and buffers of ``module`` that live in a memory-mapped safetensors file
-    into memory of their own (shared tensors stay shared); returns how many were copied."""
+    into memory of their own (shared tensors stay shared), for each file of which they use less than
+    half (a model whose weights mostly still live there keeps it: copying would double it for a
+    while); returns how many were copied."""
     ranges = _file_mappings()
     if not ranges:
         return 0
+    inside: dict[tuple[int, int], list[Any]] = {}
     seen: set[int] = set()
-    copied = 0
     for t in [*module.parameters(), *module.buffers()]:
         if id(t) in seen or t.device.type != "cpu" or t.numel() == 0:
             continue
         seen.add(id(t))
         ptr = t.untyped_storage().data_ptr()
-        if any(lo <= ptr < hi for lo, hi in ranges):
+        for lo, hi in ranges:
+            if lo <= ptr < hi:
+                inside.setdefault((lo, hi), []).append(t)
+                break
+    copied = 0
+    for (lo, hi), tensors in inside.items():
+        if sum(t.numel() * t.element_size() for t in tensors) * 2 >= hi - lo:
+            continue
+        for t in tensors:
             t.data = t.data.clone()
             copied += 1
     if copied:
