@@ -6,8 +6,8 @@ time, and its peak resident memory is read from the kernel when it ends (``os.wa
 
 * ``imports``: the Python packages every command imports (torch, transformers, ONNX Runtime), no model;
 * ``load``: loading the float model (the GGUF's float copy cached beforehand), the floor;
-* ``compress --bits 4 --method rtn --group-size 128``: 4-bit weights (8-bit head), perplexity
-  before and after on the eval windows, save;
+* ``compress --bits 4 --method rtn --group-size 128 --accept-quality-loss``: 4-bit weights (8-bit
+  head), perplexity before and after on the eval windows (the gate's verdict recorded, not enforced), save;
 * ``export --kv-cache``: the ONNX graph with the KV cache (parity checks included);
 * ``build --target cpu``: ONNX Runtime's optimized engine;
 * ``profile``: timing and per-node profile of the engine (generation metrics off, 1 s).
@@ -118,8 +118,10 @@ def run_model(name: str, work: Path) -> dict[str, Any]:
     steps = [measure([py, "-c", imports], "imports"), measure([py, "-c", load_code, spec], "load")]
     ek = [py, "-m", "edgekit.cli"]
     w4, onnx_dir, engine = work / f"{name}-w4", work / f"{name}-onnx", work / f"{name}-engine"
+    # the quality gate is not what this measures: RTN on Gemma-3-270m costs 1.77x the float perplexity on
+    # the config-length windows (bound 1.5x), and the steps after it need its output
     steps.append(measure([*ek, "compress", spec, "--bits", "4", "--method", "rtn", "--group-size", "128",
-                          "-o", str(w4)], "compress"))
+                          "--accept-quality-loss", "-o", str(w4)], "compress"))
     steps.append(measure([*ek, "export", str(w4), "--kv-cache", "-o", str(onnx_dir)], "export"))
     steps.append(measure([*ek, "build", str(onnx_dir), "--target", "cpu", "-o", str(engine)], "build"))
     steps.append(measure([*ek, "profile", str(engine), "--no-generation", "--duration-s", "1", "--iterations", "5",

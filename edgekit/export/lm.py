@@ -93,8 +93,22 @@ def set_accuracy_level(proto: Any, level: int | None) -> Any:
     return proto
 
 
-def _digest(a: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+# Digests stream a weight through this many elements at a time: converting or transposing a whole
+# 262,144 x 640 table first would cost up to 1.3 GB (int64) for the one hash.
+DIGEST_CHUNK = 1 << 22
+
+
+def _digest(a: np.ndarray, dtype: Any = None) -> str:
+    """sha1 of ``a`` (cast to ``dtype``) as C-order bytes, computed a block of leading rows at a time."""
+    h = hashlib.sha1()
+    if a.ndim < 2:
+        h.update(np.ascontiguousarray(a if dtype is None else a.astype(dtype)).tobytes())
+        return h.hexdigest()
+    step = max(1, DIGEST_CHUNK // max(int(np.prod(a.shape[1:])), 1))
+    for lo in range(0, a.shape[0], step):
+        block = a[lo:lo + step]
+        h.update(np.ascontiguousarray(block if dtype is None else block.astype(dtype)).tobytes())
+    return h.hexdigest()
 
 
 def _block_size(in_features: int, group_size: int, exact: bool = False) -> int | None:
@@ -205,12 +219,13 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     for name, m in layers:
         q = m.qweight.detach().cpu().numpy()
         for dt in (np.uint8, np.int32, np.int64):  # exporters may fold the first casts in
-            by_digest[_digest(q.astype(dt))].append((name, m))
+            by_digest[_digest(q, dt)].append((name, m))
         sizes.add(q.size)
-        w = m.dequantize().detach().cpu().numpy().astype(np.float32)
+        w = m.dequantize().detach().cpu().float().numpy()
         by_digest[_digest(w)].append((name, m))
         by_digest[_digest(w.T)].append((name, m))
         sizes.add(w.size)
+        del w
     graph = model.graph
     g = _Graph(graph)
     matched: list[tuple[str, list[tuple[str, Any]]]] = []
