@@ -173,6 +173,13 @@ _INPUT_OPTIONS = {
 }
 
 
+def _load_compressed(folder: Path) -> Any:
+    """Load a compressed model folder with the compression steps (imported only when one is given)."""
+    from edgekit.compress import load_compressed
+
+    return load_compressed(folder)
+
+
 def with_input_options(*which: str) -> Any:
     """Add the model-input options named in ``which`` to a command; the command receives them
     parsed and checked as one ``input_options`` argument (``edgekit.sources.inputs.InputOptions``
@@ -182,7 +189,9 @@ def with_input_options(*which: str) -> Any:
         @functools.wraps(f)
         def command(*args: Any, **kwargs: Any) -> Any:
             from edgekit.sources.inputs import input_options
+            from edgekit.sources.models import register_artifact_loader
 
+            register_artifact_loader("model", _load_compressed)  # a compressed model folder: its steps rebuild it
             opts = input_options(shapes=kwargs.pop("shapes", None), inputs=kwargs.pop("inputs_file", None),
                                  preprocess=kwargs.pop("preprocess", None))
             return f(*args, input_options=opts, **kwargs)

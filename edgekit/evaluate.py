@@ -213,18 +213,41 @@ def cosine_metrics(out: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min())}
 
 
-def token_nll(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> tuple[float, int]:
-    """Summed next-token NLL and the number of predicted tokens of one batch of windows.
+# Logits rows turned into log-probabilities at once: (tokens x vocabulary) float32 for a whole window
+# is 512 MiB for a 262k vocabulary and 512 tokens, and log-softmax would copy it; a chunk of rows is at
+# most this many elements (64 MiB). Each row's NLL is the same whatever the chunk.
+NLL_CHUNK_ELEMENTS = 1 << 24
+
+
+def nll_rows(vocab: int) -> int:
+    """Rows of (vocab,) logits per chunk of the NLL computation."""
+    return max(1, NLL_CHUNK_ELEMENTS // max(int(vocab), 1))
+
+
+def window_nll(logits: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
+    """Next-token NLL (b, t - 1) float32 of one batch of windows, in chunks of positions.
     logits (b, t, vocab), input_ids (b, t): position i predicts token i + 1."""
     import torch
 
-    lg = torch.from_numpy(np.ascontiguousarray(logits[:, :-1])).float()
-    target = torch.from_numpy(np.ascontiguousarray(input_ids[:, 1:])).long()
-    nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), target.reshape(-1), reduction="none")
+    b, t = input_ids.shape[:2]
+    out = np.empty((b, max(t - 1, 0)), dtype=np.float32)
+    rows = nll_rows(logits.shape[-1])
+    for i in range(b):
+        for s in range(0, t - 1, rows):
+            e = min(s + rows, t - 1)
+            lg = torch.from_numpy(np.ascontiguousarray(logits[i, s:e])).float()
+            target = torch.from_numpy(np.ascontiguousarray(input_ids[i, s + 1:e + 1])).long()
+            out[i, s:e] = torch.nn.functional.cross_entropy(lg, target, reduction="none").numpy()
+    return out
+
+
+def token_nll(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> tuple[float, int]:
+    """Summed next-token NLL and the number of predicted tokens of one batch of windows.
+    logits (b, t, vocab), input_ids (b, t): position i predicts token i + 1."""
+    nll = window_nll(logits, input_ids).reshape(-1)
     if attention_mask is not None:
-        mask = torch.from_numpy(np.ascontiguousarray(attention_mask[:, 1:])).reshape(-1).bool()
-        nll = nll[mask]
-    return float(nll.double().sum()), int(nll.numel())
+        nll = nll[np.asarray(attention_mask)[:, 1:].reshape(-1).astype(bool)]
+    return float(nll.astype(np.float64).sum()), int(nll.size)
 
 
 # ----------------------------------------------------------------------------------------------

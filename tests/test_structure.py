@@ -23,10 +23,7 @@ KNOWN_RUNTIME_BRANCHES: set[tuple[str, str]] = set()
 NOT_RUNTIME_NAMES = {("edgekit.sources.pt2", "torch")}
 
 # Module cycles still to be cut (each set is one strongly connected group of modules).
-KNOWN_CYCLES = [
-    {"edgekit.compress", "edgekit.compress.awq", "edgekit.compress.gptq", "edgekit.compress.weight_only",
-     "edgekit.export.lm", "edgekit.sources.models"},
-]
+KNOWN_CYCLES: list[set[str]] = []
 
 
 def _module_name(path: Path) -> str:

@@ -30,11 +30,14 @@ from typing import Any
 
 from edgekit.compress.quality import check_quality, compare, default_bounds, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
+from edgekit.export.onnx import register_rewrite_lookup
+from edgekit.export.packing import validate_packed
 from edgekit.progress import StepProgress
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.inputs import InputOptions
+from edgekit.sources.models import register_artifact_loader
 from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -368,9 +371,12 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     if missing or unexpected:
         raise BadInputError(f"{weights} does not fit the rebuilt model: missing {sorted(missing)[:5]}, "
                             f"unexpected {sorted(unexpected)[:5]}")
-    from edgekit.compress.weight_only import validate_packed
-
     validate_packed(handle.module)  # shapes fit (load checked them); scales finite, zero points in range
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle
+
+
+# The layers below find compressed models and the steps' graph rewrites through these registrations.
+register_artifact_loader("model", load_compressed)
+register_rewrite_lookup(lambda name: get_step(name).rewrite_onnx)

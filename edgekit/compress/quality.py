@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from edgekit.errors import BadInputError
+from edgekit.evaluate import make_runner, window_nll
+from edgekit.memory import own_memory, release_memory
 from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, data_view
@@ -114,8 +116,6 @@ def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.nda
 
 def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
     """The first output of the model (its PyTorch module, else its ONNX graph) as float32."""
-    from edgekit.evaluate import make_runner
-
     try:
         out = make_runner(handle)(feeds)[0]
     except ort_errors() as e:  # an ONNX graph ONNX Runtime refuses: one line naming the node
@@ -125,9 +125,8 @@ def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
 
 
 def _token_nll(logits: torch.Tensor, ids: np.ndarray) -> np.ndarray:
-    lp = torch.log_softmax(logits[:, :-1], dim=-1)
-    target = torch.from_numpy(ids[:, 1:]).long()
-    return (-lp.gather(-1, target[..., None])[..., 0]).numpy()
+    """Per-token NLL (b, t - 1), a chunk of positions at a time (never a second vocabulary-sized copy)."""
+    return window_nll(logits.numpy(), ids)
 
 
 def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
@@ -146,11 +145,14 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
         idx = np.linspace(0, flat.shape[0] - 1, min(per_feed, flat.shape[0])).astype(np.int64)
         index.append(idx)
         rows.append(flat[torch.from_numpy(idx)].numpy())
+    release_memory()  # the last window's logits
     return Reference(source, feeds, nll, top, np.concatenate(rows), index)
 
 
 def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     """Quality of ``handle`` (compressed) against the float reference, on the same inputs."""
+    if handle.module is not None:  # the float model's file, still mapped through its untouched tensors
+        own_memory(handle.module)
     nll: list[np.ndarray] = []
     agree, count, rows = 0, 0, []
     for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):
@@ -166,7 +168,8 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     cos = (got * want).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1), 1e-30)
     report: dict[str, Any] = {"data": ref.source, "agreement": round(agree / max(count, 1), 4),
                               "cosine": round(float(cos.mean()), 5),
-                              "relative_error": round(float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)), 5)}
+                              "relative_error": round(float(np.linalg.norm(got - want)) / max(float(np.linalg.norm(want)),
+                                                                                             1e-30), 5)}
     if ref.nll is not None:
         p_float = math.exp(float(np.mean(np.concatenate([a.ravel() for a in ref.nll]))))
         p = math.exp(min(float(np.mean(np.concatenate([a.ravel() for a in nll]))), 700.0))

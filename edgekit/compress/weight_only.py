@@ -444,18 +444,6 @@ def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -
     return handle
 
 
-def validate_packed(module: nn.Module) -> None:
-    """Raise BadInputError when a loaded packed layer's buffers are inconsistent."""
-    for name, m in module.named_modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
-            try:
-                m.check(name)
-                if int(m.zeros().max()) > 2**m.bits - 1:
-                    raise ValueError(f"{name}.qzeros holds codes beyond {m.bits} bits")
-            except ValueError as e:
-                raise BadInputError(f"corrupt packed checkpoint: {e}") from None
-
-
 def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
     """Replace the exported dequantize-then-matmul of each packed layer by ``MatMulNBits``
     (and the packed embedding lookup by ``GatherBlockQuantized``); see ``export/lm.py``."""

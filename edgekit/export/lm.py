@@ -36,18 +36,28 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph
+from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
+from edgekit.memory import release_memory
 from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
-from edgekit.sources.models import decode_step_inputs
+from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
 
 log = logging.getLogger(__name__)
+
+
+class AddInit(Protocol):
+    """rewrite_packed_graph's initializer writer: adds ``arr`` as ``name`` (once), returns the name."""
+
+    def __call__(self, name: str, arr: np.ndarray, dtype: int | None = None) -> str: ...
+
 
 MATMULNBITS_BITS = (2, 3, 4, 8)
 _MATCH_TYPES = (2, 6, 7, 1)  # onnx UINT8, INT32, INT64, FLOAT  # 3-bit codes are stored (and run) as 4-bit
@@ -66,21 +76,39 @@ def with_accuracy_level(proto: Any, level: int | None) -> Any:
     """A copy of ``proto`` whose MatMulNBits nodes carry ``accuracy_level`` (None: removed)."""
     import copy
 
+    return set_accuracy_level(copy.deepcopy(proto), level)
+
+
+def set_accuracy_level(proto: Any, level: int | None) -> Any:
+    """Set (None: remove) ``accuracy_level`` on the MatMulNBits nodes of ``proto``, in place; returns it."""
     from onnx import helper
 
-    out = copy.deepcopy(proto)
-    for node in out.graph.node:
+    for node in proto.graph.node:
         if node.op_type == "MatMulNBits":
             keep = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend(keep)
             if level is not None:
                 node.attribute.append(helper.make_attribute("accuracy_level", level))
-    return out
+    return proto
 
 
-def _digest(a: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+# Digests stream a weight through this many elements at a time: converting or transposing a whole
+# 262,144 x 640 table first would cost up to 1.3 GB (int64) for the one hash.
+DIGEST_CHUNK = 1 << 22
+
+
+def _digest(a: np.ndarray, dtype: Any = None) -> str:
+    """sha1 of ``a`` (cast to ``dtype``) as C-order bytes, computed a block of leading rows at a time."""
+    h = hashlib.sha1()
+    if a.ndim < 2:
+        h.update(np.ascontiguousarray(a if dtype is None else a.astype(dtype)).tobytes())
+        return h.hexdigest()
+    step = max(1, DIGEST_CHUNK // max(int(np.prod(a.shape[1:])), 1))
+    for lo in range(0, a.shape[0], step):
+        block = a[lo:lo + step]
+        h.update(np.ascontiguousarray(block if dtype is None else block.astype(dtype)).tobytes())
+    return h.hexdigest()
 
 
 def _block_size(in_features: int, group_size: int, exact: bool = False) -> int | None:
@@ -98,8 +126,6 @@ def _block_size(in_features: int, group_size: int, exact: bool = False) -> int |
 def _blocked_params(layer: Any, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(B (N, blocks, blob), scales (N*blocks,), zero_points (N*zp_bytes,), blocks) for MatMulNBits."""
     import torch
-
-    from edgekit.compress.packing import pack_codes, storage_bits
 
     K = layer._cols
     bits = storage_bits(layer.bits)
@@ -183,8 +209,6 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     (or blocked DequantizeLinear with ``fmt="qdq"``). Returns the (modified) ModelProto."""
     from onnx import helper, numpy_helper
 
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear
-
     if fmt not in FORMATS:
         raise bad_choice("int4 ONNX format", fmt, FORMATS)
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
@@ -195,12 +219,13 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     for name, m in layers:
         q = m.qweight.detach().cpu().numpy()
         for dt in (np.uint8, np.int32, np.int64):  # exporters may fold the first casts in
-            by_digest[_digest(q.astype(dt))].append((name, m))
+            by_digest[_digest(q, dt)].append((name, m))
         sizes.add(q.size)
-        w = m.dequantize().detach().cpu().numpy().astype(np.float32)
+        w = m.dequantize().detach().cpu().float().numpy()
         by_digest[_digest(w)].append((name, m))
         by_digest[_digest(w.T)].append((name, m))
         sizes.add(w.size)
+        del w
     graph = model.graph
     g = _Graph(graph)
     matched: list[tuple[str, list[tuple[str, Any]]]] = []
@@ -281,7 +306,8 @@ def rewrite_packed_graph(model: Any, module: Any, fmt: str = "matmulnbits", accu
     return model
 
 
-def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None, add_init) -> list:
+def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_level: int | None,
+                  add_init: AddInit) -> list[Any]:
     from onnx import helper
 
     out = node.output[0]
@@ -316,7 +342,7 @@ def _linear_nodes(layer: Any, safe: str, a: str, node: Any, fmt: str, accuracy_l
 
 
 def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indices: str, out: str, fmt: str,
-                       add_init) -> list | None:
+                       add_init: AddInit) -> list[Any] | None:
     """The lookup of an embedding tied to a packed LM head, reading the head's MatMulNBits table
     ``(vocab, blocks, block bytes)`` (the same bytes: rows of codes, two 4-bit codes a byte, low
     nibble first) through GatherBlockQuantized along its last axis, then the blocks reshaped into
@@ -351,10 +377,8 @@ def _tied_gather_nodes(layer: Any, safe: str, head: tuple[str, Any] | None, indi
     return nodes
 
 
-def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init) -> list:
+def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_init: AddInit) -> list[Any]:
     from onnx import helper
-
-    from edgekit.compress.packing import pack_codes
 
     D = layer._cols
     block = _block_size(D, layer.group_size, exact=True)
@@ -362,10 +386,10 @@ def _gather_nodes(layer: Any, safe: str, indices: str, out: str, fmt: str, add_i
         g = D if layer.group_size == -1 else layer.group_size
         gidx = np.arange(D // block) * block // g  # group of each block
         data = layer.qweight.numpy() if layer.bits == 8 else pack_codes(layer.codes(), 4).numpy()
-        zeros = pack_codes(layer.zeros()[:, gidx], layer.bits).numpy()
+        packed_zeros = pack_codes(layer.zeros()[:, gidx], layer.bits).numpy()
         ins = [add_init(f"{safe}_Gq", data), indices,
                add_init(f"{safe}_Gs{block}", layer.scales.float().numpy()[:, gidx]),
-               add_init(f"{safe}_Gz{block}", zeros)]
+               add_init(f"{safe}_Gz{block}", packed_zeros)]
         return [helper.make_node("GatherBlockQuantized", ins, [out], name=f"{safe}_GatherBlockQuantized",
                                  domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=block,
                                  bits=layer.bits)]
@@ -462,27 +486,35 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
         proto = _traced_graph(handle, task, with_past, opset)
         export_s = time.perf_counter() - t0
         proto = rewrite_packed_graph(proto, handle.module, fmt=fmt, accuracy_level=accuracy_level)
+        release_memory()  # the traced float weights the rewrite replaced
     out_dir = Path(out_dir)
-    with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder:
-        large = proto.ByteSize() > 2**31 - 2**20
+    # what the manifest and the checks need from the graph, so that the proto is freed once saved:
+    # the checks below hold ONNX Runtime sessions and the float model, never the proto beside them
+    names = [i.name for i in proto.graph.input]
+    outputs = [o.name for o in proto.graph.output]
+    blocks = _graph_block_size(proto)
+    step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+    large = proto.ByteSize() > 2**31 - 2**20
+    twin_parity = parity and bool(accuracy_level)
+    with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder, \
+            tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
         onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                         location="model.onnx.data" if large else None)
-        step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+        twin = os.path.join(tmp, "model.onnx")
+        if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy)
+            onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
+                            location="model.onnx.data" if large else None)
+        del proto
+        release_memory()
         verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
         metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),
                                    "onnx_bytes": sum(f.stat().st_size for f in folder.iterdir())}
-        if parity and accuracy_level:
+        if twin_parity:
             # int8 compute is an approximation by design: the graph itself is checked strictly on a twin
             # with fp32 compute, the shipped setting's deviation is recorded beside it
-            with tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
-                twin = with_accuracy_level(proto, None)
-                onnx.save_model(twin, os.path.join(tmp, "model.onnx"), save_as_external_data=large,
-                                location="model.onnx.data" if large else None)
-                metrics["parity"] = check_lm_parity(handle, os.path.join(tmp, "model.onnx"), with_past=with_past,
-                                                    atol=atol, rtol=rtol)
-                if handle.steps:  # against the float model too (quantization error as the tolerance)
-                    metrics["parity_float"] = check_against_float(handle, os.path.join(tmp, "model.onnx"),
-                                                                  with_past=with_past)
+            metrics["parity"] = check_lm_parity(handle, twin, with_past=with_past, atol=atol, rtol=rtol)
+            if handle.steps:  # against the float model too (quantization error as the tolerance)
+                metrics["parity_float"] = check_against_float(handle, twin, with_past=with_past)
             metrics["parity"]["compute"] = "fp32 (twin of the shipped graph without accuracy_level)"
             metrics["parity_int8_compute"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past,
                                                              atol=atol, rtol=INT8_COMPUTE_RTOL)
@@ -490,15 +522,14 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
             metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
         if parity and handle.steps and "parity_float" not in metrics:
             metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past)
-        names = [i.name for i in proto.graph.input]
         write_manifest(folder, Manifest(
             kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
             model={**handle.describe(), "inputs": [{"name": n} for n in names],
-                   "outputs": [o.name for o in proto.graph.output], "kv_cache": with_past},
+                   "outputs": outputs, "kv_cache": with_past},
             steps=[{"name": s.name, "config": s.config, "meta": {k: v for k, v in s.meta.items() if k != "layers"}}
                    for s in handle.steps],
             config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset, "graph": graph,
-                    "block_size": _graph_block_size(proto)}))
+                    "block_size": blocks}))
     return out_dir
 
 
@@ -521,6 +552,7 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
                                        no_post_process=True)
         finally:
             hf.config.use_cache = use_cache
+        release_memory()  # the float placeholders and the exporter's own copies, before the graph loads
         return onnx.load(os.path.join(tmp, "model.onnx"))
 
 
@@ -533,14 +565,12 @@ def _graph_block_size(proto: Any) -> list[int]:
 
 
 @contextlib.contextmanager
-def float_placeholders(module: Any):
+def float_placeholders(module: Any) -> Iterator[Any]:
     """Temporarily swap packed layers for float ``nn.Linear`` / ``nn.Embedding`` holding the
     dequantized weights (a tied table stays one shared tensor). Tracing then costs what a
     float export costs, and ``rewrite_packed_graph`` finds the weights by content."""
     import torch
     from torch import nn
-
-    from edgekit.compress.packing import QuantEmbedding, QuantLinear, ScaledEmbedding
 
     swapped = []
     tables: dict[int, nn.Parameter] = {}
@@ -550,6 +580,7 @@ def float_placeholders(module: Any):
         key = m.qweight.data_ptr()
         if key not in tables:
             tables[key] = nn.Parameter(m.dequantize().detach(), requires_grad=False)
+        new: nn.Module
         if isinstance(m, QuantLinear):
             new = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
             new.weight = tables[key]
@@ -670,20 +701,23 @@ def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_
     that matches an already-wrong PyTorch model does not pass."""
     import torch
 
-    from edgekit.sources.models import load_model
-
-    base = load_model(handle.source)
-    if base.module is None:
-        return {"skipped": f"the base model {handle.source} has no PyTorch module"}
     feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
     ids = feeds["input_ids"][:, : prompt_len + 1]
     t = torch.from_numpy(ids)
+    # the compressed model's and the graph's logits first, the float model last and alone: it never
+    # shares the memory with an ONNX Runtime session
     with torch.no_grad():
-        ref = base.module(t, torch.ones_like(t)).float().numpy()
         packed = handle.module(t, torch.ones_like(t)).float().numpy()
-    del base
     sess = lm_session(onnx_path, threads=2)
     got = onnx_logits(sess, ids, prompt_len, with_past)
+    del sess
+    release_memory()
+    base = load_model(handle.source)
+    if base.module is None:
+        return {"skipped": f"the base model {handle.source} has no PyTorch module"}
+    with torch.no_grad():
+        ref = base.module(t, torch.ones_like(t)).float().numpy()
+    del base
 
     def rel(a: np.ndarray) -> float:
         return float(np.linalg.norm(a - ref) / max(float(np.linalg.norm(ref)), 1e-30))

@@ -39,8 +39,8 @@ import torch
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 from torch import nn
 
-from edgekit.compress.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.errors import BadInputError
+from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
 
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
@@ -75,14 +75,15 @@ class FusedGraphConfig:
             raise BadInputError(f"the fused graph needs opset >= 18 (Split with num_outputs), got {self.opset}")
 
 
-def supports_fused_graph(hf_model: nn.Module) -> tuple[bool, str]:
+def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     """(whether ``build_fused_decoder`` can write this model, why not)."""
     cfg = getattr(hf_model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ARCHITECTURES:
         return False, f"architecture {model_type!r} has no fused graph (fused: {', '.join(ARCHITECTURES)})"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return False, f"activation {cfg.hidden_act!r} is not SiLU"
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"activation {act!r} is not SiLU"
     scaling = getattr(cfg, "rope_scaling", None) or {}
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3"):
         return False, f"rope scaling {scaling!r} is not supported by the fused graph"
@@ -148,7 +149,7 @@ class _Writer:
         self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs
 
-    def linear(self, x: str, layers: list[nn.Module], name: str) -> str:
+    def linear(self, x: str, layers: list[Any], name: str) -> str:
         """One matmul over ``layers`` stacked along their outputs (q/k/v, gate/up)."""
         out = f"{name}/out"
         if all(isinstance(m, QuantLinear) for m in layers):
@@ -238,7 +239,7 @@ def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> Non
                ["embeddings"], "embed/slice")
 
 
-def _rotary_caches(attn_rotary: nn.Module, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+def _rotary_caches(attn_rotary: Any, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin caches (max_positions, rotary_dim / 2) from the model's own rotary embedding."""
     inv_freq = attn_rotary.inv_freq.detach().double().cpu()  # (rotary_dim / 2,)
     scale = float(getattr(attn_rotary, "attention_scaling", 1.0))
@@ -246,7 +247,7 @@ def _rotary_caches(attn_rotary: nn.Module, max_positions: int, head_dim: int) ->
     return ((freqs.cos() * scale).float().numpy(), (freqs.sin() * scale).float().numpy())
 
 
-def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = None) -> ModelProto:
+def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -> ModelProto:
     """The fused with-past ONNX graph of a Llama-family causal LM (packed or float weights).
 
     >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
@@ -315,7 +316,8 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
     w.init("cos_cache", cos)
     w.init("sin_cache", sin)
 
-    hidden, residual = "embeddings", None
+    hidden = "embeddings"
+    residual: str | None = None
     for i, layer in enumerate(body.layers):
         p = f"layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
@@ -355,6 +357,8 @@ def build_fused_decoder(hf_model: nn.Module, config: FusedGraphConfig | None = N
         w.node("Mul", [f"{p}/silu", up], [f"{p}/gated"], f"{p}/mlp/mul")
         hidden = w.linear(f"{p}/gated", [mlp.down_proj], f"{p}.mlp.down_proj")
 
+    if residual is None:
+        raise BadInputError("the model has no decoder layers (model.layers is empty)")
     gamma = w.init("norm.weight", body.norm.weight.detach().float().numpy())
     w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
            "norm", MS, epsilon=eps)

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
 from edgekit.export.parity import check_parity, module_device
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
-from edgekit.sources.handle import ModelHandle
+from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import load_model
 
@@ -95,9 +96,12 @@ class ExportConfig:
 
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
-                config: ExportConfig | None = None, input_options: InputOptions | None = None) -> Path:
+                config: ExportConfig | None = None, input_options: InputOptions | None = None,
+                rewrites: Mapping[str, Rewrite | None] | None = None) -> Path:
     """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
     ``input_options`` (``--shapes``, ``--inputs``) set the inputs traced and compared.
+    ``rewrites``: each compression step's graph rewrite by step name (default: the registered
+    step registry's, ``register_rewrite_lookup``), applied in chain order after tracing.
 
     >>> out = export_onnx("efficientnet-lite0", "out/onnx")  # doctest: +SKIP
     >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
@@ -130,7 +134,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
         return out_dir
 
     proto, exporter = _trace(handle, config)
-    proto = _apply_rewrites(proto, handle)
+    proto = _apply_rewrites(proto, handle, rewrites)
     trace_s = time.perf_counter() - t0
     failed = Path(f"{out_dir}.failed.onnx")
     with staged_dir(out_dir, protect) as tmp:
@@ -381,15 +385,33 @@ def _quiet() -> Any:
         log.debug(line)
 
 
-def _apply_rewrites(proto: Any, handle: ModelHandle) -> Any:
+# A compression step's graph rewrite: (proto, handle, the step's record) -> proto (None: changed in place).
+Rewrite = Callable[[Any, ModelHandle, StepRecord], Any]
+RewriteLookup = Callable[[str], "Rewrite | None"]
+# Where export finds each step's rewrite by the step's name. Export sits below the compression steps
+# and does not import them: ``edgekit.compress`` registers its registry's lookup here when it is
+# imported (a handle carrying step records was made by it), and ``export_onnx(rewrites=...)`` overrides.
+_REWRITE_LOOKUP: list[RewriteLookup] = []
+
+
+def register_rewrite_lookup(lookup: RewriteLookup) -> None:
+    """Set the function that maps a compression step's name to its ONNX rewrite (or None)."""
+    _REWRITE_LOOKUP[:] = [lookup]
+
+
+def _apply_rewrites(proto: Any, handle: ModelHandle, rewrites: Mapping[str, Rewrite | None] | None) -> Any:
     if not handle.steps:
         return proto
-    from edgekit.compress import get_step
-
     for record in handle.steps:
-        step = get_step(record.name)
-        if step.rewrite_onnx is not None:
-            out = step.rewrite_onnx(proto, handle, record)
+        if rewrites is not None:
+            rewrite = rewrites.get(record.name)
+        elif _REWRITE_LOOKUP:
+            rewrite = _REWRITE_LOOKUP[0](record.name)
+        else:
+            raise EdgekitError(f"{handle.name} carries the compression step {record.name!r} but no step registry "
+                               "is loaded to rewrite its graph (import edgekit.compress, or pass rewrites=)")
+        if rewrite is not None:
+            out = rewrite(proto, handle, record)
             proto = out if out is not None else proto
     return proto
 

@@ -16,6 +16,7 @@ import importlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 import onnx
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.memory import own_memory, release_memory
 from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.sources.inputs import (
@@ -205,10 +207,10 @@ def decode_step_inputs(specs: list[InputSpec]) -> Any:
         feeds: dict[str, np.ndarray] = {}
         for spec in specs:
             if spec.name.startswith("past_key_values."):
-                shape = [batch, spec.shape[1], past, spec.shape[3]]
-                if not all(isinstance(d, int) for d in shape):
+                heads, dim = spec.shape[1], spec.shape[3]
+                if not (isinstance(heads, int) and isinstance(dim, int)):
                     raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
-                feeds[spec.name] = (0.1 * rng.standard_normal(shape)).astype(np.dtype(spec.dtype))
+                feeds[spec.name] = (0.1 * rng.standard_normal((batch, heads, past, dim))).astype(np.dtype(spec.dtype))
             elif spec.name == "input_ids":
                 feeds[spec.name] = rng.integers(0, 100, size=(batch, seq)).astype(np.int64)
             elif spec.name == "attention_mask":
@@ -334,14 +336,29 @@ def _load_entry_point(spec: str) -> ModelHandle:
                        dynamic_axes={n: {0: "batch"} for n in names})
 
 
+# Loaders of artifact kinds that a higher layer defines, by manifest kind: ``edgekit.compress``
+# registers "model" (a compressed model: base model + step chain + weights) when it is imported.
+ARTIFACT_LOADERS: dict[str, Callable[[Path], ModelHandle]] = {}
+
+
+def register_artifact_loader(kind: str, loader: Callable[[Path], ModelHandle]) -> None:
+    """Load artifact folders of manifest ``kind`` with ``loader(folder) -> ModelHandle``."""
+    ARTIFACT_LOADERS[kind] = loader
+
+
 def _load_artifact(folder: Path) -> ModelHandle:
     from edgekit.artifact import read_manifest
 
     manifest = read_manifest(folder)
+    if manifest.kind in ARTIFACT_LOADERS:
+        handle = ARTIFACT_LOADERS[manifest.kind](folder)
+        if handle.module is not None:  # rebuilt from its float model: let go of that model's file
+            own_memory(handle.module)
+        release_memory()
+        return handle
     if manifest.kind == "model":
-        from edgekit.compress import load_compressed
-
-        return load_compressed(folder)
+        raise BadInputError(f"{folder} is a compressed model; loading it needs the compression steps "
+                            "(import edgekit.compress first: the edgekit command does)")
     if manifest.kind == "onnx":
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         base = manifest.model

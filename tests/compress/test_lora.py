@@ -282,14 +282,14 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgekit.compress.packing import QuantLinear
+    from edgekit.compress.packing import quantize_linear
 
     if chunked:  # the LM-head path: dequantize in row chunks
         monkeypatch.setattr(packed, "CHUNK_ABOVE", 0)
         monkeypatch.setattr(packed, "CHUNK_ROWS", 3)
 
     torch.manual_seed(0)
-    q = QuantLinear.from_linear(nn.Linear(32, 8, bias=True), bits=4, group_size=16)
+    q = quantize_linear(nn.Linear(32, 8, bias=True), bits=4, group_size=16)
     wrapped = lora.LoraQuantLinear(q, r=2, alpha=4).train()
     with torch.no_grad():
         wrapped.lora_B.weight.normal_()
@@ -304,7 +304,7 @@ def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monk
     wrapped.eval()
     torch.testing.assert_close(wrapped(x.detach()), ref.detach())
     # a packed layer without adapter (the LM head) takes the same path while training
-    head = QuantLinear.from_linear(nn.Linear(32, 8), bits=8, group_size=16).train()
+    head = quantize_linear(nn.Linear(32, 8), bits=8, group_size=16).train()
     x3 = x.detach().clone().requires_grad_(True)
     with lora.frozen_packed_forwards(nn.Sequential(head)):
         assert "forward" in head.__dict__
@@ -314,10 +314,10 @@ def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monk
 
 
 def test_repack_with_zero_update_keeps_codes() -> None:
-    from edgekit.compress.packing import QuantLinear
+    from edgekit.compress.packing import quantize_linear
 
     torch.manual_seed(0)
-    q = QuantLinear.from_linear(nn.Linear(40, 6), bits=3, group_size=16)  # last group shorter, 3-bit unpacked
+    q = quantize_linear(nn.Linear(40, 6), bits=3, group_size=16)  # last group shorter, 3-bit unpacked
     codes = q.qweight.clone()
     lora.repack(q, q.dequantize())
     assert torch.equal(q.qweight, codes)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgekit.compress.packing import QuantEmbedding, QuantLinear, pack_codes, unpack_codes
+from edgekit.compress.packing import QuantEmbedding, QuantLinear, pack_codes, quantize_linear, unpack_codes
 from edgekit.compress.rtn import dequantize_groups, qparams, rtn_quantize
 
 
@@ -40,7 +40,7 @@ def test_rtn_grid_asym_and_sym():
 def test_quant_linear_matches_fake_quant(group_size, sym):
     torch.manual_seed(0)
     lin = nn.Linear(320, 48)  # 320 = 2.5 groups of 128: a partial last group
-    ql = QuantLinear.from_linear(lin, bits=4, group_size=group_size, sym=sym)
+    ql = quantize_linear(lin, bits=4, group_size=group_size, sym=sym)
     q, s, z = rtn_quantize(lin.weight.detach(), 4, group_size, sym)
     ref = dequantize_groups(q, s, z, group_size)
     assert torch.equal(ql.dequantize(), ref)
@@ -54,7 +54,7 @@ def test_quant_linear_matches_fake_quant(group_size, sym):
 
 def test_quant_linear_state_dict_round_trip_and_grad_flows_to_input():
     torch.manual_seed(1)
-    ql = QuantLinear.from_linear(nn.Linear(64, 16, bias=True), bits=3, group_size=32)
+    ql = quantize_linear(nn.Linear(64, 16, bias=True), bits=3, group_size=32)
     fresh = QuantLinear(64, 16, bits=3, group_size=32, bias=True)
     fresh.load_state_dict(ql.state_dict(), strict=True)
     x = torch.randn(2, 64, requires_grad=True)
@@ -66,7 +66,7 @@ def test_quant_linear_state_dict_round_trip_and_grad_flows_to_input():
 
 def test_quant_embedding_tied_gathers_rows():
     torch.manual_seed(2)
-    head = QuantLinear.from_linear(nn.Linear(32, 50, bias=False), bits=8, group_size=16)
+    head = quantize_linear(nn.Linear(32, 50, bias=False), bits=8, group_size=16)
     emb = QuantEmbedding(50, 32, bits=8, group_size=16)
     emb.tie_to(head)
     ids = torch.tensor([[0, 7, 49], [3, 3, 1]])
