@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.compress.quality import check_quality, compare, default_bounds, measure_reference
+from edgekit.compress.quality import QualityBounds, check_quality, compare, loosest, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import register_rewrite_lookup
 from edgekit.export.packing import validate_packed
@@ -119,6 +119,10 @@ class Step:
     narrow: optional ``config -> (transitions, why)`` for steps whose options decide what
         they take (LoRA over float weights, QLoRA over packed ones); a subset of
         ``transitions``.
+    bounds: optional ``config -> QualityBounds``: what the step's approximation may cost
+        against the float model (``compress``'s quality gate takes the loosest of a chain's).
+    deliberate: the step changes what the model computes on purpose (pruning, distillation,
+        LoRA): a chain with one is measured and reported, not gated.
     """
 
     name: str
@@ -129,6 +133,8 @@ class Step:
     rewrite_onnx: Callable[[Any, ModelHandle, StepRecord], Any] | None = None
     transitions: Mapping[str, str] = field(default_factory=lambda: {"float": "float"})
     narrow: Narrowing | None = None
+    bounds: Callable[[Any], QualityBounds] | None = None
+    deliberate: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted({s for pair in self.transitions.items() for s in pair} - set(WEIGHT_STATES))
@@ -164,6 +170,21 @@ def make_config(name: str, values: Mapping[str, Any] | None = None, where: str =
     if where:  # in a recipe or manifest: the path of each key
         return from_mapping(step.config, {} if values is None else values, Loc(where, name))
     return from_mapping(step.config, {} if values is None else values, Loc(), noun=f"{name} option")
+
+
+def default_bounds(steps: Sequence[tuple[str, Any]]) -> QualityBounds | None:
+    """The quality gate of a chain of (name, config): the loosest bounds its steps declare
+    (``Step.bounds``); None when a step changes the model on purpose or none declares any.
+
+    >>> default_bounds([("int4", make_config("int4", {"bits": 4}))]).max_ppl_ratio
+    1.5
+    >>> default_bounds([("prune", make_config("prune", {"ratio": 0.3}))]) is None
+    True
+    """
+    steps_ = [(get_step(n), c) for n, c in steps]
+    if any(step.deliberate for step, _ in steps_):
+        return None
+    return loosest([step.bounds(c) for step, c in steps_ if step.bounds is not None])
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -411,5 +411,5 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
 
 
 STEP = Step("distill", DistillConfig, apply, "knowledge distillation from the model before the chain (or a named teacher)",
-            rebuild=None, transitions={"float": "float"})
+            rebuild=None, transitions={"float": "float"}, deliberate=True)
 __all__ = ["DistillConfig", "distill", "kd_loss", "run_distillation", "evaluate_pair", "STEP"]

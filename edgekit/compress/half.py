@@ -26,6 +26,7 @@ from torch import nn
 
 from edgekit.compress import Step, StepContext, config_to_dict
 from edgekit.compress.options import option
+from edgekit.compress.quality import BOUNDS_HALF
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -123,4 +124,4 @@ def rebuild(handle: ModelHandle, config: HalfConfig, record: StepRecord) -> Mode
 
 
 STEP = Step("half", HalfConfig, apply, "float16 / bfloat16 storage of linear, conv and embedding weights",
-            rebuild=rebuild, transitions={"float": "float"})
+            rebuild=rebuild, transitions={"float": "float"}, bounds=lambda config: BOUNDS_HALF)

@@ -55,6 +55,7 @@ from edgekit.compress.int8_gptq import round_model
 from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
+from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
@@ -418,4 +419,5 @@ STEP = Step(
     rebuild=rebuild,
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "fake-quant", "onnx": "onnx"},  # a PyTorch model gets Q/DQ wrappers; a graph, Q/DQ nodes
+    bounds=lambda config: BOUNDS_8BIT,
 )

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from edgekit.compress import STEPS, StepContext, compress, get_step, make_config
+from edgekit.compress import STEPS, StepContext, compress, default_bounds, get_step, make_config
 from edgekit.compress.int8 import QAT_METHODS
 from edgekit.compress.options import StepOption, step_options, step_values
 from edgekit.compress.packing import SUPPORTED_BITS
-from edgekit.compress.quality import QualityBounds, default_bounds
+from edgekit.compress.quality import QualityBounds
 from edgekit.compress.weight_only import METHODS as WEIGHT_ONLY_METHODS
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle

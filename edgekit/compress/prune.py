@@ -597,7 +597,7 @@ def _make_step() -> Any:
 
     return Step("prune", PruneConfig, apply,
                 "structured channel/head pruning with Torch-Pruning's dependency graph",
-                rebuild=rebuild, transitions={"float": "float"})
+                rebuild=rebuild, transitions={"float": "float"}, deliberate=True)
 
 
 STEP = _make_step()

@@ -66,19 +66,22 @@ class QualityBounds:
 # loose: tiny random-weight models agree poorly even when nothing is wrong.
 BOUNDS_4BIT = QualityBounds(max_ppl_ratio=1.5, min_cosine=0.5)
 BOUNDS_8BIT = QualityBounds(max_ppl_ratio=1.1, min_cosine=0.8)
-DELIBERATE = ("prune", "distill", "lora")  # steps that change the model on purpose: reported, not gated
+# What a float16/bfloat16 weight cast may cost (measured: cosine 1.0, relative error < 6e-3).
+BOUNDS_HALF = QualityBounds(max_ppl_ratio=1.02, min_cosine=0.99)
 
 
-def default_bounds(steps: list[tuple[str, Any]]) -> QualityBounds | None:
-    """The bounds for a chain of (name, config): None when it changes the model on purpose or
-    does not quantize."""
-    names = [n for n, _ in steps]
-    if any(n in DELIBERATE for n in names):
+def loosest(bounds: list[QualityBounds]) -> QualityBounds | None:
+    """The bounds of a chain whose steps each declared theirs: what the lossiest step allows."""
+    if not bounds:
         return None
-    bits = [int(getattr(c, "bits", 8)) for n, c in steps if n == "int4"] + [8 for n in names if n == "int8"]
-    if not bits:
-        return None
-    return BOUNDS_4BIT if min(bits) <= 4 else BOUNDS_8BIT
+
+    def pick(values: list[float | None], fn: Any) -> float | None:
+        set_ = [v for v in values if v is not None]
+        return fn(set_) if set_ else None
+
+    return QualityBounds(max_ppl_ratio=pick([b.max_ppl_ratio for b in bounds], max),
+                         min_agreement=pick([b.min_agreement for b in bounds], min),
+                         min_cosine=pick([b.min_cosine for b in bounds], min))
 
 
 @dataclass
@@ -195,5 +198,5 @@ def check_quality(report: dict[str, Any], bounds: QualityBounds | None) -> list[
     return broken
 
 
-__all__ = ["QualityBounds", "BOUNDS_4BIT", "BOUNDS_8BIT", "default_bounds", "measure_reference", "compare",
+__all__ = ["QualityBounds", "BOUNDS_4BIT", "BOUNDS_8BIT", "BOUNDS_HALF", "loosest", "measure_reference", "compare",
            "check_quality", "Reference"]

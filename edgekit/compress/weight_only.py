@@ -44,6 +44,7 @@ from edgekit.compress.families import embedding_scale, linearize
 from edgekit.compress.gptq import gptq_visit
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
+from edgekit.compress.quality import BOUNDS_4BIT, BOUNDS_8BIT
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.evaluate import perplexity
@@ -460,6 +461,7 @@ STEP = Step(
     rebuild=rebuild,
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "packed"},
+    bounds=lambda config: BOUNDS_4BIT if config.bits <= 4 else BOUNDS_8BIT,
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",

@@ -107,3 +107,18 @@ def test_bad_dtype_and_fp16_overflow_are_one_line_errors(tmp_path: Path):
     with pytest.raises(BadInputError, match=r"0.weight holds 1e\+05, beyond fp16's range \(\+-65504\); use bf16"):
         apply(h, HalfConfig("fp16"))
     assert apply(make_tiny_cnn(), HalfConfig("bf16")).module[0].weight.dtype == torch.bfloat16
+
+
+def test_each_step_declares_its_quality_gate():
+    """The gate comes from the steps (Step.bounds / deliberate), not from names in quality.py:
+    half alone gets its tight bound; with a 4-bit step the chain gets the 4-bit (looser) one;
+    a deliberate step (pruning) turns gating off."""
+    from edgekit.compress import default_bounds, make_config
+    from edgekit.compress.quality import BOUNDS_4BIT, BOUNDS_8BIT, BOUNDS_HALF
+
+    half = ("half", make_config("half", {"dtype": "fp16"}))
+    assert default_bounds([half]) == BOUNDS_HALF
+    assert default_bounds([("int4", make_config("int4", {"bits": 4})), half]) == BOUNDS_4BIT
+    assert default_bounds([("int4", make_config("int4", {"bits": 8}))]) == BOUNDS_8BIT
+    assert default_bounds([("prune", make_config("prune", {"ratio": 0.3})), half]) is None
+    assert BOUNDS_HALF.max_ppl_ratio == 1.02 and BOUNDS_HALF.min_cosine == 0.99

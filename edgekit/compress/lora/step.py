@@ -147,4 +147,5 @@ STEP = Step(
     description="LoRA / QLoRA fine-tuning (peft on float models; adapters over packed 4-bit or NF4 bases)",
     transitions={"float": "float", "packed": "packed"},
     narrow=weight_transitions,
+    deliberate=True,
 )
