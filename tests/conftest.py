@@ -7,7 +7,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgekit import interrupts
 from edgekit.sources.handle import InputSpec, ModelHandle
+
+
+@pytest.fixture(autouse=True)
+def _sigint_state_restored():
+    """A CLI test routes SIGINT through edgekit (interrupts.install): give the next test the
+    process's handler and edgekit's interrupt state as they were, whatever the test order."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    state = {k: getattr(interrupts, k) for k in ("_installed", "_exiting", "_running", "_seen", "_defer_depth",
+                                                  "_pending")}
+    written = list(interrupts._written)
+    yield
+    signal.signal(signal.SIGINT, handler)
+    for k, v in state.items():
+        setattr(interrupts, k, v)
+    interrupts._written[:] = written
 
 
 def _seeded(fn):

@@ -226,7 +226,7 @@ def test_export_skipping_parity_still_runs_the_graph(tiny_mlp, tmp_path, monkeyp
     from edgekit.export import onnx as export_onnx_module
     from edgekit.export.onnx import ExportConfig, export_onnx
 
-    def break_graph(proto, handle):  # a rewrite that leaves a Reshape to an impossible shape
+    def break_graph(proto, handle, rewrites=None):  # a rewrite that leaves a Reshape to an impossible shape
         proto.graph.initializer.append(numpy_helper.from_array(np.array([7], np.int64), "bad_shape"))
         last = proto.graph.output[0].name
         for node in proto.graph.node:
