@@ -123,6 +123,8 @@ class Step:
         against the float model (``compress``'s quality gate takes the loosest of a chain's).
     deliberate: the step changes what the model computes on purpose (pruning, distillation,
         LoRA): a chain with one is measured and reported, not gated.
+    target_aware: the step's result depends on ``StepContext.target`` (INT8's Q/DQ scheme and
+        placement): a pipeline keys its cached result on the target.
     """
 
     name: str
@@ -135,6 +137,7 @@ class Step:
     narrow: Narrowing | None = None
     bounds: Callable[[Any], QualityBounds] | None = None
     deliberate: bool = False
+    target_aware: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted({s for pair in self.transitions.items() for s in pair} - set(WEIGHT_STATES))

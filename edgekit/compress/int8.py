@@ -420,4 +420,5 @@ STEP = Step(
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "fake-quant", "onnx": "onnx"},  # a PyTorch model gets Q/DQ wrappers; a graph, Q/DQ nodes
     bounds=lambda config: BOUNDS_8BIT,
+    target_aware=True,  # the target's runtimes choose the Q/DQ scheme
 )

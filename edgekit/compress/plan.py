@@ -61,14 +61,21 @@ def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
             raise BadInputError("--distill recovers a pruned model: give --prune RATIO too "
                                 "(or use `edgekit distill --teacher T --student S`)")
         chosen[DISTILL] = {}
-    quantizer = _quantizer(flags.get("bits"), flags.get("method"))
+    quantizer = quantize_step(flags.get("bits"), flags.get("method"))
     if quantizer is not None:
         chosen[quantizer[0]] = quantizer[1]
     return [(name, step_values(options, flags, name, chosen[name])) for name in STEPS if name in chosen]
 
 
-def _quantizer(bits: int | None, method: str | None) -> tuple[str, dict[str, Any]] | None:
-    """The quantize step for --bits/--method, with the method (and bit width) it runs."""
+QUANTIZE_STEPS = (INT8, WEIGHT_ONLY)  # the steps --bits chooses between
+
+
+def quantize_step(bits: int | None, method: str | None) -> tuple[str, dict[str, Any]] | None:
+    """The quantize step for --bits/--method, with the method (and bit width) it runs.
+
+    >>> quantize_step(4, None)
+    ('int4', {'method': 'gptq', 'bits': 4})
+    """
     choices = ", ".join(map(str, SUPPORTED_BITS))
     if bits is None:
         if method is not None:

@@ -51,7 +51,7 @@ from edgekit.artifact import (
     write_manifest,
 )
 from edgekit.build import build_engine, load_engine, load_engine_inputs
-from edgekit.compress import StepContext, compress
+from edgekit.compress import StepContext, compress, get_step
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.estimate import estimate
 from edgekit.evaluate import evaluate
@@ -354,7 +354,7 @@ def _run_stage(stage: StageSpec, target: Target, recipe: Recipe, cache: _Cache, 
     # A model stage: compress -> export -> build -> profile (or estimate) -> evaluate.
     model_id = _model_identity(str(stage.model))
     estimated_ms: float | None = None
-    target_aware = any(s.name == "int8" for s in stage.steps)
+    target_aware = any(get_step(s.name).target_aware for s in stage.steps)
     artifacts: dict[str, str] = {}
     reused: dict[str, bool] = {}
     source_for_export: str = str(stage.model)

@@ -24,6 +24,7 @@ from typing import Any
 
 from edgekit.artifact import atomic_write_json, atomic_write_text, claim_work_folder, sha256_json
 from edgekit.compress import get_step
+from edgekit.compress.plan import INT8, QUANTIZE_STEPS, WEIGHT_ONLY, quantize_step
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
 from edgekit.pipelines.html import render_sweep_html, sweep_plots
 from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
@@ -152,16 +153,21 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def _with_bits(steps: list[dict[str, Any]], bits: Any, key: str) -> list[dict[str, Any]]:
-    kept = [s for s in steps if next(iter(s)) not in ("int8", "int4")]
-    old = {next(iter(s)): s[next(iter(s))] for s in steps if next(iter(s)) in ("int8", "int4")}
+    """The chain with its quantize step replaced by the one for ``bits`` (32/16: none). A sweep
+    point runs RTN (4-bit) or PTQ (8-bit) unless the recipe's own quantize step names a method."""
+    kept = [s for s in steps if next(iter(s)) not in QUANTIZE_STEPS]
+    old = {next(iter(s)): s[next(iter(s))] for s in steps if next(iter(s)) in QUANTIZE_STEPS}
     if bits in (32, 16, None, "fp32", "none"):
         return kept
-    if bits == 8 and "int4" not in old:
-        return kept + [{"int8": {"method": "ptq", **old.get("int8", {})}}]
-    if bits in (2, 3, 4, 8):
-        cfg = {"method": "rtn", **old.get("int4", {}), "bits": bits}
-        return kept + [{"int4": cfg}]
-    raise BadInputError(f"grid {key}={bits!r}: bits must be 32 (float), 8, 4, 3 or 2")
+    if bits not in (2, 3, 4, 8):
+        raise BadInputError(f"grid {key}={bits!r}: bits must be 32 (float), 8, 4, 3 or 2")
+    weight_only = bits < 8 or WEIGHT_ONLY in old  # an 8-bit point of a weight-only recipe stays weight-only
+    own = old.get(WEIGHT_ONLY if weight_only else INT8, {})
+    chosen = quantize_step(bits, own.get("method", "rtn" if weight_only else "ptq"))
+    if chosen is None:  # only without bits
+        raise RuntimeError(f"no quantize step for bits {bits}")
+    name, base = chosen
+    return kept + [{name: {**own, **base}}]
 
 
 def _pareto(rows: list[SweepRow], target: str) -> None:

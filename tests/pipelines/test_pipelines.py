@@ -315,6 +315,13 @@ def test_grid_parsing_and_overrides():
     assert four["stages"][1]["steps"] == [{"prune": {"ratio": 0.5}}, {"int4": {"method": "rtn", "bits": 4}}]
     with pytest.raises(BadInputError, match="grid key \\(no step has it\\) 'int4.group_size'"):
         apply_overrides(data, {"int4.group_size": 32})
+    data["stages"][1]["steps"] = [{"int8": {"method": "qat", "calib_samples": 8}}]
+    assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [{"int8": {"method": "qat", "calib_samples": 8}}]
+    data["stages"][1]["steps"] = [{"int4": {"method": "gptq", "group_size": 32}}]  # weight-only stays weight-only
+    assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [
+        {"int4": {"method": "gptq", "group_size": 32, "bits": 8}}]
+    with pytest.raises(BadInputError, match="grid bits=5: bits must be 32 \\(float\\), 8, 4, 3 or 2"):
+        apply_overrides(data, {"bits": 5})
 
 
 def _sweep_recipe(tmp_path: Path) -> Path:
