@@ -370,6 +370,7 @@ def _load_artifact(folder: Path) -> ModelHandle:
         handle.source = manifest.source or handle.source
         handle.extra["artifact"] = str(folder)
         borrow_io(handle, manifest.source)
+        release_memory()  # the validated graph's bytes and proto, freed: back to the system before the next phase
         return handle
     raise BadInputError(f"{folder} holds a {manifest.kind!r} artifact; this command takes a model, "
                         "a compressed model folder or an ONNX file")
