@@ -229,13 +229,16 @@ def borrow_io(handle: ModelHandle, source: str | None) -> None:
     default data and evaluator (random integers are no valid token ids, token types or masks).
     The model is loaded without its weights (config and tokenizer: ``load_zoo_model(weights=False)``),
     so borrowing costs no memory the size of the model."""
-    from edgekit.errors import EdgekitError
-    from edgekit.sources.zoo import ZOO, load_zoo_model
-
-    if not source or source not in ZOO or all(s.dtype.startswith("float") for s in handle.inputs):
+    if not source or all(s.dtype.startswith("float") for s in handle.inputs):
         return  # random floats are fine inputs for image models
     if any(s.name.startswith("past_key_values.") for s in handle.inputs):
         return  # a graph with the KV cache keeps its consistent decode-step inputs (decode_step_inputs)
+    # imported only here: the zoo brings torch and transformers, which an ONNX graph does not need otherwise
+    from edgekit.errors import EdgekitError
+    from edgekit.sources.zoo import ZOO, load_zoo_model
+
+    if source not in ZOO:
+        return
     try:
         base = load_zoo_model(source, weights=False)
     except EdgekitError:  # the base model's package is missing: random inputs, as for any ONNX file
