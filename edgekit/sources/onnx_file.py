@@ -487,9 +487,10 @@ def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 # Wire-format field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer and
-# sparse_initializer, and the TensorProto fields an outline keeps (dims, data_type, name).
+# sparse_initializer, and the TensorProto fields an outline keeps (dims, data_type, name,
+# external_data, data_location: where the data lives, not the data).
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 7, 5, 15
-_TENSOR_OUTLINE_FIELDS = (1, 2, 8)
+_TENSOR_OUTLINE_FIELDS = (1, 2, 8, 13, 14)
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -542,8 +543,9 @@ def _delimited(field_number: int, payload: bytes) -> bytes:
 
 def read_graph_outline(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """The model in ``path`` without the data of its initializers: nodes, inputs, outputs,
-    value infos, opsets and metadata as stored, each initializer reduced to its name, type and
-    dims (sparse initializers dropped). What the file's weights take is skipped in the
+    value infos, opsets and metadata as stored, each initializer reduced to its name, type,
+    dims and where its data lives (``data_location``, ``external_data``; sparse initializers
+    dropped). What the file's weights take is skipped in the
     protobuf wire format, never parsed, so this costs memory the size of the graph's structure
     (``onnx.load`` holds the file's bytes and a parsed copy of every weight). For reading op
     types, attributes, names and labels; not a model to run or save. Unreadable files raise

@@ -585,6 +585,13 @@ def test_graph_outline_is_the_graph_without_weight_data(tiny_onnx, tmp_path):
         assert not any(t.raw_data or t.float_data for t in outline.graph.initializer)
         assert outline.ByteSize() < full.ByteSize()
     assert node_labels(path) == node_labels(tiny_onnx) == {}
+    external = tmp_path / "ext" / "m.onnx"
+    external.parent.mkdir()
+    onnx.save_model(model, str(external), save_as_external_data=True, location="m.data", size_threshold=0)
+    refs = [(t.name, t.data_location, list(t.external_data)) for t in read_graph_outline(external).graph.initializer]
+    assert refs == [(t.name, t.data_location, list(t.external_data))
+                    for t in onnx.load(str(external), load_external_data=False).graph.initializer]
+    assert refs and all(loc == onnx.TensorProto.EXTERNAL for _, loc, _ in refs)
     cut = tmp_path / "cut.onnx"
     cut.write_bytes(path.read_bytes()[:-7])
     with pytest.raises(ValueError):
