@@ -297,3 +297,13 @@ def test_minilm_embeddings_have_unit_norm_and_meaning():
     assert emb.shape == (3, 384)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
     assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "minilm-l6"])
+def test_zoo_text_models_load_without_weights(name):
+    from edgekit.sources.zoo import load_zoo_model
+
+    light = load_zoo_model(name, weights=False)
+    assert light.module is None and light.name == light.source == name
+    _same_io(light, load_zoo_model(name))
