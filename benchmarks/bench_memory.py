@@ -19,6 +19,10 @@ appears once in the ONNX (initializers with ``vocab`` rows).
     python benchmarks/bench_memory.py                       # SmolLM2-135M, then Gemma-3-270m
     python benchmarks/bench_memory.py --model smollm2-135m  # one model
     python benchmarks/bench_memory.py --before benchmarks/results/memory_conformance.json  # and the change
+    python benchmarks/bench_memory.py --model smollm2-135m --steps load,build,profile --onnx OUT  # from a folder
+
+``--steps`` measures a subset; a step's input that is not produced comes from ``--w4`` (a
+``compress --bits 4`` folder, for export) or ``--onnx`` (an ``export --kv-cache`` folder, for build).
 
 Each step also records the machine's 1-minute load average when it started (memory does not depend
 on the load; wall time does). ``--before`` prints each peak beside the one in an earlier run's JSON.
@@ -102,7 +106,11 @@ def vocab_tables(onnx_path: Path, vocab: int, hidden: int) -> list[str]:
     return out
 
 
-def run_model(name: str, work: Path) -> dict[str, Any]:
+STEPS = ("imports", "load", "compress", "export", "build", "profile")
+
+
+def run_model(name: str, work: Path, steps_wanted: tuple[str, ...] = STEPS, w4_given: Path | None = None,
+              onnx_given: Path | None = None) -> dict[str, Any]:
     py = sys.executable
     spec = model_spec(name)
     load_code = ("import json, sys; from edgekit.sources.models import load_model; h = load_model(sys.argv[1]); "
@@ -115,21 +123,27 @@ def run_model(name: str, work: Path) -> dict[str, Any]:
     float_mib = info["params"] * 4 / 2**20
     print(f"{name}: {info['params'] / 1e6:.1f}M parameters, float32 {float_mib:.0f} MiB", flush=True)
     imports = "import torch, transformers, onnx, onnxruntime, edgekit.cli"
-    steps = [measure([py, "-c", imports], "imports"), measure([py, "-c", load_code, spec], "load")]
     ek = [py, "-m", "edgekit.cli"]
-    w4, onnx_dir, engine = work / f"{name}-w4", work / f"{name}-onnx", work / f"{name}-engine"
-    # the quality gate is not what this measures: RTN on Gemma-3-270m costs 1.77x the float perplexity on
-    # the config-length windows (bound 1.5x), and the steps after it need its output
-    steps.append(measure([*ek, "compress", spec, "--bits", "4", "--method", "rtn", "--group-size", "128",
-                          "--accept-quality-loss", "-o", str(w4)], "compress"))
-    steps.append(measure([*ek, "export", str(w4), "--kv-cache", "-o", str(onnx_dir)], "export"))
-    steps.append(measure([*ek, "build", str(onnx_dir), "--target", "cpu", "-o", str(engine)], "build"))
-    steps.append(measure([*ek, "profile", str(engine), "--no-generation", "--duration-s", "1", "--iterations", "5",
-                          "--json", str(work / f"{name}-profile.json")], "profile"))
+    w4 = w4_given or work / f"{name}-w4"
+    onnx_dir = onnx_given or work / f"{name}-onnx"
+    engine = work / f"{name}-engine"
+    commands = {
+        "imports": [py, "-c", imports],
+        "load": [py, "-c", load_code, spec],
+        # the quality gate is not what this measures: RTN on Gemma-3-270m costs 1.77x the float perplexity on
+        # the config-length windows (bound 1.5x), and the steps after it need its output
+        "compress": [*ek, "compress", spec, "--bits", "4", "--method", "rtn", "--group-size", "128",
+                     "--accept-quality-loss", "-o", str(w4)],
+        "export": [*ek, "export", str(w4), "--kv-cache", "-o", str(onnx_dir)],
+        "build": [*ek, "build", str(onnx_dir), "--target", "cpu", "-o", str(engine)],
+        "profile": [*ek, "profile", str(engine), "--no-generation", "--duration-s", "1", "--iterations", "5",
+                    "--json", str(work / f"{name}-profile.json")],
+    }
+    steps = [measure(commands[s], s) for s in STEPS if s in steps_wanted]
     for s in steps:
         s["x_float"] = round(s["peak_mib"] / float_mib, 2)
     res: dict[str, Any] = {"model": name, "params": info["params"], "float_mib": round(float_mib, 1), "steps": steps}
-    if onnx_dir.is_dir():
+    if onnx_dir.is_dir() and (onnx_dir / "model.onnx").is_file():
         res["onnx_mib"] = folder_mib(onnx_dir)
         res["vocab_tables"] = vocab_tables(onnx_dir / "model.onnx", info["vocab"], info["hidden"])
     if engine.is_dir():
@@ -147,16 +161,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=MODELS, action="append", help="default: both, one after the other")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the branch)")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--w4", type=Path, default=None, help="an existing compress --bits 4 folder for export")
+    ap.add_argument("--onnx", type=Path, default=None, help="an existing export --kv-cache folder for build")
     ap.add_argument("--before", type=Path, default=None,
                     help="an earlier run's JSON: print its peaks beside these (same model and step)")
     args = ap.parse_args()
+    steps = tuple(s.strip() for s in args.steps.split(",") if s.strip())
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        ap.error(f"unknown step {unknown[0]!r} (choose from {', '.join(STEPS)})")
+    if len(args.model or MODELS) > 1 and (args.w4 or args.onnx):
+        ap.error("--w4 and --onnx belong to one --model")
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                            "versions": versions(), "label": args.label, "load_avg_1m": round(os.getloadavg()[0], 2),
                            "models": []}
     work = Path(tempfile.mkdtemp(prefix="edgekit-bench-memory-"))
     try:
         for name in args.model or MODELS:
-            out["models"].append(run_model(name, work))
+            out["models"].append(run_model(name, work, steps, args.w4, args.onnx))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out["load_avg_1m_end"] = round(os.getloadavg()[0], 2)

@@ -44,7 +44,7 @@ from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.models import load_model
-from edgekit.sources.onnx_file import node_labels
+from edgekit.sources.onnx_file import node_labels, read_graph_outline
 from edgekit.targets import Target, TargetLike, load_target
 
 INPUTS_FILE = "inputs.npz"
@@ -335,9 +335,7 @@ def _drop_unused_source_graph(folder: Path, files: dict[str, str], metrics: dict
 
 def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.ndarray]:
     """Only the feeds the graph takes (an ONNX graph may drop an unused input)."""
-    import onnx
-
-    m = onnx.load(str(onnx_path), load_external_data=False)
+    m = read_graph_outline(onnx_path)  # names only: the weights are not read
     init = {i.name for i in m.graph.initializer}
     names = [i.name for i in m.graph.input if i.name not in init]
     return {n: feeds[n] for n in names if n in feeds} if all(n in feeds for n in names) else {}
@@ -352,10 +350,8 @@ def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | Non
         if rec.name == "int4":  # the weight-only step; its bits give the width (8-bit packed is int8)
             return "int8" if int((rec.config or {}).get("bits", 4)) == 8 else "int4"
     if options.precision == "fp32" and onnx_path is not None:
-        import onnx
-
         try:
-            nodes = list(onnx.load(str(onnx_path), load_external_data=False).graph.node)
+            nodes = list(read_graph_outline(onnx_path).graph.node)
         except (OSError, ValueError, ProtobufError):  # no graph to read: the precision asked for
             return options.precision
         ops = {n.op_type for n in nodes}

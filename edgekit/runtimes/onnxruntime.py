@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import Error as ProtobufError  # what onnx.load raises for a damaged file
 
 from edgekit import interrupts
 from edgekit.artifact import Manifest
@@ -36,6 +35,7 @@ from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, Unavai
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
 from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
+from edgekit.sources.onnx_file import read_graph_outline
 from edgekit.targets import Target
 
 OPT_FILE = "model.opt.onnx"
@@ -168,7 +168,6 @@ class OnnxRuntime:
 
     def build(self, model: Path | ModelHandle, target: Target, out_dir: Path, options: BuildOptions) -> dict[str, Any]:
         """Optimize ``model`` (an ONNX file or onnx artifact) for ``target`` into ``out_dir``."""
-        import onnx
 
         src = resolve_onnx(model)
         out_dir = Path(out_dir)
@@ -226,7 +225,7 @@ class OnnxRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
             files = {"model": os.path.relpath(src, out_dir) if _inside(src, out_dir) else _copy_model(src, out_dir)}
-        graph = onnx.load(str(out_dir / files["model"]), load_external_data=False)
+        graph = read_graph_outline(out_dir / files["model"])  # nodes only: the weights are not read
         op_counts: dict[str, int] = {}
         for node in graph.graph.node:
             op_counts[node.op_type] = op_counts.get(node.op_type, 0) + 1
@@ -428,10 +427,8 @@ def kernel_label(op_type: str, precision: str, provider: str, isa: tuple[str, ..
 def depthwise_nodes(path: Path) -> set[str]:
     """Names of the convolutions in the graph at ``path`` with one group per input channel (group > 1)."""
     try:
-        import onnx
-
-        graph = onnx.load(str(path), load_external_data=False).graph
-    except (OSError, ValueError, RuntimeError):
+        graph = read_graph_outline(path).graph
+    except (OSError, ValueError):
         return set()
     out = set()
     for n in graph.node:
@@ -486,10 +483,8 @@ def node_precision(op_type: str, input_types: list[str], bits: int | None = None
 def graph_dtypes(path: Path) -> dict[str, tuple[str, str, list[str]]]:
     """node name -> (op_type, domain, input dtypes) from the (optimized) graph, as far as known."""
     try:
-        import onnx
-
-        model = onnx.load(str(path), load_external_data=False)
-    except (ImportError, OSError, ValueError, ProtobufError):  # no graph to read: no dtypes (best effort)
+        model = read_graph_outline(path)  # types and names only: the weights are not read
+    except (OSError, ValueError):  # no graph to read: no dtypes (best effort)
         return {}
     types: dict[str, str] = {}
     g = model.graph
@@ -505,10 +500,8 @@ def graph_dtypes(path: Path) -> dict[str, tuple[str, str, list[str]]]:
 def graph_bits(path: Path) -> dict[str, int]:
     """node name -> ``bits`` attribute of the packed-weight nodes (``NBITS_OPS``) of a graph."""
     try:
-        import onnx
-
-        model = onnx.load(str(path), load_external_data=False)
-    except (ImportError, OSError, ValueError, ProtobufError):  # no graph to read: no widths (best effort)
+        model = read_graph_outline(path)
+    except (OSError, ValueError):  # no graph to read: no widths (best effort)
         return {}
     return {n.name: int(a.i) for n in model.graph.node if n.op_type in NBITS_OPS
             for a in n.attribute if a.name == "bits"}
@@ -526,7 +519,7 @@ def _elem_name(et: int) -> str:
 def _has_external_data(path: Path) -> bool:
     import onnx
 
-    m = onnx.load(str(path), load_external_data=False)
+    m = read_graph_outline(path)  # where each initializer's data lives, not the data
     return any(i.data_location == onnx.TensorProto.EXTERNAL for i in m.graph.initializer)
 
 

@@ -331,9 +331,10 @@ def _check_torch_bin(path: Path) -> int:
     return sum(v.numel() for v in state.values())
 
 
-def check_parameter_budget(auto_class: Any, config: Any, available: int, where: str) -> None:
+def check_parameter_budget(auto_class: Any, config: Any, available: int, where: str) -> int:
     """The architecture ``config`` describes, counted on the meta device (nothing allocated),
-    must fit in the ``available`` elements the weight files hold."""
+    must fit in the ``available`` elements the weight files hold; returns its parameter count
+    (tied tables once, as ``model.parameters()`` counts them)."""
     check_module_counts(config.to_dict(), where)
     with torch.device("meta"):
         try:
@@ -347,6 +348,7 @@ def check_parameter_budget(auto_class: Any, config: Any, available: int, where: 
     if declared > factor * available + extra:
         raise BadInputError(f"{where}: the config describes {declared:,} parameters but the weight files hold "
                             f"{available:,} values; refusing to build it")
+    return int(declared)
 
 
 def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, optional: tuple[str, ...] = ()) -> Any:
@@ -390,9 +392,15 @@ def _is_encoder(config: Any) -> bool:
         a.endswith(("BertModel", "RobertaModel", "MPNetModel")) for a in archs)
 
 
-def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> ModelHandle:
+def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, weights: bool = True) -> ModelHandle:
     """A local Hugging Face folder (``config.json``) or a GGUF file in ``folder``, offline;
-    nothing from the folder or file is executed (see the module docstring)."""
+    nothing from the folder or file is executed (see the module docstring).
+
+    ``weights=False`` reads the config and the tokenizer only: the handle has no ``module``
+    (None) but the model's inputs, sample inputs, data preparation, default data, evaluator
+    and ``extra`` (parameter count from the architecture on the meta device), which is what
+    an ONNX graph of the model borrows (``models.borrow_io``); no weight is read or allocated.
+    (A GGUF file is still converted to its cached float folder once, where the tokenizer lives.)"""
     folder = Path(folder)
     source = str(folder / gguf_file) if gguf_file else str(folder)
     t0 = time.perf_counter()
@@ -404,7 +412,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
             raise BadInputError(f"{folder} is not a Hugging Face model folder (no config.json)")
         hf_folder = folder
         name = folder.name if folder.name != "model" else folder.parent.name
-    _, weights = check_hf_folder(hf_folder)
+    _, files = check_hf_folder(hf_folder)
     tf = _transformers()
     with _no_remote_code():
         try:
@@ -420,18 +428,18 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None) -> Mod
             archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "?")]
             raise BadInputError(f"unsupported Hugging Face architecture {archs[0]!r} in {folder} (edgekit loads causal "
                                 "LMs (*ForCausalLM, GPT2LMHeadModel, ...) and BERT-style sentence encoders)")
-        check_parameter_budget(auto_class, config, weights.elements, str(hf_folder))
+        params = check_parameter_budget(auto_class, config, files.elements, str(hf_folder))
         try:
             tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder), trust_remote_code=False)
         except Exception as e:  # OSError, ValueError, TypeError, tokenizers' Exception: the tokenizer files are bad
             interrupts.reraise(e)
             raise BadInputError(f"{hf_folder}: the tokenizer cannot be loaded: {first_line(e)}") from None
         if auto_class is tf.AutoModelForCausalLM:
-            model = _from_pretrained(auto_class, hf_folder, weights)
-            handle = _causal_lm_handle(model, config, tokenizer, name, source)
+            model = _from_pretrained(auto_class, hf_folder, files) if weights else None
+            handle = _causal_lm_handle(model, params, config, tokenizer, name, source)
         else:
-            model = _from_pretrained(auto_class, hf_folder, weights, optional=("pooler.",))
-            handle = _encoder_handle(model, hf_folder, config, tokenizer, name, source)
+            model = _from_pretrained(auto_class, hf_folder, files, optional=("pooler.",)) if weights else None
+            handle = _encoder_handle(model, params, hf_folder, config, tokenizer, name, source)
     handle.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     handle.extra["hf_folder"] = str(hf_folder)
     return handle
@@ -444,10 +452,16 @@ def _repeat_text(texts: tuple[str, ...], min_chars: int) -> str:
     return text
 
 
-def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
-    model.eval()
-    model.config.use_cache = False
-    wrapper = CausalLMWrapper(model).eval()
+def _causal_lm_handle(model: Any | None, params: int, config: Any, tokenizer: Any, name: str,
+                      source: str) -> ModelHandle:
+    """The handle of a causal LM; ``model`` None for a weights-free handle (``params`` counted
+    on the meta device)."""
+    wrapper = None
+    if model is not None:
+        model.eval()
+        model.config.use_cache = False
+        wrapper = CausalLMWrapper(model).eval()
+        params = sum(p.numel() for p in model.parameters())
 
     prefix = list(window_prefix(tokenizer))  # <bos> for Gemma: what the model saw at every sequence start
 
@@ -481,7 +495,7 @@ def _causal_lm_handle(model: Any, config: Any, tokenizer: Any, name: str, source
         default_calib="lee-news", default_eval="wikipedia", default_train="wikipedia", evaluator="perplexity",
         tokenizer=tokenizer,
         dynamic_axes={"input_ids": dict(seq_axes), "attention_mask": dict(seq_axes), "logits": dict(seq_axes)},
-        extra={"params": sum(p.numel() for p in model.parameters()), "hf_config": config.to_dict(),
+        extra={"params": params, "hf_config": config.to_dict(),
                "vocab_size": int(config.vocab_size), "num_layers": int(getattr(config, "num_hidden_layers", 0)),
                "seqlen": window_len, "max_positions": max_positions, "window_prefix": prefix, "eval_batch": 1},
     )
@@ -508,10 +522,15 @@ def _sentence_transformers_pooling(folder: Path) -> tuple[str, bool]:
     return pooling, normalize
 
 
-def _encoder_handle(model: Any, folder: Path, config: Any, tokenizer: Any, name: str, source: str) -> ModelHandle:
-    model.eval()
+def _encoder_handle(model: Any | None, params: int, folder: Path, config: Any, tokenizer: Any, name: str,
+                    source: str) -> ModelHandle:
+    """The handle of a sentence encoder; ``model`` None for a weights-free handle."""
     pooling, normalize = _sentence_transformers_pooling(folder)
-    wrapper = SentenceEncoderWrapper(model, pooling=pooling, normalize=normalize).eval()
+    wrapper = None
+    if model is not None:
+        model.eval()
+        wrapper = SentenceEncoderWrapper(model, pooling=pooling, normalize=normalize).eval()
+        params = sum(p.numel() for p in model.parameters())
     names = ["input_ids", "attention_mask"]
     type_vocab: Any = getattr(config, "type_vocab_size", 0)
     if "token_type_ids" in getattr(tokenizer, "model_input_names", []) and type_vocab:
@@ -540,7 +559,7 @@ def _encoder_handle(model: Any, folder: Path, config: Any, tokenizer: Any, name:
         make_inputs=make_inputs, prepare=prepare,
         default_calib="wikipedia", default_eval="lee-news", default_train="lee-news", evaluator="cosine",
         tokenizer=tokenizer, dynamic_axes={**{n: dict(seq_axes) for n in names}, "embedding": {0: "batch"}},
-        extra={"params": sum(p.numel() for p in model.parameters()), "hf_config": config.to_dict(),
+        extra={"params": params, "hf_config": config.to_dict(),
                "pooling": pooling, "normalize": normalize, "hidden_size": int(config.hidden_size),
                "max_length": max_len, "eval_batch": 32},
     )

@@ -226,14 +226,21 @@ def decode_step_inputs(specs: list[InputSpec]) -> Any:
 
 def borrow_io(handle: ModelHandle, source: str | None) -> None:
     """Give an ONNX graph of a built-in model that model's realistic inputs, data preparation,
-    default data and evaluator (random integers are no valid token ids, token types or masks)."""
+    default data and evaluator (random integers are no valid token ids, token types or masks).
+    The model is loaded without its weights (config and tokenizer: ``load_zoo_model(weights=False)``),
+    so borrowing costs no memory the size of the model."""
+    if not source or all(s.dtype.startswith("float") for s in handle.inputs):
+        return  # random floats are fine inputs for image models
+    if any(s.name.startswith("past_key_values.") for s in handle.inputs):
+        return  # a graph with the KV cache keeps its consistent decode-step inputs (decode_step_inputs)
+    # imported only here: the zoo brings torch and transformers, which an ONNX graph does not need otherwise
     from edgekit.errors import EdgekitError
     from edgekit.sources.zoo import ZOO, load_zoo_model
 
-    if not source or source not in ZOO or all(s.dtype.startswith("float") for s in handle.inputs):
-        return  # random floats are fine inputs for image models
+    if source not in ZOO:
+        return
     try:
-        base = load_zoo_model(source)
+        base = load_zoo_model(source, weights=False)
     except EdgekitError:  # the base model's package is missing: random inputs, as for any ONNX file
         return
     if [s.name for s in base.inputs] != [s.name for s in handle.inputs]:
@@ -366,6 +373,7 @@ def _load_artifact(folder: Path) -> ModelHandle:
         handle.source = manifest.source or handle.source
         handle.extra["artifact"] = str(folder)
         borrow_io(handle, manifest.source)
+        release_memory()  # the validated graph's bytes and proto, freed: back to the system before the next phase
         return handle
     raise BadInputError(f"{folder} holds a {manifest.kind!r} artifact; this command takes a model, "
                         "a compressed model folder or an ONNX file")

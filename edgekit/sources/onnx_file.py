@@ -473,8 +473,8 @@ def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
     """ONNX node name -> the PyTorch module path the exporter recorded (``onnx_node_label``),
     for the nodes that have one."""
     try:
-        model = onnx.load(str(onnx_path), load_external_data=False)
-    except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as e:
+        model = read_graph_outline(onnx_path)  # the nodes only: the weights are not read
+    except (OSError, ValueError) as e:
         raise BadInputError(f"cannot read {onnx_path} for node names: {e}") from None
     labels: dict[str, str] = {}
     for node in model.graph.node:
@@ -484,3 +484,99 @@ def node_labels(onnx_path: str | os.PathLike[str]) -> dict[str, str]:
             for out in node.output:  # ORT names some fused nodes after an output (Conv+Clip: "hardtanh_nchwc")
                 labels.setdefault(f"output:{out}", label)
     return labels
+
+
+# Wire-format field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer and
+# sparse_initializer, and the TensorProto fields an outline keeps (dims, data_type, name,
+# external_data, data_location: where the data lives, not the data).
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 7, 5, 15
+_TENSOR_OUTLINE_FIELDS = (1, 2, 8, 13, 14)
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, start of the field's key, start of its value, end) of each field of the
+    protobuf message in ``buf[start:end]``; a length-delimited value starts after its length."""
+    pos = start
+    while pos < end:
+        key_at = pos
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        if wire == 0:
+            _, stop = _varint(buf, pos)
+        elif wire == 1:
+            stop = pos + 8
+        elif wire == 5:
+            stop = pos + 4
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            stop = pos + size
+        else:
+            raise ValueError(f"protobuf wire type {wire} at byte {key_at}")
+        if stop > end:
+            raise ValueError(f"field at byte {key_at} runs past the end of its message")
+        yield key >> 3, key_at, pos, stop
+        pos = stop
+
+
+def _delimited(field_number: int, payload: bytes) -> bytes:
+    out = bytearray()
+    for n in ((field_number << 3) | 2, len(payload)):
+        while n >= 0x80:
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out) + payload
+
+
+def read_graph_outline(path: str | os.PathLike[str]) -> onnx.ModelProto:
+    """The model in ``path`` without the data of its initializers: nodes, inputs, outputs,
+    value infos, opsets and metadata as stored, each initializer reduced to its name, type,
+    dims and where its data lives (``data_location``, ``external_data``; sparse initializers
+    dropped). What the file's weights take is skipped in the
+    protobuf wire format, never parsed, so this costs memory the size of the graph's structure
+    (``onnx.load`` holds the file's bytes and a parsed copy of every weight). For reading op
+    types, attributes, names and labels; not a model to run or save. Unreadable files raise
+    ``ValueError`` (or ``OSError``)."""
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            out = bytearray()
+            try:
+                for field_no, key_at, start, stop in _fields(buf, 0, len(buf)):
+                    if field_no != _MODEL_GRAPH:
+                        out += buf[key_at:stop]
+                        continue
+                    graph = bytearray()
+                    for g_no, g_key, g_start, g_stop in _fields(buf, start, stop):
+                        if g_no == _GRAPH_INITIALIZER:
+                            kept = b"".join(bytes(buf[t_key:t_stop]) for t_no, t_key, _, t_stop
+                                            in _fields(buf, g_start, g_stop) if t_no in _TENSOR_OUTLINE_FIELDS)
+                            graph += _delimited(_GRAPH_INITIALIZER, kept)
+                        elif g_no != _GRAPH_SPARSE_INITIALIZER:
+                            graph += buf[g_key:g_stop]
+                    out += _delimited(_MODEL_GRAPH, bytes(graph))
+            except IndexError:
+                raise ValueError(f"{path} is truncated") from None
+        finally:
+            buf.release()
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(bytes(out))
+    except DecodeError as e:
+        raise ValueError(f"{path} is not an ONNX model: {e}") from None
+    return model

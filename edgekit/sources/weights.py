@@ -326,12 +326,24 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, strings: list[int], depth: i
 # After loading
 
 
+FINITE_CHECK_CHUNK = 1 << 22  # elements checked at a time: isfinite's temporaries (abs, masks) stay ~20 MiB
+
+
 def check_finite_parameters(module: Any, where: str) -> None:
-    """Refuse a model whose parameters hold NaN or infinity (a corrupt or bit-flipped file)."""
+    """Refuse a model whose parameters hold NaN or infinity (a corrupt or bit-flipped file).
+    Each weight is checked ``FINITE_CHECK_CHUNK`` elements at a time: ``torch.isfinite`` of a
+    whole table makes float and boolean temporaries the size of it (Gemma-3's 262,144 x 640
+    embedding: ~1 GB)."""
     import torch
 
     for name, p in module.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
-            bad = int((~torch.isfinite(p)).sum())
-            raise BadInputError(f"{where}: weight {name} holds {bad:,} NaN or infinite values of {p.numel():,} "
-                                "(a corrupt file?)")
+        if not p.is_floating_point():
+            continue
+        flat = p.detach().reshape(-1)
+        if all(bool(torch.isfinite(flat[i:i + FINITE_CHECK_CHUNK]).all())
+               for i in range(0, flat.numel(), FINITE_CHECK_CHUNK)):
+            continue
+        bad = sum(int((~torch.isfinite(flat[i:i + FINITE_CHECK_CHUNK])).sum())
+                  for i in range(0, flat.numel(), FINITE_CHECK_CHUNK))
+        raise BadInputError(f"{where}: weight {name} holds {bad:,} NaN or infinite values of {p.numel():,} "
+                            "(a corrupt file?)")

