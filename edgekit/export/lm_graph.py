@@ -269,6 +269,12 @@ def _tied_packed(emb: nn.Module, head: nn.Module, config: FusedGraphConfig) -> b
             and emb.qweight.data_ptr() == head.qweight.data_ptr())
 
 
+def _tied_float(emb: nn.Module, head: nn.Module) -> bool:
+    """Whether a float embedding and a float bias-free LM head share one table (tied weights)."""
+    return (isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None and emb.weight.shape == head.weight.shape
+            and emb.weight.data_ptr() == head.weight.data_ptr())
+
+
 def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear, out: str) -> None:
     """The embedding lookup reading the LM head's MatMulNBits weight ``(vocab, blocks, block bytes)``:
     ``GatherBlockQuantized`` quantized along the last axis of that 3-D table (the same bytes: rows
@@ -386,6 +392,10 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
                                         w.init("embed.qzeros", pack_codes(emb.zeros()[:, gidx], emb.bits).numpy())],
                [rows], "embed", MS, gather_axis=0, quantize_axis=1, block_size=block,
                bits=storage_bits(emb.bits))
+    elif _tied_float(emb, head):  # one (hidden, vocab) table: the head's MatMul weight, gathered by column
+        table = w.init("lm_head.weight", emb.weight.detach().float().T.contiguous().numpy())
+        w.node("Gather", [table, "input_ids"], ["embed/columns"], "embed", axis=1)  # (hidden, batch, sequence)
+        w.node("Transpose", ["embed/columns"], [rows], "embed/transpose", perm=[1, 2, 0])
     else:
         w.node("Gather", [w.init("embed.weight", emb.weight.detach().float().numpy()), "input_ids"], [rows],
                "embed", axis=0)
@@ -488,7 +498,10 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
     gamma = w.init("norm.weight", _norm_weight(body.norm, arch))
     w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
            "norm", MS, epsilon=eps)
-    logits = w.linear("final_norm", [head], "lm_head")
+    if _tied_float(emb, head):
+        logits = w.node("MatMul", ["final_norm", "lm_head.weight"], ["lm_head/out"], "lm_head")[0]
+    else:
+        logits = w.linear("final_norm", [head], "lm_head")
     if final_softcap:  # softcap * tanh(logits / softcap)
         cap = w.init("final_softcap", np.array(final_softcap, np.float32))
         w.node("Div", [logits, cap], ["logits/capped"], "softcap/div")

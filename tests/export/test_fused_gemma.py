@@ -78,6 +78,8 @@ def test_gemma_exports_the_fused_graph_and_matches_transformers(family, tmp_path
     if family == "gemma3":  # the sliding layer reads its own rotary base
         inits = {i.name for i in graph.initializer}
         assert {"cos_cache_local", "sin_cache_local"} <= inits
+    tables = [i.name for i in graph.initializer if 260 in i.dims and int(np.prod(i.dims)) >= 260 * 64]
+    assert tables == ["lm_head.weight"]  # the tied table once: the head's (hidden, vocab), gathered by column
     ids = _ids()
     assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
 
