@@ -247,15 +247,16 @@ class _Writer:
         raise BadInputError(f"{name}: {type(layers[0]).__name__} is neither nn.Linear nor a packed QuantLinear")
 
     def rms_norm(self, x: str, gamma: str, eps: float, out: str) -> str:
-        """RMSNorm in standard ops (the first layer's, which has no residual to fuse with; ONNX Runtime's
-        optimizer fuses the pattern into SimplifiedLayerNormalization, and the ONNX checker knows it)."""
-        sq = self.node("Mul", [x, x], [f"{out}/sq"], f"{out}/sq")[0]
+        """RMSNorm in standard ops (a norm without a residual to fuse with: the first layer's, Gemma's
+        post-attention, post-MLP and q/k norms), as Pow, ReduceMean, Add, Sqrt, Div, Mul: the pattern
+        ONNX Runtime's optimizer fuses into SimplifiedLayerNormalization (Mul(x, x) or Reciprocal
+        and Mul it leaves unfused), in ops the ONNX checker knows."""
+        sq = self.node("Pow", [x, self.init(f"{out}/two", np.array(2.0, np.float32))], [f"{out}/sq"], f"{out}/sq")[0]
         ms = self.node("ReduceMean", [sq, self.init(f"{out}/axes", np.array([-1], np.int64))], [f"{out}/ms"],
                        f"{out}/mean", keepdims=1)[0]
         var = self.node("Add", [ms, self.init(f"{out}/eps", np.array(eps, np.float32))], [f"{out}/var"], f"{out}/eps")[0]
-        rstd = self.node("Reciprocal", [self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]], [f"{out}/rstd"],
-                         f"{out}/rstd")[0]
-        normed = self.node("Mul", [x, rstd], [f"{out}/normed"], f"{out}/normed")[0]
+        std = self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]
+        normed = self.node("Div", [x, std], [f"{out}/normed"], f"{out}/normed")[0]
         return self.node("Mul", [normed, gamma], [out], f"{out}/gamma")[0]
 
     def _concat(self, parts: list[str], name: str) -> str:

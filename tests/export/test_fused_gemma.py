@@ -84,6 +84,20 @@ def test_gemma_exports_the_fused_graph_and_matches_transformers(family, tmp_path
     assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
 
 
+def test_every_norm_of_the_gemma_graph_runs_fused(tmp_path):
+    """ONNX Runtime fuses every RMSNorm the graph writes in standard ops (the first input norm, the
+    post-attention and post-MLP norms, the q/k norms) into SimplifiedLayerNormalization."""
+    import onnxruntime as ort
+
+    h = load_model(str(save_tiny("gemma3", tmp_path)))
+    out = export_causal_lm(h, tmp_path / "onnx", parity=False)
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(out / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert ops.count("SimplifiedLayerNormalization") == 1 + 2 * 4 and "ReduceMean" not in ops
+
+
 def test_4bit_gemma3_fused_graph_stores_the_tied_table_once_and_matches_the_packed_model(tmp_path):
     h = load_model(str(save_tiny("gemma3", tmp_path, sliding_window=WINDOW)))
     cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "head": "int4", "eval_windows": 0})
