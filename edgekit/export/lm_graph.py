@@ -510,10 +510,12 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
         logits = w.node("Mul", ["logits/tanh", cap], ["logits/softcapped"], "softcap/mul")[0]
     w.node("Identity", [logits], ["logits"], "logits")
 
-    graph = helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs, w.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", config.opset),
-                                                    helper.make_opsetid(MS, 1)],
+    model = helper.make_model(helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", config.opset), helper.make_opsetid(MS, 1)],
                               producer_name="edgekit")
+    for k, tensor in enumerate(w.inits):  # moved into the model one by one: the weights are never held twice
+        model.graph.initializer.append(tensor)
+        w.inits[k] = None
     model.ir_version = min(model.ir_version, 10)
     helper.set_model_props(model, {KV_CACHE_METADATA: KV_SHARED_BUFFER})
     return model
