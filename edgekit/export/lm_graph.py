@@ -39,6 +39,7 @@ lets the CPU kernel quantize activations to int8 per block and run integer dot p
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,6 +339,32 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
 
     >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
     """
+    model, tensors = fused_decoder_parts(hf_model, config)
+    for k, tensor in enumerate(tensors):  # moved into the model one by one: the weights are never held twice
+        model.graph.initializer.append(tensor)
+        tensors[k] = None
+    return model
+
+
+def save_parts(model: ModelProto, tensors: list[Any], path: str | os.PathLike[str]) -> None:
+    """Write ``model`` with ``tensors`` as its initializers to one ONNX file, a tensor at a time.
+
+    Protobuf merges repeated occurrences of an embedded message field and appends repeated fields,
+    so the file is ``model``'s bytes followed by one ``ModelProto{graph{initializer: [t]}}`` per
+    tensor: what ``onnx.load`` and ONNX Runtime read as one model, written without ever holding the
+    whole serialized model in memory (``onnx.save_model`` holds it twice beside the proto).
+    """
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+        for tensor in tensors:
+            wrapper = ModelProto()
+            wrapper.graph.initializer.append(tensor)
+            f.write(wrapper.SerializeToString())
+
+
+def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None) -> tuple[ModelProto, list[Any]]:
+    """``build_fused_decoder``'s graph without its initializers, and the initializers
+    (``TensorProto``), for ``save_parts`` to write the file without assembling the model."""
     config = config or FusedGraphConfig()
     ok, why = supports_fused_graph(hf_model)
     if not ok:
@@ -513,13 +540,11 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
     model = helper.make_model(helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", config.opset), helper.make_opsetid(MS, 1)],
                               producer_name="edgekit")
-    for k, tensor in enumerate(w.inits):  # moved into the model one by one: the weights are never held twice
-        model.graph.initializer.append(tensor)
-        w.inits[k] = None
     model.ir_version = min(model.ir_version, 10)
     helper.set_model_props(model, {KV_CACHE_METADATA: KV_SHARED_BUFFER})
-    return model
+    return model, w.inits
 
 
 __all__ = ["ARCHITECTURES", "ARCHS", "Arch", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
+           "fused_decoder_parts", "save_parts",
            "supports_fused_graph"]

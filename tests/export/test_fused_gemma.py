@@ -14,13 +14,14 @@ import torch
 
 from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.export.lm import export_causal_lm, lm_feeds, lm_session, presents_to_past
+from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, fused_decoder_parts, save_parts
 from edgekit.sources.models import load_model
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from tiny_models import save_tiny  # noqa: E402
+from tiny_models import build, save_tiny  # noqa: E402
 
 WINDOW = 8  # sliding window of the tiny models' local layers: the prompt runs past it
 PROMPT, STEPS = 20, 6
@@ -113,3 +114,15 @@ def test_4bit_gemma3_fused_graph_stores_the_tied_table_once_and_matches_the_pack
     assert tables == ["lm_head.qweight"], tables  # 4-bit codes of (vocab, hidden): the embedding reads the head's
     ids = _ids()
     assert _rel(_decode(out / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
+
+
+def test_graph_written_a_tensor_at_a_time_loads_as_the_assembled_graph(tmp_path):
+    """``save_parts`` (the export's writer: the graph, then one initializer at a time) gives the file
+    ``onnx.save`` gives for the assembled model, read back as the same model."""
+    model = build("gemma3")
+    skeleton, tensors = fused_decoder_parts(model, FusedGraphConfig())
+    save_parts(skeleton, tensors, tmp_path / "parts.onnx")
+    whole = build_fused_decoder(model, FusedGraphConfig())
+    onnx.save(whole, str(tmp_path / "whole.onnx"))
+    assert len(tensors) == len(whole.graph.initializer) > 0
+    assert onnx.load(str(tmp_path / "parts.onnx")) == onnx.load(str(tmp_path / "whole.onnx"))
