@@ -476,7 +476,7 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"
     t0 = time.perf_counter()
-    tensors: list[Any] = []  # the fused graph's initializers, written after it a tensor at a time (save_parts)
+    tensors: list[tuple[str, np.ndarray]] = []  # the fused graph's initializers, written after it (save_parts)
     if graph == "fused":
         proto, tensors = fused_decoder_parts(_hf_model(handle.module), FusedGraphConfig(
             block_size=block_size, accuracy_level=accuracy_level, opset=opset))
@@ -495,11 +495,13 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     outputs = [o.name for o in proto.graph.output]
     blocks = _graph_block_size(proto)
     step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
-    large = proto.ByteSize() + sum(t.ByteSize() for t in tensors) > 2**31 - 2**20
-    if large:  # external data: the initializers go into the model, which onnx moves out to model.onnx.data
-        for k, tensor in enumerate(tensors):
-            proto.graph.initializer.append(tensor)
-            tensors[k] = None
+    large = proto.ByteSize() + sum(a.nbytes for _, a in tensors) > 2**31 - 2**20
+    if large and tensors:  # external data: the initializers go into the model, which onnx moves to model.onnx.data
+        from onnx import numpy_helper
+
+        for k, (name, arr) in enumerate(tensors):
+            proto.graph.initializer.append(numpy_helper.from_array(arr, name))
+            tensors[k] = ("", np.empty(0))
         tensors = []
     # a graph without MatMulNBits computes the same whatever its accuracy level: no twin to check
     twin_parity = parity and bool(accuracy_level) and any(n.op_type == "MatMulNBits" for n in proto.graph.node)

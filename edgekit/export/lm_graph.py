@@ -191,7 +191,7 @@ class _Writer:
     def __init__(self, config: FusedGraphConfig) -> None:
         self.config = config
         self.nodes: list[Any] = []
-        self.inits: list[Any] = []
+        self.inits: list[tuple[str, np.ndarray]] = []  # (name, values): TensorProtos only as they are written
         self.shared: dict[str, np.ndarray] = {}
 
     def init(self, name: str, arr: np.ndarray, shared: bool = False) -> str:
@@ -203,7 +203,7 @@ class _Writer:
             return name
         if shared:
             self.shared[name] = arr
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        self.inits.append((name, np.ascontiguousarray(arr)))
         return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
@@ -340,31 +340,56 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
     >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
     """
     model, tensors = fused_decoder_parts(hf_model, config)
-    for k, tensor in enumerate(tensors):  # moved into the model one by one: the weights are never held twice
-        model.graph.initializer.append(tensor)
-        tensors[k] = None
+    for k, (name, arr) in enumerate(tensors):  # one at a time: the weights are never held twice
+        model.graph.initializer.append(numpy_helper.from_array(arr, name))
+        tensors[k] = ("", np.empty(0))
     return model
 
 
-def save_parts(model: ModelProto, tensors: list[Any], path: str | os.PathLike[str]) -> None:
-    """Write ``model`` with ``tensors`` as its initializers to one ONNX file, a tensor at a time.
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, length: int) -> bytes:
+    """The key and length of a length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+# field numbers: ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def save_parts(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: str | os.PathLike[str]) -> None:
+    """Write ``model`` with ``tensors`` ((name, array) pairs) as its initializers to one ONNX file,
+    the arrays' bytes straight from their memory.
 
     Protobuf merges repeated occurrences of an embedded message field and appends repeated fields,
     so the file is ``model``'s bytes followed by one ``ModelProto{graph{initializer: [t]}}`` per
-    tensor: what ``onnx.load`` and ONNX Runtime read as one model, written without ever holding the
-    whole serialized model in memory (``onnx.save_model`` holds it twice beside the proto).
+    tensor, ``t`` written as its header (dims, type, name) then its ``raw_data``: what ``onnx.load``
+    and ONNX Runtime read as the model ``build_fused_decoder`` returns, written without a
+    ``TensorProto`` or a serialized copy of any weight (``onnx.save_model`` holds the model twice).
     """
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-        for tensor in tensors:
-            wrapper = ModelProto()
-            wrapper.graph.initializer.append(tensor)
-            f.write(wrapper.SerializeToString())
+        for name, arr in tensors:
+            arr = np.ascontiguousarray(arr)
+            header = TensorProto(name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
+            head = header.SerializeToString() + _field(_TENSOR_RAW_DATA, arr.nbytes)
+            tensor_len = len(head) + arr.nbytes
+            inner = _field(_GRAPH_INITIALIZER, tensor_len)
+            f.write(_field(_MODEL_GRAPH, len(inner) + tensor_len) + inner + head)
+            f.write(arr.reshape(-1).view(np.uint8).data)
 
 
-def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None) -> tuple[ModelProto, list[Any]]:
-    """``build_fused_decoder``'s graph without its initializers, and the initializers
-    (``TensorProto``), for ``save_parts`` to write the file without assembling the model."""
+def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
+                        ) -> tuple[ModelProto, list[tuple[str, np.ndarray]]]:
+    """``build_fused_decoder``'s graph without its initializers, and the initializers as
+    (name, array) pairs, for ``save_parts`` to write the file without assembling the model."""
     config = config or FusedGraphConfig()
     ok, why = supports_fused_graph(hf_model)
     if not ok:
