@@ -149,8 +149,10 @@ def _window(cfg: Any, layer: int) -> int | None:
     itself included), None for a global layer."""
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
-    if not window or not types:
+    if not window:
         return None
+    if not types:  # Mistral: every layer slides when the config sets a window
+        return int(window)
     return int(window) if types[layer] == "sliding_attention" else None
 
 
