@@ -309,12 +309,21 @@ def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear, out: s
                [out], "embed/slice")
 
 
-def _rotary_caches(attn_rotary: Any, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin caches (max_positions, rotary_dim / 2) from the model's own rotary embedding."""
-    inv_freq = attn_rotary.inv_freq.detach().double().cpu()  # (rotary_dim / 2,)
+def _rotary_caches(w: _Writer, attn_rotary: Any, max_positions: int, suffix: str = "") -> None:
+    """``cos_cache{suffix}`` / ``sin_cache{suffix}`` (max_positions, rotary_dim / 2) from the model's own
+    rotary embedding, computed in the graph as the model computes them (float32 positions times its
+    ``inv_freq``, times its ``attention_scaling``): ONNX Runtime folds them once as the session
+    loads, and the file carries ``inv_freq`` instead of two tables per rotary base."""
+    inv_freq = attn_rotary.inv_freq.detach().float().cpu().numpy()  # (rotary_dim / 2,)
     scale = float(getattr(attn_rotary, "attention_scaling", 1.0))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return ((freqs.cos() * scale).float().numpy(), (freqs.sin() * scale).float().numpy())
+    n = f"rotary{suffix}"
+    positions = w.init("rotary.positions", np.arange(max_positions, dtype=np.float32)[:, None], shared=True)
+    freqs = w.node("Mul", [positions, w.init(f"{n}.inv_freq", inv_freq)], [f"{n}/freqs"], f"{n}/freqs")[0]
+    for fn in ("Cos", "Sin"):
+        out = f"{fn.lower()}_cache{suffix}"
+        raw = w.node(fn, [freqs], [out if scale == 1.0 else f"{n}/{fn.lower()}"], f"{n}/{fn.lower()}")[0]
+        if scale != 1.0:
+            w.node("Mul", [raw, w.init(f"{n}/scale", np.array(scale, np.float32))], [out], f"{n}/{fn.lower()}_scale")
 
 
 def _embedding_scale(emb: Any, cfg: Any, arch: Arch) -> float:
@@ -462,13 +471,9 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
         raise BadInputError("the model has no rotary embedding module (model.rotary_emb)")
     # positions past the trained length still get their rotation (as in the traced graph), up to a floor
     positions = max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS)
-    cos, sin = _rotary_caches(rotary, positions, head_dim)
-    w.init("cos_cache", cos)
-    w.init("sin_cache", sin)
+    _rotary_caches(w, rotary, positions)
     if arch.local_rotary and any(_window(cfg, i) for i in range(n_layers)):  # sliding layers: their own base
-        cos, sin = _rotary_caches(body.rotary_emb_local, positions, head_dim)
-        w.init("cos_cache_local", cos)
-        w.init("sin_cache_local", sin)
+        _rotary_caches(w, body.rotary_emb_local, positions, "_local")
     attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
     final_softcap = getattr(cfg, "final_logit_softcapping", None)
 

@@ -79,7 +79,8 @@ def test_gemma_exports_the_fused_graph_and_matches_transformers(family, tmp_path
     assert "FastGelu" in ops and ("Tanh" in ops) == (family == "gemma2")  # Gemma 2 soft-caps its logits
     if family == "gemma3":  # the sliding layer reads its own rotary base
         inits = {i.name for i in graph.initializer}
-        assert {"cos_cache_local", "sin_cache_local"} <= inits
+        assert {"rotary.inv_freq", "rotary_local.inv_freq"} <= inits
+        assert [n.input[7] for n in attn] == ["cos_cache_local", "cos_cache"]
     tables = [i.name for i in graph.initializer if 260 in i.dims and int(np.prod(i.dims)) >= 260 * 64]
     assert tables == ["lm_head.weight"]  # the tied table once: the head's (hidden, vocab), gathered by column
     ids = _ids()
