@@ -21,7 +21,7 @@ profile (time per op type) of the traced and the fused graph. Settings (block si
 compute) were chosen on decode timings of random-token prompts, not on the perplexity windows.
 
     python benchmarks/bench_decode.py                      # SmolLM2-135M
-    python benchmarks/bench_decode.py --model gemma3-270m  # Gemma-3-270m (traced graph, see RESULTS.md)
+    python benchmarks/bench_decode.py --model gemma3-270m  # Gemma-3-270m
 """
 from __future__ import annotations
 

@@ -236,7 +236,7 @@ def zoo(as_json: bool) -> None:
 @click.option("--graph", type=click.Choice(["auto", "fused", "traced"]), default="auto", show_default=True,
               help="Causal LMs (with --kv-cache): fused = ONNX Runtime's fused decoder graph (GroupQueryAttention, "
                    "fused norms and matmuls, in-place KV cache), traced = optimum's export; auto = fused where the "
-                   "architecture has it (Llama family).")
+                   "architecture has it (Llama, Mistral, Qwen2, Gemma 2 and 3).")
 @click.option("--block-size", type=int, default=None,
               help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
 @click.option("--weight-format", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,

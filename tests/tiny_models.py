@@ -138,11 +138,14 @@ def byte_tokenizer(add_bos: bool = False) -> Any:
                                    unk_token="<unk>", model_max_length=128)
 
 
-def build(family: str, seed: int = 0) -> Any:
-    """The float transformers model of ``family`` with seeded random weights (eval mode)."""
+def build(family: str, seed: int = 0, **config: Any) -> Any:
+    """The float transformers model of ``family`` with seeded random weights (eval mode);
+    ``config`` overrides fields of its config (``sliding_window=8``)."""
     import torch
 
     cls, cfg = {**DECODERS, **ENCODERS}[family]()
+    for key, value in config.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if family in GEMMA:  # Gemma's RMSNorm multiplies by (1 + w): make w matter (it is zero at init)
@@ -153,10 +156,10 @@ def build(family: str, seed: int = 0) -> Any:
     return model
 
 
-def save_tiny(family: str, root: Path, seed: int = 0) -> Path:
+def save_tiny(family: str, root: Path, seed: int = 0, **config: Any) -> Path:
     """``family`` saved as a Hugging Face folder (config, safetensors, tokenizer) under ``root``."""
     folder = Path(root) / family
-    model = build(family, seed)
+    model = build(family, seed, **config)
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer(add_bos=family in GEMMA).save_pretrained(folder)
     return folder

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
-from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph
+from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.memory import release_memory
 from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
@@ -476,8 +476,9 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"
     t0 = time.perf_counter()
+    tensors: list[tuple[str, np.ndarray]] = []  # the fused graph's initializers, written after it (save_parts)
     if graph == "fused":
-        proto = build_fused_decoder(_hf_model(handle.module), FusedGraphConfig(
+        proto, tensors = fused_decoder_parts(_hf_model(handle.module), FusedGraphConfig(
             block_size=block_size, accuracy_level=accuracy_level, opset=opset))
         export_s = time.perf_counter() - t0
     else:
@@ -494,17 +495,31 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     outputs = [o.name for o in proto.graph.output]
     blocks = _graph_block_size(proto)
     step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
-    large = proto.ByteSize() > 2**31 - 2**20
-    twin_parity = parity and bool(accuracy_level)
+    large = proto.ByteSize() + sum(a.nbytes for _, a in tensors) > 2**31 - 2**20
+    if large and tensors:  # external data: the initializers go into the model, which onnx moves to model.onnx.data
+        from onnx import numpy_helper
+
+        for k, (name, arr) in enumerate(tensors):
+            proto.graph.initializer.append(numpy_helper.from_array(arr, name))
+            tensors[k] = ("", np.empty(0))
+        tensors = []
+    # a graph without MatMulNBits computes the same whatever its accuracy level: no twin to check
+    twin_parity = parity and bool(accuracy_level) and any(n.op_type == "MatMulNBits" for n in proto.graph.node)
     with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder, \
             tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
-        onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
-                        location="model.onnx.data" if large else None)
+        if tensors:
+            save_parts(proto, tensors, folder / "model.onnx")
+        else:
+            onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
+                            location="model.onnx.data" if large else None)
         twin = os.path.join(tmp, "model.onnx")
         if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy)
-            onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
-                            location="model.onnx.data" if large else None)
-        del proto
+            if tensors:
+                save_parts(set_accuracy_level(proto, None), tensors, twin)
+            else:
+                onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
+                                location="model.onnx.data" if large else None)
+        del proto, tensors
         release_memory()
         verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
         metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),

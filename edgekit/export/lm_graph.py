@@ -1,4 +1,4 @@
-"""A fused ONNX decoder graph for Llama-family causal LMs, written from the model's own weights.
+"""A fused ONNX decoder graph for Llama- and Gemma-family causal LMs, written from the model's own weights.
 
 The traced graph of a causal LM (``export_causal_lm`` with ``graph="optimum"``) holds about a
 thousand small nodes (RMSNorm as Pow/ReduceMean/Sqrt/Div/Mul, rotary embeddings as Slice/Neg/
@@ -14,7 +14,8 @@ writes the graph ONNX Runtime's GenAI model builder writes, from edgekit's packe
 * ``com.microsoft::GroupQueryAttention`` with the rotary embedding inside (``do_rotary``) and the
   KV cache as ``past``/``present`` (BNSH); fed a past buffer of the maximum length and bound to
   the same memory as its present output, it appends in place (no copy per step);
-* ``com.microsoft::QuickGelu`` with ``alpha = 1`` (x * sigmoid(x): SiLU) for the gate;
+* ``com.microsoft::QuickGelu`` with ``alpha = 1`` (x * sigmoid(x): SiLU) for the gate, or
+  ``com.microsoft::FastGelu`` (the tanh approximation) for Gemma's ``gelu_pytorch_tanh``;
 * the LM head as ``MatMulNBits`` (the packed 8-bit or 4-bit head) or a float MatMul, the
   embedding as ``com.microsoft::GatherBlockQuantized`` or a float Gather.
 
@@ -22,6 +23,13 @@ Inputs and outputs keep the names of the traced graph (``input_ids``, ``attentio
 ``past_key_values.{i}.key/value`` -> ``logits``, ``present.{i}.key/value``), so every caller of
 an exported causal LM runs either graph (``position_ids`` feeds the rotary embedding inside the
 attention; sequences are left-aligned, without padding inside a row).
+
+Gemma 2 and 3 (``ARCHS``) add what their layers compute: the embedding scaled by sqrt(hidden),
+RMSNorm by ``(1 + w)`` (the weight written as ``1 + w``), four norms per layer (the outputs of
+attention and MLP normed before each residual add), per-head q/k norms before the rotary
+embedding (Gemma 3: the attention then takes q, k and v apart), sliding-window layers
+(``local_window_size``) with their own rotary base, ``query_pre_attn_scalar`` as the attention
+scale, and logit soft-capping where the config sets it (``softcap``; Tanh on the final logits).
 
 Float ``nn.Linear`` layers (an FP32 model) become float MatMuls in the same layout, so the FP32
 baseline gets the same fusions. ``block_size`` chooses the MatMulNBits block (16..256, dividing
@@ -31,6 +39,7 @@ lets the CPU kernel quantize activations to int8 per block and run integer dot p
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +52,36 @@ from edgekit.errors import BadInputError
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
 
+
+@dataclass(frozen=True)
+class Arch:
+    """What a family's decoder computes beyond the Llama layer, as the fused graph writes it.
+
+    ``norm_offset``: RMSNorm multiplies by ``offset + w``. ``sandwich_norms``: attention and MLP
+    outputs are normed before their residual adds (``post_attention_layernorm`` then
+    ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``). ``qk_norm``: per-head RMSNorm
+    of q and k before the rotary embedding. ``embed_normalizer``: the model (not its embedding
+    module) multiplies the embeddings by sqrt(hidden). ``local_rotary``: sliding-window layers
+    read ``model.rotary_emb_local``. ``activations``: the MLP activations written (HF names).
+    """
+
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    embed_normalizer: bool = False
+    local_rotary: bool = False
+    activations: tuple[str, ...] = ("silu",)
+
+
+LLAMA = Arch()
+GEMMA2 = Arch(norm_offset=1.0, sandwich_norms=True, embed_normalizer=True,
+              activations=("gelu_pytorch_tanh",))
+GEMMA3 = Arch(norm_offset=1.0, sandwich_norms=True, qk_norm=True, local_rotary=True,
+              activations=("gelu_pytorch_tanh",))
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHS: dict[str, Arch] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma2": GEMMA2,
+                          "gemma3_text": GEMMA3}
+ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
 MS = "com.microsoft"
@@ -81,9 +118,15 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ARCHITECTURES:
         return False, f"architecture {model_type!r} has no fused graph (fused: {', '.join(ARCHITECTURES)})"
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        return False, f"activation {act!r} is not SiLU"
+    arch = ARCHS[model_type]
+    act = _activation(cfg)
+    if act not in arch.activations:
+        return False, f"activation {act!r} is not {' or '.join(_ACT_NAMES[a] for a in arch.activations)}"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return False, "bidirectional attention is not causal"
+    body = getattr(hf_model, "model", None)
+    if arch.local_rotary and getattr(body, "rotary_emb_local", None) is None:
+        return False, "the model has no local rotary embedding (model.rotary_emb_local)"
     scaling = getattr(cfg, "rope_scaling", None) or {}
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3"):
         return False, f"rope scaling {scaling!r} is not supported by the fused graph"
@@ -91,6 +134,26 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
         if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
             return False, f"{name} has {m.bits}-bit weights (the fused graph takes {KERNEL_BITS})"
     return True, ""
+
+
+_ACT_NAMES = {"silu": "SiLU", "gelu_pytorch_tanh": "GELU (tanh)"}
+
+
+def _activation(cfg: Any) -> str:
+    """The MLP activation's HF name (Gemma's configs call it ``hidden_activation``)."""
+    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu"))
+
+
+def _window(cfg: Any, layer: int) -> int | None:
+    """The sliding window of decoder layer ``layer`` (keys within ``window`` positions of the query,
+    itself included), None for a global layer."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return None
+    if not types:  # Mistral: every layer slides when the config sets a window
+        return int(window)
+    return int(window) if types[layer] == "sliding_attention" else None
 
 
 def _choose_block(layer: QuantLinear, requested: int | None) -> int:
@@ -130,7 +193,7 @@ class _Writer:
     def __init__(self, config: FusedGraphConfig) -> None:
         self.config = config
         self.nodes: list[Any] = []
-        self.inits: list[Any] = []
+        self.inits: list[tuple[str, np.ndarray]] = []  # (name, values): TensorProtos only as they are written
         self.shared: dict[str, np.ndarray] = {}
 
     def init(self, name: str, arr: np.ndarray, shared: bool = False) -> str:
@@ -142,7 +205,7 @@ class _Writer:
             return name
         if shared:
             self.shared[name] = arr
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        self.inits.append((name, np.ascontiguousarray(arr)))
         return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
@@ -187,15 +250,16 @@ class _Writer:
         raise BadInputError(f"{name}: {type(layers[0]).__name__} is neither nn.Linear nor a packed QuantLinear")
 
     def rms_norm(self, x: str, gamma: str, eps: float, out: str) -> str:
-        """RMSNorm in standard ops (the first layer's, which has no residual to fuse with; ONNX Runtime's
-        optimizer fuses the pattern into SimplifiedLayerNormalization, and the ONNX checker knows it)."""
-        sq = self.node("Mul", [x, x], [f"{out}/sq"], f"{out}/sq")[0]
+        """RMSNorm in standard ops (a norm without a residual to fuse with: the first layer's, Gemma's
+        post-attention, post-MLP and q/k norms), as Pow, ReduceMean, Add, Sqrt, Div, Mul: the pattern
+        ONNX Runtime's optimizer fuses into SimplifiedLayerNormalization (Mul(x, x) or Reciprocal
+        and Mul it leaves unfused), in ops the ONNX checker knows."""
+        sq = self.node("Pow", [x, self.init(f"{out}/two", np.array(2.0, np.float32))], [f"{out}/sq"], f"{out}/sq")[0]
         ms = self.node("ReduceMean", [sq, self.init(f"{out}/axes", np.array([-1], np.int64))], [f"{out}/ms"],
                        f"{out}/mean", keepdims=1)[0]
         var = self.node("Add", [ms, self.init(f"{out}/eps", np.array(eps, np.float32))], [f"{out}/var"], f"{out}/eps")[0]
-        rstd = self.node("Reciprocal", [self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]], [f"{out}/rstd"],
-                         f"{out}/rstd")[0]
-        normed = self.node("Mul", [x, rstd], [f"{out}/normed"], f"{out}/normed")[0]
+        std = self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]
+        normed = self.node("Div", [x, std], [f"{out}/normed"], f"{out}/normed")[0]
         return self.node("Mul", [normed, gamma], [out], f"{out}/gamma")[0]
 
     def _concat(self, parts: list[str], name: str) -> str:
@@ -209,7 +273,13 @@ def _tied_packed(emb: nn.Module, head: nn.Module, config: FusedGraphConfig) -> b
             and emb.qweight.data_ptr() == head.qweight.data_ptr())
 
 
-def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> None:
+def _tied_float(emb: nn.Module, head: nn.Module) -> bool:
+    """Whether a float embedding and a float bias-free LM head share one table (tied weights)."""
+    return (isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None and emb.weight.shape == head.weight.shape
+            and emb.weight.data_ptr() == head.weight.data_ptr())
+
+
+def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear, out: str) -> None:
     """The embedding lookup reading the LM head's MatMulNBits weight ``(vocab, blocks, block bytes)``:
     ``GatherBlockQuantized`` quantized along the last axis of that 3-D table (the same bytes: rows
     of codes, two 4-bit codes a byte, low nibble first), then the blocks reshaped into the hidden
@@ -232,31 +302,111 @@ def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear) -> Non
            ["embed/blocks"], "embed", MS, gather_axis=0, quantize_axis=2, block_size=block, bits=bits)
     padded = nb * block != D
     w.node("Reshape", ["embed/blocks", w.init("embed/shape", np.array([0, 0, nb * block], np.int64))],
-           ["embed/padded" if padded else "embeddings"], "embed/reshape")
+           ["embed/padded" if padded else out], "embed/reshape")
     if padded:  # the head's last block carries zero codes past the hidden size
         w.node("Slice", ["embed/padded", w.init("embed/start", np.array([0], np.int64)),
                          w.init("embed/end", np.array([D], np.int64)), w.init("embed/axis", np.array([-1], np.int64))],
-               ["embeddings"], "embed/slice")
+               [out], "embed/slice")
 
 
-def _rotary_caches(attn_rotary: Any, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin caches (max_positions, rotary_dim / 2) from the model's own rotary embedding."""
-    inv_freq = attn_rotary.inv_freq.detach().double().cpu()  # (rotary_dim / 2,)
+def _rotary_caches(w: _Writer, attn_rotary: Any, max_positions: int, suffix: str = "") -> None:
+    """``cos_cache{suffix}`` / ``sin_cache{suffix}`` (max_positions, rotary_dim / 2) from the model's own
+    rotary embedding, computed in the graph as the model computes them (float32 positions times its
+    ``inv_freq``, times its ``attention_scaling``): ONNX Runtime folds them once as the session
+    loads, and the file carries ``inv_freq`` instead of two tables per rotary base."""
+    inv_freq = attn_rotary.inv_freq.detach().float().cpu().numpy()  # (rotary_dim / 2,)
     scale = float(getattr(attn_rotary, "attention_scaling", 1.0))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return ((freqs.cos() * scale).float().numpy(), (freqs.sin() * scale).float().numpy())
+    n = f"rotary{suffix}"
+    positions = w.init("rotary.positions", np.arange(max_positions, dtype=np.float32)[:, None], shared=True)
+    freqs = w.node("Mul", [positions, w.init(f"{n}.inv_freq", inv_freq)], [f"{n}/freqs"], f"{n}/freqs")[0]
+    for fn in ("Cos", "Sin"):
+        out = f"{fn.lower()}_cache{suffix}"
+        raw = w.node(fn, [freqs], [out if scale == 1.0 else f"{n}/{fn.lower()}"], f"{n}/{fn.lower()}")[0]
+        if scale != 1.0:
+            w.node("Mul", [raw, w.init(f"{n}/scale", np.array(scale, np.float32))], [out], f"{n}/{fn.lower()}_scale")
+
+
+def _embedding_scale(emb: Any, cfg: Any, arch: Arch) -> float:
+    """The factor the model applies to the rows its embedding looks up, in float32: a packed
+    embedding's ``scale``, Gemma 3's ``embed_scale`` (in the table's dtype), Gemma 2's normalizer."""
+    dtype = torch.float32 if isinstance(emb, QuantEmbedding) else emb.weight.dtype
+    scale = torch.tensor(1.0)
+    if isinstance(emb, QuantEmbedding):
+        scale = torch.tensor(emb.scale, dtype=torch.float32)
+    elif isinstance(getattr(emb, "embed_scale", None), torch.Tensor):
+        scale = emb.embed_scale.to(dtype)
+    if arch.embed_normalizer:  # hidden * sqrt(hidden), the factor in the hidden states' dtype
+        scale = scale.float() * torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).float()
+    return float(scale.float())
+
+
+def _norm_weight(norm: Any, arch: Arch) -> np.ndarray:
+    """An RMSNorm's weight as SimplifiedLayerNormalization takes it: ``offset + w`` in float32."""
+    return (arch.norm_offset + norm.weight.detach().float()).numpy()
 
 
 def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -> ModelProto:
-    """The fused with-past ONNX graph of a Llama-family causal LM (packed or float weights).
+    """The fused with-past ONNX graph of a Llama- or Gemma-family causal LM (packed or float weights).
 
     >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
     """
+    model, tensors = fused_decoder_parts(hf_model, config)
+    for k, (name, arr) in enumerate(tensors):  # one at a time: the weights are never held twice
+        model.graph.initializer.append(numpy_helper.from_array(arr, name))
+        tensors[k] = ("", np.empty(0))
+    return model
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, length: int) -> bytes:
+    """The key and length of a length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+# field numbers: ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def save_parts(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: str | os.PathLike[str]) -> None:
+    """Write ``model`` with ``tensors`` ((name, array) pairs) as its initializers to one ONNX file,
+    the arrays' bytes straight from their memory.
+
+    Protobuf merges repeated occurrences of an embedded message field and appends repeated fields,
+    so the file is ``model``'s bytes followed by one ``ModelProto{graph{initializer: [t]}}`` per
+    tensor, ``t`` written as its header (dims, type, name) then its ``raw_data``: what ``onnx.load``
+    and ONNX Runtime read as the model ``build_fused_decoder`` returns, written without a
+    ``TensorProto`` or a serialized copy of any weight (``onnx.save_model`` holds the model twice).
+    """
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+        for name, arr in tensors:
+            arr = np.ascontiguousarray(arr)
+            header = TensorProto(name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
+            head = header.SerializeToString() + _field(_TENSOR_RAW_DATA, arr.nbytes)
+            tensor_len = len(head) + arr.nbytes
+            inner = _field(_GRAPH_INITIALIZER, tensor_len)
+            f.write(_field(_MODEL_GRAPH, len(inner) + tensor_len) + inner + head)
+            f.write(arr.reshape(-1).view(np.uint8).data)
+
+
+def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
+                        ) -> tuple[ModelProto, list[tuple[str, np.ndarray]]]:
+    """``build_fused_decoder``'s graph without its initializers, and the initializers as
+    (name, array) pairs, for ``save_parts`` to write the file without assembling the model."""
     config = config or FusedGraphConfig()
     ok, why = supports_fused_graph(hf_model)
     if not ok:
         raise BadInputError(f"no fused graph for this model: {why}")
     cfg = hf_model.config
+    arch = ARCHS[cfg.model_type]
     body = hf_model.model
     n_layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
@@ -289,8 +439,10 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
     # embedding
     emb = body.embed_tokens
     head = hf_model.lm_head
+    embed_scale = _embedding_scale(emb, cfg, arch)
+    rows = "embeddings" if embed_scale == 1.0 else "embed/rows"
     if _tied_packed(emb, head, config):
-        _shared_embedding(w, emb, head)
+        _shared_embedding(w, emb, head, rows)
     elif isinstance(emb, QuantEmbedding):
         if storage_bits(emb.bits) not in KERNEL_BITS:
             raise BadInputError(f"{emb.bits}-bit embedding tables have no GatherBlockQuantized kernel")
@@ -302,26 +454,35 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
         w.node("GatherBlockQuantized", [w.init("embed.qweight", data), "input_ids",
                                         w.init("embed.scales", emb.scales.float().numpy()[:, gidx]),
                                         w.init("embed.qzeros", pack_codes(emb.zeros()[:, gidx], emb.bits).numpy())],
-               ["embeddings"], "embed", MS, gather_axis=0, quantize_axis=1, block_size=block,
+               [rows], "embed", MS, gather_axis=0, quantize_axis=1, block_size=block,
                bits=storage_bits(emb.bits))
+    elif _tied_float(emb, head):  # one (hidden, vocab) table: the head's MatMul weight, gathered by column
+        table = w.init("lm_head.weight", emb.weight.detach().float().T.contiguous().numpy())
+        w.node("Gather", [table, "input_ids"], ["embed/columns"], "embed", axis=1)  # (hidden, batch, sequence)
+        w.node("Transpose", ["embed/columns"], [rows], "embed/transpose", perm=[1, 2, 0])
     else:
-        w.node("Gather", [w.init("embed.weight", emb.weight.detach().float().numpy()), "input_ids"], ["embeddings"],
+        w.node("Gather", [w.init("embed.weight", emb.weight.detach().float().numpy()), "input_ids"], [rows],
                "embed", axis=0)
+    if rows != "embeddings":  # Gemma: sqrt(hidden), rounded to the model's dtype as the model rounds it
+        w.node("Mul", [rows, w.init("embed.scale", np.array(embed_scale, np.float32))], ["embeddings"], "embed/scale")
 
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None:
         raise BadInputError("the model has no rotary embedding module (model.rotary_emb)")
     # positions past the trained length still get their rotation (as in the traced graph), up to a floor
-    cos, sin = _rotary_caches(rotary, max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS), head_dim)
-    w.init("cos_cache", cos)
-    w.init("sin_cache", sin)
+    positions = max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS)
+    _rotary_caches(w, rotary, positions)
+    if arch.local_rotary and any(_window(cfg, i) for i in range(n_layers)):  # sliding layers: their own base
+        _rotary_caches(w, body.rotary_emb_local, positions, "_local")
+    attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+    final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
     hidden = "embeddings"
     residual: str | None = None
     for i, layer in enumerate(body.layers):
         p = f"layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
-        gamma = w.init(f"{p}.input_layernorm.weight", layer.input_layernorm.weight.detach().float().numpy())
+        gamma = w.init(f"{p}.input_layernorm.weight", _norm_weight(layer.input_layernorm, arch))
         if residual is None:
             w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
             residual = hidden
@@ -332,17 +493,45 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
         qkv_layers = [attn.q_proj, attn.k_proj, attn.v_proj]
         if config.fuse_qkv:
             qkv = w.linear(f"{p}/ln1", qkv_layers, f"{p}.attn.qkv_proj")
-            gqa_in = [qkv, "", ""]
+            if arch.qk_norm:
+                sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+                gqa_in = w.node("Split", [qkv, w.init(f"{p}/qkv_sizes", np.array(sizes, np.int64))],
+                                [f"{p}/q", f"{p}/k", f"{p}/v"], f"{p}/attn/split", axis=-1)
+            else:
+                gqa_in = [qkv, "", ""]
         else:
             gqa_in = [w.linear(f"{p}/ln1", [m], f"{p}.attn.{n}") for m, n in zip(qkv_layers, "qkv", strict=True)]
+        if arch.qk_norm:  # per-head RMSNorm of q and k, before the rotary embedding GroupQueryAttention applies
+            for j, (norm, n_heads, kind) in enumerate(((attn.q_norm, heads, "q"), (attn.k_norm, kv_heads, "k"))):
+                g = w.init(f"{p}.attn.{kind}_norm.weight", _norm_weight(norm, arch))
+                split = w.node("Reshape", [gqa_in[j], w.init(f"{p}/{kind}_heads", np.array([0, 0, n_heads, head_dim],
+                                                                                            np.int64))],
+                               [f"{p}/{kind}_split"], f"{p}/attn/{kind}_split")[0]
+                normed = w.rms_norm(split, g, eps, f"{p}/{kind}_norm")
+                gqa_in[j] = w.node("Reshape", [normed, w.init(f"{p}/{kind}_flat", np.array([0, 0, n_heads * head_dim],
+                                                                                           np.int64))],
+                                   [f"{p}/{kind}_normed"], f"{p}/attn/{kind}_merge")[0]
         scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(head_dim)))
+        window = _window(cfg, i)
+        local = window is not None and arch.local_rotary
+        attrs: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1,
+                                 "rotary_interleaved": 0}
+        if window is not None:  # the last `window` keys, the query's own included
+            attrs["local_window_size"] = window
+        if attn_softcap:
+            attrs["softcap"] = float(attn_softcap)
+        cache = "_local" if local else ""
         w.node("GroupQueryAttention", [*gqa_in, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-                                       "seqlens_k", "total_seq_len", "cos_cache", "sin_cache", "position_ids"],
-               [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], f"{p}/attn", MS,
-               num_heads=heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0)
+                                       "seqlens_k", "total_seq_len", f"cos_cache{cache}", f"sin_cache{cache}",
+                                       "position_ids"],
+               [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], f"{p}/attn", MS, **attrs)
         o = w.linear(f"{p}/attn", [attn.o_proj], f"{p}.attn.o_proj")
-        gamma2 = w.init(f"{p}.post_attention_layernorm.weight",
-                        layer.post_attention_layernorm.weight.detach().float().numpy())
+        if arch.sandwich_norms:  # the attention output normed, then added; the MLP reads its own norm
+            o = w.rms_norm(o, w.init(f"{p}.post_attention_layernorm.weight",
+                                     _norm_weight(layer.post_attention_layernorm, arch)), eps, f"{p}/attn_normed")
+            gamma2 = w.init(f"{p}.pre_feedforward_layernorm.weight", _norm_weight(layer.pre_feedforward_layernorm, arch))
+        else:
+            gamma2 = w.init(f"{p}.post_attention_layernorm.weight", _norm_weight(layer.post_attention_layernorm, arch))
         w.node("SkipSimplifiedLayerNormalization", [o, residual, gamma2], [f"{p}/ln2", "", "", f"{p}/res2"],
                f"{p}/post_attention_layernorm", MS, epsilon=eps)
         residual = f"{p}/res2"
@@ -353,26 +542,41 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
         else:
             gate = w.linear(f"{p}/ln2", [mlp.gate_proj], f"{p}.mlp.gate_proj")
             up = w.linear(f"{p}/ln2", [mlp.up_proj], f"{p}.mlp.up_proj")
-        w.node("QuickGelu", [gate], [f"{p}/silu"], f"{p}/mlp/silu", MS, alpha=1.0)
-        w.node("Mul", [f"{p}/silu", up], [f"{p}/gated"], f"{p}/mlp/mul")
+        if _activation(cfg) == "silu":
+            w.node("QuickGelu", [gate], [f"{p}/act"], f"{p}/mlp/silu", MS, alpha=1.0)
+        else:  # gelu_pytorch_tanh
+            w.node("FastGelu", [gate], [f"{p}/act"], f"{p}/mlp/gelu", MS)
+        w.node("Mul", [f"{p}/act", up], [f"{p}/gated"], f"{p}/mlp/mul")
         hidden = w.linear(f"{p}/gated", [mlp.down_proj], f"{p}.mlp.down_proj")
+        if arch.sandwich_norms:
+            hidden = w.rms_norm(hidden, w.init(f"{p}.post_feedforward_layernorm.weight",
+                                               _norm_weight(layer.post_feedforward_layernorm, arch)), eps,
+                                f"{p}/mlp_normed")
 
     if residual is None:
         raise BadInputError("the model has no decoder layers (model.layers is empty)")
-    gamma = w.init("norm.weight", body.norm.weight.detach().float().numpy())
+    gamma = w.init("norm.weight", _norm_weight(body.norm, arch))
     w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
            "norm", MS, epsilon=eps)
-    logits = w.linear("final_norm", [head], "lm_head")
+    if _tied_float(emb, head):
+        logits = w.node("MatMul", ["final_norm", "lm_head.weight"], ["lm_head/out"], "lm_head")[0]
+    else:
+        logits = w.linear("final_norm", [head], "lm_head")
+    if final_softcap:  # softcap * tanh(logits / softcap)
+        cap = w.init("final_softcap", np.array(final_softcap, np.float32))
+        w.node("Div", [logits, cap], ["logits/capped"], "softcap/div")
+        w.node("Tanh", ["logits/capped"], ["logits/tanh"], "softcap/tanh")
+        logits = w.node("Mul", ["logits/tanh", cap], ["logits/softcapped"], "softcap/mul")[0]
     w.node("Identity", [logits], ["logits"], "logits")
 
-    graph = helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs, w.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", config.opset),
-                                                    helper.make_opsetid(MS, 1)],
+    model = helper.make_model(helper.make_graph(w.nodes, "edgekit-fused-decoder", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", config.opset), helper.make_opsetid(MS, 1)],
                               producer_name="edgekit")
     model.ir_version = min(model.ir_version, 10)
     helper.set_model_props(model, {KV_CACHE_METADATA: KV_SHARED_BUFFER})
-    return model
+    return model, w.inits
 
 
-__all__ = ["ARCHITECTURES", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
+__all__ = ["ARCHITECTURES", "ARCHS", "Arch", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
+           "fused_decoder_parts", "save_parts",
            "supports_fused_graph"]

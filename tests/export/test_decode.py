@@ -83,7 +83,7 @@ def test_fused_graph_matches_pytorch_on_prefill_and_decode(tmp_path, group_size)
     ops = [n.op_type for n in proto.graph.node]
     assert ops.count("GroupQueryAttention") == 2 and ops.count("SkipSimplifiedLayerNormalization") == 4
     assert ops.count("MatMulNBits" if group_size is not None else "MatMul") == 9  # qkv, o, gate_up, down x 2 + head
-    assert len(ops) < 40  # the traced graph of the same model has hundreds
+    assert len(ops) < 45  # the traced graph of the same model has hundreds
     report = check_lm_parity(h, _save(proto, tmp_path), atol=1e-4, rtol=1e-4)
     assert report["passed"] and report["max_abs_diff"] < 1e-4 and report["argmax_agreement"] == 1.0
     assert report["io_binding"]["kv_cache"] == "in place (shared buffer)"
