@@ -71,7 +71,8 @@ def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     if best is None:
         return "", [module]
     found = submodule(module, best)
-    assert isinstance(found, nn.ModuleList)  # found among the ModuleLists above
+    if not isinstance(found, nn.ModuleList):  # found among the ModuleLists above
+        raise RuntimeError(f"{best} is no longer a ModuleList")
     return best, list(found)
 
 

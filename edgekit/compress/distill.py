@@ -182,7 +182,8 @@ def _logits(out: object) -> torch.Tensor:
     if isinstance(out, (tuple, list)):
         out = out[0]
     logits = getattr(out, "logits", out)  # a Hugging Face output, or the tensor itself
-    assert isinstance(logits, torch.Tensor)
+    if not isinstance(logits, torch.Tensor):
+        raise BadInputError(f"distillation needs the model's output as a tensor (or .logits); got {type(logits).__name__}")
     return logits
 
 
@@ -246,7 +247,8 @@ def run_distillation(teacher: ModelHandle, student: ModelHandle, train: Samples,
         loss = kd_loss(s, t, y, config.temperature, config.alpha, mask=mask)
         if adapter is not None and taps is not None:
             t_feat, s_feat = taps[0].value, taps[1].value
-            assert t_feat is not None and s_feat is not None  # the forward passes above ran the hooks
+            if t_feat is None or s_feat is None:  # the forward passes above run the hooks
+                raise RuntimeError("feature taps saw no forward pass")
             loss = loss + config.feature_weight * F.mse_loss(adapter(s_feat), t_feat.detach())
         return loss
 
@@ -299,7 +301,8 @@ def _feature_taps(teacher: ModelHandle, student: ModelHandle, inputs: dict[str, 
         teacher.module(*_ordered(teacher, ex))
         student.module(*_ordered(student, ex))
     tf, sf = taps[0].value, taps[1].value
-    assert tf is not None and sf is not None  # the forward passes above ran the hooks
+    if tf is None or sf is None:  # the forward passes above run the hooks
+        raise RuntimeError("feature taps saw no forward pass")
     axis = 1 if tf.dim() == 4 else -1
     return make_adapter(sf.shape[axis], tf.shape[axis], tf.dim()), taps
 
