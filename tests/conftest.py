@@ -28,6 +28,20 @@ def _sigint_state_restored():
     interrupts._written[:] = written
 
 
+@pytest.fixture
+def python_sigint(monkeypatch):
+    """The process as a plain Python program sees Ctrl-C: Python's own SIGINT handler and
+    edgekit's handler not installed (what a test of the library API, not the CLI, assumes)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name, value in (("_installed", False), ("_exiting", False), ("_running", False), ("_seen", 0),
+                        ("_defer_depth", 0), ("_pending", False)):
+        monkeypatch.setattr(interrupts, name, value)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _seeded(fn):
     import torch
 

@@ -200,6 +200,7 @@ def _signal_on_call(monkeypatch: pytest.MonkeyPatch, name: str, n: int) -> list[
 @pytest.mark.parametrize("cli_handler", [False, True])
 @pytest.mark.parametrize("where", [("listdir", 1), ("open", 1), ("rename", 1), ("rename", 2), ("unlink", 1),
                                    ("rmdir", 1)])
+@pytest.mark.usefixtures("python_sigint")
 def test_sigint_at_any_step_of_the_swap_leaves_old_or_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           where: tuple[str, int], cli_handler: bool) -> None:
     """A real SIGINT during the commit: held back until the swap is done, so the folder

@@ -211,6 +211,7 @@ def test_interrupt_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path, capfd
     assert got.step_losses == want.step_losses and got.history[1]["train_loss"] == want.history[1]["train_loss"]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_real_sigint_finishes_the_step_then_checkpoints(tmp_path) -> None:
     net = _dropout_net()
     with pytest.raises(KeyboardInterrupt):
