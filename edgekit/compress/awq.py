@@ -27,8 +27,9 @@ from torch import nn
 from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, find_blocks, linear_at
 from edgekit.compress.families import Family, family_of, norm_offset, require_known
 from edgekit.compress.gptq import GPTQOptions, HessianAccumulator, solve_group
-from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, rtn_quantize
+from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError
+from edgekit.export.packing import group_width, num_groups
 
 MAX_TOKENS = 2048  # calibration tokens kept per group for the searches (spread over all windows)
 

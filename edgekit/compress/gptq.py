@@ -39,7 +39,8 @@ from typing import Protocol
 import torch
 
 from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, linear_at, value_projection
-from edgekit.compress.rtn import dequantize_groups, group_width, num_groups, qparams, quantize_int
+from edgekit.compress.rtn import dequantize_groups, qparams, quantize_int
+from edgekit.export.packing import group_width, num_groups
 
 
 class GPTQOptions(Protocol):

@@ -16,17 +16,9 @@ All functions are pure tensor math on ``(rows, cols)`` float weights.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def num_groups(cols: int, group_size: int) -> int:
-    return 1 if group_size == -1 else math.ceil(cols / group_size)
-
-
-def group_width(cols: int, group_size: int) -> int:
-    return cols if group_size == -1 else group_size
+from edgekit.export.packing import group_width, num_groups
 
 
 def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

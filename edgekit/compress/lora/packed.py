@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from edgekit.compress.packing import QuantLinear
-from edgekit.compress.rtn import group_width, quantize_int
+from edgekit.compress.rtn import quantize_int
+from edgekit.export.packing import group_width
 
 # Packed layers larger than this many weights (an LM head: 49152 x 576) are dequantized in
 # row chunks of CHUNK_ROWS, so no full float copy of them ever exists at once.
