@@ -25,6 +25,8 @@ class BudgetVerdict:
     target: str | None
     cv: float = 0.0  # coefficient of variation of the measurement
     noisy: bool = False  # the profile stayed above its noise threshold: the verdict is uncertain
+    unverified: tuple[str, ...] = ()  # what the profile could not vouch for (engine quality); fails with require_verified
+    require_verified: bool = False
 
     def message(self) -> str:
         head = "PASS" if self.passed else "FAIL"
@@ -36,6 +38,9 @@ class BudgetVerdict:
         if self.max_jitter is not None:
             parts.append(f"jitter p99/p50 {self.jitter:.3f} {'<=' if self.jitter_passed else '>'} {self.max_jitter:g}")
         parts.append(f"CV {self.cv:.1%}" + (" (noisy measurement: the verdict is uncertain)" if self.noisy else ""))
+        if self.unverified:
+            parts.append(("FAIL (--require-verified): " if self.require_verified else "warning: ")
+                         + "; ".join(self.unverified))
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,9 +63,19 @@ def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResul
     raise BadInputError(f"profile {str(p)!r} does not exist (give a profile JSON or an engine folder)")
 
 
+def unverified_reasons(profile: ProfileResult) -> list[str]:
+    """What a profile cannot vouch for: an engine whose quality was not checked against its model."""
+    reasons = []
+    quality = profile.quality or {}
+    if quality.get("status") == "unverified":
+        reasons.append(f"quality: unverified ({quality.get('reason', 'parity was skipped')})")
+    return reasons
+
+
 def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: float, percentile: str = "p99",
-                 max_jitter: float | None = None) -> BudgetVerdict:
-    """Compare a profile's latency at ``percentile`` with ``budget_ms``.
+                 max_jitter: float | None = None, require_verified: bool = False) -> BudgetVerdict:
+    """Compare a profile's latency at ``percentile`` with ``budget_ms``. ``require_verified``: also fail
+    when the profile cannot vouch for what it measured (``unverified_reasons``).
 
     >>> v = check_budget("out/profile.json", budget_ms=33, percentile="p99")  # doctest: +SKIP
     >>> v.passed  # doctest: +SKIP
@@ -79,7 +94,10 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     jitter = p99 / p50 if p50 > 0 else (1.0 if p99 == 0 else float("inf"))
     jitter_ok = max_jitter is None or jitter <= max_jitter
     met = latency <= budget_ms
-    return BudgetVerdict(passed=met and jitter_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
+    unverified = tuple(unverified_reasons(result))
+    verified_ok = not (require_verified and unverified)
+    return BudgetVerdict(passed=met and jitter_ok and verified_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
                          margin_ms=float(budget_ms) - latency, jitter=jitter, max_jitter=max_jitter,
                          jitter_passed=jitter_ok, model=result.model, target=result.target,
-                         cv=result.latency_ms.cv, noisy=result.noisy)
+                         cv=result.latency_ms.cv, noisy=result.noisy, unverified=unverified,
+                         require_verified=require_verified)

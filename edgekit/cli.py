@@ -493,9 +493,12 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
               help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
 @click.option("--max-ttft-ms", type=float, default=None,
               help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
+@click.option("--require-verified", is_flag=True,
+              help="Also fail when the profile cannot vouch for what it measured (an engine built without parity).")
 @_json_file_or_stdout("the verdict JSON")
 def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
-          min_tokens_per_s: float | None, max_ttft_ms: float | None, json_out: str | None) -> int:
+          min_tokens_per_s: float | None, max_ttft_ms: float | None, require_verified: bool,
+          json_out: str | None) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
     from edgekit.check import check_budget
     from edgekit.profiling_lm import check_generation
@@ -504,7 +507,7 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
         raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms")
     verdicts: list[Any] = []
     if budget_ms is not None:
-        verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter))
+        verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter, require_verified=require_verified))
     if min_tokens_per_s is not None or max_ttft_ms is not None:
         verdicts.append(check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile))
     code = 0 if all(v.passed for v in verdicts) else 1

@@ -22,13 +22,15 @@ import numpy as np
 
 from edgekit.artifact import atomic_write_json, check_output_file, machine_info, now_iso
 from edgekit.build import load_engine, load_engine_inputs
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, EdgekitError
 from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import Engine, NodeTiming, RecordedRun, check_feeds, read_folder_manifest
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.onnx_file import node_labels
+from edgekit.targets import Target, load_target
+from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -174,6 +176,9 @@ class ProfileResult:
     generation: dict[str, Any] | None = None  # causal LMs: time to first token, decode tokens/s (profiling_lm)
     noisy: bool = False  # the coefficient of variation stayed above settings["noise_cv"] on every attempt
     attempts: int = 1  # timing attempts (repeated while noisy)
+    # the engine's check against the model it came from (the engine manifest's ``metrics.quality``):
+    # {"status": "verified" | "unverified" | "as-given", ...}; None when the engine does not say
+    quality: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -434,9 +439,29 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         "input_shapes": {k: list(v.shape) for k, v in feeds.items()},
         "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,
     })
+    quality = manifest.metrics.get("quality")
+    if isinstance(quality, dict):
+        result.quality = dict(quality)
+        if quality.get("status") == "unverified":
+            result.warnings.append(f"quality: unverified: {quality.get('reason', 'parity was skipped')}")
+    target = _target_or_none(manifest.target)
+    if target is not None and target.kind == "cpu" and not target.is_this_machine:
+        theirs = f"{target.arch}, {target.int8_kernel.name}" if target.int8_kernel else "a CPU it does not describe"
+        result.warnings.append(f"timed on this machine ({cpu_features()[0]}, {host_int8_kernel().name} integer kernels), "
+                               f"not on target {target.name!r} ({theirs}): the latency is this machine's")
     if out_json is not None:
         result.save(out_json, protect=(engine_dir,))
     return result
+
+
+def _target_or_none(name: str | None) -> Target | None:
+    """The engine's target, when it still loads (a user's target file may have moved)."""
+    if not name:
+        return None
+    try:
+        return load_target(name)
+    except EdgekitError:
+        return None
 
 
 def feed_batch(feeds: dict[str, np.ndarray], specs: list[dict[str, Any]]) -> int | None:

@@ -50,6 +50,7 @@ from edgekit.compress.calibration import (
     score,
     tensor_batches,
 )
+from edgekit.compress.calibration import quality as quality_of
 from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8_gptq import round_model
 from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
@@ -57,13 +58,14 @@ from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import get_runtime
+from edgekit.runtimes.int8_kernels import semantics_for_target
 from edgekit.schema import check_fields
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
-from edgekit.targets import Target
+from edgekit.targets import HOST_TARGET, Target, load_target
 
 QAT_METHODS = ("ptq", "qat")
 ROUNDINGS = ("nearest", "gptq")
@@ -189,17 +191,33 @@ class Int8Config:
 def resolve_scheme(config: Int8Config, target: Target | None) -> str:
     """The Q/DQ flavour: explicit, else the one the target's runtimes require
     (``Runtime.int8_scheme``: the first runtime's, or on a GPU target any of its runtimes',
-    e.g. TensorRT's "trt"), else "u8s8" (ONNX Runtime's x86 kernels)."""
+    e.g. TensorRT's "trt"), else the one the CPU's integer kernels compute exactly: "u8s8" where
+    they sum in int32 (VNNI, AMX, arm64), "u8s7" (7-bit weights) where they sum pairs of products
+    in a saturating int16 (x86 without VNNI) or where the target does not say its CPU. Without a
+    target, this machine's CPU."""
+    return scheme_choice(config, target)[0]
+
+
+def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
+    """(scheme, why) for ``resolve_scheme``."""
     if config.scheme is not None:
-        return config.scheme
+        return config.scheme, "given"
     if target is None:
-        return "u8s8"
+        target = load_target(HOST_TARGET)
     required = [get_runtime(name).int8_scheme for name in target.runtimes]
     if required and required[0] is not None:
-        return required[0]
+        return required[0], f"what {target.runtimes[0]} runs on target {target.name!r}"
     if target.has_gpu:
-        return next((s for s in required if s is not None), "u8s8")
-    return "u8s8"
+        gpu = next((s for s in required if s is not None), None)
+        if gpu is not None:
+            return gpu, f"what the GPU runtimes of target {target.name!r} run"
+    kernel = target.int8_kernel
+    if kernel is None:
+        return "u8s7", (f"target {target.name!r} does not say its CPU (arch, isa): 7-bit weights, exact on every "
+                        "CPU's integer kernels")
+    if kernel.saturates:
+        return "u8s7", f"target {target.name!r}: {kernel.description}; 7-bit weights keep those sums exact"
+    return "u8s8", f"target {target.name!r}: {kernel.description}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -267,7 +285,10 @@ def parity_tolerance(module: nn.Module, handle: ModelHandle) -> dict[str, float]
 
 def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHandle:
 
-    scheme = resolve_scheme(config, ctx.target)
+    scheme, why = scheme_choice(config, ctx.target)
+    kernels = semantics_for_target(ctx.target if ctx.target is not None else load_target(HOST_TARGET))
+    if scheme == "trt":
+        kernels = "float-qdq"  # TensorRT's explicit quantization, whatever the target says of its CPU
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
@@ -282,7 +303,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     reference = copy.deepcopy(float_module)
 
     work = copy.deepcopy(float_module)
-    meta: dict[str, Any] = {"scheme": scheme, "equalized": [], "relu6_to_relu": False}
+    meta: dict[str, Any] = {"scheme": scheme, "scheme_reason": why, "equalized": [], "relu6_to_relu": False}
     try:
         gm, plan = qdq.prepare_qdq(work, scheme)
     except qdq.TraceError as e:
@@ -310,6 +331,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         if config.bias_correction:
             meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+    qdq.clip_weights_to_grid(gm, plan)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -329,6 +351,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if config.method == "qat":
         metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config, ctx, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+        qdq.clip_weights_to_grid(gm, plan)
 
     float_layers: list[str] = list(kept_float)
     with qdq.fast_fake_quant(gm):
@@ -346,6 +369,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             gm.eval()
             metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
     gm.eval()
+    meta["kernels"] = kernels
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
                  "activations": len(plan.activations), "folded_bn": len(plan.folded_bn),
                  # read by export_onnx (effective_tolerances), and kept in the saved record
@@ -355,8 +379,49 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config), meta)]
     new.extra = {**handle.extra, "int8_scheme": scheme, "parity_tolerance": PARITY_TOLERANCE}
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
+    if ev is not None and ref_out is not None and "int8_fake_quant" in metrics:
+        metrics["int8_engine"] = _engine_check(new, ev, ref_out, metrics["int8_fake_quant"], evaluator, ctx)
     ctx.metrics["int8"] = metrics
     return new
+
+
+# How far the engine may fall below the fake-quant model it was exported from, in the quality measure
+# (top-1 agreement / accuracy / mean cosine): integer requantization rounds differently by a step now
+# and then; a kernel that computes something else (int16 overflow) costs tens of points.
+ENGINE_DROP = 0.03
+
+
+def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str, float], evaluator: str | None,
+                  ctx: StepContext) -> dict[str, Any]:
+    """The INT8 graph as the target's integer kernels run it (this machine's ONNX Runtime when they are
+    this machine's, else their model: ``runtimes.int8_kernels``) against the float model on the
+    evaluation data, beside the fake-quant model's figures. Beyond ``ENGINE_DROP`` below the fake-quant
+    model: ``CheckFailedError`` (exit 1) now, before anything is written, unless the loss is accepted."""
+    import numpy as np
+
+    from edgekit.runtimes.int8_kernels import describe_semantics, session_for
+
+    kernels = next(str(r.meta.get("kernels")) for r in reversed(handle.steps) if r.name == "int8")
+    names = [s.name for s in handle.inputs]
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-engine-") as tmp:
+        folder = export_onnx(handle, Path(tmp) / "onnx", ExportConfig(skip_parity=True))
+        sess = session_for(Path(folder) / "model.onnx", kernels)
+        first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
+        batch = first if isinstance(first, int) else 16
+        outs = [np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0], np.float32)
+                for b in ev.batches(batch)]
+    result: dict[str, Any] = {**score(np.concatenate(outs), ref_out, ev.labels, evaluator),
+                              "kernels": describe_semantics(kernels)}
+    drop = quality_of(fake) - quality_of(result)
+    bound = max(ENGINE_DROP, 3.0 / max(len(ev), 1))  # three samples' worth on a small evaluation set
+    result["drop_from_fake_quant"] = round(drop, 4)
+    if drop > bound and not ctx.accept_quality_loss:
+        raise CheckFailedError(
+            f"the INT8 graph loses {100 * drop:.1f} points against its fake-quant model on {result['kernels']} "
+            f"({100 * quality_of(result):.1f}% vs {100 * quality_of(fake):.1f}%, bound {100 * bound:.1f}); the "
+            f"kernels compute something else than the scheme {handle.steps[-1].meta.get('scheme')!r} assumes: "
+            "nothing written (accept the loss with --accept-quality-loss)")
+    return result
 
 
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:

@@ -372,9 +372,17 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
         onnx.save(insert_linear_qdq(model, quantizable, ranges, scheme), str(dst))
     else:
         _quantize_all(model, ranges, scheme, dst, sorted(find_quantized(model).region))
+    widened = 0
+    if qdq.weight_grid(scheme, depthwise=False) != (qdq.WEIGHT_QMIN, qdq.WEIGHT_QMAX):
+        written = onnx.load(str(dst))
+        widened = widen_stored_weights(written)
+        if widened:
+            onnx.save(written, str(dst))
     run = verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
     info: dict[str, Any] = {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
                             "quantized_nodes": len(quantizable)}
+    if widened:
+        info["stored_weights_as_uint8"] = widened
     if found:
         info["already_quantized"] = {**found.to_dict(), "kept": found.describe()}
     if notes:
@@ -432,21 +440,80 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
     from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
     tensors_range = TensorsData(CalibrationMethod.MinMax, {k: (v[0], v[1]) for k, v in ranges.items()})
-    act = QuantType.QUInt8 if scheme == "u8s8" else QuantType.QInt8
-    extra = {"ActivationSymmetric": qdq.act_format(scheme).symmetric, "WeightSymmetric": True}
-    quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES, extra)
+    fmt = qdq.act_format(scheme)
+    act = QuantType.QUInt8 if fmt.qmin == 0 else QuantType.QInt8
+    extra = {"ActivationSymmetric": fmt.symmetric, "WeightSymmetric": True}
+    reduce_range = qdq.weight_grid(scheme, depthwise=False) != (qdq.WEIGHT_QMIN, qdq.WEIGHT_QMAX)  # "u8s7": 7-bit weights
+    quantizer = QDQQuantizer(model, True, reduce_range, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES,
+                             extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
 
 
-def quantize_weight_per_channel(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-channel int8 (grid -127..127) of a 2-d weight along ``axis`` (the output
-    channels): ``(q int8, scale float32)`` with ``w ~= q * scale`` broadcast on ``axis``."""
+def widen_stored_weights(model: onnx.ModelProto) -> int:
+    """Scheme "u8s7" on a graph that already stores 8-bit weights (a weight-only INT8 file): such a
+    weight, multiplied by uint8 activations in the int8 kernels of x86 CPUs without VNNI, overflows
+    their int16 pair sums. Stored as uint8 with the zero point moved by 128 instead, it holds the same
+    integers (nothing re-rounded) and runs the u8 x u8 kernels, which sum exactly on every CPU. Only
+    weights beyond the 7-bit grid that feed a MatMul, Gemm or non-depthwise Conv change. Returns how many."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    lo, hi = qdq.WEIGHT_7BIT
+    changed = 0
+    for dq in graph.node:
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
+            continue
+        users = consumers.get(dq.output[0], [])
+        if not users or not all(u.op_type in ("MatMul", "Gemm") or (u.op_type == "Conv" and not _depthwise(u, inits))
+                                for u in users):
+            continue
+        q = numpy_helper.to_array(inits[dq.input[0]])
+        if q.dtype != np.int8 or len(consumers.get(dq.input[0], [])) != 1:
+            continue
+        if len(dq.input) < 3 or not dq.input[2]:  # no zero point: int8 zeros, as wide as the scale
+            scale_shape = numpy_helper.to_array(inits[dq.input[1]]).shape
+            name = dq.input[0] + "_zero_point"
+            graph.initializer.append(numpy_helper.from_array(np.zeros(scale_shape, np.int8), name))
+            inits[name] = graph.initializer[-1]
+            consumers[name] = [dq]
+            if len(dq.input) == 2:
+                dq.input.append(name)
+            else:
+                dq.input[2] = name
+        zp = inits.get(dq.input[2])
+        if zp is None:
+            continue
+        z = numpy_helper.to_array(zp).astype(np.int16)
+        if int(q.min()) >= lo + int(z.min()) and int(q.max()) <= hi + int(z.max()):
+            continue  # on the 7-bit grid already
+        inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
+        if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
+            dq.input[2] = dq.input[2] + "_u8"
+            graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+        else:
+            zp.CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+        changed += 1
+    return changed
+
+
+def _depthwise(conv: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
+    group = next((a.i for a in conv.attribute if a.name == "group"), 1)
+    return group > 1 and conv.input[1] in inits and list(inits[conv.input[1]].dims)[1:2] == [1]
+
+
+def quantize_weight_per_channel(w: np.ndarray, axis: int, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-channel int8 (grid -qmax..qmax: 127, or 63 for the 7-bit grid of "u8s7") of a
+    2-d weight along ``axis`` (the output channels): ``(q int8, scale float32)`` with
+    ``w ~= q * scale`` broadcast on ``axis``."""
     absmax = np.abs(w).max(axis=1 - axis)
-    scale = np.maximum(absmax / 127.0, 1e-12).astype(np.float32)
+    scale = np.maximum(absmax / float(qmax), 1e-12).astype(np.float32)
     shape = [1, 1]
     shape[axis] = -1
-    q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+    q = np.clip(np.round(w / scale.reshape(shape)), -qmax, qmax).astype(np.int8)
     return q, scale
 
 
@@ -461,7 +528,8 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     inits = {i.name: i for i in graph.initializer}
     fmt = qdq.act_format(scheme)
     symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
-    zp_type = TensorProto.UINT8 if scheme == "u8s8" else TensorProto.INT8
+    zp_type = TensorProto.UINT8 if qmin == 0 else TensorProto.INT8
+    w_qmax = qdq.weight_grid(scheme, depthwise=False)[1]
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
     done: dict[str, str] = {}  # float tensor -> its dequantized name
@@ -498,7 +566,7 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
             w = numpy_helper.to_array(inits[w_name]).astype(np.float32)
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
             axis = 0 if trans_b else 1  # the output-channel axis: (in, out), or (out, in) for Gemm transB
-            q, w_scale = quantize_weight_per_channel(w, axis)
+            q, w_scale = quantize_weight_per_channel(w, axis, w_qmax)
             q_name, s_name, z_name = unique(f"{w_name}_quantized"), unique(f"{w_name}_scale"), unique(f"{w_name}_zero_point")
             new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(w_scale, s_name),
                           numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), z_name)]

@@ -160,8 +160,9 @@ class OnnxRuntime:
         return True, ""
 
     def measures_here(self, target: Target) -> bool:
-        """Only CPU targets: an engine timed on this host's CPU says nothing of a GPU's latency."""
-        return target.kind == "cpu"
+        """The CPU targets this machine stands for (``Target.is_this_machine``: the same architecture
+        and integer kernels): an engine timed here says nothing of a GPU's latency or another CPU's."""
+        return target.is_this_machine
 
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None  # ONNX Runtime engines are timed here, by profiling
