@@ -292,7 +292,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
-        return quantize_onnx_handle(handle, config, ctx, scheme)
+        return quantize_onnx_handle(handle, config, ctx, scheme, kernels)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
     torch.manual_seed(ctx.seed)
@@ -311,7 +311,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         if config.method != "ptq" or config.max_accuracy_drop is not None:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop)") from None
-        return _quantize_via_onnx(handle, config, ctx, scheme)
+        return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
@@ -424,14 +424,15 @@ def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str
     return result
 
 
-def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:
+def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
+                       kernels: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
     work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
     folder = export_onnx(handle, work / "fp32-onnx", ExportConfig(skip_parity=True))
     onnx_handle = copy.copy(handle)
     onnx_handle.onnx_path = Path(folder) / "model.onnx"
     onnx_handle.module = None
-    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme)
+    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
     return out
 

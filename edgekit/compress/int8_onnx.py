@@ -67,6 +67,7 @@ from edgekit.compress.calibration import (
     score,
 )
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord, data_view
@@ -590,9 +591,12 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     return model
 
 
-def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str) -> ModelHandle:
+def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str,
+                         kernels: str | None = None) -> ModelHandle:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
-    with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an ``Int8Config``."""
+    with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
+    compute it (``kernels``: ``runtimes.int8_kernels`` semantics; None: this machine's). ``config`` is
+    an ``Int8Config``."""
     if config.method != "ptq":
         raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
                             "is possible (QAT needs the PyTorch model)")
@@ -622,9 +626,10 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
         metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
     ev, on = comparison_samples(view, config, ctx, samples)
     fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
-    got = run_graph(run.session, ev, names, fixed or 16, fixed is not None)
+    session = run.session if kernels is None or kernels == host_semantics() else session_for(dst, kernels)
+    got = run_graph(session, ev, names, fixed or 16, fixed is not None)
     ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
-    metrics["compared_on"] = {"data": on, "samples": len(ev)}
+    metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
     metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
                                                                          strict=True)}
     metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
@@ -635,7 +640,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     if handle.make_inputs is None:  # random inputs: the verified real calibration batch serves better
         new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config),
-                                           {"scheme": scheme, "from": "onnx", "float_layers": [],
+                                           {"scheme": scheme, "kernels": kernels or host_semantics(),
+                                            "from": "onnx", "float_layers": [],
                                             "placement": info["placement"], "calib_method": info["calib_method"]})]
     ctx.metrics["int8"] = metrics
     return new

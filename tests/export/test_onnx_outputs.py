@@ -17,6 +17,7 @@ from edgekit.cli import cli
 from edgekit.compress.int8 import Int8Config, resolve_scheme
 from edgekit.compress.int8_onnx import dequant_chains_to_dq, quantize_onnx_file
 from edgekit.errors import BadInputError, CheckFailedError
+from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples
 from edgekit.sources.onnx_file import find_quantized, weight_dequant_chains
@@ -284,7 +285,8 @@ def test_compress_of_onnx_writes_a_verified_graph_and_no_work_folder(tmp_path):
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "out" / "manifest.json").read_text())["metrics"]["int8"]
     assert metrics["compared_on"] == {"data": f"the eval split of {tmp_path / 'calib.npz'} (disjoint from its "
-                                              "calibration split)", "samples": 16}
+                                              "calibration split)", "samples": 16,
+                                      "kernels": describe_semantics(host_semantics())}
     assert metrics["outputs"]["y"]["mean_cosine"] > 0.995 and metrics["outputs"]["y"]["min_cosine"] > 0.98
     assert "already_quantized" not in metrics
     x = _samples(8, 9).inputs["x"]
