@@ -227,13 +227,15 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, bool]:
-    """Fold BatchNormalization into the Conv before it, with ONNX Runtime's basic graph
-    optimizations (constant folding, Conv+BatchNormalization/Mul/Add fusion: standard ONNX
-    ops only, the same result up to float rounding). Graphs without BatchNormalization, or
-    too large to pass through one protobuf, are returned as they are."""
-    if not any(n.op_type == "BatchNormalization" for n in model.graph.node) or model.ByteSize() > 2**31 - 2**24:
-        return model, False
+def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, int]:
+    """ONNX Runtime's basic graph optimizations on a float graph before it is quantized: constant
+    folding (a converter's Casts of constants), the transpose optimizer (an NHWC model's layout
+    transposes), Conv+BatchNormalization/Mul/Add fusion; standard ONNX ops only, the same result up to
+    float rounding. Then ``fold_conv_affine`` for what those fusions leave. Graphs that already hold
+    quantized parts (their stored integers must stay as they are), or too large to pass through one
+    protobuf, are returned as they are. Returns (graph, nodes folded by ``fold_conv_affine``)."""
+    if find_quantized(model) or model.ByteSize() > 2**31 - 2**24:
+        return model, 0
     src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
     onnx.save_model(model, str(src))
     so = ort.SessionOptions()
@@ -244,8 +246,90 @@ def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the gr
         ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:
         raise BadInputError(f"{label} does not load in ONNX Runtime: {ort_failure(e, src)}") from None
-    folded = onnx.load(str(dst))
-    return folded, not any(n.op_type == "BatchNormalization" for n in folded.graph.node)
+    simplified = onnx.load(str(dst))
+    return simplified, fold_conv_affine(simplified)
+
+
+def fold_conv_affine(model: onnx.ModelProto) -> int:
+    """Fold the per-channel Add / Sub / Mul / Div by constants that follow a Conv (a batch norm a
+    converter wrote out as ``(x - mean) * scale + shift``) into its weight and bias, so the Conv is
+    what gets quantized and fused with its activation. Only a Conv output read by that one node is
+    folded, and only constants that broadcast over the output channels. Returns how many nodes folded."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    removed: set[int] = set()
+    folded = 0
+    for conv in list(graph.node):
+        if conv.op_type != "Conv" or conv.input[1] not in inits or (len(conv.input) > 2 and conv.input[2]
+                                                                      and conv.input[2] not in inits):
+            continue
+        w = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+        cout = w.shape[0]
+        b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 and conv.input[2]
+             else np.zeros(cout))
+        changed = False
+        while True:
+            out = conv.output[0]
+            users = consumers.get(out, [])
+            if out in outputs or len(users) != 1:
+                break
+            n = users[0]
+            if n.op_type not in ("Add", "Sub", "Mul", "Div") or len(n.input) != 2 or n.input[0] != out:
+                break
+            c = _channel_constant(inits.get(n.input[1]), cout)
+            if c is None or (n.op_type == "Div" and np.any(c == 0)):
+                break
+            if n.op_type == "Add":
+                b = b + c
+            elif n.op_type == "Sub":
+                b = b - c
+            elif n.op_type == "Mul":
+                w, b = w * c[:, None, None, None], b * c
+            else:
+                w, b = w / c[:, None, None, None], b / c
+            conv.output[0] = n.output[0]
+            removed.add(id(n))
+            changed = True
+            folded += 1
+        if changed:
+            w_name, b_name = conv.input[1] + "_folded", conv.output[0] + "_bias_folded"
+            graph.initializer.extend([numpy_helper.from_array(w.astype(np.float32), w_name),
+                                      numpy_helper.from_array(b.astype(np.float32), b_name)])
+            conv.input[1] = w_name
+            if len(conv.input) > 2:
+                conv.input[2] = b_name
+            else:
+                conv.input.append(b_name)
+    if removed:
+        kept = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(kept)
+        _drop_unused_initializers(graph)
+    return folded
+
+
+def _channel_constant(t: onnx.TensorProto | None, channels: int) -> np.ndarray | None:
+    """A constant as one value per output channel of an NCHW conv output (a scalar, (C,), (C, 1, 1)
+    or (1, C, 1, 1)), else None."""
+    if t is None:
+        return None
+    a = numpy_helper.to_array(t).astype(np.float64)
+    if a.size == 1:
+        return np.full(channels, float(a.reshape(-1)[0]))
+    squeezed = a.reshape(-1)
+    dims = list(a.shape)
+    if squeezed.size != channels or len(dims) > 4:
+        return None
+    # the channel axis is the one of size C; every other axis 1; NCHW aligns trailing dims
+    padded = [1] * (4 - len(dims)) + dims
+    if padded[1] != channels or any(d != 1 for i, d in enumerate(padded) if i != 1):
+        return None
+    return squeezed
 
 
 def static_batch(model: onnx.ModelProto, input_names: list[str]) -> int | None:
@@ -335,10 +419,16 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     model = load_graph(src)
     found = find_quantized(model)  # what the file holds, before any rewriting
     notes = prepare_graph(model)
+    plan_placement(model, placement, src, found)  # nothing to quantize: refused before any work
+    had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
+    nodes_before = len(model.graph.node)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
-        model, folded = fold_batch_norms(model, Path(tmp), str(src))
-    if folded:
+        model, folded = simplify_graph(model, Path(tmp), str(src))
+    if had_bn and not any(n.op_type == "BatchNormalization" for n in model.graph.node):
         notes["batch_norm_folded"] = True
+    elif len(model.graph.node) < nodes_before:
+        notes["simplified"] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node),
+                               "affine_folded_into_conv": folded}
     try:
         model = onnx.shape_inference.infer_shapes(model)
     except ONNX_LOAD_ERRORS:
