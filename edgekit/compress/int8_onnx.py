@@ -420,6 +420,7 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     found = find_quantized(model)  # what the file holds, before any rewriting
     notes = prepare_graph(model)
     plan_placement(model, placement, src, found)  # nothing to quantize: refused before any work
+    stored = {i.name for i in model.graph.initializer if i.data_type in (TensorProto.INT8, TensorProto.UINT8)}
     had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
     nodes_before = len(model.graph.node)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
@@ -463,22 +464,26 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
         onnx.save(insert_linear_qdq(model, quantizable, ranges, scheme), str(dst))
     else:
         _quantize_all(model, ranges, scheme, dst, sorted(find_quantized(model).region))
-    widened = 0
-    if qdq.weight_grid(scheme, depthwise=False) != (qdq.WEIGHT_QMIN, qdq.WEIGHT_QMAX):
+    fitted: dict[str, int] = {}
+    if not qdq.weight_grid(scheme, depthwise=False).full:
         written = onnx.load(str(dst))
-        widened = widen_stored_weights(written)
-        if widened:
+        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, stored).items() if v}
+        if fitted:
             onnx.save(written, str(dst))
     run = verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
     info: dict[str, Any] = {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
                             "quantized_nodes": len(quantizable)}
-    if widened:
-        info["stored_weights_as_uint8"] = widened
+    if fitted:
+        info["weights_fitted_to_kernels"] = fitted
     if found:
         info["already_quantized"] = {**found.to_dict(), "kept": found.describe()}
     if notes:
         info["preprocessed"] = notes
     return info, run
+
+
+# What one observation run may hold of the graph's intermediates at once (ONNX Runtime returns them together).
+OBSERVE_BYTES = 256 * 2**20
 
 
 def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
@@ -494,6 +499,7 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = False  # every intermediate is an output here: give their memory back after each run
     observers = {t: HistogramObserver(t) for t in tensors}
     first: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
@@ -504,20 +510,35 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
         except ort_errors() as e:
             raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
         out_names = [o.name for o in sess.get_outputs()]
-        for b in samples.batches(batch_size):
-            feeds = {k: b[k] for k in input_names}
-            if static and len(next(iter(feeds.values()))) != batch_size:
-                continue
+
+        def observe(feeds: dict[str, np.ndarray]) -> int:
             try:
                 outs = sess.run(None, feeds)
             except ort_errors() as e:
                 shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
                 raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
                                     f"{ort_failure(e)}") from None
-            first = first or feeds
+            held = 0
             for name, arr in zip(out_names, outs, strict=True):
                 if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
                     observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
+                held += arr.nbytes if isinstance(arr, np.ndarray) else 0
+            return held
+
+        start = 0
+        if not static and batch_size > 1 and len(samples):
+            # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
+            first = {k: samples.inputs[k][:1] for k in input_names}
+            per_sample = observe(first)
+            batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
+            start = 1
+        rest = samples.subset(slice(start, len(samples))) if start else samples
+        for b in rest.batches(batch_size):
+            feeds = {k: b[k] for k in input_names}
+            if static and len(next(iter(feeds.values()))) != batch_size:
+                continue
+            first = first or feeds
+            observe(feeds)
     return observers, first
 
 
@@ -534,61 +555,102 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
     fmt = qdq.act_format(scheme)
     act = QuantType.QUInt8 if fmt.qmin == 0 else QuantType.QInt8
     extra = {"ActivationSymmetric": fmt.symmetric, "WeightSymmetric": True}
-    reduce_range = qdq.weight_grid(scheme, depthwise=False) != (qdq.WEIGHT_QMIN, qdq.WEIGHT_QMAX)  # "u8s7": 7-bit weights
+    reduce_range = not qdq.weight_grid(scheme, depthwise=False).full  # "u8s7": ONNX Runtime's 7-bit weights
     quantizer = QDQQuantizer(model, True, reduce_range, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES,
                              extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
 
 
-def widen_stored_weights(model: onnx.ModelProto) -> int:
-    """Scheme "u8s7" on a graph that already stores 8-bit weights (a weight-only INT8 file): such a
-    weight, multiplied by uint8 activations in the int8 kernels of x86 CPUs without VNNI, overflows
-    their int16 pair sums. Stored as uint8 with the zero point moved by 128 instead, it holds the same
-    integers (nothing re-rounded) and runs the u8 x u8 kernels, which sum exactly on every CPU. Only
-    weights beyond the 7-bit grid that feed a MatMul, Gemm or non-depthwise Conv change. Returns how many."""
+def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]) -> dict[str, int]:
+    """Put every int8 weight that runs the u8 x s8 GEMM kernels of x86 CPUs without VNNI (MatMul, Gemm,
+    non-depthwise Conv) on the 7-bit grid of scheme "u8s7" (``qdq.weight_grid``), so no pair of
+    products overflows their int16 sums:
+
+    * weights this quantization wrote beyond it (ONNX Runtime's quantizer leaves some): re-rounded from
+      their float values onto the 7-bit grid;
+    * weights the file already stored (``stored``: a weight-only INT8 file): kept as the same integers
+      (nothing re-rounded), as uint8 with the zero point moved by 128, which runs the u8 x u8 kernels,
+      exact on every CPU.
+
+    Returns counts: {"to_7bit", "stored_as_uint8"}."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    lo, hi = qdq.WEIGHT_7BIT
-    changed = 0
+    counts = {"to_7bit": 0, "stored_as_uint8": 0}
     for dq in graph.node:
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
             continue
-        users = consumers.get(dq.output[0], [])
-        if not users or not all(u.op_type in ("MatMul", "Gemm") or (u.op_type == "Conv" and not _depthwise(u, inits))
-                                for u in users):
-            continue
         q = numpy_helper.to_array(inits[dq.input[0]])
-        if q.dtype != np.int8 or len(consumers.get(dq.input[0], [])) != 1:
+        users = consumers.get(dq.output[0], [])
+        if q.dtype != np.int8 or q.ndim < 2 or len(consumers.get(dq.input[0], [])) != 1 or len(users) != 1:
             continue
-        if len(dq.input) < 3 or not dq.input[2]:  # no zero point: int8 zeros, as wide as the scale
-            scale_shape = numpy_helper.to_array(inits[dq.input[1]]).shape
-            name = dq.input[0] + "_zero_point"
-            graph.initializer.append(numpy_helper.from_array(np.zeros(scale_shape, np.int8), name))
-            inits[name] = graph.initializer[-1]
-            consumers[name] = [dq]
-            if len(dq.input) == 2:
-                dq.input.append(name)
-            else:
-                dq.input[2] = name
-        zp = inits.get(dq.input[2])
-        if zp is None:
+        depthwise = _gemm_weight(users[0], dq.output[0], inits)
+        if depthwise is None:
             continue
-        z = numpy_helper.to_array(zp).astype(np.int16)
-        if int(q.min()) >= lo + int(z.min()) and int(q.max()) <= hi + int(z.max()):
-            continue  # on the 7-bit grid already
-        inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
-        if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
-            dq.input[2] = dq.input[2] + "_u8"
-            graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+        grid = qdq.weight_grid(scheme, depthwise)
+        zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] in inits else None
+        if grid.full or (zp is not None and np.any(zp != 0)):
+            continue
+        if grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax:
+            continue
+        if dq.input[0] in stored:
+            _as_uint8(graph, inits, consumers, dq, q)
+            counts["stored_as_uint8"] += 1
+            continue
+        # onto the 7-bit grid from the values the codes stand for, per output channel
+        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
+        out_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        shape = [1] * q.ndim
+        if scale.size > 1:
+            shape[out_axis] = -1
+        values = q.astype(np.float64) * scale.reshape(shape)
+        if scale.size > 1:
+            absmax = np.abs(values).max(axis=tuple(i for i in range(q.ndim) if i != out_axis), keepdims=True)
         else:
-            zp.CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
-        changed += 1
-    return changed
+            absmax = np.abs(values).max(keepdims=True)
+        new_scale = np.maximum(absmax / grid.qmax, 1e-12)
+        q7 = np.clip(np.round(values / new_scale), grid.qmin, grid.qmax).astype(np.int8)
+        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new_scale.reshape(scale.shape).astype(np.float32),
+                                                            dq.input[1]))
+        inits[dq.input[0]].CopyFrom(numpy_helper.from_array(q7, dq.input[0]))
+        counts["to_7bit"] += 1
+    return counts
+
+
+def _gemm_weight(node: onnx.NodeProto, weight: str, inits: dict[str, onnx.TensorProto]) -> bool | None:
+    """For a weight the u8 x s8 kernels read (a MatMul's or Gemm's B, a Conv's W): whether the node is a
+    depthwise convolution; None for any other use."""
+    if node.op_type in ("MatMul", "Gemm") and list(node.input[1:2]) == [weight]:
+        return False
+    if node.op_type == "Conv" and list(node.input[1:2]) == [weight]:
+        return _depthwise(node, inits)
+    return None
+
+
+def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
+              consumers: dict[str, list[onnx.NodeProto]], dq: onnx.NodeProto, q: np.ndarray) -> None:
+    """A stored int8 weight as the same integers in uint8 around 128 (u8 x u8 kernels: exact sums)."""
+    if len(dq.input) < 3 or not dq.input[2]:  # no zero point: int8 zeros, as wide as the scale
+        name = dq.input[0] + "_zero_point"
+        graph.initializer.append(numpy_helper.from_array(
+            np.zeros(numpy_helper.to_array(inits[dq.input[1]]).shape, np.int8), name))
+        inits[name] = graph.initializer[-1]
+        consumers[name] = [dq]
+        if len(dq.input) == 2:
+            dq.input.append(name)
+        else:
+            dq.input[2] = name
+    z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
+    inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
+    if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
+        dq.input[2] = dq.input[2] + "_u8"
+        graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+    else:
+        inits[dq.input[2]].CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
 
 
 def _depthwise(conv: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
@@ -620,7 +682,7 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     fmt = qdq.act_format(scheme)
     symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     zp_type = TensorProto.UINT8 if qmin == 0 else TensorProto.INT8
-    w_qmax = qdq.weight_grid(scheme, depthwise=False)[1]
+    w_qmax = qdq.weight_grid(scheme, depthwise=False).qmax
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
     done: dict[str, str] = {}  # float tensor -> its dequantized name

@@ -364,7 +364,7 @@ def _run_stage(stage: StageSpec, target: Target, recipe: Recipe, cache: _Cache, 
     if stage.steps:
         key = cache.key({**base, "model": model_id, "steps": [[s.name, s.config] for s in stage.steps],
                          "calib": stage.calib, "train": stage.train,
-                         "target": target.name if target_aware else None, **io_key})
+                         "target": target.identity if target_aware else None, **io_key})
 
         def build_model(folder: Path) -> None:
             ctx = StepContext(target=target, calib=stage.calib, train=stage.train, seed=recipe.seed,
