@@ -59,6 +59,7 @@ from edgekit.sources.gguf_tokenizer import (
 )
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.sources.text import token_windows, window_prefix
+from edgekit.sources.tokenizer_checks import check_tokenizer_files
 from edgekit.sources.weights import (
     check_finite_parameters,
     check_gguf,
@@ -458,6 +459,8 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, wei
             check_tokenizer(tokenizer, vocab, source)
             tokenizer_record = {"from": "the GGUF vocabulary", "kind": vocab.describe(),
                                 "checked_against": "llama.cpp's algorithm", "strings": len(CHECK_STRINGS)}
+        else:  # tokenizer.json must tokenize as the folder's tokenizer.model, where it has both
+            check_tokenizer_files(tokenizer, hf_folder)
         if auto_class is tf.AutoModelForCausalLM:
             model = _from_pretrained(auto_class, hf_folder, files) if weights else None
             handle = _causal_lm_handle(model, params, config, tokenizer, name, source)
