@@ -9,6 +9,8 @@ one-layer Llama weights (hidden 16) and a vocabulary of a few hundred tokens eac
   no ``<bos>`` added.
 * ``bpe-llama3``: byte-level BPE with Llama 3's expression, whole-word tokens taken before
   merges (``ignore_merges``), ``<|begin_of_text|>`` added by default.
+* ``bpe-gpt2``, ``bpe-qwen2``, ``bpe-default``: the same vocabulary as ``bpe-smollm`` cut by
+  GPT-2's, Qwen2's and llama.cpp's default expressions.
 
 The scores of the SentencePiece vocabularies are minus a merge rank that grows with the piece's
 length, as in real ones: ``▁Space`` scores far below ``▁Spa`` and ``ce`` together, so a Unigram
@@ -23,7 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("spm-prefix", "spm-gemma", "bpe-smollm", "bpe-llama3")
+# byte-level BPE kinds -> their tokenizer.ggml.pre
+BPE_PRE = {"bpe-smollm": "smollm", "bpe-llama3": "llama-bpe", "bpe-gpt2": "gpt-2", "bpe-qwen2": "qwen2",
+           "bpe-default": "default"}
+KINDS = ("spm-prefix", "spm-gemma", *BPE_PRE)
 HIDDEN, FF, HEADS = 16, 32, 2
 
 _WORDS = ("the", "The", "Space", "Calendar", "is", "updated", "monthly", "hello", "world", "Hello", "code",
@@ -81,8 +86,7 @@ def tokenizer_fields(kind: str) -> dict[str, object]:
         tokens.append("Ġzzz")
     return {"model": "gpt2", "tokens": tokens, "types": [3] * len(control) + [1] * (len(tokens) - len(control)),
             "scores": None, "merges": merges, "bos": 0, "eos": 1, "unk": None,
-            "add_bos": None if llama3 else False, "add_space_prefix": None,
-            "pre": "llama-bpe" if llama3 else "smollm"}
+            "add_bos": None if llama3 else False, "add_space_prefix": None, "pre": BPE_PRE[kind]}
 
 
 def write_tiny_gguf(path: Path, kind: str, seed: int = 0) -> Path:

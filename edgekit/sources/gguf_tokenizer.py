@@ -83,7 +83,7 @@ _LLAMA3_PRE = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 # tokenizer.ggml.pre -> its cutting, as llama.cpp 0.3.36's llama-vocab.cpp declares them
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
-    **{name: _GPT2_PRE for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe", "exaone4")},
+    **{name: _GPT2_PRE for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4")},
     **{name: _DIGITS_PRE for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
                                       "minerva")},
     **{name: _LLAMA3_PRE for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
