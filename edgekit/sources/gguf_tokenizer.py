@@ -173,11 +173,27 @@ def vocab_from_metadata(meta: dict[str, Any], arrays: dict[str, Any], where: str
         if "tokenizer.ggml.merges" not in arrays:
             raise BadInputError(f"{where}: a gpt2 tokenizer without tokenizer.ggml.merges")
         merges = tuple(arrays["tokenizer.ggml.merges"])
+        _check_merges(merges, set(tokens), where)
         pre = str(meta.get("tokenizer.ggml.pre") or "default")
         if pre not in PRE_TOKENIZERS:
             raise BadInputError(f"{where}: unknown tokenizer.ggml.pre {pre[:40]!r} (edgekit rebuilds "
                                 f"{choices(sorted(PRE_TOKENIZERS))})")
     spm = model == "llama"
+    if spm:  # byte fallback needs every byte or none (tokenizers misplaces an <unk> among partial bytes)
+        index = set(tokens)
+        missing = [b for b in range(256) if f"<0x{b:02X}>" not in index]
+        if 0 < len(missing) < 256:
+            raise BadInputError(f"{where}: the vocabulary has byte tokens for {256 - len(missing)} of the 256 bytes "
+                                f"(<0x{missing[0]:02X}> is missing): a byte-fallback vocabulary holds all of them")
+        # llama.cpp joins characters into any token that is not cut out of the text first, also from a
+        # character that is no token itself, where BPE would fall back to bytes: SentencePiece never
+        # makes such pieces
+        cut = np.isin(types, (CONTROL, UNKNOWN, USER_DEFINED))
+        for i, t in enumerate(tokens):
+            if len(t) > 1 and not cut[i] and any(c not in index for c in t):
+                c = next(c for c in t if c not in index)
+                raise BadInputError(f"{where}: token {i} {t[:40]!r} holds the character {c!r}, which is no token "
+                                    "itself: not a SentencePiece BPE vocabulary")
     defaults = {"bos": 1, "eos": 2, "unk": 0} if spm else {"bos": 11, "eos": 11, "unk": None}
 
     def token_id(key: str, default: int | None) -> int | None:
@@ -205,6 +221,21 @@ def vocab_from_metadata(meta: dict[str, Any], arrays: dict[str, Any], where: str
         if flag and getattr(vocab, f"{key}_id") is None:
             raise BadInputError(f"{where}: add_{key}_token is set but the file has no {key} token")
     return vocab
+
+
+def _check_merges(merges: Sequence[str], tokens: set[str], where: str) -> None:
+    """Every merge joins two tokens into a token. (llama.cpp would also join pieces into text no
+    token holds and go on merging from there, which a BPE vocabulary cannot express: such a file is
+    refused rather than tokenized differently. Hugging Face's BPE refuses them too.)"""
+    for i, word in enumerate(merges):
+        pos = word.find(" ", 1)
+        if pos < 0:
+            continue
+        left, right = word[:pos], word[pos + 1:]
+        for part, what in ((left, "part"), (right, "part"), (left + right, "result")):
+            if part not in tokens:
+                raise BadInputError(f"{where}: tokenizer.ggml.merges[{i}] {word[:40]!r} has a {what} "
+                                    f"{part[:40]!r} that is not a token")
 
 
 def _array(arrays: dict[str, Any], key: str, n: int, where: str, default: np.ndarray) -> np.ndarray:
@@ -242,20 +273,15 @@ def spm_merges(tokens: Sequence[str], scores: np.ndarray) -> list[tuple[str, str
 
 def _gpt2_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
     """The file's merges as llama.cpp reads them (split at the first space after the first
-    character; the first of a repeated pair keeps its rank); pairs whose parts or result are not
-    tokens can never produce a token and are left out."""
-    index = set(vocab.tokens)
+    character, a word without one never matches; the first of a repeated pair keeps its rank)."""
     seen: set[tuple[str, str]] = set()
     out = []
     for word in vocab.merges:
         pos = word.find(" ", 1)
-        if pos < 0:
-            continue
         pair = (word[:pos], word[pos + 1:])
-        if pair in seen or pair[0] not in index or pair[1] not in index or pair[0] + pair[1] not in index:
-            continue
-        seen.add(pair)
-        out.append(pair)
+        if pos >= 0 and pair not in seen:
+            seen.add(pair)
+            out.append(pair)
     return out
 
 
@@ -430,14 +456,15 @@ class LlamaCppReference:
             if piece in index:
                 out.append(index[piece])
             else:  # a character outside the vocabulary: its bytes
-                for b in piece.encode():
-                    byte = index.get(f"<0x{b:02X}>", index.get(chr(b)) if b < 0x80 else None)
-                    if byte is None:
-                        byte = self.vocab.unk_id
-                    if byte is None:
-                        raise CheckFailedError(f"the vocabulary has no token for byte 0x{b:02X} of {piece!r} and no "
-                                               "unknown token")
-                    out.append(byte)
+                raw = piece.encode()
+                byte_ids = [index.get(f"<0x{b:02X}>", index.get(chr(b)) if b < 0x80 else None) for b in raw]
+                if all(b is not None for b in byte_ids):
+                    out += [int(b) for b in byte_ids if b is not None]
+                elif self.vocab.unk_id is not None:  # llama.cpp fails here; <unk>, as tokenizers gives
+                    out.append(self.vocab.unk_id)
+                else:
+                    raise CheckFailedError(f"the vocabulary has no token for {piece!r}, for all its bytes or "
+                                           "unknown")
             i = nxt[i]
         return out
 

@@ -105,6 +105,11 @@ def _meta(**over: object) -> tuple[dict, dict]:
     ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, "f.gguf: token 'a' is declared twice (ids 0 and 2)"),
     ({"tokenizer.ggml.bos_token_id": 7}, "f.gguf: tokenizer.ggml.bos_token_id = 7 is not a token id (0 to 2)"),
     ({"tokenizer.ggml.add_bos_token": True}, "f.gguf: add_bos_token is set but the file has no bos token"),
+    ({"tokenizer.ggml.merges": ["a c"]}, "f.gguf: tokenizer.ggml.merges[0] 'a c' has a part 'c' that is not a token"),
+    ({"tokenizer.ggml.merges": ["a b", "a ab"]},
+     "f.gguf: tokenizer.ggml.merges[1] 'a ab' has a result 'aab' that is not a token"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<0x00>", "a", "b"]},
+     "f.gguf: the vocabulary has byte tokens for 1 of the 256 bytes (<0x01> is missing)"),
 ])
 def test_a_tokenizer_edgekit_cannot_rebuild_is_one_line(over, message):
     meta, arrays = _meta(**over)
