@@ -110,6 +110,8 @@ def _meta(**over: object) -> tuple[dict, dict]:
      "f.gguf: tokenizer.ggml.merges[1] 'a ab' has a result 'aab' that is not a token"),
     ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<0x00>", "a", "b"]},
      "f.gguf: the vocabulary has byte tokens for 1 of the 256 bytes (<0x01> is missing)"),
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "ab"]},
+     "f.gguf: token 1 'ab' holds the character 'b', which is no token itself: not a SentencePiece BPE vocabulary"),
 ])
 def test_a_tokenizer_edgekit_cannot_rebuild_is_one_line(over, message):
     meta, arrays = _meta(**over)
