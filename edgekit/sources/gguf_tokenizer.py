@@ -456,8 +456,8 @@ class LlamaCppReference:
             if piece in index:
                 out.append(index[piece])
             else:  # a character outside the vocabulary: its bytes
-                raw = piece.encode()
-                byte_ids = [index.get(f"<0x{b:02X}>", index.get(chr(b)) if b < 0x80 else None) for b in raw]
+                byte_ids = [index.get(f"<0x{b:02X}>", index.get(chr(b)) if b < 0x80 else None)
+                            for b in piece.encode()]
                 if all(b is not None for b in byte_ids):
                     out += [int(b) for b in byte_ids if b is not None]
                 elif self.vocab.unk_id is not None:  # llama.cpp fails here; <unk>, as tokenizers gives
