@@ -464,21 +464,35 @@ def _print_profile(result: Any, top_k: int) -> None:
               help="Check against this TensorRT version (e.g. 8.5) instead of the one the target's JetPack pins.")
 @click.option("--dla-core", type=int, default=None, help="Also list the layers that fall back from this DLA core.")
 @click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
+@click.option("--dim", "dims", multiple=True,
+              help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@with_input_options("shapes")
 def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         as_json: bool) -> int:
+         dims: tuple[str, ...], as_json: bool, input_options: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
+    --shapes / --dim give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
     from edgekit.runtimes.tensorrt.lint import lint_model
 
-    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision)
+    ranges: dict[str, tuple[int, int]] = {}
+    for d in dims:
+        name, _, value = d.partition("=")
+        lo, _, hi = value.partition(":")
+        if not name or not lo.strip().isdigit() or (hi and not hi.strip().isdigit()) or int(lo) < 0 \
+                or (hi and int(hi) < int(lo)) or int(hi or lo) < 1:
+            raise BadInputError(f"--dim {d!r} must be NAME=SIZE or NAME=MIN:MAX with whole numbers, 0 <= MIN <= MAX, "
+                                "MAX >= 1")
+        ranges[name] = (int(lo), int(hi or lo))
+    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
+                        shapes=input_options.shapes if input_options else None, dims=ranges or None)
     if as_json:
         _print_json(report.to_dict())
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
-                                                                                  "what to do"],
-                                [[f.severity, f.node, f.op_type, f.why, f.fix] for f in report.findings]))
+                                                                                  "what to do", "rule from"],
+                                [[f.severity, f.node, f.op_type, f.why, f.fix, f.source] for f in report.findings]))
     click.echo(report.summary())
     return report.exit_code
 
