@@ -42,6 +42,51 @@ class BudgetVerdict:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class VerifiedVerdict:
+    """``check --require-verified``: whether every field of the profile is verified."""
+
+    passed: bool
+    reasons: list[str]
+    model: str | None
+    target: str | None
+
+    def message(self) -> str:
+        if self.passed:
+            return "PASS: verified (every field of the profile is)"
+        return "FAIL: not verified: " + "; ".join(self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def unverified_reasons(profile: ProfileResult) -> list[str]:
+    """Why a profile is not verified: every top-level field that says ``unverified`` (a string,
+    or a record with ``status: unverified`` and its ``reasons``), and an estimate standing in
+    for a measurement. Fields added later (a build's parity ``quality``, ...) count the same way."""
+    reasons = []
+    for key, value in profile.to_dict().items():
+        if value == "unverified":
+            reasons.append(f"{key}: unverified")
+        elif isinstance(value, dict) and value.get("status") == "unverified":
+            why = value.get("reasons") or []
+            reasons.append(f"{key} unverified" + (": " + "; ".join(str(r) for r in why) if why else ""))
+    if profile.source == "estimated":
+        reasons.append("latency: an estimate (roofline model), not a measurement")
+    return reasons
+
+
+def check_verified(profile: str | os.PathLike[str] | ProfileResult) -> VerifiedVerdict:
+    """Pass when nothing in the profile is unverified (``unverified_reasons``).
+
+    >>> check_verified("out/profile.json").passed  # doctest: +SKIP
+    True
+    """
+    result = load_profile(profile)
+    reasons = unverified_reasons(result)
+    return VerifiedVerdict(passed=not reasons, reasons=reasons, model=result.model, target=result.target)
+
+
 def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResult:
     """A profile JSON file, a folder holding ``profile.json``, or an engine folder (profiled now).
     A file is validated as it is read (``ProfileResult.load``): a CI gate never passes on nonsense."""
