@@ -953,11 +953,16 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
               "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
+@click.option("--timing", type=click.Choice(["gpu-compute", "end-to-end"]), default="gpu-compute", show_default=True,
+              help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
+                   "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
+                   "benchmark); both are estimated.")
 @click.option("--top-k", type=int, default=10, show_default=True)
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
-                 runtime: str | None, calibrate: bool, top_k: int, json_out: str | None, input_options: Any) -> None:
+                 runtime: str | None, calibrate: bool, timing: str, top_k: int, json_out: str | None,
+                 input_options: Any) -> None:
     """Latency ESTIMATE of a model on a target, with its range (not a measurement).
 
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
@@ -968,12 +973,14 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     bound: dict[str, int] = {}
     for d in dims:
         name, _, value = d.partition("=")
-        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 1:
-            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
+        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 0:
+            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE >= 0 (0: an empty axis, "
+                                "such as past_sequence_length=0 for a prefill)")
         bound[name] = int(value)
     with _json_stdout(json_out == "-"):
         est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                                calibrate=calibrate, runtime=runtime, input_options=input_options)
+                                                calibrate=calibrate, runtime=runtime, input_options=input_options,
+                                                timing=timing)
     doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
     if json_out == "-":
         _print_json(doc)
