@@ -101,8 +101,8 @@ def onnx_of_engine(layers_json: Path, path: Path) -> Path:
     names = list(dict.fromkeys(p for layer in rec.described for p in layer_names(layer, rec.onnx_names)))
     (first, dims), = rec.inputs.items()
     nodes, x = [], first
-    for i, name in enumerate(names):
-        nodes.append(helper.make_node("Identity", [x], [f"t{i}"], name=name))
+    for i, name in enumerate(names):  # element-wise nodes: something to estimate, nothing lint refuses
+        nodes.append(helper.make_node("Relu", [x], [f"t{i}"], name=name))
         x = f"t{i}"
     graph = helper.make_graph(nodes, "engine", [helper.make_tensor_value_info(first, TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, dims)])
@@ -791,7 +791,9 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     assert miss.exit_code == 1
     res = runner.invoke(cli, ["report", str(tmp_path / "p.json"), "-o", str(tmp_path / "r.md")])
     text = (tmp_path / "r.md").read_text()
-    assert res.exit_code == 0 and "(tensorrt, device)" in text
+    # per number, where it comes from: the device, with its provenance status
+    assert res.exit_code == 0 and "(tensorrt, device (verified))" in text
+    assert "/s | device (verified) |" in text and "Provenance: verified: gpu Orin (sm_87), tensorrt 10.3.0" in text
     assert "Measured on the device: Orin, JetPack 6.2+b77, TensorRT 10.3.0, power mode MAXN, clocks locked." in text
     # a report of a bundle that has not been run says that nothing was built
     fresh = build_engine(_onnx(tmp_path / "m2.onnx"), "jetson-agx-orin-64", tmp_path / "fresh", BuildOptions("fp16"))
@@ -841,3 +843,13 @@ def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_en
     stage = second.stages[0]
     assert stage.source == "device" and stage.estimated_ms == pytest.approx(first.stages[0].estimated_ms)
     assert stage.latency_ms == pytest.approx(0.884735, abs=1e-6)  # p99 of the device run (the recipe's percentile)
+    assert stage.provenance == "verified"
+    from edgekit.pipelines.results import stage_table
+
+    assert stage_table(second)[0][-1] == "device (verified) (reused)"  # the bundle was reused, its results are new
+    assert stage_table(first)[0][-1].startswith("estimated (")  # the first run's number was an estimate, with its range
+    from edgekit.report import render_report
+
+    html = render_report(tmp_path / "run").with_suffix(".html").read_text()
+    # the stage's number is the device's; the nodes shown are those of the profile the run kept (the estimate's)
+    assert "<td>device (verified) (reused)</td>" in html and "resnet alone (estimated)" in html
