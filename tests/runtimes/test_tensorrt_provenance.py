@@ -186,8 +186,11 @@ def test_trtexec_exports_made_by_hand(tmp_path, no_tensorrt):
     assert runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--budget-ms", "33"]).exit_code == 0
     res = runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--budget-ms", "33", "--require-verified"])
     assert res.exit_code == 1
-    assert ("FAIL: not verified: provenance unverified: the TensorRT version is not recorded (no trtexec banner in "
-            "device.txt or the log, no machine.txt package)") in res.output
+    assert res.output.startswith("FAIL: p99 ")
+    assert ("FAIL (--require-verified): provenance: unverified (the TensorRT version is not recorded (no trtexec banner "
+            "in device.txt or the log, no machine.txt package))") in res.output
+    alone = runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--require-verified", "--json", "-"])
+    assert alone.exit_code == 1 and json.loads(alone.output)["passed"] is False
     # with the device.txt the machine would have written, nothing is missing
     done = tmp_path / "exports"
     shutil.copytree(RTX_QAT, done)
@@ -248,10 +251,17 @@ def test_check_require_verified_reads_every_unverified_field(tmp_path):
     assert check_verified(measured).passed and unverified_reasons(measured) == []
     d = measured.to_dict()
     d["provenance"] = {"status": "unverified", "checks": [], "reasons": ["no device.txt"]}
-    assert unverified_reasons(ProfileResult.from_dict(d)) == ["provenance unverified: no device.txt"]
+    assert unverified_reasons(ProfileResult.from_dict(d)) == ["provenance: unverified (no device.txt)"]
+    from edgekit.check import check_budget
+
+    v = check_budget(ProfileResult.from_dict(d), 33.0, require_verified=True)
+    assert not v.passed and v.unverified == ("provenance: unverified (no device.txt)",)
+    assert check_budget(ProfileResult.from_dict(d), 33.0).passed  # without the flag: a warning in the message
+    assert "warning: provenance: unverified (no device.txt)" in check_budget(ProfileResult.from_dict(d), 33.0).message()
     est = ProfileResult(engine="", runtime="estimate", target="cpu", model="m", settings={},
                         latency_ms=LatencyStats(1, 1, 1, 1, 1, 1, 1, 0, 0, 0), throughput_per_s=1.0, source="estimated")
     v = check_verified(est)
-    assert not v.passed and v.message() == "FAIL: not verified: latency: an estimate (roofline model), not a measurement"
+    assert not v.passed and v.message() == ("FAIL (--require-verified): latency: an estimate (roofline model), not a "
+                                            "measurement")
     with pytest.raises(BadInputError, match="unknown provenance 'trusted'"):
         ProfileResult.from_dict({**d, "provenance": {"status": "trusted"}})
