@@ -103,6 +103,43 @@ def _gpt_neox() -> Any:
                                              eos_token_id=258, initializer_range=INIT_STD, tie_word_embeddings=False)
 
 
+def _mixtral() -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # 4 experts, top-2: each expert sees its own subset of the tokens
+    return MixtralForCausalLM, MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2,
+                                                       tie_word_embeddings=False))
+
+
+def _qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # routed experts plus a gated shared expert
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(**_common(num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=HIDDEN,
+                                                         shared_expert_intermediate_size=2 * HIDDEN,
+                                                         tie_word_embeddings=False))
+
+
+def _falcon() -> Any:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # Falcon-40B/180B style: new decoder architecture, grouped KV, parallel attention and MLP
+    return FalconForCausalLM, FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                           num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                           max_position_embeddings=128, bos_token_id=257, eos_token_id=258,
+                                           initializer_range=INIT_STD)
+
+
+def _llama4() -> Any:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    # Llama 4 text: MoE with a shared expert in every layer, chunked attention, no-rope layers
+    return Llama4ForCausalLM, Llama4TextConfig(**_common(head_dim=16, intermediate_size_mlp=2 * HIDDEN,
+                                                         num_local_experts=4, num_experts_per_tok=1,
+                                                         attention_chunk_size=64, tie_word_embeddings=False))
+
+
 def _bert() -> Any:
     from transformers import BertConfig, BertModel
 
@@ -114,6 +151,10 @@ def _bert() -> Any:
 DECODERS: dict[str, Callable[[], Any]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3,
     "phi3": _phi3, "gpt2": _gpt2, "opt": _opt, "gpt-neox": _gpt_neox,
+}
+# decoders the matrix meets with their own expectations (mixture of experts, Falcon's fused q/k/v)
+MORE_DECODERS: dict[str, Callable[[], Any]] = {
+    "mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "falcon": _falcon, "llama4": _llama4,
 }
 ENCODERS: dict[str, Callable[[], Any]] = {"bert": _bert}
 GEMMA = ("gemma2", "gemma3")  # their tokenizers add <bos>; their embeddings are scaled by sqrt(hidden)
@@ -143,7 +184,7 @@ def build(family: str, seed: int = 0, **config: Any) -> Any:
     ``config`` overrides fields of its config (``sliding_window=8``)."""
     import torch
 
-    cls, cfg = {**DECODERS, **ENCODERS}[family]()
+    cls, cfg = {**DECODERS, **MORE_DECODERS, **ENCODERS}[family]()
     for key, value in config.items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)

@@ -100,15 +100,33 @@ def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     return None, None
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # config fields naming the experts
+
+
+def expert_routers(module: nn.Module) -> list[str]:
+    """The routers of a mixture-of-experts model: linears named ``gate``/``router`` whose outputs
+    are one score per expert (``config.num_local_experts`` and its synonyms). They stay in float:
+    their few weights decide which experts run, and a 4-bit router changes the routing itself."""
+    cfg = getattr(hf_model(module), "config", None)
+    counts = {getattr(cfg, k, None) for k in EXPERT_COUNTS} - {None}
+    counts = {c for c in counts if isinstance(c, int) and c > 1}
+    if not counts:
+        return []
+    return [n for n, m in module.named_modules()
+            if isinstance(m, nn.Linear) and m.out_features in counts and n.rpartition(".")[2] in ("gate", "router")]
+
+
 def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
-    """(block prefix, blocks, name -> nn.Linear) of the linears inside the blocks, the LM head left out."""
+    """(block prefix, blocks, name -> nn.Linear) of the linears inside the blocks, the LM head and
+    mixture-of-experts routers (``expert_routers``) left out."""
     prefix, blocks = find_blocks(module)
     head, _ = head_layers(module)
+    skip = {head, *expert_routers(module)}
     names = {id(m): n for n, m in module.named_modules()}
     linears: dict[str, nn.Linear] = {}
     for b in blocks:
         for m in b.modules():
-            if isinstance(m, nn.Linear) and names[id(m)] != head:
+            if isinstance(m, nn.Linear) and names[id(m)] not in skip:
                 linears[names[id(m)]] = m
     return prefix, blocks, linears
 
@@ -201,6 +219,11 @@ class BlockWalker:
             else:
                 groups.append([name])
             last = x
+        # experts the probe sample was not routed to: one group each, in module order (their inputs
+        # come from whatever calibration tokens the router sends them, possibly none)
+        seen = {n for g in groups for n in g}
+        groups += [[self.names[id(m)]] for m in block.modules()
+                   if isinstance(m, nn.Linear) and self.names[id(m)] in self.linears and self.names[id(m)] not in seen]
         return groups
 
     @torch.no_grad()
@@ -212,14 +235,20 @@ class BlockWalker:
             block = self.blocks[bi]
             if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
                 groups = self._input_groups(block, data[0])
-                float_inputs: dict[str, list[torch.Tensor]] = {}
+                float_inputs: dict[str, list[torch.Tensor | None]] = {}
+                # linears left in float (routers): where a routed expert's tokens come from
+                kept = [self.names[id(m)] for m in block.modules()
+                        if isinstance(m, nn.Linear) and self.names[id(m)] not in linears]
                 if data_fp is not None:
                     # The float block never changes, so one forward gives every group's float
                     # inputs (and the next block's float input) before this block is touched.
-                    data_fp, float_inputs = self._run_capturing(block, data_fp, [g[0] for g in groups])
+                    data_fp, float_inputs = self._run_capturing(block, data_fp, [g[0] for g in groups] + kept)
                 for names in groups:
                     inputs = GroupInputs(block, submodule(self.module, names[0]), data)
-                    inputs.float_inputs = float_inputs.get(names[0])
+                    if data_fp is not None:
+                        inputs.float_inputs = float_inputs[names[0]]
+                        inputs.float_layers = {submodule(self.module, n): x for n, x in float_inputs.items()}
+                        inputs.expert_layers = _siblings(self.module, names[0])
                     visit_group(bi, names, inputs)
             elif data_fp is not None:
                 data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
@@ -230,18 +259,32 @@ class BlockWalker:
         return _first(block(*args, **kw)).detach()
 
     def _run_capturing(self, block: nn.Module, data: list[Batch],
-                       names: list[str]) -> tuple[list[Batch], dict[str, list[torch.Tensor]]]:
+                       names: list[str]) -> tuple[list[Batch], dict[str, list[torch.Tensor | None]]]:
         """``block`` over ``data``: its outputs as the next block's data, and the inputs of the
-        named layers, per batch."""
-        captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        named layers per batch (None for a batch that did not reach a layer: an expert the router
+        did not choose)."""
+        captured: dict[str, list[torch.Tensor | None]] = {n: [] for n in names}
+        this: dict[str, torch.Tensor] = {}
         hooks = [submodule(self.module, n).register_forward_pre_hook(
-            lambda _m, args, n=n: captured[n].append(args[0].detach())) for n in names]
+            lambda _m, args, n=n: this.setdefault(n, args[0].detach())) for n in names]
+        out: list[Batch] = []
         try:
-            out: list[Batch] = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+            for b in data:
+                this.clear()
+                out.append(((self._run(block, b),) + tuple(b[0][1:]), b[1]))
+                for n in names:
+                    captured[n].append(this.get(n))
         finally:
             for h in hooks:
                 h.remove()
         return out, captured
+
+
+def _siblings(module: nn.Module, name: str) -> list[nn.Module]:
+    """The linears sharing ``name``'s parent module (one expert's layers), ``name``'s own first."""
+    parent = name.rpartition(".")[0]
+    own = submodule(module, name)
+    return [own] + [m for m in submodule(module, parent).children() if isinstance(m, nn.Linear) and m is not own]
 
 
 GroupVisit = Callable[[int, list[str], "GroupInputs"], None]  # (block index, linear names, their inputs)
@@ -259,17 +302,101 @@ class GroupInputs:
 
     def __init__(self, block: nn.Module, first: nn.Module, data: list[Batch]) -> None:
         self.block, self.first, self.data = block, first, data
-        self.float_inputs: list[torch.Tensor] | None = None  # per batch, in the float model (track_float)
+        # per batch, in the float model (track_float); None where the batch did not reach the layer
+        self.float_inputs: list[torch.Tensor | None] | None = None
+        # for routed groups (experts): every captured layer's float inputs, and the expert's own linears
+        self.float_layers: dict[nn.Module, list[torch.Tensor | None]] = {}
+        self.expert_layers: list[nn.Module] = [first]
+        self.paired_rows = self.float_rows = 0  # routed groups: rows seen, rows with a float counterpart
 
     def __call__(self) -> Iterator[torch.Tensor]:
         return _group_inputs(self.block, self.first, self.data)
 
+    @property
+    def routed(self) -> bool:
+        """Whether the group sees a subset of the block's tokens (a mixture-of-experts expert):
+        its float inputs are not one row per token of every batch."""
+        fp = self.float_inputs
+        return fp is not None and any(
+            x is None or x.shape[:-1] != args[0].shape[:-1] for x, (args, _) in zip(fp, self.data))
+
     def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model
-        (needs a walker with ``track_float``)."""
+        (needs a walker with ``track_float``). For a routed group (an expert) the rows are the
+        tokens the router sends it *here*; each is paired with the same token's input in the
+        float model where the float model has one (the float router may have chosen other
+        tokens), else with itself (the plain GPTQ objective for that token)."""
         if self.float_inputs is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        return zip(self(), self.float_inputs, strict=True)
+        if self.routed:
+            return self._paired_by_token()
+        return ((x, fp) for x, fp in zip(self(), self.float_inputs, strict=True) if fp is not None)
+
+    def _tokens(self, seen: dict[nn.Module, torch.Tensor], b: int) -> torch.Tensor | None:
+        """Token positions (in batch ``b``'s flattened tokens) of this expert's rows, from the layer
+        inputs ``seen`` in one forward (the float model's or this one's): the expert's entry layer's
+        rows are exact copies of rows of a full-token layer's input (the router's), found by match."""
+        rows = seen.get(self.first)
+        if rows is None:
+            return None
+        n = rows.reshape(-1, rows.shape[-1]).shape[0]
+        tokens = self.data[b][0][0].shape[:-1].numel()
+        for entry in self.expert_layers:
+            x = seen.get(entry)
+            if x is None or x.reshape(-1, x.shape[-1]).shape[0] != n:
+                continue
+            x = x.reshape(-1, x.shape[-1])
+            for layer in self.float_layers:
+                table = seen.get(layer)
+                if layer in self.expert_layers or table is None or table.shape[-1] != x.shape[-1] \
+                        or table.shape[:-1].numel() != tokens:  # one row per token
+                    continue
+                idx = row_positions(x, table.reshape(-1, table.shape[-1]))
+                if idx is not None:
+                    return idx
+        return None
+
+    def _paired_by_token(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        seen: dict[nn.Module, torch.Tensor] = {}
+        watched = set(self.float_layers) | set(self.expert_layers)
+
+        def record(m: nn.Module, args: tuple[Any, ...]) -> None:
+            seen.setdefault(m, args[0].detach())
+            if m is self.first:
+                raise _Stop
+
+        hooks = [m.register_forward_pre_hook(record) for m in watched]
+        try:
+            for b, (args, kw) in enumerate(self.data):
+                seen.clear()
+                try:
+                    self.block(*args, **kw)
+                except _Stop:
+                    pass
+                x = seen.get(self.first)
+                if x is None:  # the router sent this expert no token of this batch
+                    continue
+                x = x.reshape(-1, x.shape[-1])
+                x_fp = x.clone()
+                fp = self.float_inputs[b] if self.float_inputs is not None else None
+                if fp is not None:
+                    here = self._tokens(seen, b)
+                    float_seen = {m: t for m, v in self.float_layers.items() if (t := v[b]) is not None}
+                    there = self._tokens(float_seen, b)
+                    if here is not None and there is not None:
+                        fp = fp.reshape(-1, x.shape[-1])
+                        where = torch.full((self.data[b][0][0].shape[:-1].numel(),), -1, dtype=torch.long,
+                                           device=x.device)
+                        where[there] = torch.arange(there.shape[0], device=x.device)
+                        match = where[here]
+                        hit = match >= 0
+                        x_fp[hit] = fp[match[hit]]
+                        self.float_rows += int(hit.sum())
+                self.paired_rows += x.shape[0]
+                yield x, x_fp
+        finally:
+            for h in hooks:
+                h.remove()
 
     def attention_mixed(self, attn: nn.Module, v_proj: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
@@ -306,6 +433,17 @@ class GroupInputs:
             config._attn_implementation = saved
             for h in hooks:
                 h.remove()
+
+
+def row_positions(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """For each row of ``rows`` (n, d), the index of an identical row of ``table`` (N, d) (exact
+    equality: a gathered copy); None when some row is not in ``table``."""
+    both = torch.cat([table, rows])
+    _, inverse = torch.unique(both, dim=0, return_inverse=True)
+    where = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=rows.device)
+    where[inverse[:table.shape[0]]] = torch.arange(table.shape[0], device=rows.device)
+    idx = where[inverse[table.shape[0]:]]
+    return None if bool((idx < 0).any()) else idx
 
 
 def _group_inputs(block: nn.Module, first: nn.Module, data: list[Batch]) -> Iterator[torch.Tensor]:
@@ -362,6 +500,6 @@ def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Batch", "BlockWalker", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
+__all__ = ["EXPERT_COUNTS", "expert_routers", "row_positions", "Batch", "BlockWalker", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
            "find_blocks", "head_layers", "linear_at", "quantizable_linears", "replace_module", "submodule",
            "value_projection"]

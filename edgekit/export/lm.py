@@ -558,6 +558,13 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
     except ImportError as e:
         raise UnavailableError(f"causal-LM export with the KV cache needs optimum-onnx: {e}") from None
     hf = _hf_model(handle.module)
+    cfg = hf.config
+    if cfg.model_type == "falcon" and getattr(cfg, "new_decoder_architecture", False) and \
+            getattr(cfg, "num_kv_heads", None) not in (None, cfg.num_attention_heads):
+        # optimum's Falcon configuration shapes the cache with one KV head per query head
+        raise traced_export_failure(cfg, RuntimeError(
+            f"its Falcon configuration assumes as many KV heads as query heads, this model has {cfg.num_kv_heads} "
+            f"for {cfg.num_attention_heads} (new_decoder_architecture, grouped KV)"))
     with tempfile.TemporaryDirectory(prefix="edgekit-lm-") as tmp:
         use_cache = hf.config.use_cache
         hf.config.use_cache = with_past
@@ -565,10 +572,38 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
             with torch.no_grad(), float_placeholders(handle.module):
                 onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
                                        no_post_process=True)
+        except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise traced_export_failure(hf.config, e) from None
         finally:
             hf.config.use_cache = use_cache
         release_memory()  # the float placeholders and the exporter's own copies, before the graph loads
         return onnx.load(os.path.join(tmp, "model.onnx"))
+
+
+def traced_export_failure(config: Any, error: Exception) -> BadInputError:
+    """One line for an architecture neither graph can write: the model type, what is missing (no
+    fused graph, and what optimum's tracer said), and what does work (compress, PyTorch)."""
+    model_type = getattr(config, "model_type", "?")
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "unsupported architecture" in text or "not supported" in text:
+        why = "optimum's ONNX exporter has no configuration for it"
+    elif "assumes" in text:
+        why = f"optimum's ONNX exporter does not fit it: {text}"
+    else:
+        why = f"optimum's ONNX exporter fails on it ({type(error).__name__}: {text[:160]})"
+    _, fused_why = supports_fused_graph_for(config)
+    return BadInputError(f"cannot export model type {model_type!r} with the KV cache: {fused_why}, and {why}; "
+                         "its compressed PyTorch model is still usable (edgekit compress, evaluate)")
+
+
+def supports_fused_graph_for(config: Any) -> tuple[bool, str]:
+    """``supports_fused_graph`` from a config alone."""
+    class _Holder:
+        pass
+
+    holder = _Holder()
+    holder.config = config  # type: ignore[attr-defined]
+    return supports_fused_graph(holder)
 
 
 def _graph_block_size(proto: Any) -> list[int]:

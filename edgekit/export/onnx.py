@@ -258,7 +258,13 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
     try:
         return _trace_legacy(module, args, handle, config), "legacy"
     except Exception as e:
-        raise BadInputError(f"cannot export {handle.name!r} to ONNX: {type(e).__name__}: {_first_line(e)}") from None
+        hf_config = handle.extra.get("hf_config") or {}
+        experts = [hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        if any(isinstance(n, int) and n > 1 for n in experts):  # the usual cause, named where it applies
+            why = (f"its mixture-of-experts layers ({hf_config.get('model_type')!r}) route each token through a "
+                   f"data-dependent loop over experts, which neither ONNX exporter traces ({why})")
+        raise BadInputError(f"cannot export {handle.name!r} to ONNX: {why}") from None
 
 
 def _batch_dynamic(handle: ModelHandle) -> bool:
