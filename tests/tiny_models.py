@@ -240,3 +240,54 @@ def tiny_effnet() -> Any:
                        module=module, inputs=[InputSpec("input", ("batch", 3, 224, 224), "float32")],
                        outputs=["logits"], make_inputs=make_inputs, evaluator="agreement",
                        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, extra={"num_classes": 10})
+
+
+# --- the generated matrix: every causal LM class of the installed transformers ---------------------
+
+# The size fields transformers' configs use (each config takes those it knows): what makes a config tiny.
+TINY_FIELDS: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+    initializer_range=INIT_STD, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128, n_inner=2 * HIDDEN,
+    d_model=HIDDEN, ffn_dim=2 * HIDDEN, moe_intermediate_size=HIDDEN, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, pad_token_id=256, bos_token_id=257, eos_token_id=258)
+TINY_PARAMS = 2_000_000  # a config that stays larger than this with the fields above is not "tiny"
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type the installed transformers maps to a ``*ForCausalLM`` class (generated, not
+    hand-picked): the rows of the decoder conformance matrix."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0) -> Any:
+    """The ``*ForCausalLM`` of ``model_type`` built from its config with ``TINY_FIELDS`` (those it
+    takes), seeded random weights, eval mode; a string saying why instead when the config cannot be
+    made tiny (it fails to build, or stays over ``TINY_PARAMS`` parameters)."""
+    import inspect
+    import warnings
+
+    import torch
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    if cls is None:
+        return f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]} is not importable here"
+    config_cls = CONFIG_MAPPING[model_type]
+    taken = inspect.signature(config_cls.__init__).parameters
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = config_cls(**{k: v for k, v in TINY_FIELDS.items() if k in taken})
+            torch.manual_seed(seed)
+            model = cls(config).eval()
+    except Exception as e:  # a config whose other defaults do not fit the tiny sizes
+        return f"its config does not build at tiny sizes ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    n = sum(p.numel() for p in model.parameters())
+    if n > TINY_PARAMS:
+        return f"{n / 1e6:.1f}M parameters at the tiny sizes (fields it does not take keep it large)"
+    return model
