@@ -4,7 +4,8 @@ The graph (``graph.py``: shapes from ONNX Runtime's symbolic shape inference) is
 into the kernels the target's runtime runs (``fusion.py``); each kernel's work
 (``cost.py``) meets the target's roofs (``efficiency.py``)::
 
-    compute = sum over its nodes of ops / (peak[precision] * eff[class] * shape_factor)
+    compute = sum over its nodes of ops / (rate * eff[class] * shape_factor)
+              (rate: the peak at the node's precision; on CPUs its class's kernel rate)
     memory  = bytes it reads and writes from outside / (cache or DRAM bandwidth)
     time    = max(compute, memory) + kernel overhead
 
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.estimate.cost import OP_CLASSES, Precision, node_cost, op_class, tensor_bits
+from edgekit.estimate.cost import OP_CLASSES, Precision, dot_k, node_cost, op_class, tensor_bits
 from edgekit.estimate.efficiency import Roofs, roofs_for, shape_factor
 from edgekit.estimate.fusion import DEFAULT_FUSION, FUSION_MODELS, FUSION_RUNTIMES, Fused, Kernel, fuse
 from edgekit.estimate.graph import Graph, load_graph, read_graph, strip_weights
+from edgekit.estimate.probe import probed_target
 from edgekit.estimate.uncertainty import estimate_range, op_mix
 from edgekit.profiling import LatencyStats, ProfileResult
 from edgekit.runtimes.base import NodeTiming
@@ -217,7 +219,7 @@ def _float_precision(tgt: Target, precision: str | None) -> str:
 def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = None, batch: int = 1, *,
              dims: dict[str, int] | None = None, fuse: bool = True, runtime: str | None = None,
              efficiency: dict[str, float] | None = None, kernel_overhead_us: float | None = None,
-             calibrated: bool = True) -> Estimate:
+             calibrated: bool = True, probe: bool = True) -> Estimate:
     """Latency estimate of a model on a target, per kernel and in total, with its range.
 
     ``model_or_onnx``: an ONNX file, an edgekit folder, a model spec, a ``ModelHandle``
@@ -226,12 +228,17 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
     runs INT8, ``int4`` assumes 4-bit weight-only MatMul/Gemm. ``dims`` binds named
     dynamic axes. ``runtime``: whose fusions to apply (default: the target's first
     runtime); ``fuse=False`` runs every node as written. ``efficiency`` overrides the
-    target's factors; ``calibrated=False`` ignores a saved calibration.
+    target's factors; ``calibrated=False`` ignores a saved calibration. The ``cpu`` target is
+    this machine as its probe measured it (``estimate.probe``: measured now if none is cached;
+    ``probe=False`` keeps the YAML's generic figures where none is cached).
 
     >>> est = estimate("model.onnx", "cpu")  # doctest: +SKIP
     >>> est.total_ms, est.low_ms, est.high_ms, est.basis  # doctest: +SKIP
     """
     tgt = load_target(target)
+    probe_warning = None
+    if probe:
+        tgt, probe_warning = probed_target(tgt)
     if batch < 1:
         raise BadInputError(f"batch must be >= 1, got {batch}")
     if precision is not None:
@@ -248,7 +255,21 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
         roofs = dataclasses.replace(roofs, overhead_us=kernel_overhead_us)
     prec = Precision(_float_precision(tgt, precision), {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
     nodes = estimate_kernels(graph, fused, roofs, prec)
-    return _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch, _io_ms(graph, roofs, prec))
+    est = _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch, _io_ms(graph, roofs, prec))
+    if tgt.kind == "cpu":
+        est.notes.append(cpu_note(tgt))
+        if probe_warning:
+            est.warnings.append(probe_warning)
+    return est
+
+
+def cpu_note(tgt: Target) -> str:
+    """What a CPU estimate stands for: one thread, on which figures."""
+    figures = (f"this machine's figures measured by its probe ({tgt.probe})" if tgt.probe else
+               "the target's datasheet-derived figures (kernel rates = peaks x estimate.efficiency.KERNEL_REACH)"
+               if not tgt.kernel_rates else "the target's kernel rates")
+    return (f"CPU estimate for one intra-op thread (as `build --threads 1` runs and calibration measures), from "
+            f"{figures}")
 
 
 def _io_ms(graph: Graph, roofs: Roofs, prec: Precision) -> float:
@@ -361,10 +382,12 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
         c = costs[n.index]
         if not c.ops:
             continue
-        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(roofs, c.gemm, c.op_class == "depthwise-conv")
+        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(
+            roofs, c.gemm, c.op_class == "depthwise-conv", dot_k(n) if c.precision == "int8" else None)
         if n is k.head:
             head_eff = eff
-        compute_s += c.ops / (roofs.peak(c.precision) * eff)
+        taps = c.gemm[3] if c.gemm and c.op_class == "depthwise-conv" else None  # depthwise: K = kh x kw
+        compute_s += c.ops / (roofs.rate(c.op_class, c.precision, taps) * eff)
     if k.pattern == "attention":  # a fused attention kernel runs at the attention factor as a whole
         eff = roofs.class_eff("attention", head.precision)
         compute_s = ops / (roofs.peak(head.precision) * eff)
@@ -492,7 +515,8 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
     memory = sum(n.memory_ms for n in runs)
     classes = _group(nodes, "op_class", total)
     mix = op_mix({c["op_class"]: c["time_ms"] for c in classes})
-    rng = estimate_range(total, tgt.name, tgt.kind, mix)
+    cpu_kind = tgt.int8_kernel.name if tgt.int8_kernel is not None else None
+    rng = estimate_range(total, tgt.name, tgt.kind, mix, cpu_kind=cpu_kind)
     dram = tgt.memory_bandwidth_gbs * 1e9
     crossover = {p: roofs.peak(p) / dram for p in tgt.precisions if dram > 0}
     return Estimate(
