@@ -47,6 +47,7 @@ from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels, read_graph_outline
 from edgekit.targets import Target, TargetLike, load_target
+from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
@@ -153,6 +154,14 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
         metrics.update(result.get("metrics", {}))
         if "quality" not in metrics:  # a runtime that builds from the PyTorch model checks its own parity
             metrics["quality"] = engine_quality(metrics.get("parity"), "runtime")
+        warnings = list(metrics.get("warnings", []))
+        if metrics["quality"].get("status") == "unverified":
+            warnings.append(f"quality: unverified: {metrics['quality']['reason']}")
+        if target.kind == "cpu" and not target.is_this_machine:
+            metrics["not_run_on_the_target"] = other_cpu_note(target, metrics.get("parity"))
+            warnings.append(metrics["not_run_on_the_target"])
+        if warnings:
+            metrics["warnings"] = warnings
         metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
         precision = _precision(handle, options, tmp / files["onnx"] if "onnx" in files else None)
         if result.get("kind", "engine") == "engine":
@@ -168,6 +177,17 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
             source=handle.source, model=described, steps=[dataclasses.asdict(s) for s in handle.steps],
             target=target.name))
     return out_dir
+
+
+def other_cpu_note(target: Target, parity: Any) -> str:
+    """What could not run on the real kernels of a CPU target that is not this machine."""
+    arch, _, _ = cpu_features()
+    theirs = (f"{target.arch}, {target.int8_kernel.name} integer kernels" if target.int8_kernel is not None
+              else "a CPU it does not describe")
+    judged = parity.get("kernels") if isinstance(parity, dict) and parity.get("kernels") else None
+    return (f"built on this machine ({arch}, {host_int8_kernel().name} integer kernels) for target {target.name!r} "
+            f"({theirs}): " + (f"parity ran on {judged}; " if judged else "")
+            + "nothing was run or timed on that CPU (profile the engine there, or with `edgekit remote`)")
 
 
 def engine_quality(parity: Any, exporter: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ class BudgetVerdict:
     target: str | None
     cv: float = 0.0  # coefficient of variation of the measurement
     noisy: bool = False  # the profile stayed above its noise threshold: the verdict is uncertain
-    unverified: tuple[str, ...] = ()  # what the profile could not vouch for (engine quality); fails with require_verified
+    unverified: tuple[str, ...] = ()  # what the profile could not vouch for (unverified_reasons); fails with require_verified
     require_verified: bool = False
 
     def message(self) -> str:
@@ -47,6 +47,52 @@ class BudgetVerdict:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class VerifiedVerdict:
+    """``check --require-verified`` without a budget: whether every field of the profile is verified."""
+
+    passed: bool
+    unverified: tuple[str, ...]
+    model: str | None
+    target: str | None
+
+    def message(self) -> str:
+        if self.passed:
+            return "PASS: verified (nothing in the profile is unverified)"
+        return "FAIL (--require-verified): " + "; ".join(self.unverified)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def unverified_reasons(profile: ProfileResult) -> list[str]:
+    """What a profile cannot vouch for: every top-level field that says ``unverified`` (a string,
+    or a record with ``status: unverified`` and its ``reasons`` or ``reason``: device results whose
+    ``provenance`` was not recorded, an engine whose ``quality`` was not checked against its model),
+    and an estimate standing in for a measurement."""
+    reasons = []
+    for key, value in profile.to_dict().items():
+        if value == "unverified":
+            reasons.append(f"{key}: unverified")
+        elif isinstance(value, dict) and value.get("status") == "unverified":
+            why = value.get("reasons") or ([value["reason"]] if value.get("reason") else [])
+            reasons.append(f"{key}: unverified" + (f" ({'; '.join(str(r) for r in why)})" if why else ""))
+    if profile.source == "estimated":
+        reasons.append("latency: an estimate (roofline model), not a measurement")
+    return reasons
+
+
+def check_verified(profile: str | os.PathLike[str] | ProfileResult) -> VerifiedVerdict:
+    """Pass when nothing in the profile is unverified (``unverified_reasons``).
+
+    >>> check_verified("out/profile.json").passed  # doctest: +SKIP
+    True
+    """
+    result = load_profile(profile)
+    reasons = tuple(unverified_reasons(result))
+    return VerifiedVerdict(passed=not reasons, unverified=reasons, model=result.model, target=result.target)
+
+
 def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResult:
     """A profile JSON file, a folder holding ``profile.json``, or an engine folder (profiled now).
     A file is validated as it is read (``ProfileResult.load``): a CI gate never passes on nonsense."""
@@ -61,15 +107,6 @@ def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResul
 
         return profile_engine(p)
     raise BadInputError(f"profile {str(p)!r} does not exist (give a profile JSON or an engine folder)")
-
-
-def unverified_reasons(profile: ProfileResult) -> list[str]:
-    """What a profile cannot vouch for: an engine whose quality was not checked against its model."""
-    reasons = []
-    quality = profile.quality or {}
-    if quality.get("status") == "unverified":
-        reasons.append(f"quality: unverified ({quality.get('reason', 'parity was skipped')})")
-    return reasons
 
 
 def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: float, percentile: str = "p99",
@@ -96,8 +133,8 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     met = latency <= budget_ms
     unverified = tuple(unverified_reasons(result))
     verified_ok = not (require_verified and unverified)
-    return BudgetVerdict(passed=met and jitter_ok and verified_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
-                         margin_ms=float(budget_ms) - latency, jitter=jitter, max_jitter=max_jitter,
-                         jitter_passed=jitter_ok, model=result.model, target=result.target,
+    return BudgetVerdict(passed=met and jitter_ok and verified_ok, percentile=key, latency_ms=latency,
+                         budget_ms=float(budget_ms), margin_ms=float(budget_ms) - latency, jitter=jitter,
+                         max_jitter=max_jitter, jitter_passed=jitter_ok, model=result.model, target=result.target,
                          cv=result.latency_ms.cv, noisy=result.noisy, unverified=unverified,
                          require_verified=require_verified)

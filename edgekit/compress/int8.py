@@ -29,9 +29,11 @@ PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,6 +285,23 @@ def parity_tolerance(module: nn.Module, handle: ModelHandle) -> dict[str, float]
 # The step
 
 
+class Phases:
+    """Wall and CPU seconds (this process, all threads) per phase of the step: where the time goes."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            got = self.record.setdefault(name, {"wall": 0.0, "cpu": 0.0})
+            got["wall"] = round(got["wall"] + time.perf_counter() - w0, 3)
+            got["cpu"] = round(got["cpu"] + time.process_time() - c0, 3)
+
+
 def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHandle:
 
     scheme, why = scheme_choice(config, ctx.target)
@@ -292,13 +311,15 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
-        return quantize_onnx_handle(handle, config, ctx, scheme)
+        return quantize_onnx_handle(handle, config, ctx, scheme, kernels)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
     torch.manual_seed(ctx.seed)
     names = [s.name for s in handle.inputs]
     t_start = time.perf_counter()
-    calib, held_out = _calibration_samples(handle, config, ctx)
+    phases = Phases()
+    with phases("load_data"):
+        calib, held_out = _calibration_samples(handle, config, ctx)
     float_module = handle.module.eval()
     reference = copy.deepcopy(float_module)
 
@@ -311,14 +332,16 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         if config.method != "ptq" or config.max_accuracy_drop is not None:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop)") from None
-        return _quantize_via_onnx(handle, config, ctx, scheme)
+        return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
     if config.equalize:
-        meta["equalized"] = equalize(gm, plan)
-    qdq.update_weight_scales(gm, plan)
-    calibrate(gm, calib, names, config)
+        with phases("equalize"):
+            meta["equalized"] = equalize(gm, plan)
+    with phases("calibrate"):
+        qdq.update_weight_scales(gm, plan)
+        calibrate(gm, calib, names, config)
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
         for q in exclusive_input_quants(gm, set(kept_float)):
@@ -327,9 +350,11 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     meta["float_activations"] = float_inputs
     with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
         if config.rounding == "gptq":
-            meta["gptq"] = round_model(gm, plan, calib, names)
+            with phases("gptq_rounding"):
+                meta["gptq"] = round_model(gm, plan, calib, names)
         if config.bias_correction:
-            meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
+            with phases("bias_correction"):
+                meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
     qdq.clip_weights_to_grid(gm, plan)
     ptq_seconds = time.perf_counter() - t_start
@@ -344,7 +369,8 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             raise
     metrics: dict[str, Any] = {"scheme": scheme, "calib_method": config.calib_method or TORCH_CALIB_METHOD,
                                "calib_samples": len(calib), "ptq_seconds": round(ptq_seconds, 3)}
-    ref_out = run_module(reference, ev, names) if ev is not None else None
+    with phases("evaluate_float"):
+        ref_out = run_module(reference, ev, names) if ev is not None else None
     if ev is not None and ref_out is not None:
         metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
 
@@ -367,7 +393,8 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             metrics["fallback"] = report
         if ev is not None and ref_out is not None:
             gm.eval()
-            metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
+            with phases("evaluate_fake_quant"):
+                metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
     gm.eval()
     meta["kernels"] = kernels
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
@@ -380,7 +407,9 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     new.extra = {**handle.extra, "int8_scheme": scheme, "parity_tolerance": PARITY_TOLERANCE}
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
     if ev is not None and ref_out is not None and "int8_fake_quant" in metrics:
-        metrics["int8_engine"] = _engine_check(new, ev, ref_out, metrics["int8_fake_quant"], evaluator, ctx)
+        with phases("engine_check"):
+            metrics["int8_engine"] = _engine_check(new, ev, ref_out, metrics["int8_fake_quant"], evaluator, ctx)
+    metrics["seconds"] = phases.record
     ctx.metrics["int8"] = metrics
     return new
 
@@ -424,14 +453,15 @@ def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str
     return result
 
 
-def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:
+def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
+                       kernels: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
     work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
     folder = export_onnx(handle, work / "fp32-onnx", ExportConfig(skip_parity=True))
     onnx_handle = copy.copy(handle)
     onnx_handle.onnx_path = Path(folder) / "model.onnx"
     onnx_handle.module = None
-    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme)
+    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
     return out
 

@@ -63,6 +63,13 @@ KERNEL_REACH: dict[str, float] = {"matmul:fp32": 0.80, "matmul-m16:fp32": 0.40, 
                                   "depthwise-conv:fp32": 0.28,
                                   "depthwise-conv-5x5:fp32": 0.25, "matmul:int8": 0.72, "conv:int8": 0.80,
                                   "depthwise-conv:int8": 0.09, "depthwise-conv-5x5:int8": 0.125}
+# Input channels a GPU convolution's tensor-core kernel is padded to, per precision (the K step of
+# Ampere's mma instructions over the channel axis: INT8 m16n8k32, FP16 m16n8k16 with 8-channel
+# vectorized formats, TF32 m16n8k8 with 4).
+CHANNEL_ALIGN: dict[str, int] = {"int8": 32, "int4": 32, "fp8": 16, "fp16": 8, "bf16": 8, "tf32": 4}
+# Below this many input channels per group, a GPU's grouped convolution does not feed tensor cores
+# (ResNeXt's 4-32): it runs like a depthwise one, bound by memory rather than by tile fill.
+GROUPED_TENSOR_CORE_CHANNELS = 32
 
 
 @dataclass(frozen=True)
@@ -177,11 +184,17 @@ def roofs_for(target: Target | str, calibrated: bool = True) -> Roofs:
 
 
 def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, depthwise: bool = False,
+                 precision: str = "fp16", channels: float | None = None,
                  dot_k: tuple[float, int] | None = None) -> float:
     """Share of peak a (batch, M, N, K) product can use on this kind of hardware (on CPUs relative
     to the probe's GEMM shape, so a little over 1 for products larger than it).
 
-    On CPUs also: the rows of A a kernel call streams B for (``m / (m + depth)``, the depth from
+    On GPUs a convolution's input channels are padded to the tensor-core alignment of its
+    precision (``CHANNEL_ALIGN``: 32 for INT8, 8 for FP16): a 16-channel INT8 convolution does
+    twice the work it needs, a 3-channel one more than ten times (TensorRT runs such layers in
+    FP16 instead, which the INT8 estimate's per-layer choice reproduces).
+
+    On CPUs: the rows of A a kernel call streams B for (``m / (m + depth)``, the depth from
     the probe's GEMM rates at 16 and 256 rows, relative to 256 rows, as its rate was measured;
     one row is a GEMV: no such cost), and for integer kernels (``dot_k``: K and taps as the u8
     dot-product kernels see them, input channels padded to a multiple of 4) the padded K, and a
@@ -189,6 +202,8 @@ def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, d
     """
     if gemm is None or depthwise:
         return 1.0
+    if roofs.kind != "cpu" and gemm[0] > 1 and channels is not None and channels < GROUPED_TENSOR_CORE_CHANNELS:
+        return 1.0  # a grouped convolution with few channels per group: CUDA-core kernels, like a depthwise one
     batch, m, n, k = (max(1.0, x) for x in gemm)
     tm, tn, tk = TILES[roofs.kind]
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
@@ -201,6 +216,9 @@ def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, d
     if roofs.kind == "cpu" and m >= 2:
         depth = row_depth(roofs)
         f *= (m / (m + depth)) / (GEMM_REF_ROWS / (GEMM_REF_ROWS + depth))
+    align = CHANNEL_ALIGN.get(precision, 1) if roofs.kind != "cpu" else 1
+    if channels and align > 1:
+        f *= channels / (math.ceil(channels / align) * align)
     if roofs.kind != "cpu":
         tiles = batch * tiles_m * tiles_n
         f *= tiles / (math.ceil(tiles / roofs.sm_count) * roofs.sm_count)

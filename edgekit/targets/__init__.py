@@ -158,6 +158,13 @@ class Target:
         return int8_kernel(self.arch, self.isa)
 
     @property
+    def identity(self) -> str:
+        """What a target-aware result depends on: the name, and for a CPU target its architecture and
+        integer kernels (the ``cpu`` target on two machines of different kinds is two targets)."""
+        kernel = self.int8_kernel
+        return f"{self.name}/{self.arch}/{kernel.name}" if kernel is not None else self.name
+
+    @property
     def is_this_machine(self) -> bool:
         """A CPU target this machine stands for: the ``cpu`` target, or a named CPU target of this
         machine's architecture whose integer kernels are this machine's (an engine built and timed

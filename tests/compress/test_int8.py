@@ -160,6 +160,16 @@ def test_config_validation_messages():
         Int8Config().method = "qat"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("scheme,depthwise,grid", [
+    ("u8s8", False, (-128, 127)), ("u8s7", False, (-64, 64)), ("u8s7", True, (-128, 127)), ("trt", False, (-128, 127)),
+])
+def test_weight_grid_per_scheme_and_layer(scheme, depthwise, grid):
+    from edgekit.compress.qdq import weight_grid
+
+    g = weight_grid(scheme, depthwise)
+    assert (g.qmin, g.qmax) == grid
+
+
 def test_scheme_follows_the_target():
     from edgekit.targets import Target, load_target
 
@@ -271,11 +281,11 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
         pairs = session_for(path, "int16-pairs").run(None, {"input": x})[0]
         exact = session_for(path, "int32").run(None, {"input": x})[0]
         errors[scheme] = [float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) for y in (pairs, exact)]
-    # exact int32 sums: both schemes within 1e-4 of their fake-quant model (relative L2 error of the logits);
+    # exact int32 sums: both schemes within 1e-3 of their fake-quant model (relative L2 error of the logits);
     # int16 pair sums: the 7-bit scheme computes exactly the same, the 8-bit one is off by orders of magnitude
-    assert max(errors["u8s8"][1], errors["u8s7"][1]) < 1e-4, errors
+    assert max(errors["u8s8"][1], errors["u8s7"][1]) < 1e-3, errors
     assert errors["u8s7"][0] == pytest.approx(errors["u8s7"][1], rel=1e-3, abs=1e-7), errors
-    assert errors["u8s8"][0] > 100 * errors["u8s8"][1] and errors["u8s8"][0] > 3e-3, errors
+    assert errors["u8s8"][0] > 100 * errors["u8s8"][1] and errors["u8s8"][0] > 5 * errors["u8s7"][0], errors
     # export parity judged on those kernels (at a tolerance this small model's logits resolve) refuses the
     # 8-bit graph, naming the cause, and keeps it where it says; the 7-bit graph passes the same check
     strict = {"logits": (2e-3, 0.0)}
@@ -342,7 +352,7 @@ def test_compress_load_export_build_profile_end_to_end(tmp_path):
     ctx = _ctx((3, 16, 16))
     out = compress(h, [("int8", Int8Config(calib_method="mse"))], tmp_path / "int8", ctx)
     man = read_manifest(out)
-    assert man.metrics["int8"]["scheme"] == "u8s8" and man.steps[-1]["name"] == "int8"
+    assert man.metrics["int8"]["scheme"] == resolve_scheme(Int8Config(), None) and man.steps[-1]["name"] == "int8"
     assert man.steps[-1]["meta"]["float_layers"] == []
     back = load_compressed(out)  # base model + rebuilt fake-quant graph + saved weights and scales
     x = torch.from_numpy(ctx.eval.inputs["input"][:4])

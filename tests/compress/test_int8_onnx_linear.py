@@ -128,7 +128,7 @@ def test_weights_are_per_channel_int8(quantized):
     for name, n in dqs.items():
         q, scale = inits[name], inits[n.input[1]]
         axis = next(a.i for a in n.attribute if a.name == "axis")
-        assert q.dtype == np.int8 and np.abs(q).max() == (63 if HOST_SCHEME == "u8s7" else 127)
+        assert q.dtype == np.int8 and np.abs(q).max() == (64 if HOST_SCHEME == "u8s7" else 127)
         assert scale.shape == (q.shape[axis],)
         assert axis == (0 if name.startswith("Wc") else 1)  # Gemm transB: (out, in)
 

@@ -17,6 +17,7 @@ from edgekit.cli import cli
 from edgekit.compress.int8 import Int8Config, resolve_scheme
 from edgekit.compress.int8_onnx import dequant_chains_to_dq, quantize_onnx_file
 from edgekit.errors import BadInputError, CheckFailedError
+from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples
 from edgekit.sources.onnx_file import find_quantized, weight_dequant_chains
@@ -284,7 +285,8 @@ def test_compress_of_onnx_writes_a_verified_graph_and_no_work_folder(tmp_path):
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "out" / "manifest.json").read_text())["metrics"]["int8"]
     assert metrics["compared_on"] == {"data": f"the eval split of {tmp_path / 'calib.npz'} (disjoint from its "
-                                              "calibration split)", "samples": 16}
+                                              "calibration split)", "samples": 16,
+                                      "kernels": describe_semantics(host_semantics())}
     assert metrics["outputs"]["y"]["mean_cosine"] > 0.995 and metrics["outputs"]["y"]["min_cosine"] > 0.98
     assert "already_quantized" not in metrics
     x = _samples(8, 9).inputs["x"]
@@ -368,7 +370,7 @@ def test_weight_only_graph_keeps_its_integer_weights_and_quantizes_activations(t
     got = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(dst)).graph.initializer}
     # "u8s7": fc1's int8 weights become uint8 around 128 (exact u8 x u8 kernels without VNNI); fc2's are uint8
     # already and the Gather table feeds no matmul
-    assert info.get("stored_weights_as_uint8", 0) == (1 if HOST_SCHEME == "u8s7" else 0)
+    assert info.get("weights_fitted_to_kernels", {}).get("stored_as_uint8", 0) == (0 if HOST_SCHEME == "u8s8" else 1)
     for name in ("Eq", "W1q", "W2q"):  # the same integers, not re-rounded
         np.testing.assert_array_equal(_as_stored(got[name], stored[name]), stored[name])
     ids = _samples(16, 7, ids=True).inputs["ids"]
