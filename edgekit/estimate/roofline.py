@@ -45,6 +45,8 @@ TIMINGS = ("gpu-compute", "end-to-end")
 TIMING_TEXT = {"gpu-compute": "GPU compute (the kernels alone, as trtexec's GPU Compute Time)",
                "end-to-end": "end to end through a Python predictor (kernels plus host copies of the inputs and "
                              "outputs)"}
+# A CPU engine's inputs and outputs already sit in host memory: both timings are the same run.
+CPU_TIMING_TEXT = "one session.run on this CPU (inputs and outputs in host memory, nothing to copy)"
 
 __all__ = ["ESTIMATE_NOTE", "OP_CLASSES", "Estimate", "NodeEstimate", "estimate", "load_graph", "op_class",
            "strip_weights"]
@@ -130,6 +132,7 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timing: str = "gpu-compute"  # what total_ms stands for (TIMINGS)
+    timing_text: str = ""  # the same in words, for the target's kind
     gpu_compute_ms: float = 0.0  # the kernels alone
     end_to_end_ms: float = 0.0  # the kernels plus io_ms
     reformat_ms: float = 0.0  # INT8 engines: reformats between INT8 and float (in the kernels' time)
@@ -182,7 +185,7 @@ class Estimate:
         lines = [f"{ESTIMATE_NOTE}: {self.model} on {self.target}, precision {self.precision}, batch {self.batch}"
                  + (f", dims {self.dims}" if self.dims else ""),
                  f"estimated latency {self.range_text()}, {self.bound}-bound overall",
-                 f"timing: {TIMING_TEXT[self.timing]}"
+                 f"timing: {self.timing_text or TIMING_TEXT[self.timing]}"
                  + (f"; {other}: {other_ms:.3f} ms (--timing {other})" if self.io_ms else ""),
                  f"range basis: {self.basis}",
                  f"{self.kernels} kernels after {self.runtime} fusions ("
@@ -679,5 +682,7 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
         nodes=nodes, kernels=len(fused.kernels), fusions=dict(fused.counts), runtime=rt, op_mix=mix,
         op_types=_group(nodes, "op_type", total), op_classes=classes, stages=_group(nodes, "stage", total),
         unknown_ops=dict(unknown), efficiency=dict(roofs.eff), calibration=roofs.calibration, fuse=FUSION_MODELS[rt].fuses,
-        warnings=warnings, notes=notes, timing=timing, gpu_compute_ms=kernels_ms, end_to_end_ms=kernels_ms + io_ms,
+        warnings=warnings, notes=notes, timing=timing,
+        timing_text=CPU_TIMING_TEXT if tgt.kind == "cpu" and not io_ms else TIMING_TEXT[timing],
+        gpu_compute_ms=kernels_ms, end_to_end_ms=kernels_ms + io_ms,
         reformat_ms=sum(n.reformat_ms for n in runs), reformats=sum(1 for n in runs if n.reformat_ms))

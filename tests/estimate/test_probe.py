@@ -81,6 +81,10 @@ def test_first_cpu_estimate_probes_once_then_reuses(counted: list[HostProbe]) ->
     assert len(counted) == 1 and load_probe() == counted[0]
     assert any("measured by its probe" in n and "one intra-op thread" in n for n in est.notes)
     assert est.peak_tops["fp32"] == 0.083 and est.memory_bandwidth_gbs == 12.5
+    # a CPU engine copies nothing to a device: its timing is one run, not a GPU's kernels-alone time
+    assert est.io_ms == 0 and est.gpu_compute_ms == est.end_to_end_ms == est.total_ms
+    assert "timing: one session.run on this CPU" in est.render() and "GPU" not in est.render().splitlines()[2]
+    assert estimate(_conv_model(), "jetson-agx-orin-64", "fp16").timing_text.startswith("GPU compute")
     estimate(_conv_model(), "cpu")
     assert len(counted) == 1
     probe_machine(refresh=True)  # --probe measures again
