@@ -29,11 +29,25 @@ SAMPLE_STEP = 12
 FAST = TYPES[::SAMPLE_STEP]
 CELL_SECONDS = 60
 OK = ("pass", "refused")
+# Cells over their bound today (benchmarks/RESULTS.md), each strict xfail: when it passes, the mark goes.
+_MOE_4BIT = ("4-bit logit error over 0.30 on random-token windows for this mixture of experts (measured "
+             "0.34-0.45; dense decoders 0.02-0.29); not yet diagnosed")
+KNOWN: dict[tuple[str, str], str] = {
+    ("aria_text", "rtn-4"): _MOE_4BIT,
+    ("flex_olmo", "rtn-4"): _MOE_4BIT, ("flex_olmo", "gptq-4"): _MOE_4BIT,
+    ("hunyuan_v1_moe", "rtn-4"): _MOE_4BIT, ("hunyuan_v1_moe", "gptq-4"): _MOE_4BIT,
+    ("jetmoe", "rtn-4"): _MOE_4BIT, ("jetmoe", "gptq-4"): _MOE_4BIT,
+    ("phimoe", "rtn-4"): _MOE_4BIT, ("phimoe", "gptq-4"): _MOE_4BIT,
+}
 
 
 def _params(steps: tuple[str, ...]) -> list:
-    return [pytest.param(t, s, id=f"{t}-{s}", marks=[] if t in FAST and s in ("float", "rtn-4") else
-                         [pytest.mark.slow]) for t in TYPES for s in steps]
+    def marks(t: str, s: str) -> list:
+        speed = [] if t in FAST and s in ("float", "rtn-4") else [pytest.mark.slow]
+        known = [pytest.mark.xfail(strict=True, reason=KNOWN[(t, s)])] if (t, s) in KNOWN else []
+        return speed + known
+
+    return [pytest.param(t, s, id=f"{t}-{s}", marks=marks(t, s)) for t in TYPES for s in steps]
 
 
 @pytest.fixture(autouse=True)

@@ -204,8 +204,10 @@ class BlockWalker:
                 hooks.append(m.register_forward_pre_hook(
                     lambda _m, args, name=name: order.append((name, args[0]))))
         try:
+            # the whole first batch, as captured: slicing to one sample would have to know every block's
+            # own state arguments (RWKV, recurrent Gemma, XLNet), and more samples reach more experts
             args, kw = batch
-            block(*tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), **_slice_kwargs(kw, 1))
+            block(*args, **kw)
         finally:
             for h in hooks:
                 h.remove()
@@ -251,8 +253,8 @@ class BlockWalker:
                         inputs.expert_layers = _siblings(self.module, names[0])
                     visit_group(bi, names, inputs)
             elif data_fp is not None:
-                data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
-            data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+                data_fp = [_with_hidden(b, self._run(block, b)) for b in data_fp]
+            data = [_with_hidden(b, self._run(block, b)) for b in data]
 
     def _run(self, block: nn.Module, batch: Batch) -> torch.Tensor:
         args, kw = batch
@@ -271,7 +273,7 @@ class BlockWalker:
         try:
             for b in data:
                 this.clear()
-                out.append(((self._run(block, b),) + tuple(b[0][1:]), b[1]))
+                out.append(_with_hidden(b, self._run(block, b)))
                 for n in names:
                     captured[n].append(this.get(n))
         finally:
@@ -318,7 +320,7 @@ class GroupInputs:
         its float inputs are not one row per token of every batch."""
         fp = self.float_inputs
         return fp is not None and any(
-            x is None or x.shape[:-1] != args[0].shape[:-1] for x, (args, _) in zip(fp, self.data))
+            x is None or x.shape[:-1] != _hidden(batch).shape[:-1] for x, batch in zip(fp, self.data))
 
     def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model
@@ -340,7 +342,7 @@ class GroupInputs:
         if rows is None:
             return None
         n = rows.reshape(-1, rows.shape[-1]).shape[0]
-        tokens = self.data[b][0][0].shape[:-1].numel()
+        tokens = _hidden(self.data[b]).shape[:-1].numel()
         for entry in self.expert_layers:
             x = seen.get(entry)
             if x is None or x.reshape(-1, x.shape[-1]).shape[0] != n:
@@ -385,7 +387,7 @@ class GroupInputs:
                     there = self._tokens(float_seen, b)
                     if here is not None and there is not None:
                         fp = fp.reshape(-1, x.shape[-1])
-                        where = torch.full((self.data[b][0][0].shape[:-1].numel(),), -1, dtype=torch.long,
+                        where = torch.full((_hidden(self.data[b]).shape[:-1].numel(),), -1, dtype=torch.long,
                                            device=x.device)
                         where[there] = torch.arange(there.shape[0], device=x.device)
                         match = where[here]
@@ -433,6 +435,24 @@ class GroupInputs:
             config._attn_implementation = saved
             for h in hooks:
                 h.remove()
+
+
+def _hidden(batch: Batch) -> torch.Tensor:
+    """The hidden states of a block's batch: its first positional argument, else its
+    ``hidden_states`` keyword (blocks called with keywords only)."""
+    args, kw = batch
+    x = args[0] if args else kw.get("hidden_states")
+    if not isinstance(x, torch.Tensor):
+        raise BadInputError("the block walk cannot find the hidden states among the block's arguments")
+    return x
+
+
+def _with_hidden(batch: Batch, hidden: torch.Tensor) -> Batch:
+    """``batch`` with ``hidden`` as its hidden states, where the block takes them (see ``_hidden``)."""
+    args, kw = batch
+    if args:
+        return (hidden,) + tuple(args[1:]), kw
+    return args, {**kw, "hidden_states": hidden}
 
 
 def row_positions(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
@@ -486,18 +506,6 @@ def value_projection(module: nn.Module, names: list[str]) -> ValueProjection | N
                 hasattr(getattr(attn, "config", None), "_attn_implementation"):
             return ValueProjection(name, attn, groups, head_dim)
     return None
-
-
-def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in kw.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 and k != "cache_position":
-            out[k] = v[:n]
-        elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
-            out[k] = tuple(t[:n] if t.dim() > 0 and t.shape[0] > 1 else t for t in v)
-        else:
-            out[k] = v
-    return out
 
 
 __all__ = ["EXPERT_COUNTS", "expert_routers", "row_positions", "Batch", "BlockWalker", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
