@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,16 +283,19 @@ class OrtEngine:
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         check_feeds(self.inputs, feeds)
-        return list(self.session.run(None, feeds))
+        with allocation_failures():
+            return list(self.session.run(None, feeds))
 
     def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return list(self.session.run(None, feeds))
+        with allocation_failures():
+            return list(self.session.run(None, feeds))
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
         run = self.session.run
-        t0 = time.perf_counter()
-        run(None, feeds)
-        return (time.perf_counter() - t0) * 1e3
+        with allocation_failures():
+            t0 = time.perf_counter()
+            run(None, feeds)
+            return (time.perf_counter() - t0) * 1e3
 
     def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
         """Per-node times from ORT's profiler (a separate session, so end-to-end timing never
@@ -621,6 +625,18 @@ _NODE_PATTERNS = (
 _FATAL_PREFIX = re.compile(r"^Fatal error: ")
 _UNREGISTERED_OP = re.compile(r"^(?:(?P<domain>[\w.]+):)?(?P<op>\w+)\(-?\d+\) is not a registered function/op")
 _SOURCE_LOCATION = re.compile(r"[\w/-]+\.(?:cc|h|cpp|hpp|cu):\d+\s+")
+
+
+@contextlib.contextmanager
+def allocation_failures() -> Iterator[None]:
+    """ONNX Runtime's "Failed to allocate memory" (its own exception type) raised as the
+    MemoryError it is, so the command line reports it in one line."""
+    try:
+        yield
+    except Exception as e:
+        if "failed to allocate memory" in str(e).lower() or "bad_alloc" in str(e):
+            raise MemoryError(f"ONNX Runtime: {ort_failure(e)}") from None
+        raise
 
 
 def ort_failure(e: BaseException, path: str | os.PathLike[str] | None = None) -> str:

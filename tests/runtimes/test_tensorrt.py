@@ -53,11 +53,14 @@ def _onnx(path: Path, op: str = "Relu", qdq: bool = False, seq: bool = False) ->
         nodes += [helper.make_node("QuantizeLinear", [x, "s", "z"], ["q"], name="q0"),
                   helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dq0")]
         x = "dq"
-    nodes += [helper.make_node("MatMul", [x, "w"], ["m"], name="mm"), helper.make_node(op, ["m"], ["out"], name="act")]
+    custom = "" if onnx.defs.has(op) else "com.example"  # a plugin's op: valid ONNX in its own domain
+    nodes += [helper.make_node("MatMul", [x, "w"], ["m"], name="mm"),
+              helper.make_node(op, ["m"], ["out"], name="act", domain=custom)]
     dims = ["batch", "sequence", 4] if seq else ["batch", 4]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, dims)], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                          + ([helper.make_opsetid(custom, 1)] if custom else []))
     m.ir_version = 8
     onnx.save_model(m, str(path))
     return path
@@ -301,8 +304,9 @@ def test_trtexec_names_unsupported_op(tmp_path, cache_env, monkeypatch):
     out = tmp_path / "o"
     out.mkdir()
     # the offline check refuses it before trtexec runs (exit 1: it would fail on the device) ...
-    with pytest.raises(CheckFailedError, match=r"bad.onnx would fail on h100-sxm's TensorRT 10.3: FancyCustomOp 'act': "
-                                               r"FancyCustomOp is not in onnx-tensorrt's 10.1 table") as e:
+    with pytest.raises(CheckFailedError, match=r"bad.onnx would fail on h100-sxm's TensorRT 10.3: "
+                                               r"com.example::FancyCustomOp 'act': a com.example op, not standard "
+                                               r"ONNX: TensorRT has no importer for it") as e:
         trtrt.RUNTIME.build(onnx_path, load_target("h100-sxm"), out, BuildOptions("fp16", extra={"trtexec": str(fake)}))
     assert e.value.exit_code == 1
     # ... and with the check off (a plugin the table cannot know), trtexec's parser error is named

@@ -145,7 +145,7 @@ def test_cli_lint_exit_codes_table_and_json(tmp_path):
     assert same.exit_code == 1 and same.output.strip().endswith("would fail on the device: 1 errors, 0 warnings")
     (tmp_path / "garbage.onnx").write_text("not a model")
     for args, message in ((["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64"],
-                           "garbage.onnx is not an ONNX model"),
+                           "garbage.onnx is not a valid ONNX model"),
                           (["lint", str(tmp_path / "nope.onnx"), "--target", "jetson-agx-orin-64"],
                            "is neither an ONNX file nor an edgekit folder"),
                           (["lint", str(path), "--target", "cpu"], "unknown target for a TensorRT check")):

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from edgekit.artifact import is_artifact, read_manifest
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.sources.onnx_file import read_onnx
 from edgekit.targets import Target, list_targets, load_target
 
 TABLE_FILE = Path(__file__).parent / "data" / "onnx_tensorrt_operators.json"
@@ -218,10 +218,7 @@ def lint_onnx(onnx_path: str | Path, target: Target | str, *, tensorrt_version: 
     path = Path(onnx_path)
     if not path.is_file():
         raise BadInputError(f"ONNX file {str(path)!r} does not exist")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, OSError, ValueError) as e:
-        raise BadInputError(f"{path} is not an ONNX model ({e})") from None
+    model = read_onnx(path)  # the loader build uses: validated, external data inside the folder, input sizes bounded
     if dla_core is not None:
         cores = int(target.dla_cores or 0)
         if not 0 <= dla_core < max(cores, 1) or cores == 0:
