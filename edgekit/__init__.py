@@ -26,8 +26,10 @@ from edgekit.version import __version__
 # decide otherwise. Where the host program imported ONNX Runtime first, its telemetry events are
 # turned off (the files it wrote at its own import are its own).
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
-if os.environ["ORT_DISABLE_TELEMETRY"] == "1" and "onnxruntime" in sys.modules:
-    getattr(sys.modules["onnxruntime"], "disable_telemetry_events", lambda: None)()
+_ort_first = sys.modules.get("onnxruntime")  # the ONNX Runtime package, where the host program imported it first
+if os.environ["ORT_DISABLE_TELEMETRY"] == "1" and _ort_first is not None:
+    getattr(_ort_first, "disable_telemetry_events", lambda: None)()
+del _ort_first
 
 # Started as the command line (`edgekit ...`, or `python -m edgekit.cli`, whose argv[0]
 # is "-m" while the module is located): a Ctrl-C while the modules load ends the process
