@@ -11,7 +11,6 @@ and ``TokenDecoder`` declare; nothing outside ``edgekit/runtimes/`` names a runt
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -22,8 +21,8 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.limits import MAX_DIM
-from edgekit.schema import FieldError, check_fields
+from edgekit.limits import MAX_DIM, check_file_size
+from edgekit.schema import FieldError, check_fields, read_bytes, read_json
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.ssh import check_data_options, check_destination
 from edgekit.targets import Target
@@ -288,14 +287,34 @@ class NoResultsYet(BadInputError):
 RESULTS_MANIFEST = "bundle_manifest.json"
 
 
+# A results folder comes from a machine edgekit does not trust: its files are read as regular
+# files only (a FIFO blocked, a device never ends), within a maximum and the memory parsing
+# them takes (a sparse file costs the device nothing).
+MAX_DEVICE_FILE_BYTES = 256 << 20  # trtexec's exports and log: a large model's per-layer JSON is tens of MB
+MAX_DEVICE_NOTE_BYTES = 1 << 20  # the probe, machine, nvpmodel and jetson_clocks records: a few lines
+DEVICE_FILE_EXPANSION = 12  # memory per byte: the bytes, the str, and the parsed JSON's objects
+
+
+def read_device_file(path: Path, what: str, max_bytes: int = MAX_DEVICE_FILE_BYTES) -> bytes:
+    """The bytes of a file a device wrote, bounded (see above); one line naming the file
+    otherwise."""
+    check_file_size(path, max_bytes, what, expansion=DEVICE_FILE_EXPANSION)
+    return read_bytes(path, what, max_bytes)
+
+
+def read_device_text(path: Path, what: str, max_bytes: int = MAX_DEVICE_FILE_BYTES) -> str:
+    """``read_device_file`` as text (bytes that are not UTF-8 replaced)."""
+    return read_device_file(path, what, max_bytes).decode("utf-8", errors="replace")
+
+
 def read_folder_manifest(folder: Path) -> Manifest:
     """The manifest of an edgekit folder, or of a device results folder (its bundle's copy)."""
     folder = Path(folder)
     copy = folder / RESULTS_MANIFEST
     if not (folder / "manifest.json").is_file() and copy.is_file():
         try:
-            return Manifest.from_dict(json.loads(copy.read_text()))
-        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            return Manifest.from_dict(read_json(copy, "bundle manifest"))
+        except (TypeError, KeyError, AttributeError) as e:
             raise BadInputError(f"{copy} is not an edgekit manifest ({e})") from None
     return read_manifest(folder)
 

@@ -80,7 +80,7 @@ if command -v jetson_clocks >/dev/null 2>&1; then
   jetson_clocks --show > {RESULTS_DIR}/jetson_clocks.txt 2>&1 || sudo -n jetson_clocks --show > {RESULTS_DIR}/jetson_clocks.txt 2>&1 || true
 fi
 cp manifest.json {RESULTS_DIR}/{RESULTS_MANIFEST}
-echo "build.sh: $(sed -n 's/^trtexec_banner=//p' {RESULTS_DIR}/{DEVICE_FILE}) (target expects TensorRT {rng or 'any'})"
+echo "build.sh: $(sed -n 's/^trtexec_banner=//p' {RESULTS_DIR}/{DEVICE_FILE})" {shlex.quote(f"(target expects TensorRT {rng or 'any'})")}
 {cmd} 2>&1 | tee {RESULTS_DIR}/trtexec.log
 test -s {ENGINE_FILE} || {{ echo "build.sh: trtexec wrote no {ENGINE_FILE}; see {RESULTS_DIR}/trtexec.log" >&2; exit 1; }}
 echo "build.sh: wrote {ENGINE_FILE} and {RESULTS_DIR}/ ({LAYERS_JSON}, {PROFILE_JSON}, {TIMES_JSON}, machine state)"
