@@ -29,6 +29,7 @@ from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
+from edgekit.limits import MAX_DIM
 from edgekit.profiling import (
     CV_WARNING,
     LatencyStats,
@@ -65,8 +66,11 @@ class GenerationConfig:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise BadInputError(f"{name.replace('_', ' ')} must be whole numbers >= 1, got {values!r}")
-        if self.new_tokens < 1:
-            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}")
+            if max(values) > MAX_DIM:  # tokens, like any dimension: beyond it a typo, not a model's context
+                raise BadInputError(f"{name.replace('_', ' ')} must be at most {MAX_DIM} tokens, got {max(values)}")
+        if not 1 <= self.new_tokens <= MAX_DIM:
+            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}" if self.new_tokens < 1 else
+                                f"new tokens must be at most {MAX_DIM}, got {self.new_tokens}")
         if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
             raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
         if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):

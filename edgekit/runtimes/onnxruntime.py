@@ -33,6 +33,7 @@ import numpy as np
 from edgekit import interrupts
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
+from edgekit.limits import require_memory
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
 from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
@@ -753,6 +754,12 @@ class KVCacheDecoder:
                 heads, dim = spec.shape[1], spec.shape[3]
                 if not (isinstance(heads, int) and isinstance(dim, int)):
                     raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
+            itemsize = np.dtype(self.dtype).itemsize
+            require_memory(sum(self.batch * s.shape[1] * self.max_length * s.shape[3] * itemsize for s in self.pasts),
+                           f"the KV cache of {self.max_length} tokens at batch {self.batch}",
+                           "lower --contexts, --prompt-lengths or --new-tokens")
+            for spec in self.pasts:
+                heads, dim = spec.shape[1], spec.shape[3]
                 self.cache[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(
                     [self.batch, heads, self.max_length, dim], self.dtype, "cpu", 0)
         self.length = 0  # tokens in the cache
