@@ -14,7 +14,7 @@ import pytest
 from edgekit.markup import md, md_code, xml_attr, xml_text
 from edgekit.pipelines.results import RunResult, StageResult, SweepRow, junit_xml, markdown_summary
 from edgekit.profiling import LatencyStats, ProfileResult
-from edgekit.runtimes.base import NodeTiming
+from edgekit.runtimes.base import NodeTiming, Provenance
 
 HOSTILE = [
     "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "conv|relu", "a\nb|c", "[click](javascript:alert(1))",
@@ -47,9 +47,13 @@ def check_markdown(text: str) -> None:
 def hostile_profile(name: str) -> ProfileResult:
     nodes = [NodeTiming(name=f"n{i}", op_type=h, time_ms=1.0, share=0.1, precision=h, module=h)
              for i, h in enumerate(HOSTILE)]
-    return ProfileResult(engine=name, runtime="onnxruntime", target="cpu", model=name, settings={"note": name},
+    # a device's records (GPU name, TensorRT version) reach the provenance line as they were written
+    return ProfileResult(engine=name, runtime="tensorrt", target="cpu", model=name, settings={"note": name},
                          latency_ms=LatencyStats.from_samples([1.0, 2.0, 3.0]), throughput_per_s=1.0,
-                         nodes=nodes, warnings=list(HOSTILE))
+                         nodes=nodes, warnings=list(HOSTILE), source="device",
+                         machine={"board": name, "jetpack": HOSTILE[2], "power_mode": HOSTILE[0]},
+                         provenance=Provenance("verified", checks=[{"check": h, "result": "match", "recorded": h,
+                                                                    "expected": h, "from": h} for h in HOSTILE]))
 
 
 @pytest.mark.parametrize("name", HOSTILE)
@@ -84,6 +88,7 @@ def test_report_markdown_escapes_node_names(tmp_path: Path) -> None:
     check_markdown(text)
     for name in ("conv\\|relu", "&lt;script&gt;alert(1)&lt;/script&gt;", "\\[click\\](javascript:alert(1))"):
         assert name in text
+    assert "Provenance: verified: " in text and "Measured on the device: " in text
 
 
 def _run_result() -> RunResult:

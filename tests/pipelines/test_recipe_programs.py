@@ -11,6 +11,7 @@ starts, nothing the data names is executed, and the marker ``PWNED`` never appea
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -284,7 +285,8 @@ def hostile_recipes(draw: st.DrawFn, root: Path) -> dict[str, Any]:
     return data
 
 
-_ROOT = Path(tempfile.mkdtemp(prefix="edgekit-test-recipes-"))
+_ROOT = Path(tempfile.mkdtemp(prefix="edgekit-test-recipes-"))  # hypothesis draws from it: made at collection
+atexit.register(shutil.rmtree, _ROOT, True)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[
