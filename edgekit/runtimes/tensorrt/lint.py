@@ -650,7 +650,7 @@ def lint_profile(onnx_path: Path, shapes: dict[str, tuple[int, ...]] | None = No
     (opt = max; an axis the exporter named as a sum of others, such as ``past_sequence_length +
     sequence_length``, adds their ranges). Inputs with a dynamic axis neither gives stay out
     (lint reports them)."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = read_onnx(onnx_path)  # the loader build uses (a file that is not ONNX is one line)
     inits = {i.name for i in model.graph.initializer}
     inputs = [vi for vi in model.graph.input if vi.name not in inits]
     dims = dict(dims or {})
