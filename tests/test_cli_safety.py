@@ -695,7 +695,8 @@ def test_dry_run_refuses_the_folders_the_run_refuses(tmp_path: Path, proj: Path)
     assert all(re.fullmatch(r"[a-z]+-[0-9a-f]{16}|\.locks", n) for n in os.listdir(proj / "shared"))
 
 
-def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch,
+                                                tiny_mlp: object) -> None:
     """`compress fmnist-cnn --bits 8` onto a full 5 MB tmpfs failed after 150 s of work with a
     safetensors traceback ("No space left"); the build's disk-full line was a raw Python list.
     The free space is checked against the output's size before the work."""
@@ -715,7 +716,15 @@ def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path
         assert re.fullmatch(rf"error: cannot write {re.escape(str(full))}/(onnx|engine): the output needs about "
                             rf"[0-9.]+ (B|KiB) and {re.escape(str(full))} has 0 B free; free some space or choose "
                             "another folder", one_line_error(r.stderr, r.output))
-    assert os.listdir(full) == []
+    from edgekit.compress import StepContext, compress
+    from edgekit.errors import BadInputError
+
+    calls: list[str] = []
+    monkeypatch.setattr(sys.modules["edgekit.compress"], "measure_reference", lambda *a, **k: calls.append("work"))
+    with pytest.raises(BadInputError, match=rf"^cannot write {re.escape(str(full))}/c: the output needs about "
+                                            r"[0-9.]+ (B|KiB) and .* has 0 B free"):
+        compress(tiny_mlp, [("half", {"dtype": "fp16"})], full / "c", StepContext(progress=False))
+    assert calls == [] and os.listdir(full) == []  # refused before the reference run and the first step
 
 
 def test_a_library_error_that_wraps_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
