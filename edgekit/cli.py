@@ -847,12 +847,33 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 
 @cli.group("targets", invoke_without_command=True)
 @_json_flag("the targets")
+@click.option("--probe", is_flag=True, help="Measure this machine now (kernel rates of ONNX Runtime at 1 thread, "
+              "memory and L2 bandwidth, caches, per-node overhead) for the `cpu` target, and cache it.")
 @click.pass_context
-def targets_group(ctx: click.Context, as_json: bool) -> None:
+def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
     """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
-    (`edgekit targets show NAME`)."""
-    if ctx.invoked_subcommand is None:
+    (`edgekit targets show NAME`). `--probe` measures this machine for the `cpu` target
+    (the first `edgekit estimate --target cpu` does so once by itself); the result is cached
+    per machine and used until `--probe` measures again."""
+    if probe:
+        if ctx.invoked_subcommand is not None:
+            raise BadInputError(f"--probe is an option of `edgekit targets` alone, not of `targets "
+                                f"{ctx.invoked_subcommand}` (run `edgekit targets --probe`)")
+        _probe(as_json)
+    elif ctx.invoked_subcommand is None:
         _list_targets(as_json)
+
+
+def _probe(as_json: bool) -> None:
+    from edgekit.estimate.probe import describe, probe_machine
+
+    with _json_stdout(as_json):
+        probed = probe_machine(refresh=True)
+    if as_json:
+        _print_json({**probed.probe.to_dict(), "path": str(probed.path)})
+        return
+    _console().print(_table("this machine, measured for the cpu target (one thread)", ["figure", "value"],
+                            [list(r) for r in describe(probed)]))
 
 
 @targets_group.command("list")

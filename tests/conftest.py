@@ -218,3 +218,25 @@ def install_local_ssh(root, monkeypatch):
 def local_ssh(tmp_path, monkeypatch):
     """A fake ``ssh`` on PATH: the "device" is this machine; every ssh argv is logged (the log's path)."""
     return install_local_ssh(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def host_probe_json() -> str:
+    """This machine's probe (``edgekit targets --probe``) as JSON text: the one cached for this
+    machine, measured once if there is none. Tests that point ``EDGEKIT_CACHE`` at a fresh folder
+    put it there (``seed_host_probe``) so that a ``cpu`` estimate does not measure the machine again."""
+    from edgekit.estimate.probe import probe_machine
+
+    return probe_machine().path.read_text()
+
+
+@pytest.fixture
+def seed_host_probe(host_probe_json: str):
+    """Write the session's probe into the current ``EDGEKIT_CACHE``."""
+    def seed() -> None:
+        from edgekit.targets.host_probe import probe_path
+
+        path = probe_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(host_probe_json)
+    return seed

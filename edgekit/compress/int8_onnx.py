@@ -782,8 +782,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     ev, on = comparison_samples(view, config, ctx, samples)
     fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
     session = run.session if kernels is None or kernels == host_semantics() else session_for(dst, kernels)
-    got = run_graph(session, ev, names, fixed or 16, fixed is not None)
-    ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
+    got = run_graph(session, ev, names, fixed or COMPARE_BATCH, fixed is not None)
+    ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
     metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
     metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
                                                                          strict=True)}
@@ -837,9 +837,15 @@ def run_graph(session: Any, samples: Samples, names: list[str], batch_size: int,
     return [np.concatenate(o) for o in outs]
 
 
+# Samples per run when comparing the INT8 graph with the float one: two sessions are alive at once,
+# each holding its largest batch's intermediates (a ResNet-50 at 224: ~25 MB per sample).
+COMPARE_BATCH = 4
+
+
 def _float_session(path: Path) -> Any:
     so = ort.SessionOptions()
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = False  # the reference runs once per batch: no arena kept beside the INT8 session's
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:

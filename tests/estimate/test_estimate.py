@@ -29,8 +29,9 @@ ONE = {c: 1.0 for c in ("conv", "depthwise-conv", "matmul", "attention", "elemen
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed_host_probe) -> None:
     monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
+    seed_host_probe()  # this machine's probe, measured once per session, not once per test
 
 
 @pytest.fixture

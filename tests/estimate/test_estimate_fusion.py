@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed_host_probe) -> None:
     monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
+    seed_host_probe()  # this machine's probe, measured once per session, not once per test
 
 
 def _w(name: str, *shape: int) -> object:
