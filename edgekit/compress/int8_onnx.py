@@ -645,6 +645,11 @@ def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
         else:
             dq.input[2] = name
     z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
+    stale = {dq.input[0], dq.input[2]}  # their recorded int8 types (an exporter's value_info) no longer hold
+    kept = [vi for vi in graph.value_info if vi.name not in stale]
+    if len(kept) < len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
     inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
     if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
         consumers[dq.input[2]].remove(dq)
