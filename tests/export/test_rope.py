@@ -186,3 +186,27 @@ def test_parity_report_records_the_long_context_check(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["context"] == {"max_position_embeddings": 256, "tokens": 256, "rope_type": "longrope",
                                             "original": 64, "thresholds": [64]}
+
+
+@pytest.mark.slow  # the dynamo export of a Hugging Face decoder takes ~20 s of CPU even at this size
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_plain_export_follows_the_rotation_past_the_threshold(rope_type, tmp_path):
+    """The export without the KV cache (what INT8 quantizes): the trace keeps both rotations (without
+    the patch the dynamo and TorchScript exporters both failed on these models), and parity compares
+    one sequence past the threshold besides the sample inputs."""
+    import onnxruntime as ort
+
+    from edgekit.export.onnx import export_onnx
+
+    h = load_model(str(save_tiny("llama", tmp_path, **ROPE_SCALING[rope_type])))
+    out = export_onnx(h, tmp_path / "onnx")
+    parity = json.loads((out / "manifest.json").read_text())["metrics"]["parity"]
+    assert parity["passed"] and "logits at 72 tokens" in parity["outputs"]
+    assert parity["notes"] == [f"{rope_type} rotary: compared on 72 tokens, past its threshold of 64"]
+    sess = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.tile(h.sample_inputs(1)["input_ids"], (1, 8))[:, :200]
+    got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+    reset_rope_state(h.module)
+    with torch.no_grad():
+        want = h.module(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids))).numpy()
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
