@@ -367,11 +367,17 @@ def _long_text(handle) -> np.ndarray:
     return token_windows(handle.tokenizer, wikipedia_articles()[-1], n, limit=1).astype(np.int64)
 
 
-def _long_context_errors(handle, path: Path) -> list[float]:
-    """Relative logit error of the graph against ``handle`` in transformers on each of LONG_PASSES."""
+def _long_context_errors(handle, path: Path) -> dict[str, float]:
+    """Relative logit error of the graph against ``handle`` in transformers on each of LONG_PASSES, the
+    prefill's logits and the decode steps' apart."""
     ids = _long_text(handle)
-    return [_rel(_generate_onnx(path, ids[:, :total], prompt), _generate_torch(handle, ids[:, :total], prompt))
-            for prompt, total in LONG_PASSES]
+    errors = {}
+    for prompt, total in LONG_PASSES:
+        got = _generate_onnx(path, ids[:, :total], prompt)
+        want = _generate_torch(handle, ids[:, :total], prompt)
+        errors[f"prefill of {prompt}"] = _rel(got[:, :prompt], want[:, :prompt])
+        errors[f"decode {prompt}..{total}"] = _rel(got[:, prompt:], want[:, prompt:])
+    return errors
 
 
 @pytest.mark.parametrize("graph", ["fused", "traced"])
@@ -379,7 +385,8 @@ def _long_context_errors(handle, path: Path) -> list[float]:
 def test_export_follows_rope_scaling_past_the_original_context(rope_type, graph, tmp_path):
     h = load_model(str(save_tiny("llama", tmp_path, **_rope_type_config(rope_type))))
     out = export_causal_lm(h, tmp_path / "onnx", graph=graph)  # its parity checks the thresholds too
-    assert max(_long_context_errors(h, out / "model.onnx")) < ONNX_REL
+    errors = _long_context_errors(h, out / "model.onnx")
+    assert len(errors) == 2 * len(LONG_PASSES) and max(errors.values()) < ONNX_REL, errors
 
 
 def test_phi3_longrope_export_follows_the_long_factors(tmp_path):
@@ -387,7 +394,8 @@ def test_phi3_longrope_export_follows_the_long_factors(tmp_path):
     h = load_model(str(save_tiny("phi3", tmp_path, **ROPE_SCALING["longrope"])))
     out = export_causal_lm(h, tmp_path / "onnx")
     assert json.loads((out / "manifest.json").read_text())["config"]["graph"] == "traced"
-    assert max(_long_context_errors(h, out / "model.onnx")) < ONNX_REL
+    errors = _long_context_errors(h, out / "model.onnx")
+    assert max(errors.values()) < ONNX_REL, errors
 
 
 @pytest.mark.parametrize("family,rope_type", [("llama", "longrope"), ("llama", "dynamic"), ("phi3", "longrope")])
