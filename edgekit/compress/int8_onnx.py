@@ -649,8 +649,11 @@ def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
     z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
     inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
     if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
-        dq.input[2] = dq.input[2] + "_u8"
+        consumers[dq.input[2]].remove(dq)
+        dq.input[2] = dq.input[0] + "_zero_point_u8"  # the weight's name: used once, so unique
         graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+        inits[dq.input[2]] = graph.initializer[-1]
+        consumers[dq.input[2]] = [dq]
     else:
         inits[dq.input[2]].CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
 
