@@ -29,6 +29,7 @@ from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
+from edgekit.limits import MAX_DIM
 from edgekit.profiling import (
     CV_WARNING,
     LatencyStats,
@@ -76,8 +77,11 @@ class GenerationConfig:
             values = getattr(self, name)
             if values is not None and (not values or any(not isinstance(v, int) or v < 1 for v in values)):
                 raise BadInputError(f"{name.replace('_', ' ')} must be whole numbers >= 1, got {values!r}")
-        if self.new_tokens is not None and self.new_tokens < 1:
-            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}")
+            if values is not None and max(values) > MAX_DIM:  # tokens, like any dimension: beyond it a typo
+                raise BadInputError(f"{name.replace('_', ' ')} must be at most {MAX_DIM} tokens, got {max(values)}")
+        if self.new_tokens is not None and not 1 <= self.new_tokens <= MAX_DIM:
+            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}" if self.new_tokens < 1 else
+                                f"new tokens must be at most {MAX_DIM}, got {self.new_tokens}")
         if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
             raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
         if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
@@ -256,6 +260,15 @@ def is_causal_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
         str(i.get("name", "")).startswith("past_key_values.") for i in manifest.model.get("inputs", []) or [])
 
 
+def _reads_as_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
+    """``is_causal_lm_engine`` of a folder with its own manifest; False for any other folder (a device's
+    results, a bundle, trtexec exports), which ``profile_engine`` reads or refuses with its own message."""
+    try:
+        return is_causal_lm_engine(engine_dir)
+    except BadInputError:
+        return False
+
+
 def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
                             generation: GenerationConfig | None = None,
                             out_json: str | os.PathLike[str] | None = None,
@@ -269,7 +282,7 @@ def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileC
     """
     if out_json is not None:
         check_output_file(out_json, (engine_dir,))  # before the measurement
-    lm = generation is not None and is_causal_lm_engine(engine_dir)
+    lm = generation is not None and _reads_as_lm_engine(engine_dir)
     if generation is not None and lm:  # lengths beyond the model's context: refused before any timing
         generation.within_context(declared_tokens(engine_dir), f"{Path(engine_dir).name}'s model")
     result = profile_engine(engine_dir, config, out_json=None, input_options=input_options)

@@ -647,6 +647,11 @@ def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
         else:
             dq.input[2] = name
     z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
+    stale = {dq.input[0], dq.input[2]}  # their recorded int8 types (an exporter's value_info) no longer hold
+    kept = [vi for vi in graph.value_info if vi.name not in stale]
+    if len(kept) < len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
     inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
     if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
         consumers[dq.input[2]].remove(dq)
@@ -790,8 +795,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
         metrics["int8"] = {k: v for k, v in lm.items() if k not in LM_DRIFT or k == "max_abs_diff"}
     else:
         fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
-        got = run_graph(session, ev, names, fixed or 16, fixed is not None)
-        ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
+        got = run_graph(session, ev, names, fixed or COMPARE_BATCH, fixed is not None)
+        ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
         metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
                                                                              strict=True)}
         metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
@@ -864,9 +869,15 @@ def run_graph(session: Any, samples: Samples, names: list[str], batch_size: int,
     return [np.concatenate(o) for o in outs]
 
 
+# Samples per run when comparing the INT8 graph with the float one: two sessions are alive at once,
+# each holding its largest batch's intermediates (a ResNet-50 at 224: ~25 MB per sample).
+COMPARE_BATCH = 4
+
+
 def _float_session(path: Path) -> Any:
     so = ort.SessionOptions()
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = False  # the reference runs once per batch: no arena kept beside the INT8 session's
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:

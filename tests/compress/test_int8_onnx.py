@@ -71,12 +71,15 @@ def test_stored_weights_sharing_one_zero_point_each_get_their_own_uint8_zero_poi
         nodes.append(helper.make_node("DequantizeLinear", [f"W{k}", f"s{k}", "zp"], [f"W{k}_f"], axis=1))
     nodes += [helper.make_node("MatMul", ["x", "Wa_f"], ["h"]), helper.make_node("MatMul", ["h", "Wb_f"], ["y"])]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], inits)
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], inits,
+                          # the int8 types an exporter records: stale once the weights are uint8
+                          value_info=[helper.make_tensor_value_info("Wa", TensorProto.INT8, [4, 4]),
+                                      helper.make_tensor_value_info("zp", TensorProto.INT8, [4])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
     x = rng.standard_normal((2, 4)).astype(np.float32)
     before = _run(m, x)[0]
     counts = fit_weights_to_kernels(m, "u8s7", {"Wa", "Wb"})
-    onnx.checker.check_model(m)  # names unique
+    onnx.checker.check_model(m, full_check=True)  # names unique, types consistent
     assert counts == {"to_7bit": 0, "stored_as_uint8": 2}
     got = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
     zps = [n.input[2] for n in m.graph.node if n.op_type == "DequantizeLinear"]

@@ -234,10 +234,23 @@ def test_profile_json_without_generation_still_loads(tmp_path):
     ({"new_tokens": 0}, "new tokens must be >= 1, got 0"),
     ({"contexts": ()}, r"contexts must be whole numbers >= 1, got \(\)"),
     ({"prompt_lengths": (0,)}, r"prompt lengths must be whole numbers >= 1, got \(0,\)"),
+    ({"new_tokens": 10**9}, "new tokens must be at most 1048576, got 1000000000"),  # hours of decode steps
+    ({"contexts": (128, 2**21)}, "contexts must be at most 1048576 tokens, got 2097152"),
 ])
 def test_generation_config_rejects_bad_values(values, match):
     with pytest.raises(BadInputError, match=match):
         GenerationConfig(**values)
+
+
+def test_the_kv_cache_is_sized_against_the_memory_before_it_is_allocated(fused_session, monkeypatch):
+    from edgekit import limits
+
+    monkeypatch.setattr(limits, "available_memory", lambda: 64 * 2**20)
+    assert KVCacheDecoder(fused_session, 32).shared  # a few KiB
+    with pytest.raises(BadInputError, match=r"^the KV cache of 1048576 tokens at batch 1 needs .*; edgekit lets it "
+                                            r"take at most a quarter of the 64 MiB of memory available here; lower "
+                                            r"--contexts, --prompt-lengths or --new-tokens$"):
+        KVCacheDecoder(fused_session, 2**20)
 
 
 def test_cli_profile_reports_generation_metrics_of_a_causal_lm_engine(tmp_path, monkeypatch):
