@@ -398,16 +398,17 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
 @_json_file_or_stdout("the profile JSON")
 @click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
-@click.option("--prompt-lengths", default="128,512", show_default=True,
-              help="Causal LMs: prompt lengths whose prefill (time to first token) is timed.")
-@click.option("--contexts", default="128,1024", show_default=True,
-              help="Causal LMs: context lengths after which decode tokens/s is measured.")
-@click.option("--new-tokens", type=int, default=128, show_default=True, help="Causal LMs: tokens generated per run.")
+@click.option("--prompt-lengths", default=None, help="Causal LMs: prompt lengths whose prefill (time to first token) "
+              "is timed (default 128,512, cut to the context the model declares; longer ones are refused).")
+@click.option("--contexts", default=None, help="Causal LMs: context lengths after which decode tokens/s is measured "
+              "(default 128,1024, cut to leave room for the new tokens within the model's context).")
+@click.option("--new-tokens", type=int, default=None, help="Causal LMs: tokens generated per run (default 128, at "
+              "most a quarter of the model's context).")
 @with_input_options("shapes", "inputs")
 def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
             warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
-            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str,
-            contexts: str, new_tokens: int, input_options: Any) -> None:
+            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str | None,
+            contexts: str | None, new_tokens: int | None, input_options: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
@@ -440,7 +441,8 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
     config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
                            batch=batch, node_profile=not no_nodes, top_k=top_k)
     generation = None if no_generation else GenerationConfig(
-        prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
+        prompt_lengths=None if prompt_lengths is None else _int_list("--prompt-lengths", prompt_lengths),
+        contexts=None if contexts is None else _int_list("--contexts", contexts),
         new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):

@@ -33,6 +33,7 @@ from edgekit import interrupts
 from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
 from edgekit.export.parity import check_parity, module_device
+from edgekit.export.rope import traceable_rope
 from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
@@ -143,7 +144,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
                          "export_seconds": round(time.perf_counter() - t0, 3)}))
         return out_dir
 
-    proto, exporter = _trace(handle, config)
+    with traceable_rope(handle.module):  # dynamic NTK and longrope choose their rotation in the graph
+        proto, exporter = _trace(handle, config)
     proto = _apply_rewrites(proto, handle, rewrites)
     trace_s = time.perf_counter() - t0
     failed = failed_path or Path(f"{out_dir}.failed.onnx")
