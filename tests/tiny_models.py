@@ -159,6 +159,24 @@ MORE_DECODERS: dict[str, Callable[[], Any]] = {
 ENCODERS: dict[str, Callable[[], Any]] = {"bert": _bert}
 GEMMA = ("gemma2", "gemma3")  # their tokenizers add <bos>; their embeddings are scaled by sqrt(hidden)
 
+# Rotary scaling of every type transformers defines (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS), as
+# config overrides of a decoder with head_dim 16: pretrained for ORIGINAL_CONTEXT positions, scaled 4x. Longrope's
+# short and long factors differ enough that taking one for the other shows in the logits.
+ORIGINAL_CONTEXT = 64
+_LONGROPE = {"short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}
+ROPE_SCALING: dict[str, dict[str, Any]] = {
+    "default": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT},
+    "linear": {"max_position_embeddings": ORIGINAL_CONTEXT, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "dynamic": {"max_position_embeddings": ORIGINAL_CONTEXT, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    "yarn": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT,
+             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT}},
+    "longrope": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT, "original_max_position_embeddings": ORIGINAL_CONTEXT,
+                 "rope_scaling": {"type": "longrope", **_LONGROPE}},  # Phi3Config wants exactly these keys
+    "llama3": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT,
+               "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": ORIGINAL_CONTEXT}},
+}
+
 
 def byte_tokenizer(add_bos: bool = False) -> Any:
     """A byte-level BPE tokenizer without merges: ids 0-255 are bytes, 256-259 the specials."""

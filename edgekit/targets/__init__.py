@@ -32,6 +32,8 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
 KINDS = ("cpu", "gpu", "jetson")
 HOST_TARGET = "cpu"  # the target that describes the machine edgekit runs on (detected at load)
 TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_CLAUSE = r"\s*(?:>=|<=|==|>|<)\s*\d+(?:\.\d+)*\s*"
+VERSION_RANGE = re.compile(rf"{_CLAUSE}(?:,{_CLAUSE})*")  # what version_in_range reads
 
 
 @dataclass(frozen=True)
@@ -130,11 +132,13 @@ class Target:
                 raise FieldError(f"isa[{i}]", f"unknown CPU feature {f!r} (choose from {', '.join(FEATURES)})")
         if self.sm is not None and not re.fullmatch(r"sm_\d{2,3}", self.sm):
             raise FieldError("sm", f"must look like 'sm_87', got {self.sm!r}")
-        if self.tensorrt_versions:
-            try:
-                version_in_range("0", self.tensorrt_versions)
-            except BadInputError as e:
-                raise FieldError("tensorrt_versions", str(e)) from None
+        if self.tensorrt_versions and not VERSION_RANGE.fullmatch(self.tensorrt_versions):
+            # every clause, not only up to the first that fails for some version: the range is
+            # written into a bundle's build.sh and README
+            raise FieldError("tensorrt_versions", f"bad version range {self.tensorrt_versions!r} "
+                                                  "(use e.g. '>=10.3,<10.4')")
+        if any(ch.isprintable() is False for ch in self.description):
+            raise FieldError("description", f"{self.description!r} must be one line of printable text")
 
     def supports(self, precision: str) -> bool:
         return precision in self.precisions

@@ -45,7 +45,7 @@ def _resblock():
              helper.make_node("Mul", ["r2", "s"], ["m"], name="silu"),
              helper.make_node("GlobalAveragePool", ["m"], ["y"], name="gap")]
     return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8, 16, 16])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 1, 1])],
                   [_w("w1", 8, 8, 3, 3), _w("w2", 8, 8, 3, 3), *bn])
 
 
