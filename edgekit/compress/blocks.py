@@ -5,14 +5,22 @@ and their linear layers, and the calibration activations flowing through them.
 calibration windows; then, for each block, visits its linear layers in execution order,
 grouped by shared input (q/k/v, o, gate/up, down for a Llama block), each group seeing inputs
 produced by the already-quantized groups before it (``GroupInputs``: the forward stops right
-after the group's input is seen); finally it re-runs the quantized block to produce the next
+after the group's input is seen); finally it runs the quantized block to produce the next
 block's inputs. Memory holds one block's activations for all windows, never the whole model's.
-The algorithms plug in as the ``visit_group`` callback (``gptq.gptq_visit``, ``awq.awq_visit``);
-this module knows none of them.
+
+A pass to a group replays what is already final instead of recomputing it from the block's
+start: a probe forward of one sample (``BlockPlan``) finds the submodules whose output is one
+linear's output (a decoder layer's attention returns ``o_proj(x)``, its MLP ``down_proj(x)``),
+so once the pass to ``o_proj`` has recorded its inputs, later passes run the attention as
+``o_proj`` on them. With GPTAQ a float copy of the block runs beside it, pass for pass, giving
+every group's float inputs in the same step. The algorithms plug in as the ``visit_group``
+callback (``gptq.gptq_visit``, ``awq.awq_visit``); this module knows none of them.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -122,28 +130,116 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, as a tensor of its own (a view would keep its larger base alive)."""
+    t = t.detach()
+    return t.clone() if t._base is not None else t
+
+
+def _keep(out: Any) -> Any:
+    """A module's output as a record: tensors detached and owned, tuples and lists element-wise."""
+    if isinstance(out, torch.Tensor):
+        return _own(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_keep(o) for o in out)
+    return out
+
+
+def _tensor_elements(out: Any) -> int | None:
+    """Elements of the tensors in ``out`` (a tensor, or a tuple of tensors and Nones); None for anything
+    else (it cannot be recorded and replayed)."""
+    if isinstance(out, torch.Tensor):
+        return out.numel()
+    if isinstance(out, (tuple, list)):
+        parts = [0 if o is None else _tensor_elements(o) for o in out]
+        return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+    return None
+
+
+class Tail(NamedTuple):
+    """A module whose output is the output of one of its walked linears, computed on that linear's
+    input (a decoder layer's attention returns ``o_proj``'s output, its MLP ``down_proj``'s)."""
+
+    linear: str  # the linear's path in the block
+    group: int  # its group: the input recorded when the walk stops there
+    wrap: int  # 0: the output is the linear's output; n: an n-tuple of it and Nones
+
+
+@dataclass
+class BlockPlan:
+    """How one block runs, from a forward of one sample with hooks on every submodule: the walked
+    linears grouped by shared input in execution order, and when each submodule started and ended,
+    which is what tells a pass what it may replay instead of recomputing. Paths are relative to the
+    block, so one plan serves the block and its float copy."""
+
+    groups: list[list[str]]
+    group_of: dict[str, int]  # walked linear -> its group
+    modules: list[str]  # submodules with a walked linear inside, parents before children
+    inside: dict[str, list[str]]  # submodule -> the walked linears inside it
+    enter: dict[str, int]  # submodule -> step at which its forward started
+    leave: dict[str, int]  # ... and returned
+    calls: dict[str, int]
+    tails: dict[str, Tail]
+    output_elements: dict[str, int]  # recordable direct children -> tensor elements of the output, per sample
+    input_elements: list[int]  # per group: elements of its input, per sample
+
+    def first(self, group: int) -> str:
+        return self.groups[group][0]
+
+
+class _Track:
+    """One stream of calibration activations through a block: the block being quantized, or (GPTAQ)
+    a float copy of it. ``records`` keeps what later passes replay: a group's inputs (a tail linear's
+    input) and the outputs of direct children whose linears are final, within ``budget`` bytes."""
+
+    def __init__(self, block: nn.Module, data: list[Batch], budget: int, frozen: bool) -> None:
+        self.block, self.data, self.budget = block, data, budget
+        self.frozen = frozen  # the float copy: no weight of it ever changes
+        self.samples = sum(int(b[0][0].shape[0]) for b in data)
+        self.itemsize = data[0][0][0].element_size() if data else 4
+        self.inputs: dict[int, list[torch.Tensor]] = {}  # group -> its input, per batch
+        self.outputs: dict[str, list[Any]] = {}  # direct child -> its output, per batch
+        self.held = 0  # bytes in the records
+
+    def fits(self, elements_per_sample: int) -> bool:
+        return self.held + elements_per_sample * self.samples * self.itemsize <= self.budget
+
+
 class BlockWalker:
     """Runs the calibration set through the model one block at a time.
 
     ``walk(visit_group)`` calls ``visit_group(block_index, names, inputs)`` for each group of
     linears sharing one input, in execution order; ``inputs`` (a ``GroupInputs``) is an
     iterator factory yielding that group's input activations batch by batch (computed on
-    demand through the block's already-quantized layers). ``visit_group`` quantizes the group in place (float
-    weights on the quantized grid) before the walk moves on.
+    demand through the block's already-quantized layers). ``visit_group`` quantizes the group in
+    place (float weights on the quantized grid) before the walk moves on.
+
+    A pass to a group does not recompute what it can replay: the walk records a group's inputs
+    when a submodule returns the output of that group's linear (a decoder layer's attention
+    returns ``o_proj(x)``, its MLP ``down_proj(x)``), so a later pass replays the attention as
+    ``o_proj`` on the recorded inputs instead of re-running q/k/v and the attention; and the
+    outputs of the block's direct children whose linears are all final. Replays give the same
+    tensors a recomputation would (the same layers on the same inputs), so the result does not
+    depend on them; what is recorded stays within ``reuse_factor`` times the block inputs' size
+    per track (beyond that, passes recompute). ``reuse_factor=0`` turns replay off: a visit that
+    changes layers outside its own group (AWQ folds its scales into the layer before) needs that.
     """
 
     def __init__(self, module: nn.Module, calib: list[torch.Tensor], device: str = "cpu",
-                 batch_size: int = 8, progress: bool = True, track_float: bool = False) -> None:
+                 batch_size: int = 8, progress: bool = True, track_float: bool = False,
+                 reuse_factor: float = 4.0) -> None:
         self.module = module
         self.calib = calib
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.progress = progress
-        # also carry the float model's activations: one forward of each block before it is quantized
-        # keeps every group's float inputs (one block's worth of activations) for GroupInputs.paired()
+        # also carry the float model's activations: a float copy of each block runs beside it, pass for
+        # pass, so GroupInputs.paired() gives each group's inputs in both models
         self.track_float = track_float
+        self.reuse_factor = reuse_factor
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
+        self.linears: dict[str, nn.Linear] = {}
 
     def _capture_block0(self) -> list[Batch]:
         if not self.prefix:  # the whole model is the block: its inputs are the samples
@@ -176,15 +272,36 @@ class BlockWalker:
             h.remove()
         return captured
 
-    def _input_groups(self, block: nn.Module, batch: Batch) -> list[list[str]]:
-        """Linears of ``block`` in execution order, grouped by identical input tensor."""
+    def _plan(self, block: nn.Module, batch: Batch) -> BlockPlan:
+        """Probe ``block`` on the first sample of ``batch``: groups, order of the submodules, tails."""
+        rel = {id(m): n for n, m in block.named_modules() if n}
+        walked = [n for n, m in block.named_modules() if n and isinstance(m, nn.Linear)
+                  and self.names.get(id(m)) in self.linears]
+        step = [0]
+        enter: dict[str, int] = {}
+        leave: dict[str, int] = {}
+        calls: dict[str, int] = {}
+        outputs: dict[str, Any] = {}
         order: list[tuple[str, torch.Tensor]] = []
         hooks: list[RemovableHandle] = []
-        for m in block.modules():
-            if isinstance(m, nn.Linear) and self.names[id(m)] in self.linears:
-                name = self.names[id(m)]
-                hooks.append(m.register_forward_pre_hook(
-                    lambda _m, args, name=name: order.append((name, args[0]))))
+
+        def pre(m: nn.Module, args: tuple[Any, ...]) -> None:
+            name = rel[id(m)]
+            step[0] += 1
+            enter.setdefault(name, step[0])
+            calls[name] = calls.get(name, 0) + 1
+            if name in walked and args and isinstance(args[0], torch.Tensor):
+                order.append((name, args[0]))
+
+        def post(m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
+            name = rel[id(m)]
+            step[0] += 1
+            leave[name] = step[0]
+            outputs[name] = out
+
+        for name, m in block.named_modules():
+            if name:
+                hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
         try:
             args, kw = batch
             block(*tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), **_slice_kwargs(kw, 1))
@@ -201,7 +318,29 @@ class BlockWalker:
             else:
                 groups.append([name])
             last = x
-        return groups
+        group_of = {n: i for i, g in enumerate(groups) for n in g}
+        inside = {n: [lin for lin in group_of if lin == n or lin.startswith(n + ".")]
+                  for n, _m in block.named_modules() if n}
+        modules = [n for n, _m in block.named_modules() if n and inside[n]]
+        tails: dict[str, Tail] = {}
+        for n in modules:
+            out = outputs.get(n)
+            for lin in inside[n]:
+                if lin == n or lin not in outputs:
+                    continue
+                if out is outputs[lin]:
+                    tails[n] = Tail(lin, group_of[lin], 0)
+                elif isinstance(out, tuple) and out and out[0] is outputs[lin] and all(o is None for o in out[1:]):
+                    tails[n] = Tail(lin, group_of[lin], len(out))
+        output_elements = {n: e for n in modules if "." not in n
+                           and (e := _tensor_elements(outputs.get(n))) is not None}
+        firsts = {g[0]: i for i, g in enumerate(groups)}
+        input_elements = [0] * len(groups)
+        for name, x in order:
+            if name in firsts:
+                input_elements[firsts[name]] = x.numel()
+        return BlockPlan(groups, group_of, modules, inside, enter, leave, calls, tails, output_elements,
+                         input_elements)
 
     @torch.no_grad()
     def walk(self, linears: dict[str, nn.Linear], visit_group: GroupVisit) -> None:
@@ -210,66 +349,158 @@ class BlockWalker:
         data_fp: list[Batch] | None = data if self.track_float else None  # the blocks before the first are not quantized
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
-            if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
-                groups = self._input_groups(block, data[0])
-                float_inputs: dict[str, list[torch.Tensor]] = {}
+            if not any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
                 if data_fp is not None:
-                    # The float block never changes, so one forward gives every group's float
-                    # inputs (and the next block's float input) before this block is touched.
-                    data_fp, float_inputs = self._run_capturing(block, data_fp, [g[0] for g in groups])
-                for names in groups:
-                    inputs = GroupInputs(block, submodule(self.module, names[0]), data)
-                    inputs.float_inputs = float_inputs.get(names[0])
-                    visit_group(bi, names, inputs)
-            elif data_fp is not None:
-                data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
-            data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+                    data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
+                data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+                continue
+            plan = self._plan(block, data[0])
+            # the float copy is taken before any group of the block changes
+            tracks = [_Track(block, data, self._budget(data), frozen=False)]
+            if data_fp is not None:
+                tracks.append(_Track(copy.deepcopy(block), data_fp, self._budget(data_fp), frozen=True))
+            prefix = self.names[id(block)]
+            for gi, rel_names in enumerate(plan.groups):
+                names = [f"{prefix}.{n}" if prefix else n for n in rel_names]
+                visit_group(bi, names, GroupInputs(self, plan, gi, tracks[0], tracks[1] if len(tracks) > 1 else None))
+            outs = [[((y,) + tuple(b[0][1:]), b[1]) for y, b in zip(self._pass(t, plan, None), t.data, strict=True)]
+                    for t in tracks]
+            data = outs[0]
+            if data_fp is not None:
+                data_fp = outs[1]
+            del tracks, outs
+
+    def _budget(self, data: list[Batch]) -> int:
+        return int(self.reuse_factor * sum(b[0][0].numel() * b[0][0].element_size() for b in data))
 
     def _run(self, block: nn.Module, batch: Batch) -> torch.Tensor:
         args, kw = batch
         return _first(block(*args, **kw)).detach()
 
-    def _run_capturing(self, block: nn.Module, data: list[Batch],
-                       names: list[str]) -> tuple[list[Batch], dict[str, list[torch.Tensor]]]:
-        """``block`` over ``data``: its outputs as the next block's data, and the inputs of the
-        named layers, per batch."""
-        captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        hooks = [submodule(self.module, n).register_forward_pre_hook(
-            lambda _m, args, n=n: captured[n].append(args[0].detach())) for n in names]
-        try:
-            out: list[Batch] = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
-        finally:
-            for h in hooks:
-                h.remove()
-        return out, captured
+    def _pass(self, track: _Track, plan: BlockPlan, target: int | None) -> Iterator[torch.Tensor]:
+        """Per batch of ``track``: the input of group ``target`` (the block stops at its first linear),
+        or the block's output (``target`` None), replaying what the records allow."""
+        groups = len(plan.groups)
+        upto = groups if target is None else target
+        stop_at = None if target is None else plan.enter[plan.first(target)]
+
+        def eligible(name: str) -> bool:
+            return (plan.calls.get(name) == 1 and name in plan.leave
+                    and (stop_at is None or plan.leave[name] < stop_at)
+                    and (track.frozen or all(plan.group_of[lin] < upto for lin in plan.inside[name])))
+
+        replay: list[tuple[str, str]] = []  # (submodule, "output" | "tail")
+        record: list[str] = []
+        planned = 0
+        covered: list[str] = []
+        for name in plan.modules:
+            if any(name.startswith(c + ".") for c in covered) or not eligible(name):
+                continue
+            tail = plan.tails.get(name)
+            if name in track.outputs:
+                replay.append((name, "output"))
+                covered.append(name)
+            elif tail is not None and tail.group in track.inputs:
+                replay.append((name, "tail"))
+                covered.append(name)
+            elif tail is None and name in plan.output_elements:
+                need = plan.output_elements[name]
+                if self.reuse_factor > 0 and track.fits(planned + need):
+                    record.append(name)
+                    planned += need
+        keep_input = (target is not None and self.reuse_factor > 0 and target not in track.inputs
+                      and any(t.group == target for t in plan.tails.values())
+                      and track.fits(planned + plan.input_elements[target]))
+        new_inputs: list[torch.Tensor] = []
+        new_outputs: dict[str, list[Any]] = {n: [] for n in record}
+        current = [0]
+
+        def replay_output(name: str) -> Callable[..., Any]:
+            return lambda *_a, **_k: track.outputs[name][current[0]]
+
+        def replay_tail(tail: Tail) -> Callable[..., Any]:
+            lin = track.block.get_submodule(tail.linear)
+
+            def run(*_a: Any, **_k: Any) -> Any:
+                y = lin(track.inputs[tail.group][current[0]])
+                return y if tail.wrap == 0 else (y,) + (None,) * (tail.wrap - 1)
+            return run
+
+        box: list[torch.Tensor] = []
+
+        def stop(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            box.append(_own(args[0]))
+            raise _Stop
+
+        for i, (args, kw) in enumerate(track.data):
+            current[0] = i
+            box.clear()
+            patched: list[nn.Module] = []
+            hooks: list[RemovableHandle] = []
+            try:
+                for name, how in replay:
+                    m = track.block.get_submodule(name)
+                    m.forward = replay_output(name) if how == "output" else replay_tail(plan.tails[name])
+                    patched.append(m)
+                for name in record:
+                    hooks.append(track.block.get_submodule(name).register_forward_hook(
+                        lambda _m, _a, out, name=name: new_outputs[name].append(_keep(out))))
+                if target is not None:
+                    hooks.append(track.block.get_submodule(plan.first(target)).register_forward_pre_hook(stop))
+                try:
+                    out = track.block(*args, **kw)
+                except _Stop:
+                    out = None
+            finally:
+                for m in patched:
+                    del m.forward
+                for h in hooks:
+                    h.remove()
+            if target is None:
+                yield _first(out).detach()
+            elif box:
+                if keep_input:
+                    new_inputs.append(box[0])
+                yield box[0]
+        # a pass run to its end: its records are complete
+        for name, outs in new_outputs.items():
+            track.outputs[name] = outs
+            track.held += sum(_tensor_elements(o) or 0 for o in outs) * track.itemsize
+        if keep_input and len(new_inputs) == len(track.data):
+            track.inputs[target] = new_inputs  # type: ignore[index]
+            track.held += sum(x.numel() for x in new_inputs) * track.itemsize
 
 
 GroupVisit = Callable[[int, list[str], "GroupInputs"], None]  # (block index, linear names, their inputs)
 
 
 class GroupInputs:
-    """The inputs of one group of linears, recomputed on demand from the block's inputs.
+    """The inputs of one group of linears, computed on demand from the block's inputs.
 
     ``inputs()`` yields the group's input activations batch by batch (the block's forward
-    stops right at the group's first layer). ``attention_mixed(attn, v_proj)`` yields, per
-    batch, the attention probabilities ``P`` (batch, heads, queries, keys) of ``attn`` and
-    the inputs ``X`` (batch, keys, features) of its value projection: a value projection's
-    output only matters through ``P @ (X Wᵀ)``, so its GPTQ objective uses ``P X``.
+    stops right at the group's first layer). ``paired()`` yields ``(x, x_float)``: the same
+    inputs in the float model (a walker with ``track_float``), computed in the same step.
+    ``attention_mixed(attn, v_proj)`` yields, per batch, the attention probabilities ``P``
+    (batch, heads, queries, keys) of ``attn`` and the inputs ``X`` (batch, keys, features) of
+    its value projection: a value projection's output only matters through ``P @ (X Wᵀ)``, so
+    its GPTQ objective uses ``P X``.
     """
 
-    def __init__(self, block: nn.Module, first: nn.Module, data: list[Batch]) -> None:
-        self.block, self.first, self.data = block, first, data
-        self.float_inputs: list[torch.Tensor] | None = None  # per batch, in the float model (track_float)
+    def __init__(self, walker: BlockWalker, plan: BlockPlan, group: int, track: _Track,
+                 float_track: _Track | None = None) -> None:
+        self.walker, self.plan, self.group = walker, plan, group
+        self.track, self.float_track = track, float_track
+        self.block, self.data = track.block, track.data
 
     def __call__(self) -> Iterator[torch.Tensor]:
-        return _group_inputs(self.block, self.first, self.data)
+        return self.walker._pass(self.track, self.plan, self.group)
 
     def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model
         (needs a walker with ``track_float``)."""
-        if self.float_inputs is None:
+        if self.float_track is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        return zip(self(), self.float_inputs, strict=True)
+        return zip(self(), self.walker._pass(self.float_track, self.plan, self.group), strict=True)
 
     def attention_mixed(self, attn: nn.Module, v_proj: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
@@ -306,28 +537,6 @@ class GroupInputs:
             config._attn_implementation = saved
             for h in hooks:
                 h.remove()
-
-
-def _group_inputs(block: nn.Module, first: nn.Module, data: list[Batch]) -> Iterator[torch.Tensor]:
-    """Per batch of ``data``, the input of ``first``, running ``block`` only up to it."""
-    box: list[torch.Tensor] = []
-
-    def grab(_m: nn.Module, args: tuple[Any, ...]) -> None:
-        box.append(args[0].detach())
-        raise _Stop
-
-    h = first.register_forward_pre_hook(grab)
-    try:
-        for args, kw in data:
-            box.clear()
-            try:
-                block(*args, **kw)
-            except _Stop:
-                pass
-            if box:
-                yield box[0]
-    finally:
-        h.remove()
 
 
 def value_projection(module: nn.Module, names: list[str]) -> ValueProjection | None:

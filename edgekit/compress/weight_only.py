@@ -234,8 +234,10 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         if calib is None:
             raise BadInputError(f"method {config.method!r} needs calibration data")
         module.to(device)
+        # AWQ folds its scales into the layer before each group, which a replayed pass would not see
         walker = BlockWalker(module, calib, device=device, progress=progress,
-                             track_float=config.method == "gptq" and config.gptaq_alpha > 0)
+                             track_float=config.method == "gptq" and config.gptaq_alpha > 0,
+                             reuse_factor=0.0 if config.method.startswith("awq") else 4.0)
         visit = (gptq_visit if config.method == "gptq" else awq_visit)(module, config, results)
         walker.walk(linears, visit)
         module.to("cpu")

@@ -456,3 +456,55 @@ def test_conv1d_becomes_the_linear_it_computes_checked_against_its_own_forward()
     odd.forward = lambda t: 2 * plain(t)
     with pytest.raises(CheckFailedError, match="does not compute x @ weight"):
         conv1d_as_linear("odd", odd)
+
+
+def _count_calls(module: torch.nn.Module, suffix: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, m in module.named_modules():
+        if name.endswith(suffix):
+            m.register_forward_hook(lambda _m, _a, _o, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    return counts
+
+
+@pytest.mark.parametrize("reuse", [4.0, 0.0])
+def test_walker_replays_what_is_final_instead_of_recomputing(reuse):
+    """A decoder layer's attention returns ``o_proj``'s output and its MLP ``down_proj``'s: once the
+    pass to a group recorded those inputs, later passes replay the attention as ``o_proj`` on them.
+    Per block and batch, q_proj then runs once in each model (the pass to ``o_proj``), against 4
+    times each without replay (the passes to o, gate/up, down and the block's output); once more in
+    the walker's probe of the block (one sample)."""
+    h = tiny_llama()
+    _, _, linears = quantizable_linears(h.module)
+    ids = h.make_inputs(4, sequence=16)
+    walker = BlockWalker(h.module, [torch.from_numpy(ids["input_ids"]), torch.from_numpy(ids["attention_mask"])],
+                         batch_size=2, progress=False, track_float=True, reuse_factor=reuse)
+    q_calls = _count_calls(h.module, "self_attn.q_proj")
+    walker.walk(linears, lambda _b, _n, inputs: [None for _ in inputs.paired()])
+    per_block = 2 if reuse else 8  # (quantized + float model) x passes that run q_proj
+    assert q_calls == {f"model.model.layers.{i}.self_attn.q_proj": 2 * per_block + 1 for i in range(2)}  # 2 batches
+    plan = walker._plan(walker.blocks[0], walker._capture_block0()[0])
+    assert plan.groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    assert plan.tails["self_attn"] == ("self_attn.o_proj", 1, 2) and plan.tails["mlp"] == ("mlp.down_proj", 3, 0)
+
+
+def test_replayed_passes_give_the_same_codes():
+    """Replay is a cache: GPTQ's codes are those of a walk that recomputes every pass, bit for bit,
+    also when the records do not fit (a budget of one copy of the block inputs holds no MLP input).
+    (AWQ folds its scales into the layer before each group, so its walk never replays.)"""
+    from edgekit.compress.gptq import gptq_visit
+
+    cfg = WeightOnlyConfig(bits=3, group_size=32, seqlen=32, head="none")
+    ids = torch.from_numpy(_windows(6, 3))
+    codes = {}
+    for reuse in (4.0, 1.0, 0.0):
+        h = tiny_llama()
+        _, _, linears = quantizable_linears(h.module)
+        results: dict = {}
+        BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=4, progress=False, track_float=True,
+                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg, results))
+        codes[reuse] = results
+    for reuse in (1.0, 0.0):
+        for name, (q, s, z) in codes[4.0].items():
+            q0, s0, z0 = codes[reuse][name]
+            assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), (reuse, name)
