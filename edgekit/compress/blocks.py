@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from edgekit.compress.families import family_of, hf_model
 from edgekit.errors import BadInputError
+from edgekit.memory import float32_compute
 from edgekit.progress import progress_bar
 
 Quantized = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # name -> (q, scales, zeros)
@@ -227,7 +228,7 @@ class BlockWalker:
 
     def __init__(self, module: nn.Module, calib: list[torch.Tensor], device: str = "cpu",
                  batch_size: int = 8, progress: bool = True, track_float: bool = False,
-                 reuse_factor: float = 4.0) -> None:
+                 reuse_factor: float = 4.0, float_samples: int | None = None) -> None:
         self.module = module
         self.calib = calib
         self.device = torch.device(device)
@@ -236,6 +237,7 @@ class BlockWalker:
         # also carry the float model's activations: a float copy of each block runs beside it, pass for
         # pass, so GroupInputs.paired() gives each group's inputs in both models
         self.track_float = track_float
+        self.float_samples = float_samples  # the first samples only (whole batches); None: all
         self.reuse_factor = reuse_factor
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
@@ -343,12 +345,21 @@ class BlockWalker:
                          input_elements)
 
     @torch.no_grad()
-    def walk(self, linears: dict[str, nn.Linear], visit_group: GroupVisit) -> None:
+    def walk(self, linears: dict[str, nn.Linear], visit_group: GroupVisit,
+             after_block: Callable[[list[str]], None] | None = None) -> None:
+        """Visit every group of ``linears``; ``after_block(names)`` once a block's linears are final.
+        A model stored in half precision computes in float32: the layers before the first block one
+        at a time (``float32_compute``), each block cast up as the walk reaches it."""
         self.linears = linears
-        data = self._capture_block0()
+        with float32_compute(self.module):
+            data = self._capture_block0()
+        data = [(tuple(_upcast_half_tensor(a) for a in args), kw) for args, kw in data]
         data_fp: list[Batch] | None = data if self.track_float else None  # the blocks before the first are not quantized
+        if data_fp is not None and self.float_samples is not None:
+            data_fp = data_fp[:max(1, -(-self.float_samples // self.batch_size))]
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
+            upcast_half(block)
             if not any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
                 if data_fp is not None:
                     data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
@@ -369,6 +380,24 @@ class BlockWalker:
             if data_fp is not None:
                 data_fp = outs[1]
             del tracks, outs
+            if after_block is not None:
+                after_block([n for g in plan.groups for n in (f"{prefix}.{r}" if prefix else r for r in g)])
+
+    @torch.no_grad()
+    def groups(self, linears: dict[str, nn.Linear]) -> list[list[str]]:
+        """The walk's groups of ``linears`` in every block (model paths), from the probe of each
+        block on the first calibration sample, without quantizing anything."""
+        self.linears = linears
+        batch = self._capture_block0()[0]
+        args, kw = batch
+        batch = (tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), _slice_kwargs(kw, 1))
+        out: list[list[str]] = []
+        for block in self.blocks:
+            prefix = self.names[id(block)]
+            if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
+                out += [[f"{prefix}.{n}" if prefix else n for n in g] for g in self._plan(block, batch).groups]
+            batch = ((self._run(block, batch),) + tuple(batch[0][1:]), batch[1])
+        return out
 
     def _budget(self, data: list[Batch]) -> int:
         return int(self.reuse_factor * sum(b[0][0].numel() * b[0][0].element_size() for b in data))
@@ -403,11 +432,13 @@ class BlockWalker:
             elif tail is not None and tail.group in track.inputs:
                 replay.append((name, "tail"))
                 covered.append(name)
-            elif tail is None and name in plan.output_elements:
-                need = plan.output_elements[name]
-                if self.reuse_factor > 0 and track.fits(planned + need):
-                    record.append(name)
-                    planned += need
+            # record a direct child's output for the passes after this one (a tail replay's too: its
+            # output then replaces the linear's recorded inputs, with nothing left to compute)
+            if (target is not None and name not in track.outputs and name in plan.output_elements
+                    and (tail is None or tail.group in track.inputs) and self.reuse_factor > 0
+                    and track.fits(planned + plan.output_elements[name])):
+                record.append(name)
+                planned += plan.output_elements[name]
         keep_input = (target is not None and self.reuse_factor > 0 and target not in track.inputs
                       and any(t.group == target for t in plan.tails.values())
                       and track.fits(planned + plan.input_elements[target]))
@@ -469,6 +500,9 @@ class BlockWalker:
         if keep_input and len(new_inputs) == len(track.data):
             track.inputs[target] = new_inputs  # type: ignore[index]
             track.held += sum(x.numel() for x in new_inputs) * track.itemsize
+        for group in list(track.inputs):  # inputs whose every user is now replayed from its output
+            if all(m in track.outputs for m, t in plan.tails.items() if t.group == group):
+                track.held -= sum(x.numel() for x in track.inputs.pop(group)) * track.itemsize
 
 
 GroupVisit = Callable[[int, list[str], "GroupInputs"], None]  # (block index, linear names, their inputs)
@@ -495,12 +529,18 @@ class GroupInputs:
     def __call__(self) -> Iterator[torch.Tensor]:
         return self.walker._pass(self.track, self.plan, self.group)
 
-    def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(x, x_float)`` per batch: the group's input here and in the unquantized model
-        (needs a walker with ``track_float``)."""
+    def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(x, x_float)`` per batch: the group's input here and in the unquantized model (needs a
+        walker with ``track_float``); ``x_float`` is None for the batches beyond the float model's
+        (``float_samples``)."""
         if self.float_track is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        return zip(self(), self.walker._pass(self.float_track, self.plan, self.group), strict=True)
+        floats = self.walker._pass(self.float_track, self.plan, self.group)
+        carried = len(self.float_track.data)
+        for i, x in enumerate(self()):
+            yield x, next(floats) if i < carried else None
+        for _ in floats:  # run the float pass to its end, which completes its records
+            pass
 
     def attention_mixed(self, attn: nn.Module, v_proj: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(P, X) per batch, with the attention run eagerly (the probabilities are its 2nd output)."""
@@ -559,6 +599,22 @@ def value_projection(module: nn.Module, names: list[str]) -> ValueProjection | N
     return None
 
 
+def upcast_half(module: nn.Module) -> None:
+    """Cast the bfloat16/float16 parameters and buffers of ``module`` to float32, in place (a block of
+    a model stored in half precision, as the walk reaches it)."""
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if p.dtype in (torch.bfloat16, torch.float16):
+                p.data = p.data.float()
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and b.dtype in (torch.bfloat16, torch.float16):
+                m._buffers[name] = b.float()
+
+
+def _upcast_half_tensor(a: Any) -> Any:
+    return a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) else a
+
+
 def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in kw.items():
@@ -571,6 +627,6 @@ def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Batch", "BlockWalker", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
+__all__ = ["Batch", "BlockPlan", "BlockWalker", "upcast_half", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
            "find_blocks", "head_layers", "linear_at", "quantizable_linears", "replace_module", "submodule",
            "value_projection"]

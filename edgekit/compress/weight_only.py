@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +39,7 @@ from edgekit.compress.blocks import (
     quantizable_linears,
     replace_module,
     submodule,
+    upcast_half,
     value_projection,
 )
 from edgekit.compress.families import embedding_scale, linearize
@@ -49,6 +51,7 @@ from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.evaluate import perplexity
 from edgekit.export.lm import rewrite_packed_graph
+from edgekit.memory import float32_compute
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -122,6 +125,8 @@ class WeightOnlyConfig:
         "own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ)."))
     true_sequential: bool = True
     value_hessian: str = "attention"
+    value_query_stride: int = 1
+    gptaq_windows: int | None = None
     calib_samples: int = field(default=128, metadata=option("--calib-samples"))
     seqlen: int | None = field(default=512, metadata=option(
         "--seqlen", help="Token window for language models: calibration (GPTQ/AWQ) and distillation."))
@@ -161,6 +166,10 @@ class WeightOnlyConfig:
             raise bad_choice("device", self.device, DEVICES)
         if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
             raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
+        if self.value_query_stride < 1:
+            raise BadInputError(f"value_query_stride must be at least 1, got {self.value_query_stride!r}")
+        if self.gptaq_windows is not None and self.gptaq_windows < 1:
+            raise BadInputError(f"gptaq_windows must be at least 1, got {self.gptaq_windows!r}")
 
     @property
     def grid_search(self) -> bool:
@@ -206,10 +215,14 @@ def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> No
 
 
 def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
-                    progress: bool = False) -> tuple[Quantized, dict[str, Any]]:
+                    progress: bool = False, bits: dict[str, int] | None = None,
+                    after_block: Callable[[Quantized], None] | None = None) -> tuple[Quantized, dict[str, Any]]:
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
     values) and return their codes. ``calib`` is needed by GPTQ and AWQ. transformers' ``Conv1D``
-    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``)."""
+    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``).
+    ``bits``: a bit width per linear where it is not ``config.bits`` (mixed precision).
+    ``after_block(codes)``: called with a block's codes once its linears are final (``apply`` packs
+    them there, so a model stored in half precision holds one block in float32 at a time)."""
     converted = linearize(module)
     prefix, blocks, linears = quantizable_linears(module)
     check_blocks(module, prefix, blocks)
@@ -226,10 +239,17 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         info["conv1d_as_linear"] = len(converted)
     t0, c0 = time.perf_counter(), time.process_time()
     if config.method == "rtn":
-        for name, lin in linears.items():
-            q, s, z = rtn_quantize(lin.weight.detach().to(device), config.bits, config.group_size, config.sym)
-            results[name] = (q.cpu(), s.cpu(), z.cpu())
-            _set_weight(lin, q, s, z, config.group_size)
+        for block in blocks:
+            upcast_half(block)
+            names = [n for n, lin in linears.items() if any(lin is m for m in block.modules())]
+            for name in names:
+                lin = linears[name]
+                b = bits.get(name, config.bits) if bits else config.bits
+                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, config.group_size, config.sym)
+                results[name] = (q.cpu(), s.cpu(), z.cpu())
+                _set_weight(lin, q, s, z, config.group_size)
+            if after_block is not None:
+                after_block({n: results[n] for n in names})
     else:
         if calib is None:
             raise BadInputError(f"method {config.method!r} needs calibration data")
@@ -237,9 +257,11 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         # AWQ folds its scales into the layer before each group, which a replayed pass would not see
         walker = BlockWalker(module, calib, device=device, progress=progress,
                              track_float=config.method == "gptq" and config.gptaq_alpha > 0,
-                             reuse_factor=0.0 if config.method.startswith("awq") else 4.0)
-        visit = (gptq_visit if config.method == "gptq" else awq_visit)(module, config, results)
-        walker.walk(linears, visit)
+                             reuse_factor=0.0 if config.method.startswith("awq") else 4.0,
+                             float_samples=config.gptaq_windows)
+        visit = (gptq_visit if config.method == "gptq" else awq_visit)(module, config, results, bits)
+        walker.walk(linears, visit, None if after_block is None else lambda names: after_block(
+            {n: results[n] for n in names}))
         module.to("cpu")
         info["calib_windows"] = int(calib[0].shape[0])
         info["calib_tokens"] = int(calib[0].numel())
@@ -252,20 +274,36 @@ def _set_weight(lin: nn.Linear, q: torch.Tensor, s: torch.Tensor, z: torch.Tenso
     lin.weight.data.copy_(dequantize_groups(q, s, z, group_size).to(lin.weight.device, lin.weight.dtype))
 
 
-def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig) -> dict[str, Any]:
-    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` and quantize the head.
+def pack_layers(module: nn.Module, results: Quantized, config: WeightOnlyConfig,
+                bits: dict[str, int] | None = None) -> dict[str, Any]:
+    """Replace the quantized ``nn.Linear`` layers named in ``results`` by ``QuantLinear``; returns
+    their records (``meta.layers``). ``bits``: a bit width per linear where it is not ``config.bits``.
+    Every replacement is checked on the spot (``check_replacement``)."""
+    layers: dict[str, Any] = {}
+    for name, (q, s, z) in results.items():
+        lin = linear_at(module, name)
+        b = bits.get(name, config.bits) if bits else config.bits
+        qlin = QuantLinear.from_quantized(q, s, z, b, config.group_size, lin.bias)
+        check_replacement(name, lin, qlin)
+        replace_module(module, name, qlin)
+        layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": b,
+                        "group_size": config.group_size, "bias": lin.bias is not None}
+    return layers
+
+
+def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig,
+                bits: dict[str, int] | None = None) -> dict[str, Any]:
+    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` (``pack_layers``) and quantize the head.
 
     Every replacement is checked on the spot (``check_replacement``): on a small probe it must
     compute what the original module computes with the dequantized weight (its own forward:
     a scaled embedding's factor, a bias, a custom forward), else ``CheckFailedError``."""
-    layers: dict[str, Any] = {}
-    for name, (q, s, z) in results.items():
-        lin = linear_at(module, name)
-        qlin = QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias)
-        check_replacement(name, lin, qlin)
-        replace_module(module, name, qlin)
-        layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": config.bits,
-                        "group_size": config.group_size, "bias": lin.bias is not None}
+    return pack_head(module, config, pack_layers(module, results, config, bits))
+
+
+def pack_head(module: nn.Module, config: WeightOnlyConfig, layers: dict[str, Any]) -> dict[str, Any]:
+    """Quantize the LM head and its tied or own embedding table (``config.head``); the step meta
+    with the packed ``layers``."""
     meta: dict[str, Any] = {"layers": layers, "head": None, "embedding": None, "tied": False}
     head, emb = head_layers(module)
     if head is not None and config.head != "none":
@@ -321,7 +359,7 @@ def check_replacement(name: str, original: nn.Module, packed: QuantLinear | Quan
     if isinstance(packed, QuantEmbedding):
         rows = min(PROBE_ROWS, packed.num_embeddings)
         ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
-        table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
+        table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).float()
         probe: Any = copy.copy(original)  # a shallow copy of the original module; padding_idx changes gradients only, and may lie beyond the probe's rows
         if getattr(probe, "padding_idx", None) is not None:
             probe.padding_idx = None
@@ -333,11 +371,12 @@ def check_replacement(name: str, original: nn.Module, packed: QuantLinear | Quan
         got = packed(ids[None])
     else:
         rows = min(PROBE_ROWS, packed.out_features)
-        x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        params = {"weight": packed.dequantize_rows(0, rows).to(w.dtype)}
+        # in float32 (what the packed layer computes in), also for an original stored in half precision
+        x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0))
+        params = {"weight": packed.dequantize_rows(0, rows).float()}
         bias = getattr(original, "bias", None)
         if isinstance(bias, torch.Tensor):
-            params["bias"] = bias[:rows]
+            params["bias"] = bias[:rows].float()
         try:
             want = functional_call(original, params, (x,))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -374,9 +413,17 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
     windows = _eval_windows(handle, config, ctx)
     float_bytes = packed_bytes(module)
-    ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
-    results, info = quantize_module(module, config, calib, progress=ctx.progress)
-    meta = pack_module(module, results, config)
+    with float32_compute(module):
+        ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
+    bits: dict[str, int] | None = None
+    layers: dict[str, Any] = {}
+
+    def pack_block(codes: Quantized) -> None:  # as each block is final: a half-stored model stays so
+        layers.update(pack_layers(module, codes, config, bits))
+
+    results, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
+    meta = pack_head(module, config, layers)
+    upcast_half(module)  # what is left in half precision (norms, an unquantized head) computes in float32
     meta.update(info)
     meta["packed_bytes"] = packed_bytes(module)
     meta["parity"] = dict(zip(("atol", "rtol"), PARITY_TOLERANCE))
@@ -464,7 +511,9 @@ STEP = Step(
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "packed"},
     bounds=lambda config: BOUNDS_4BIT if config.bits <= 4 else BOUNDS_8BIT,
+    half_storage=True,
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",
+           "pack_layers", "pack_head",
            "find_blocks", "BlockWalker", "quantizable_linears", "value_projection", "check_blocks", "head_layers"]

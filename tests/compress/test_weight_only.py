@@ -508,3 +508,32 @@ def test_replayed_passes_give_the_same_codes():
         for name, (q, s, z) in codes[4.0].items():
             q0, s0, z0 = codes[reuse][name]
             assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), (reuse, name)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_path):
+    """A checkpoint stored in bfloat16 is compressed without a float32 copy of the model: loaded as
+    bfloat16, each block cast up as the walk reaches it and packed once final, the layers before the
+    first block computed in float32 one at a time. The codes are those of the float32 load of the
+    same file, bit for bit, and so is the quality gate's float reference."""
+    import json
+
+    from edgekit.sources.models import load_model
+    from tests.tiny_models import build, byte_tokenizer
+
+    folder = tmp_path / "llama-bf16"
+    build("llama").to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+    assert load_model(folder, half_storage=True).module.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    cfg = WeightOnlyConfig(method=method, bits=4, group_size=32, seqlen=32)
+    runs = {}
+    for name, model in (("half", folder), ("float32", load_model(folder))):
+        out = compress(model, [("int4", cfg)], tmp_path / name, StepContext(calib=calib, eval=calib, progress=False))
+        runs[name] = (load_compressed(out), json.loads((out / "manifest.json").read_text())["metrics"]["quality"])
+    (half, q_half), (full, q_full) = runs["half"], runs["float32"]
+    assert q_half["perplexity_float"] == q_full["perplexity_float"] and q_half["perplexity"] == q_full["perplexity"]
+    packed = {n: m for n, m in full.module.named_modules() if isinstance(m, QuantLinear)}
+    assert len(packed) == 15  # 14 block linears and the head
+    for n, m in half.module.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(m.qweight, packed[n].qweight) and torch.equal(m.scales, packed[n].scales), n
