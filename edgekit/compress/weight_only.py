@@ -44,6 +44,7 @@ from edgekit.compress.blocks import (
 )
 from edgekit.compress.families import embedding_scale, linearize
 from edgekit.compress.gptq import gptq_visit
+from edgekit.compress.mixed import HIGH_BITS, allocate, layer_bytes, make_units, sensitivities
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.quality import BOUNDS_4BIT, BOUNDS_8BIT
@@ -135,6 +136,13 @@ class WeightOnlyConfig:
     head: str = "int8"
     device: str = field(default="cpu", metadata=option("--device", help="cpu | cuda (GPTQ/AWQ)."))
     eval_windows: int = 8
+    max_size_mb: float | None = field(default=None, metadata=option(
+        "--max-size-mb", help="Weight-only: mixed precision within this model size (MB, packed): the groups of "
+        "linears whose rounding costs the loss most keep 8 bits."))
+    avg_bits: float | None = field(default=None, metadata=option(
+        "--avg-bits", help="Weight-only: mixed precision at this average of stored bits per weight over the "
+        "block linears (scales and zero points included; 4-bit g128 is about 4.3)."))
+    sensitivity_windows: int = 8
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -166,10 +174,27 @@ class WeightOnlyConfig:
             raise bad_choice("device", self.device, DEVICES)
         if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
             raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
+        if self.max_size_mb is not None and self.avg_bits is not None:
+            raise BadInputError("give one size budget: --max-size-mb or --avg-bits, not both")
+        if self.max_size_mb is not None and not self.max_size_mb > 0:
+            raise BadInputError(f"max_size_mb must be positive, got {self.max_size_mb!r}")
+        if self.avg_bits is not None and not self.bits < self.avg_bits <= 2 * HIGH_BITS:
+            raise BadInputError(f"avg_bits must be above the low bit width ({self.bits}) and at most {2 * HIGH_BITS}, "
+                                f"got {self.avg_bits!r}")
+        if self.mixed and self.bits >= HIGH_BITS:
+            raise BadInputError(f"mixed precision keeps some layers at {HIGH_BITS} bits; --bits must be lower, "
+                                f"got {self.bits}")
         if self.value_query_stride < 1:
             raise BadInputError(f"value_query_stride must be at least 1, got {self.value_query_stride!r}")
         if self.gptaq_windows is not None and self.gptaq_windows < 1:
             raise BadInputError(f"gptaq_windows must be at least 1, got {self.gptaq_windows!r}")
+        if self.sensitivity_windows < 1:
+            raise BadInputError(f"sensitivity_windows must be at least 1, got {self.sensitivity_windows!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a size budget asks for mixed precision."""
+        return self.max_size_mb is not None or self.avg_bits is not None
 
     @property
     def grid_search(self) -> bool:
@@ -214,13 +239,62 @@ def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> No
                                 "input features (choose a smaller group size or -1 for per-channel)")
 
 
+def mixed_bits(module: nn.Module, linears: dict[str, nn.Linear], config: WeightOnlyConfig,
+               calib: list[torch.Tensor]) -> tuple[dict[str, int], dict[str, Any]]:
+    """Mixed precision (``mixed.py``): the bit width of each block linear within the config's size
+    budget, and the choice as step metadata. ``module`` is a causal LM; ``calib[0]`` its token windows."""
+    groups = BlockWalker(module, [t[:1] for t in calib], progress=False).groups(linears)
+    units = make_units(module, groups, config.bits, config.group_size)
+    units = sensitivities(module, units, calib[0][:config.sensitivity_windows], config.bits, config.group_size,
+                          config.sym)
+    weights = sum(u.weights for u in units)
+    if config.avg_bits is not None:
+        budget, fixed, what = config.avg_bits * weights / 8, 0.0, f"{config.avg_bits:g} bits per weight"
+    else:
+        budget, fixed = float(config.max_size_mb or 0) * 1e6, float(_other_bytes(module, linears, config))
+        what = f"{config.max_size_mb:g} MB"
+    try:
+        high = allocate(units, budget, fixed)
+    except BadInputError as e:
+        low = sum(u.low_bytes for u in units)
+        raise BadInputError(f"{e}: {what} is below the smallest {config.bits}-bit model ("
+                            f"{8 * low / weights:.2f} bits per weight, {(fixed + low) / 1e6:.2f} MB in all)") from None
+    bits = {n: (HIGH_BITS if h else config.bits) for u, h in zip(units, high, strict=True) for n in u.names}
+    unit_bytes = sum(u.high_bytes if h else u.low_bytes for u, h in zip(units, high, strict=True))
+    meta = {"budget": what, "sensitivity_windows": int(min(config.sensitivity_windows, calib[0].shape[0])),
+            "high_bits": HIGH_BITS, "high_units": int(sum(high)), "units_total": len(units),
+            "avg_bits": round(8 * unit_bytes / weights, 4), "predicted_bytes": int(fixed + unit_bytes),
+            "units": [{"names": list(u.names), "bits": HIGH_BITS if h else config.bits,
+                       "sensitivity": u.sensitivity, "low_bytes": u.low_bytes, "high_bytes": u.high_bytes}
+                      for u, h in zip(units, high, strict=True)]}
+    return bits, meta
+
+
+def _other_bytes(module: nn.Module, linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> int:
+    """Bytes of everything but the block linears once packed: the head and its tied or own embedding
+    table at the head's bit width (``config.head``), the rest (norms, ...) as it is."""
+    total = packed_bytes(module) - sum(packed_bytes(lin) for lin in linears.values())
+    head, emb = head_layers(module)
+    if head is None or config.head == "none":
+        return total
+    hbits = 8 if config.head == "int8" else 4
+    lin = linear_at(module, head)
+    total += layer_bytes(lin.out_features, lin.in_features, hbits, config.group_size, lin.bias is not None) - \
+        packed_bytes(lin)
+    if emb is not None:
+        e = _embedding_at(module, emb)
+        if e.weight.data_ptr() != lin.weight.data_ptr():  # untied: its own packed table
+            total += layer_bytes(e.num_embeddings, e.embedding_dim, hbits, config.group_size) - packed_bytes(e)
+    return total
+
+
 def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
                     progress: bool = False, bits: dict[str, int] | None = None,
                     after_block: Callable[[Quantized], None] | None = None) -> tuple[Quantized, dict[str, Any]]:
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
     values) and return their codes. ``calib`` is needed by GPTQ and AWQ. transformers' ``Conv1D``
     layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``).
-    ``bits``: a bit width per linear where it is not ``config.bits`` (mixed precision).
+    ``bits``: a bit width per linear where it is not ``config.bits`` (``mixed_bits``).
     ``after_block(codes)``: called with a block's codes once its linears are final (``apply`` packs
     them there, so a model stored in half precision holds one block in float32 at a time)."""
     converted = linearize(module)
@@ -410,12 +484,20 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
         device = "cpu" if config.device == "cpu" else device
     if device != config.device:
         config = replace(config, device=device)
-    calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
+    if config.mixed and (handle.kind != "causal-lm" or [i.name for i in handle.inputs][:1] != ["input_ids"]):
+        raise BadInputError(f"mixed precision (--max-size-mb, --avg-bits) measures each layer's cost on the "
+                            f"language-model loss; {handle.name} is a {handle.kind} model, not a causal LM")
+    calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" or config.mixed else None
     windows = _eval_windows(handle, config, ctx)
     float_bytes = packed_bytes(module)
     with float32_compute(module):
         ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
     bits: dict[str, int] | None = None
+    mixed: dict[str, Any] | None = None
+    if config.mixed and calib is not None:
+        upcast_half(module)  # its backward pass needs the float32 model (mixed.sensitivities)
+        linearize(module)
+        bits, mixed = mixed_bits(module, quantizable_linears(module)[2], config, calib)
     layers: dict[str, Any] = {}
 
     def pack_block(codes: Quantized) -> None:  # as each block is final: a half-stored model stays so
@@ -426,10 +508,18 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     upcast_half(module)  # what is left in half precision (norms, an unquantized head) computes in float32
     meta.update(info)
     meta["packed_bytes"] = packed_bytes(module)
+    if mixed is not None:
+        meta["mixed"] = mixed
+        if config.max_size_mb is not None and meta["packed_bytes"] > config.max_size_mb * 1e6:
+            raise CheckFailedError(f"mixed precision planned {mixed['predicted_bytes'] / 1e6:.2f} MB within "
+                                   f"{config.max_size_mb:g} MB, but the packed model is "
+                                   f"{meta['packed_bytes'] / 1e6:.2f} MB")
     meta["parity"] = dict(zip(("atol", "rtol"), PARITY_TOLERANCE))
     ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
                            "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
                            "float_bytes": float_bytes,
+                           **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
+                              if mixed is not None else {}),
                            **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
     if windows is not None and ppl_float is not None:
         ppl = _perplexity(handle, windows, ctx)
@@ -515,5 +605,5 @@ STEP = Step(
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",
-           "pack_layers", "pack_head",
+           "pack_layers", "pack_head", "mixed_bits",
            "find_blocks", "BlockWalker", "quantizable_linears", "value_projection", "check_blocks", "head_layers"]
