@@ -9,7 +9,8 @@ Variants, all in this one process, timed interleaved (round-robin, one round = e
 * ``edgekit W4 traced``: the same checkpoint through optimum's traced graph (the previous export);
 * ``edgekit FP32 fused``: the float model in the fused graph;
 * ``llama.cpp Q4_0 / Q4_1 / Q8_0``: llama-cpp-python (built from source) on GGUFs made from the
-  model's own GGUF with llama.cpp's quantize API.
+  model's own GGUF with llama.cpp's quantize API; for Gemma-3-270m also the shipped file itself
+  (``llama.cpp Q4_K_M (shipped)``, the official quantization).
 
 Measured: one decode step (ms, tokens/s) over ``--new-tokens`` generated tokens after a
 ``--context``-token prompt, and a ``--context``-token prefill, at 1 and 2 threads; per-process CPU
@@ -22,6 +23,7 @@ compute) were chosen on decode timings of random-token prompts, not on the perpl
 
     python benchmarks/bench_decode.py                      # SmolLM2-135M
     python benchmarks/bench_decode.py --model gemma3-270m  # Gemma-3-270m
+    python benchmarks/bench_decode.py --model gemma3-270m --perplexity-only --windows 4  # llama.cpp's perplexities only
 """
 from __future__ import annotations
 
@@ -114,7 +116,9 @@ def eval_windows(handle: Any, n: int, bos: int | None) -> np.ndarray:
     from edgekit.sources.data import load_samples
 
     ids = load_samples("wikipedia", handle, split="eval", seqlen=512, limit=n).inputs["input_ids"]
-    if bos is not None:  # Gemma: <bos> at the start of every window
+    # Gemma: <bos> at the start of every window (the windows start with the tokenizer's prefix, which
+    # the GGUF's own tokenizer makes <bos>: never add a second one)
+    if bos is not None and not (ids[:, 0] == bos).all():
         ids = np.concatenate([np.full((ids.shape[0], 1), bos, dtype=ids.dtype), ids[:, :-1]], axis=1)
     return ids
 
@@ -282,6 +286,41 @@ def node_profile(folder: Path, prompt: np.ndarray, runs: int = 20) -> dict[str, 
 
 # --- main ------------------------------------------------------------------------------------------
 
+def llama_cpp_perplexity(args: Any, work: Path, src_gguf: Path, gemma: bool, info: dict[str, Any]) -> None:
+    """llama.cpp's perplexity (1 thread, all logits) on the eval windows edgekit's tokenizer of the model
+    makes (the same token ids edgekit's rows are measured on): the shipped GGUF and its requantizations."""
+    import hashlib
+
+    from edgekit.sources.hf import load_hf
+    from edgekit.sources.zoo import load_zoo_model
+
+    light = load_hf(src_gguf.parent, src_gguf.name, weights=False) if gemma else \
+        load_zoo_model("smollm2-135m", weights=False)
+    bos = int(light.tokenizer.bos_token_id) if gemma else None
+    windows = eval_windows(light, args.windows, bos)
+    ggufs = {f"llama.cpp {k}": quantize_gguf(src_gguf, work / f"{args.model}-{k}.gguf", k) for k in ("Q4_0", "Q8_0")}
+    ggufs["llama.cpp Q4_K_M (shipped)" if gemma else "llama.cpp Q4_1 (shipped)"] = src_gguf
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    rows = []
+    for name, path in ggufs.items():
+        if name in skip:
+            continue
+        c0, t0 = time.process_time(), time.perf_counter()
+        runner = LlamaCppVariant(name, path, 1, n_ctx=520, logits_all=True)
+        ppl = perplexity(runner.prefill, windows)
+        del runner
+        gc.collect()
+        rows.append({"variant": name, "file_mb": path.stat().st_size / 1e6, "perplexity": ppl,
+                     "cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - t0, 1)})
+        print(f"{name:28} {rows[-1]['file_mb']:7.1f} MB  perplexity {ppl:8.3f}  ({rows[-1]['cpu_s']} CPU s)", flush=True)
+    out = RESULTS / f"decode_{args.model}_perplexity.json"
+    out.write_text(json.dumps({**info, "model": args.model, "windows": int(windows.shape[0]),
+                               "window_tokens": int(windows.shape[1]),
+                               "window_ids_sha256": hashlib.sha256(windows.tobytes()).hexdigest(),
+                               "first_ids": windows[0, :8].tolist(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default="smollm2-135m")
@@ -294,6 +333,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--windows", type=int, default=16, help="512-token Wikipedia windows for perplexity")
     ap.add_argument("--skip", default="", help="comma-separated variant names to leave out")
+    ap.add_argument("--perplexity-only", action="store_true",
+                    help="only llama.cpp's perplexity on the eval windows edgekit's tokenizer makes (no export, "
+                         "no timing): the llama.cpp rows of the quality comparison")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work)
@@ -307,6 +349,10 @@ def main() -> None:
     print(f"machine: {info['machine']}", flush=True)
     gemma = args.model == "gemma3-270m"
     src_gguf = gemma_gguf(work) if gemma else smollm2_gguf()
+
+    if args.perplexity_only:
+        llama_cpp_perplexity(args, work, src_gguf, gemma, info)
+        return
 
     # edgekit artifacts
     t0 = time.perf_counter()
@@ -341,6 +387,8 @@ def main() -> None:
                         "parity_int8_compute": man["metrics"].get("parity_int8_compute")}
     ggufs = {f"llama.cpp {k}": quantize_gguf(src_gguf, work / f"{args.model}-{k}.gguf", k)
              for k in ("Q4_0", "Q4_1", "Q8_0")}
+    if gemma:
+        ggufs["llama.cpp Q4_K_M (shipped)"] = src_gguf
     prep_s = time.perf_counter() - t0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     folders = {k: v for k, v in folders.items() if k not in skip}

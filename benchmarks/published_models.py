@@ -1,7 +1,8 @@
 """Architectures of models with published device latencies, in plain torch (random weights:
-an estimate needs the graph, not the weights): ResNet-50 v1.5, BERT encoders (base, large)
-and YOLO11 n/s/m as Ultralytics defines them (yolo11.yaml: C3k2, SPPF, C2PSA, Detect with
-DFL decoding). Used by bench_estimate_published.py and the estimate tests.
+an estimate needs the graph, not the weights): ResNet-50 v1.5, BERT encoders (base, large),
+YOLO11 n/s/m/l/x as Ultralytics defines them (yolo11.yaml: C3k2, SPPF, C2PSA, Detect with
+DFL decoding) and MLPerf's RetinaNet (ResNeXt50-32x4d FPN, 800x800, 264 OpenImages classes,
+as torchvision builds it). Used by bench_estimate_published.py and the estimate tests.
 """
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ class Detect(nn.Module):
 
 
 class YOLO11(nn.Module):
-    SCALES = {"n": (0.50, 0.25, 1024), "s": (0.50, 0.50, 1024), "m": (0.50, 1.00, 512)}
+    SCALES = {"n": (0.50, 0.25, 1024), "s": (0.50, 0.50, 1024), "m": (0.50, 1.00, 512), "l": (1.00, 1.00, 512),
+              "x": (1.00, 1.50, 512)}
 
     def __init__(self, scale: str = "n", nc: int = 80) -> None:
         super().__init__()
@@ -260,6 +262,74 @@ class YOLO11(nn.Module):
         h19 = self.h19(torch.cat((self.h17(h16), h13), 1))
         h22 = self.h22(torch.cat((self.h20(h19), p5), 1))
         return self.detect([h16, h19, h22])
+
+
+# --- RetinaNet (MLPerf Inference: ResNeXt50-32x4d FPN, P3-P7, 9 anchors, 264 classes) -------------
+class _XBlock(nn.Module):
+    """ResNeXt bottleneck: 1x1, grouped 3x3 (32 groups of 4 per 64 planes), 1x1, stride on the 3x3."""
+
+    def __init__(self, cin: int, planes: int, stride: int) -> None:
+        super().__init__()
+        width, cout = planes * 2, planes * 4
+        self.c1, self.b1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.c2, self.b2 = nn.Conv2d(width, width, 3, stride, 1, groups=32, bias=False), nn.BatchNorm2d(width)
+        self.c3, self.b3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.b1(self.c1(x)))
+        y = torch.relu(self.b2(self.c2(y)))
+        return torch.relu(self.b3(self.c3(y)) + self.down(x))
+
+
+class _Head(nn.Module):
+    def __init__(self, out: int) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(*(m for _ in range(4) for m in (nn.Conv2d(256, 256, 3, 1, 1), nn.ReLU())))
+        self.out = nn.Conv2d(256, out, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.tower(x))
+
+
+class RetinaNet(nn.Module):
+    def __init__(self, classes: int = 264, anchors: int = 9) -> None:
+        super().__init__()
+        self.classes = classes
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        stages, cin = [], 64
+        for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            layers = []
+            for i in range(blocks):
+                layers.append(_XBlock(cin, planes, stride if i == 0 else 1))
+                cin = planes * 4
+            stages.append(nn.Sequential(*layers))
+        self.stages = nn.ModuleList(stages)
+        self.inner = nn.ModuleList(nn.Conv2d(c, 256, 1) for c in (512, 1024, 2048))
+        self.layer = nn.ModuleList(nn.Conv2d(256, 256, 3, 1, 1) for _ in range(3))
+        self.p6, self.p7 = nn.Conv2d(256, 256, 3, 2, 1), nn.Conv2d(256, 256, 3, 2, 1)
+        self.cls, self.box = _Head(anchors * classes), _Head(anchors * 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (B, 3, 800, 800)
+        x = self.stem(x)
+        feats = []
+        for i, stage in enumerate(self.stages):
+            x = stage(x)
+            if i >= 1:
+                feats.append(x)
+        last = self.inner[2](feats[2])
+        outs = [self.layer[2](last)]
+        for i in (1, 0):
+            last = self.inner[i](feats[i]) + nn.functional.interpolate(last, size=feats[i].shape[-2:], mode="nearest")
+            outs.insert(0, self.layer[i](last))
+        p6 = self.p6(outs[-1])
+        outs += [p6, self.p7(torch.relu(p6))]
+        b = x.shape[0]
+        cls = torch.cat([self.cls(p).permute(0, 2, 3, 1).reshape(b, -1, self.classes) for p in outs], 1)
+        box = torch.cat([self.box(p).permute(0, 2, 3, 1).reshape(b, -1, 4) for p in outs], 1)
+        return cls, box  # (B, 120087, 264), (B, 120087, 4) at 800x800
 
 
 def export(model: nn.Module, args: tuple[torch.Tensor, ...], names: list[str], path: str) -> str:

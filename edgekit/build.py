@@ -40,12 +40,14 @@ from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, ba
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
+from edgekit.runtimes.int8_kernels import semantics_for_target
 from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels, read_graph_outline
 from edgekit.targets import Target, TargetLike, load_target
+from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel
 
 INPUTS_FILE = "inputs.npz"
 ONNX_DIR = "onnx"
@@ -128,11 +130,16 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
                 export_cfg = options.extra.get("export")
                 if isinstance(export_cfg, dict):
                     export_cfg = ExportConfig(**export_cfg)
-                export_onnx(handle, tmp / ONNX_DIR, export_cfg)
+                export_cfg = export_cfg or ExportConfig()
+                if export_cfg.int8_kernels is None:  # an INT8 graph is judged on the kernels of the target built for
+                    export_cfg = dataclasses.replace(export_cfg, int8_kernels=semantics_for_target(target))
+                # a graph that fails parity is kept beside the output (the staging folder goes away)
+                export_onnx(handle, tmp / ONNX_DIR, export_cfg, failed_path=out_dir.parent / f"{out_dir.name}.failed.onnx")
             onnx_manifest = read_manifest(tmp / ONNX_DIR)
             files["onnx"] = f"{ONNX_DIR}/{onnx_manifest.files['onnx']}"
             if "parity" in onnx_manifest.metrics:
                 metrics["parity"] = onnx_manifest.metrics["parity"]
+            metrics["quality"] = engine_quality(metrics.get("parity"), onnx_manifest.config.get("exporter"))
             if not inputs:
                 inputs = {"model": dict(onnx_manifest.inputs.get("model", {}))} if onnx_manifest.inputs else {}
             described = onnx_manifest.model or handle.describe()  # as exported (a static batch is fixed there)
@@ -145,6 +152,16 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
         result = runtime.build(built_from, target, tmp, opts)
         files.update(result.get("files", {}))
         metrics.update(result.get("metrics", {}))
+        if "quality" not in metrics:  # a runtime that builds from the PyTorch model checks its own parity
+            metrics["quality"] = engine_quality(metrics.get("parity"), "runtime")
+        warnings = list(metrics.get("warnings", []))
+        if metrics["quality"].get("status") == "unverified":
+            warnings.append(f"quality: unverified: {metrics['quality']['reason']}")
+        if target.kind == "cpu" and not target.is_this_machine:
+            metrics["not_run_on_the_target"] = other_cpu_note(target, metrics.get("parity"))
+            warnings.append(metrics["not_run_on_the_target"])
+        if warnings:
+            metrics["warnings"] = warnings
         metrics["build_total_seconds"] = round(time.perf_counter() - t0, 3)
         precision = _precision(handle, options, tmp / files["onnx"] if "onnx" in files else None)
         if result.get("kind", "engine") == "engine":
@@ -160,6 +177,30 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
             source=handle.source, model=described, steps=[dataclasses.asdict(s) for s in handle.steps],
             target=target.name))
     return out_dir
+
+
+def other_cpu_note(target: Target, parity: Any) -> str:
+    """What could not run on the real kernels of a CPU target that is not this machine."""
+    arch, _, _ = cpu_features()
+    theirs = (f"{target.arch}, {target.int8_kernel.name} integer kernels" if target.int8_kernel is not None
+              else "a CPU it does not describe")
+    judged = parity.get("kernels") if isinstance(parity, dict) and parity.get("kernels") else None
+    return (f"built on this machine ({arch}, {host_int8_kernel().name} integer kernels) for target {target.name!r} "
+            f"({theirs}): " + (f"parity ran on {judged}; " if judged else "")
+            + "nothing was run or timed on that CPU (profile the engine there, or with `edgekit remote`)")
+
+
+def engine_quality(parity: Any, exporter: Any) -> dict[str, Any]:
+    """Whether an engine was checked against the model it came from: "verified" (parity passed),
+    "unverified" (parity skipped: ``export --no-parity``; ``check --require-verified`` fails on it) or
+    "as-given" (an ONNX file was the input: there is no other model to compare it with)."""
+    if exporter == "copy":
+        return {"status": "as-given", "reason": "an ONNX file was the input: nothing to compare it with"}
+    if isinstance(parity, dict) and parity.get("passed") is True:
+        return {"status": "verified", "against": "the PyTorch model", "kernels": parity.get("kernels", "")}
+    reason = (parity or {}).get("reason") if isinstance(parity, dict) else None
+    return {"status": "unverified",
+            "reason": str(reason or "parity with the PyTorch model was skipped (export --no-parity)")}
 
 
 def _build_best(model: str | os.PathLike[str] | ModelHandle, target: Target, out_dir: Path, options: BuildOptions,
@@ -202,6 +243,15 @@ def _build_best(model: str | os.PathLike[str] | ModelHandle, target: Target, out
         if not built:
             why = "; ".join(f"{k}: {next(iter(v.values()))}" for k, v in candidates.items())
             raise UnavailableError(f"no runtime of target {target.name!r} builds this model ({why})")
+        for name in list(built):  # a candidate that skipped its check is no candidate
+            status = read_manifest(built[name]).metrics.get("quality", {}).get("status")
+            if status == "unverified":
+                candidates[name] = {"error": "quality unverified (parity was skipped); not kept"}
+                del built[name]
+        if not built:
+            why = "; ".join(f"{k}: {next(iter(v.values()))}" for k, v in candidates.items())
+            raise UnavailableError(f"no runtime of target {target.name!r} builds this model with its quality "
+                                   f"verified ({why})")
         for name, timing in time_candidates(built, options.threads).items():
             candidates[name].update(timing)
         chosen = min(built, key=lambda n: candidates[n]["p50_ms"])

@@ -25,6 +25,8 @@ class BudgetVerdict:
     target: str | None
     cv: float = 0.0  # coefficient of variation of the measurement
     noisy: bool = False  # the profile stayed above its noise threshold: the verdict is uncertain
+    unverified: tuple[str, ...] = ()  # what the profile could not vouch for (unverified_reasons); fails with require_verified
+    require_verified: bool = False
 
     def message(self) -> str:
         head = "PASS" if self.passed else "FAIL"
@@ -36,10 +38,59 @@ class BudgetVerdict:
         if self.max_jitter is not None:
             parts.append(f"jitter p99/p50 {self.jitter:.3f} {'<=' if self.jitter_passed else '>'} {self.max_jitter:g}")
         parts.append(f"CV {self.cv:.1%}" + (" (noisy measurement: the verdict is uncertain)" if self.noisy else ""))
+        if self.unverified:
+            parts.append(("FAIL (--require-verified): " if self.require_verified else "warning: ")
+                         + "; ".join(self.unverified))
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class VerifiedVerdict:
+    """``check --require-verified`` without a budget: whether every field of the profile is verified."""
+
+    passed: bool
+    unverified: tuple[str, ...]
+    model: str | None
+    target: str | None
+
+    def message(self) -> str:
+        if self.passed:
+            return "PASS: verified (nothing in the profile is unverified)"
+        return "FAIL (--require-verified): " + "; ".join(self.unverified)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def unverified_reasons(profile: ProfileResult) -> list[str]:
+    """What a profile cannot vouch for: every top-level field that says ``unverified`` (a string,
+    or a record with ``status: unverified`` and its ``reasons`` or ``reason``: device results whose
+    ``provenance`` was not recorded, an engine whose ``quality`` was not checked against its model),
+    and an estimate standing in for a measurement."""
+    reasons = []
+    for key, value in profile.to_dict().items():
+        if value == "unverified":
+            reasons.append(f"{key}: unverified")
+        elif isinstance(value, dict) and value.get("status") == "unverified":
+            why = value.get("reasons") or ([value["reason"]] if value.get("reason") else [])
+            reasons.append(f"{key}: unverified" + (f" ({'; '.join(str(r) for r in why)})" if why else ""))
+    if profile.source == "estimated":
+        reasons.append("latency: an estimate (roofline model), not a measurement")
+    return reasons
+
+
+def check_verified(profile: str | os.PathLike[str] | ProfileResult) -> VerifiedVerdict:
+    """Pass when nothing in the profile is unverified (``unverified_reasons``).
+
+    >>> check_verified("out/profile.json").passed  # doctest: +SKIP
+    True
+    """
+    result = load_profile(profile)
+    reasons = tuple(unverified_reasons(result))
+    return VerifiedVerdict(passed=not reasons, unverified=reasons, model=result.model, target=result.target)
 
 
 def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResult:
@@ -59,8 +110,9 @@ def load_profile(source: str | os.PathLike[str] | ProfileResult) -> ProfileResul
 
 
 def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: float, percentile: str = "p99",
-                 max_jitter: float | None = None) -> BudgetVerdict:
-    """Compare a profile's latency at ``percentile`` with ``budget_ms``.
+                 max_jitter: float | None = None, require_verified: bool = False) -> BudgetVerdict:
+    """Compare a profile's latency at ``percentile`` with ``budget_ms``. ``require_verified``: also fail
+    when the profile cannot vouch for what it measured (``unverified_reasons``).
 
     >>> v = check_budget("out/profile.json", budget_ms=33, percentile="p99")  # doctest: +SKIP
     >>> v.passed  # doctest: +SKIP
@@ -79,7 +131,10 @@ def check_budget(profile: str | os.PathLike[str] | ProfileResult, budget_ms: flo
     jitter = p99 / p50 if p50 > 0 else (1.0 if p99 == 0 else float("inf"))
     jitter_ok = max_jitter is None or jitter <= max_jitter
     met = latency <= budget_ms
-    return BudgetVerdict(passed=met and jitter_ok, percentile=key, latency_ms=latency, budget_ms=float(budget_ms),
-                         margin_ms=float(budget_ms) - latency, jitter=jitter, max_jitter=max_jitter,
-                         jitter_passed=jitter_ok, model=result.model, target=result.target,
-                         cv=result.latency_ms.cv, noisy=result.noisy)
+    unverified = tuple(unverified_reasons(result))
+    verified_ok = not (require_verified and unverified)
+    return BudgetVerdict(passed=met and jitter_ok and verified_ok, percentile=key, latency_ms=latency,
+                         budget_ms=float(budget_ms), margin_ms=float(budget_ms) - latency, jitter=jitter,
+                         max_jitter=max_jitter, jitter_passed=jitter_ok, model=result.model, target=result.target,
+                         cv=result.latency_ms.cv, noisy=result.noisy, unverified=unverified,
+                         require_verified=require_verified)

@@ -355,7 +355,12 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 
 
 @cli.command()
-@click.argument("engine_dir", type=click.Path())
+@click.argument("engine_dir", type=click.Path(), required=False)
+@click.option("--trtexec", "trtexec_dir", type=click.Path(), default=None,
+              help="A folder of trtexec exports made by hand (--exportTimes, --exportProfile, --exportLayerInfo, log; "
+                   "any names): read as a device profile, checked against --onnx and --target.")
+@click.option("--onnx", "onnx_file", type=click.Path(), default=None, help="With --trtexec: the ONNX the engine was built from.")
+@click.option("--target", "target", default=None, help="With --trtexec: the target the results claim (name or YAML).")
 @click.option("--warmup-ms", type=float, default=200.0, show_default=True)
 @click.option("--duration-s", type=float, default=3.0, show_default=True)
 @click.option("--iterations", type=int, default=100, show_default=True, help="Minimum timed inferences.")
@@ -371,14 +376,39 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
               help="Causal LMs: context lengths after which decode tokens/s is measured.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Causal LMs: tokens generated per run.")
 @with_input_options("shapes", "inputs")
-def profile(engine_dir: str, warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
+def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
+            warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
             top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str,
             contexts: str, new_tokens: int, input_options: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
-    with a KV cache also time to first token, decode tokens/s and peak memory."""
-    from edgekit.profiling import ProfileConfig
+    with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
+    MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
+    from edgekit.profiling import ProfileConfig, profile_exports
     from edgekit.profiling_lm import GenerationConfig, profile_with_generation
 
+    if trtexec_dir is not None or onnx_file is not None:
+        if trtexec_dir is None or onnx_file is None or target is None or engine_dir is not None:
+            raise BadInputError("trtexec exports are read with --trtexec DIR --onnx MODEL.onnx --target TARGET "
+                                "(and no ENGINE_DIR)")
+        if input_options is not None and input_options.inputs is not None:
+            raise BadInputError("--inputs applies to engines timed here; with --trtexec give --shapes (the shapes "
+                                "trtexec timed)")
+        file = None if json_out == "-" else json_out
+        with _json_stdout(json_out == "-"):
+            result = profile_exports(trtexec_dir, onnx_file, target, shapes=input_options.shapes if input_options
+                                     else None, top_k=top_k, out_json=file)
+        if json_out == "-":
+            _print_json(result.to_dict())
+            return
+        _print_profile(result, top_k)
+        if file:
+            click.echo(f"wrote {file}")
+        return
+    if engine_dir is None:
+        raise BadInputError("give an engine folder (edgekit profile ENGINE_DIR), or trtexec exports with --trtexec "
+                            "DIR --onnx MODEL.onnx --target TARGET")
+    if target is not None:
+        raise BadInputError("--target applies with --trtexec (an engine folder records its target)")
     config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
                            batch=batch, node_profile=not no_nodes, top_k=top_k)
     generation = None if no_generation else GenerationConfig(
@@ -441,11 +471,16 @@ def _print_profile(result: Any, top_k: int) -> None:
     if result.float_share is not None:
         con.print(f"quantized nodes: {result.quantized_nodes}/{result.total_nodes}; "
                   f"time in float nodes: {result.float_share:.1%}")
+    elif result.total_nodes:
+        con.print(f"quantized nodes: unknown ({result.total_nodes} layers, none with a recorded precision: no layer "
+                  "info)")
     breakdown = result.settings.get("precision_breakdown")
     if breakdown:
         con.print(_table("where the time goes, by precision", ["precision", "layers", "kind", "ms", "share"],
                          [[r["precision"], r["layers"], r["role"], f"{r['time_ms']:.4f}", f"{r['share']:.1%}"]
                           for r in breakdown["rows"]]))
+    if result.provenance is not None:
+        con.print(f"provenance: {result.provenance.summary()}")
     if result.source == "device":
         m = result.machine
         clocks = {True: "clocks locked", False: "clocks NOT locked"}.get(m.get("clocks_locked"), "clocks not recorded")
@@ -464,21 +499,35 @@ def _print_profile(result: Any, top_k: int) -> None:
               help="Check against this TensorRT version (e.g. 8.5) instead of the one the target's JetPack pins.")
 @click.option("--dla-core", type=int, default=None, help="Also list the layers that fall back from this DLA core.")
 @click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
+@click.option("--dim", "dims", multiple=True,
+              help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@with_input_options("shapes")
 def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         as_json: bool) -> int:
+         dims: tuple[str, ...], as_json: bool, input_options: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
+    --shapes / --dim give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
     from edgekit.runtimes.tensorrt.lint import lint_model
 
-    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision)
+    ranges: dict[str, tuple[int, int]] = {}
+    for d in dims:
+        name, _, value = d.partition("=")
+        lo, _, hi = value.partition(":")
+        if not name or not lo.strip().isdigit() or (hi and not hi.strip().isdigit()) or int(lo) < 0 \
+                or (hi and int(hi) < int(lo)) or int(hi or lo) < 1:
+            raise BadInputError(f"--dim {d!r} must be NAME=SIZE or NAME=MIN:MAX with whole numbers, 0 <= MIN <= MAX, "
+                                "MAX >= 1")
+        ranges[name] = (int(lo), int(hi or lo))
+    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
+                        shapes=input_options.shapes if input_options else None, dims=ranges or None)
     if as_json:
         _print_json(report.to_dict())
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
-                                                                                  "what to do"],
-                                [[f.severity, f.node, f.op_type, f.why, f.fix] for f in report.findings]))
+                                                                                  "what to do", "rule from"],
+                                [[f.severity, f.node, f.op_type, f.why, f.fix, f.source] for f in report.findings]))
     click.echo(report.summary())
     return report.exit_code
 
@@ -493,32 +542,39 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
               help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
 @click.option("--max-ttft-ms", type=float, default=None,
               help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
+@click.option("--require-verified", is_flag=True,
+              help="Also fail (exit 1) when any field of the profile is unverified (device results whose provenance "
+                   "was not recorded, an engine built without parity, an estimate), listing the reasons.")
 @_json_file_or_stdout("the verdict JSON")
 def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
-          min_tokens_per_s: float | None, max_ttft_ms: float | None, json_out: str | None) -> int:
+          min_tokens_per_s: float | None, max_ttft_ms: float | None, require_verified: bool,
+          json_out: str | None) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
-    from edgekit.check import check_budget
+    from edgekit.check import check_budget, check_verified
     from edgekit.profiling_lm import check_generation
 
-    if budget_ms is None and min_tokens_per_s is None and max_ttft_ms is None:
-        raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms")
-    verdicts: list[Any] = []
+    if budget_ms is None and min_tokens_per_s is None and max_ttft_ms is None and not require_verified:
+        raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms (or --require-verified)")
+    verdicts: list[tuple[str, Any]] = []  # (key in the verdict JSON, verdict); the first is the record's top level
     if budget_ms is not None:
-        verdicts.append(check_budget(profile, budget_ms, percentile, max_jitter))
+        verdicts.append(("budget", check_budget(profile, budget_ms, percentile, max_jitter,
+                                                require_verified=require_verified)))
     if min_tokens_per_s is not None or max_ttft_ms is not None:
-        verdicts.append(check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile))
-    code = 0 if all(v.passed for v in verdicts) else 1
+        verdicts.append(("generation", check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile)))
+    if require_verified and budget_ms is None:
+        verdicts.append(("verified", check_verified(profile)))
+    code = 0 if all(v.passed for _, v in verdicts) else 1
     if json_out:
         from edgekit.artifact import atomic_write_json
 
-        record = {**verdicts[0].to_dict(), "message": verdicts[0].message()}
-        if len(verdicts) > 1:
-            record["generation"] = {**verdicts[1].to_dict(), "message": verdicts[1].message()}
+        record = {**verdicts[0][1].to_dict(), "message": verdicts[0][1].message()}
+        for key, v in verdicts[1:]:
+            record[key] = {**v.to_dict(), "message": v.message()}
         if json_out == "-":
             _print_json(record)
             return code
         atomic_write_json(json_out, record, protect=(profile,))
-    for v in verdicts:
+    for _, v in verdicts:
         click.echo(v.message())
     return code
 
@@ -898,11 +954,16 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
               "(default: the target's first runtime).")
 @click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
+@click.option("--timing", type=click.Choice(["gpu-compute", "end-to-end"]), default="gpu-compute", show_default=True,
+              help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
+                   "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
+                   "benchmark); both are estimated.")
 @click.option("--top-k", type=int, default=10, show_default=True)
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
-                 runtime: str | None, calibrate: bool, top_k: int, json_out: str | None, input_options: Any) -> None:
+                 runtime: str | None, calibrate: bool, timing: str, top_k: int, json_out: str | None,
+                 input_options: Any) -> None:
     """Latency ESTIMATE of a model on a target, with its range (not a measurement).
 
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
@@ -913,12 +974,14 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     bound: dict[str, int] = {}
     for d in dims:
         name, _, value = d.partition("=")
-        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 1:
-            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a positive integer VALUE")
+        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 0:
+            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE >= 0 (0: an empty axis, "
+                                "such as past_sequence_length=0 for a prefill)")
         bound[name] = int(value)
     with _json_stdout(json_out == "-"):
         est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                                calibrate=calibrate, runtime=runtime, input_options=input_options)
+                                                calibrate=calibrate, runtime=runtime, input_options=input_options,
+                                                timing=timing)
     doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
     if json_out == "-":
         _print_json(doc)

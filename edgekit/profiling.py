@@ -22,13 +22,23 @@ import numpy as np
 
 from edgekit.artifact import atomic_write_json, check_output_file, machine_info, now_iso
 from edgekit.build import load_engine, load_engine_inputs
-from edgekit.errors import BadInputError
+from edgekit.errors import BadInputError, EdgekitError
 from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
-from edgekit.runtimes.base import Engine, NodeTiming, RecordedRun, check_feeds, read_folder_manifest
+from edgekit.runtimes.base import (
+    Engine,
+    NodeTiming,
+    NoResultsYet,
+    Provenance,
+    RecordedRun,
+    check_feeds,
+    read_folder_manifest,
+)
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_json
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.onnx_file import node_labels
+from edgekit.targets import Target, load_target
+from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel
 
 PERCENTILES = ("p50", "p90", "p95", "p99")
 STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
@@ -174,6 +184,12 @@ class ProfileResult:
     generation: dict[str, Any] | None = None  # causal LMs: time to first token, decode tokens/s (profiling_lm)
     noisy: bool = False  # the coefficient of variation stayed above settings["noise_cv"] on every attempt
     attempts: int = 1  # timing attempts (repeated while noisy)
+    # the engine's check against the model it came from (the engine manifest's ``metrics.quality``):
+    # {"status": "verified" | "unverified" | "as-given", ...}; None when the engine does not say
+    quality: dict[str, Any] | None = None
+    # recorded results (trtexec on the device): whether they come from the device and engine they
+    # claim (edgekit.runtimes.base.Provenance); None for a measurement made here
+    provenance: Provenance | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -250,7 +266,12 @@ def summarize_nodes(nodes: list[NodeTiming], top_k: int | None = None) -> tuple[
     op_types = sorted(by_type.values(), key=lambda r: -r["time_ms"])
     for t in op_types:
         t["share"] = t["time_ms"] / total
-    float_share = sum(n.time_ms for n in nodes if not n.quantized) / total if nodes else None
+    # the share of float time among nodes whose precision is known; None when no node's is
+    # (trtexec results without layer info): unknown is never counted as float
+    known = [n for n in nodes if n.precision != "unknown"]
+    known_total = sum(n.time_ms for n in known)
+    float_share = (sum(n.time_ms for n in known if not n.quantized) / known_total if known_total else
+                   (1.0 - sum(1 for n in known if n.quantized) / len(known)) if known else None)
     quantized = sum(1 for n in nodes if n.quantized)
     ordered = sorted(nodes, key=lambda n: -n.time_ms)
     return (ordered[:top_k] if top_k else ordered), op_types, float_share, quantized
@@ -346,7 +367,7 @@ def profile_from_recorded(run: RecordedRun, top_k: int | None = None) -> Profile
                          model=run.model, settings=dict(run.settings), latency_ms=stats, throughput_per_s=throughput,
                          nodes=top, op_types=op_types, float_share=float_share, quantized_nodes=quantized,
                          total_nodes=total_nodes, machine=dict(run.machine), warnings=list(run.warnings),
-                         source=run.source, created=now_iso())
+                         source=run.source, created=now_iso(), provenance=run.provenance)
 
 
 def device_measurement(folder: str | os.PathLike[str], top_k: int | None = 15) -> ProfileResult | None:
@@ -361,11 +382,47 @@ def device_measurement(folder: str | os.PathLike[str], top_k: int | None = 15) -
         return None
     try:
         recorded = get_runtime(manifest.config["runtime"]).recorded_run(folder, manifest)
-    except BadInputError:  # a bundle whose script has not run yet
+    except NoResultsYet:  # a bundle whose script has not run yet; results of another device are an error
         return None
     if recorded is None or recorded.source != "device":
         return None
     return profile_from_recorded(recorded, top_k)
+
+
+def profile_exports(folder: str | os.PathLike[str], onnx_path: str | os.PathLike[str], target: str,
+                    runtime: str = "tensorrt", shapes: dict[str, tuple[int, ...]] | None = None,
+                    top_k: int | None = 15, out_json: str | os.PathLike[str] | None = None) -> ProfileResult:
+    """A runtime tool's exports made by hand (trtexec's ``--exportTimes``, ``--exportProfile``,
+    ``--exportLayerInfo`` and log, under any names) as a device profile, checked against the ONNX
+    graph the engine was built from and the target it claims (``provenance``): a mismatch is
+    bad input naming both sides. ``shapes``: the input shapes the engine was timed with, where
+    the ONNX leaves them dynamic.
+
+    >>> profile_exports("exports/", "model.onnx", "jetson-agx-orin-64")  # doctest: +SKIP
+    """
+    from edgekit.artifact import Manifest
+    from edgekit.targets import load_target
+
+    folder, onnx_file = Path(folder), Path(onnx_path)
+    if not folder.is_dir():
+        raise BadInputError(f"trtexec exports folder {str(folder)!r} does not exist")
+    if not onnx_file.is_file():
+        raise BadInputError(f"ONNX file {str(onnx_file)!r} does not exist (give the graph the engine was built from)")
+    tgt = load_target(target)
+    if out_json is not None:
+        check_output_file(out_json, (folder, onnx_file))
+    profile = {name: {"min": list(d), "opt": list(d), "max": list(d)} for name, d in (shapes or {}).items()}
+    manifest = Manifest(kind="engine", config={"runtime": runtime, "imported": True, "onnx": str(onnx_file.resolve()),
+                                               "target_spec": str(target), "settings": {"shapes": profile}},
+                        target=tgt.name, model={"name": onnx_file.stem})
+    recorded = get_runtime(runtime).recorded_run(folder, manifest)
+    if recorded is None:
+        raise BadInputError(f"{folder} holds no {runtime} timing export (for trtexec: the JSON list of --exportTimes "
+                            "records, with computeMs and latencyMs)")
+    result = profile_from_recorded(recorded, top_k)
+    if out_json is not None:
+        result.save(out_json, protect=(folder, onnx_file))
+    return result
 
 
 def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
@@ -386,7 +443,13 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
     engine_dir = Path(engine_dir)
     if out_json is not None:
         check_output_file(out_json, (engine_dir,))  # before the measurement
-    manifest = read_folder_manifest(engine_dir)  # an engine, a bundle, or a device results folder
+    try:
+        manifest = read_folder_manifest(engine_dir)  # an engine, a bundle, or a device results folder
+    except BadInputError as e:
+        if engine_dir.is_dir() and any(engine_dir.glob("*.json")):
+            raise BadInputError(f"{e}; trtexec exports made by hand are read with `edgekit profile --trtexec "
+                                f"{engine_dir} --onnx MODEL.onnx --target TARGET`") from None
+        raise
     if manifest.kind in ("engine", "bundle") and manifest.config.get("runtime") in RUNTIMES:
         # Timings the runtime's own tool recorded (on the device): summarized, not re-measured.
         recorded = get_runtime(manifest.config["runtime"]).recorded_run(engine_dir, manifest)
@@ -434,9 +497,29 @@ def profile_engine(engine_dir: str | os.PathLike[str], config: ProfileConfig | N
         "input_shapes": {k: list(v.shape) for k, v in feeds.items()},
         "rss_delta_mb": round(rss_after - rss_before, 1) if rss_after and rss_before else None,
     })
+    quality = manifest.metrics.get("quality")
+    if isinstance(quality, dict):
+        result.quality = dict(quality)
+        if quality.get("status") == "unverified":
+            result.warnings.append(f"quality: unverified: {quality.get('reason', 'parity was skipped')}")
+    target = _target_or_none(manifest.target)
+    if target is not None and target.kind == "cpu" and not target.is_this_machine:
+        theirs = f"{target.arch}, {target.int8_kernel.name}" if target.int8_kernel else "a CPU it does not describe"
+        result.warnings.append(f"timed on this machine ({cpu_features()[0]}, {host_int8_kernel().name} integer kernels), "
+                               f"not on target {target.name!r} ({theirs}): the latency is this machine's")
     if out_json is not None:
         result.save(out_json, protect=(engine_dir,))
     return result
+
+
+def _target_or_none(name: str | None) -> Target | None:
+    """The engine's target, when it still loads (a user's target file may have moved)."""
+    if not name:
+        return None
+    try:
+        return load_target(name)
+    except EdgekitError:
+        return None
 
 
 def feed_batch(feeds: dict[str, np.ndarray], specs: list[dict[str, Any]]) -> int | None:

@@ -25,7 +25,7 @@ from edgekit.artifact import (
 from edgekit.check import check_budget
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.pipelines.html import render_run_html
-from edgekit.pipelines.results import RunResult, StageResult, markdown_summary
+from edgekit.pipelines.results import RunResult, StageResult, markdown_summary, source_label
 from edgekit.profiling import ProfileResult
 
 
@@ -94,14 +94,18 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
                 lines += [f"> {_rel(folder, data.folder)}: {status.get('summary')}", ""]
     for path, prof in data.profiles:
         s = prof.latency_ms
-        lines += [f"## Latency: {prof.model or '-'} on {prof.target or '-'} ({prof.runtime}, {prof.source})", "",
+        source = source_label(prof.source, prof.provenance.status if prof.provenance else None)
+        lines += [f"## Latency: {prof.model or '-'} on {prof.target or '-'} ({prof.runtime}, {source})", "",
                   f"Profile `{_rel(path, data.folder)}`; settings: "
                   + ", ".join(f"{k}={v}" for k, v in prof.settings.items()), "",
-                  "| min | mean | p50 | p90 | p95 | p99 | max | std | CV | throughput |",
-                  "|---|---|---|---|---|---|---|---|---|---|",
+                  "| min | mean | p50 | p90 | p95 | p99 | max | std | CV | throughput | source |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|",
                   f"| {_fmt(s.min)} | {_fmt(s.mean)} | {_fmt(s.p50)} | {_fmt(s.p90)} | {_fmt(s.p95)} | {_fmt(s.p99)} "
-                  f"| {_fmt(s.max)} | {_fmt(s.std)} | {s.cv:.1%} | {prof.throughput_per_s:.1f}/s |",
-                  "", f"All times in ms over {s.count} timed inferences."]
+                  f"| {_fmt(s.max)} | {_fmt(s.std)} | {s.cv:.1%} | {prof.throughput_per_s:.1f}/s | {source} |",
+                  "", f"All times in ms over {s.count} timed inferences." if prof.source != "estimated" else
+                  "Every number in this table is an ESTIMATE (roofline model), not a measurement."]
+        if prof.provenance is not None:
+            lines.append(f"Provenance: {prof.provenance.summary()}.")
         if prof.source == "device":
             mc = prof.machine
             clocks_locked: Any = mc.get("clocks_locked")  # True, False or not recorded
@@ -129,7 +133,8 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
                 lines.append(f"| {t['op_type']} | {t['count']} | {t['time_ms']:.4f} | {t['share']:.1%} | {t['quantized']} |")
             lines.append("")
         entry = {"path": str(path), "model": prof.model, "target": prof.target, "runtime": prof.runtime,
-                 "latency_ms": s.__dict__, "float_share": prof.float_share}
+                 "latency_ms": s.__dict__, "float_share": prof.float_share, "source": prof.source,
+                 "provenance": prof.provenance.status if prof.provenance else None}
         summary["profiles"].append(entry)
         if budget_ms is not None:
             v = check_budget(prof, budget_ms, percentile)

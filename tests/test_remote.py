@@ -142,7 +142,7 @@ def test_remote_trtexec_path_with_fake_trtexec(sshd, tmp_path, monkeypatch):
 
     monkeypatch.setenv("EDGEKIT_CACHE", str(tmp_path / "cache"))
     fake = helpers._fake_trtexec(tmp_path)
-    onnx_path = helpers._onnx(tmp_path / "m.onnx")
+    onnx_path = helpers._cnn_onnx(tmp_path / "m.onnx")  # the graph the fake's exports describe
     d = sshd["dir"]
     extra = {"remote": f"{sshd['user']}@127.0.0.1", "ssh_port": sshd["port"], "ssh_identity": str(d / "id"),
              "ssh_options": ["StrictHostKeyChecking=no", f"UserKnownHostsFile={d / 'known_hosts'}", "LogLevel=ERROR"],
@@ -155,6 +155,9 @@ def test_remote_trtexec_path_with_fake_trtexec(sshd, tmp_path, monkeypatch):
     assert (out / "model.plan").read_bytes().startswith(b"FAKE-PLAN")
     r = profile_engine(out)
     assert r.source == "trtexec" and r.quantized_nodes == 3
+    # the loopback "device" has no GPU to probe: the results' GPU is not recorded, so they stay unverified
+    assert r.provenance is not None and r.provenance.status == "unverified"
+    assert r.provenance.reasons[0].startswith("the GPU and its SM are not recorded")
     # a device without trtexec: a clear error
     with pytest.raises(UnavailableError, match="has no TensorRT"):
         build_engine(onnx_path, "h100-sxm", tmp_path / "e2",

@@ -29,9 +29,11 @@ PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from edgekit.compress.calibration import (
     score,
     tensor_batches,
 )
+from edgekit.compress.calibration import quality as quality_of
 from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8_gptq import round_model
 from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
@@ -57,13 +60,14 @@ from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import get_runtime
+from edgekit.runtimes.int8_kernels import semantics_for_target
 from edgekit.schema import check_fields
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
-from edgekit.targets import Target
+from edgekit.targets import HOST_TARGET, Target, load_target
 
 QAT_METHODS = ("ptq", "qat")
 ROUNDINGS = ("nearest", "gptq")
@@ -189,17 +193,33 @@ class Int8Config:
 def resolve_scheme(config: Int8Config, target: Target | None) -> str:
     """The Q/DQ flavour: explicit, else the one the target's runtimes require
     (``Runtime.int8_scheme``: the first runtime's, or on a GPU target any of its runtimes',
-    e.g. TensorRT's "trt"), else "u8s8" (ONNX Runtime's x86 kernels)."""
+    e.g. TensorRT's "trt"), else the one the CPU's integer kernels compute exactly: "u8s8" where
+    they sum in int32 (VNNI, AMX, arm64), "u8s7" (7-bit weights) where they sum pairs of products
+    in a saturating int16 (x86 without VNNI) or where the target does not say its CPU. Without a
+    target, this machine's CPU."""
+    return scheme_choice(config, target)[0]
+
+
+def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
+    """(scheme, why) for ``resolve_scheme``."""
     if config.scheme is not None:
-        return config.scheme
+        return config.scheme, "given"
     if target is None:
-        return "u8s8"
+        target = load_target(HOST_TARGET)
     required = [get_runtime(name).int8_scheme for name in target.runtimes]
     if required and required[0] is not None:
-        return required[0]
+        return required[0], f"what {target.runtimes[0]} runs on target {target.name!r}"
     if target.has_gpu:
-        return next((s for s in required if s is not None), "u8s8")
-    return "u8s8"
+        gpu = next((s for s in required if s is not None), None)
+        if gpu is not None:
+            return gpu, f"what the GPU runtimes of target {target.name!r} run"
+    kernel = target.int8_kernel
+    if kernel is None:
+        return "u8s7", (f"target {target.name!r} does not say its CPU (arch, isa): 7-bit weights, exact on every "
+                        "CPU's integer kernels")
+    if kernel.saturates:
+        return "u8s7", f"target {target.name!r}: {kernel.description}; 7-bit weights keep those sums exact"
+    return "u8s8", f"target {target.name!r}: {kernel.description}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -265,24 +285,46 @@ def parity_tolerance(module: nn.Module, handle: ModelHandle) -> dict[str, float]
 # The step
 
 
+class Phases:
+    """Wall and CPU seconds (this process, all threads) per phase of the step: where the time goes."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            got = self.record.setdefault(name, {"wall": 0.0, "cpu": 0.0})
+            got["wall"] = round(got["wall"] + time.perf_counter() - w0, 3)
+            got["cpu"] = round(got["cpu"] + time.process_time() - c0, 3)
+
+
 def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHandle:
 
-    scheme = resolve_scheme(config, ctx.target)
+    scheme, why = scheme_choice(config, ctx.target)
+    kernels = semantics_for_target(ctx.target if ctx.target is not None else load_target(HOST_TARGET))
+    if scheme == "trt":
+        kernels = "float-qdq"  # TensorRT's explicit quantization, whatever the target says of its CPU
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
-        return quantize_onnx_handle(handle, config, ctx, scheme)
+        return quantize_onnx_handle(handle, config, ctx, scheme, kernels)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
     torch.manual_seed(ctx.seed)
     names = [s.name for s in handle.inputs]
     t_start = time.perf_counter()
-    calib, held_out = _calibration_samples(handle, config, ctx)
+    phases = Phases()
+    with phases("load_data"):
+        calib, held_out = _calibration_samples(handle, config, ctx)
     float_module = handle.module.eval()
     reference = copy.deepcopy(float_module)
 
     work = copy.deepcopy(float_module)
-    meta: dict[str, Any] = {"scheme": scheme, "equalized": [], "relu6_to_relu": False}
+    meta: dict[str, Any] = {"scheme": scheme, "scheme_reason": why, "equalized": [], "relu6_to_relu": False}
     try:
         gm, plan = qdq.prepare_qdq(work, scheme)
     except qdq.TraceError as e:
@@ -290,14 +332,16 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         if config.method != "ptq" or config.max_accuracy_drop is not None:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop)") from None
-        return _quantize_via_onnx(handle, config, ctx, scheme)
+        return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
     if config.equalize:
-        meta["equalized"] = equalize(gm, plan)
-    qdq.update_weight_scales(gm, plan)
-    calibrate(gm, calib, names, config)
+        with phases("equalize"):
+            meta["equalized"] = equalize(gm, plan)
+    with phases("calibrate"):
+        qdq.update_weight_scales(gm, plan)
+        calibrate(gm, calib, names, config)
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
         for q in exclusive_input_quants(gm, set(kept_float)):
@@ -306,10 +350,13 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     meta["float_activations"] = float_inputs
     with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
         if config.rounding == "gptq":
-            meta["gptq"] = round_model(gm, plan, calib, names)
+            with phases("gptq_rounding"):
+                meta["gptq"] = round_model(gm, plan, calib, names)
         if config.bias_correction:
-            meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
+            with phases("bias_correction"):
+                meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+    qdq.clip_weights_to_grid(gm, plan)
     ptq_seconds = time.perf_counter() - t_start
 
     # evaluation data and the FP32 reference outputs on it
@@ -322,13 +369,15 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             raise
     metrics: dict[str, Any] = {"scheme": scheme, "calib_method": config.calib_method or TORCH_CALIB_METHOD,
                                "calib_samples": len(calib), "ptq_seconds": round(ptq_seconds, 3)}
-    ref_out = run_module(reference, ev, names) if ev is not None else None
+    with phases("evaluate_float"):
+        ref_out = run_module(reference, ev, names) if ev is not None else None
     if ev is not None and ref_out is not None:
         metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
 
     if config.method == "qat":
         metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config, ctx, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
+        qdq.clip_weights_to_grid(gm, plan)
 
     float_layers: list[str] = list(kept_float)
     with qdq.fast_fake_quant(gm):
@@ -344,8 +393,10 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             metrics["fallback"] = report
         if ev is not None and ref_out is not None:
             gm.eval()
-            metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
+            with phases("evaluate_fake_quant"):
+                metrics["int8_fake_quant"] = score(run_module(gm, ev, names), ref_out, ev.labels, evaluator)
     gm.eval()
+    meta["kernels"] = kernels
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
                  "activations": len(plan.activations), "folded_bn": len(plan.folded_bn),
                  # read by export_onnx (effective_tolerances), and kept in the saved record
@@ -355,18 +406,62 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config), meta)]
     new.extra = {**handle.extra, "int8_scheme": scheme, "parity_tolerance": PARITY_TOLERANCE}
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
+    if ev is not None and ref_out is not None and "int8_fake_quant" in metrics:
+        with phases("engine_check"):
+            metrics["int8_engine"] = _engine_check(new, ev, ref_out, metrics["int8_fake_quant"], evaluator, ctx)
+    metrics["seconds"] = phases.record
     ctx.metrics["int8"] = metrics
     return new
 
 
-def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str) -> ModelHandle:
+# How far the engine may fall below the fake-quant model it was exported from, in the quality measure
+# (top-1 agreement / accuracy / mean cosine): integer requantization rounds differently by a step now
+# and then; a kernel that computes something else (int16 overflow) costs tens of points.
+ENGINE_DROP = 0.03
+
+
+def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str, float], evaluator: str | None,
+                  ctx: StepContext) -> dict[str, Any]:
+    """The INT8 graph as the target's integer kernels run it (this machine's ONNX Runtime when they are
+    this machine's, else their model: ``runtimes.int8_kernels``) against the float model on the
+    evaluation data, beside the fake-quant model's figures. Beyond ``ENGINE_DROP`` below the fake-quant
+    model: ``CheckFailedError`` (exit 1) now, before anything is written, unless the loss is accepted."""
+    import numpy as np
+
+    from edgekit.runtimes.int8_kernels import describe_semantics, session_for
+
+    kernels = next(str(r.meta.get("kernels")) for r in reversed(handle.steps) if r.name == "int8")
+    names = [s.name for s in handle.inputs]
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-engine-") as tmp:
+        folder = export_onnx(handle, Path(tmp) / "onnx", ExportConfig(skip_parity=True))
+        sess = session_for(Path(folder) / "model.onnx", kernels)
+        first = handle.inputs[0].shape[0] if handle.inputs and handle.inputs[0].shape else None
+        batch = first if isinstance(first, int) else 16
+        outs = [np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0], np.float32)
+                for b in ev.batches(batch)]
+    result: dict[str, Any] = {**score(np.concatenate(outs), ref_out, ev.labels, evaluator),
+                              "kernels": describe_semantics(kernels)}
+    drop = quality_of(fake) - quality_of(result)
+    bound = max(ENGINE_DROP, 3.0 / max(len(ev), 1))  # three samples' worth on a small evaluation set
+    result["drop_from_fake_quant"] = round(drop, 4)
+    if drop > bound and not ctx.accept_quality_loss:
+        raise CheckFailedError(
+            f"the INT8 graph loses {100 * drop:.1f} points against its fake-quant model on {result['kernels']} "
+            f"({100 * quality_of(result):.1f}% vs {100 * quality_of(fake):.1f}%, bound {100 * bound:.1f}); the "
+            f"kernels compute something else than the scheme {handle.steps[-1].meta.get('scheme')!r} assumes: "
+            "nothing written (accept the loss with --accept-quality-loss)")
+    return result
+
+
+def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
+                       kernels: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
     work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
     folder = export_onnx(handle, work / "fp32-onnx", ExportConfig(skip_parity=True))
     onnx_handle = copy.copy(handle)
     onnx_handle.onnx_path = Path(folder) / "model.onnx"
     onnx_handle.module = None
-    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme)
+    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
     return out
 

@@ -134,7 +134,7 @@ def round_model(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names
         if H.shape[-1] != W2.shape[1] or not torch.isfinite(H).all():
             continue
         rtn = wq(w).reshape(W2.shape)
-        Q = gptq_round(W2, wq.scale, H)
+        Q = gptq_round(W2, wq.scale, H, wq.qmin, wq.qmax)
         e0, e1 = output_error(W2, rtn, H), output_error(W2, Q, H)
         if not e1 < e0:  # keep round-to-nearest where the solve did not help
             continue

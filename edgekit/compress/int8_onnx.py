@@ -67,6 +67,7 @@ from edgekit.compress.calibration import (
     score,
 )
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord, data_view
@@ -226,13 +227,15 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, bool]:
-    """Fold BatchNormalization into the Conv before it, with ONNX Runtime's basic graph
-    optimizations (constant folding, Conv+BatchNormalization/Mul/Add fusion: standard ONNX
-    ops only, the same result up to float rounding). Graphs without BatchNormalization, or
-    too large to pass through one protobuf, are returned as they are."""
-    if not any(n.op_type == "BatchNormalization" for n in model.graph.node) or model.ByteSize() > 2**31 - 2**24:
-        return model, False
+def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the graph") -> tuple[onnx.ModelProto, int]:
+    """ONNX Runtime's basic graph optimizations on a float graph before it is quantized: constant
+    folding (a converter's Casts of constants), the transpose optimizer (an NHWC model's layout
+    transposes), Conv+BatchNormalization/Mul/Add fusion; standard ONNX ops only, the same result up to
+    float rounding. Then ``fold_conv_affine`` for what those fusions leave. Graphs that already hold
+    quantized parts (their stored integers must stay as they are), or too large to pass through one
+    protobuf, are returned as they are. Returns (graph, nodes folded by ``fold_conv_affine``)."""
+    if find_quantized(model) or model.ByteSize() > 2**31 - 2**24:
+        return model, 0
     src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
     onnx.save_model(model, str(src))
     so = ort.SessionOptions()
@@ -243,8 +246,90 @@ def fold_batch_norms(model: onnx.ModelProto, workdir: Path, label: str = "the gr
         ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:
         raise BadInputError(f"{label} does not load in ONNX Runtime: {ort_failure(e, src)}") from None
-    folded = onnx.load(str(dst))
-    return folded, not any(n.op_type == "BatchNormalization" for n in folded.graph.node)
+    simplified = onnx.load(str(dst))
+    return simplified, fold_conv_affine(simplified)
+
+
+def fold_conv_affine(model: onnx.ModelProto) -> int:
+    """Fold the per-channel Add / Sub / Mul / Div by constants that follow a Conv (a batch norm a
+    converter wrote out as ``(x - mean) * scale + shift``) into its weight and bias, so the Conv is
+    what gets quantized and fused with its activation. Only a Conv output read by that one node is
+    folded, and only constants that broadcast over the output channels. Returns how many nodes folded."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    removed: set[int] = set()
+    folded = 0
+    for conv in list(graph.node):
+        if conv.op_type != "Conv" or conv.input[1] not in inits or (len(conv.input) > 2 and conv.input[2]
+                                                                      and conv.input[2] not in inits):
+            continue
+        w = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+        cout = w.shape[0]
+        b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 and conv.input[2]
+             else np.zeros(cout))
+        changed = False
+        while True:
+            out = conv.output[0]
+            users = consumers.get(out, [])
+            if out in outputs or len(users) != 1:
+                break
+            n = users[0]
+            if n.op_type not in ("Add", "Sub", "Mul", "Div") or len(n.input) != 2 or n.input[0] != out:
+                break
+            c = _channel_constant(inits.get(n.input[1]), cout)
+            if c is None or (n.op_type == "Div" and np.any(c == 0)):
+                break
+            if n.op_type == "Add":
+                b = b + c
+            elif n.op_type == "Sub":
+                b = b - c
+            elif n.op_type == "Mul":
+                w, b = w * c[:, None, None, None], b * c
+            else:
+                w, b = w / c[:, None, None, None], b / c
+            conv.output[0] = n.output[0]
+            removed.add(id(n))
+            changed = True
+            folded += 1
+        if changed:
+            w_name, b_name = conv.input[1] + "_folded", conv.output[0] + "_bias_folded"
+            graph.initializer.extend([numpy_helper.from_array(w.astype(np.float32), w_name),
+                                      numpy_helper.from_array(b.astype(np.float32), b_name)])
+            conv.input[1] = w_name
+            if len(conv.input) > 2:
+                conv.input[2] = b_name
+            else:
+                conv.input.append(b_name)
+    if removed:
+        kept = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(kept)
+        _drop_unused_initializers(graph)
+    return folded
+
+
+def _channel_constant(t: onnx.TensorProto | None, channels: int) -> np.ndarray | None:
+    """A constant as one value per output channel of an NCHW conv output (a scalar, (C,), (C, 1, 1)
+    or (1, C, 1, 1)), else None."""
+    if t is None:
+        return None
+    a = numpy_helper.to_array(t).astype(np.float64)
+    if a.size == 1:
+        return np.full(channels, float(a.reshape(-1)[0]))
+    squeezed = a.reshape(-1)
+    dims = list(a.shape)
+    if squeezed.size != channels or len(dims) > 4:
+        return None
+    # the channel axis is the one of size C; every other axis 1; NCHW aligns trailing dims
+    padded = [1] * (4 - len(dims)) + dims
+    if padded[1] != channels or any(d != 1 for i, d in enumerate(padded) if i != 1):
+        return None
+    return squeezed
 
 
 def static_batch(model: onnx.ModelProto, input_names: list[str]) -> int | None:
@@ -334,10 +419,17 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     model = load_graph(src)
     found = find_quantized(model)  # what the file holds, before any rewriting
     notes = prepare_graph(model)
+    plan_placement(model, placement, src, found)  # nothing to quantize: refused before any work
+    stored = {i.name for i in model.graph.initializer if i.data_type in (TensorProto.INT8, TensorProto.UINT8)}
+    had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
+    nodes_before = len(model.graph.node)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
-        model, folded = fold_batch_norms(model, Path(tmp), str(src))
-    if folded:
+        model, folded = simplify_graph(model, Path(tmp), str(src))
+    if had_bn and not any(n.op_type == "BatchNormalization" for n in model.graph.node):
         notes["batch_norm_folded"] = True
+    elif len(model.graph.node) < nodes_before:
+        notes["simplified"] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node),
+                               "affine_folded_into_conv": folded}
     try:
         model = onnx.shape_inference.infer_shapes(model)
     except ONNX_LOAD_ERRORS:
@@ -372,14 +464,26 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
         onnx.save(insert_linear_qdq(model, quantizable, ranges, scheme), str(dst))
     else:
         _quantize_all(model, ranges, scheme, dst, sorted(find_quantized(model).region))
+    fitted: dict[str, int] = {}
+    if not qdq.weight_grid(scheme, depthwise=False).full:
+        written = onnx.load(str(dst))
+        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, stored).items() if v}
+        if fitted:
+            onnx.save(written, str(dst))
     run = verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
     info: dict[str, Any] = {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
                             "quantized_nodes": len(quantizable)}
+    if fitted:
+        info["weights_fitted_to_kernels"] = fitted
     if found:
         info["already_quantized"] = {**found.to_dict(), "kept": found.describe()}
     if notes:
         info["preprocessed"] = notes
     return info, run
+
+
+# What one observation run may hold of the graph's intermediates at once (ONNX Runtime returns them together).
+OBSERVE_BYTES = 256 * 2**20
 
 
 def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
@@ -395,6 +499,7 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = False  # every intermediate is an output here: give their memory back after each run
     observers = {t: HistogramObserver(t) for t in tensors}
     first: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
@@ -405,20 +510,35 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
         except ort_errors() as e:
             raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
         out_names = [o.name for o in sess.get_outputs()]
-        for b in samples.batches(batch_size):
-            feeds = {k: b[k] for k in input_names}
-            if static and len(next(iter(feeds.values()))) != batch_size:
-                continue
+
+        def observe(feeds: dict[str, np.ndarray]) -> int:
             try:
                 outs = sess.run(None, feeds)
             except ort_errors() as e:
                 shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
                 raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
                                     f"{ort_failure(e)}") from None
-            first = first or feeds
+            held = 0
             for name, arr in zip(out_names, outs, strict=True):
                 if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
                     observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
+                held += arr.nbytes if isinstance(arr, np.ndarray) else 0
+            return held
+
+        start = 0
+        if not static and batch_size > 1 and len(samples):
+            # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
+            first = {k: samples.inputs[k][:1] for k in input_names}
+            per_sample = observe(first)
+            batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
+            start = 1
+        rest = samples.subset(slice(start, len(samples))) if start else samples
+        for b in rest.batches(batch_size):
+            feeds = {k: b[k] for k in input_names}
+            if static and len(next(iter(feeds.values()))) != batch_size:
+                continue
+            first = first or feeds
+            observe(feeds)
     return observers, first
 
 
@@ -432,21 +552,121 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
     from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
     tensors_range = TensorsData(CalibrationMethod.MinMax, {k: (v[0], v[1]) for k, v in ranges.items()})
-    act = QuantType.QUInt8 if scheme == "u8s8" else QuantType.QInt8
-    extra = {"ActivationSymmetric": qdq.act_format(scheme).symmetric, "WeightSymmetric": True}
-    quantizer = QDQQuantizer(model, True, False, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES, extra)
+    fmt = qdq.act_format(scheme)
+    act = QuantType.QUInt8 if fmt.qmin == 0 else QuantType.QInt8
+    extra = {"ActivationSymmetric": fmt.symmetric, "WeightSymmetric": True}
+    reduce_range = not qdq.weight_grid(scheme, depthwise=False).full  # "u8s7": ONNX Runtime's 7-bit weights
+    quantizer = QDQQuantizer(model, True, reduce_range, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES,
+                             extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
 
 
-def quantize_weight_per_channel(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-channel int8 (grid -127..127) of a 2-d weight along ``axis`` (the output
-    channels): ``(q int8, scale float32)`` with ``w ~= q * scale`` broadcast on ``axis``."""
+def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]) -> dict[str, int]:
+    """Put every int8 weight that runs the u8 x s8 GEMM kernels of x86 CPUs without VNNI (MatMul, Gemm,
+    non-depthwise Conv) on the 7-bit grid of scheme "u8s7" (``qdq.weight_grid``), so no pair of
+    products overflows their int16 sums:
+
+    * weights this quantization wrote beyond it (ONNX Runtime's quantizer leaves some): re-rounded from
+      their float values onto the 7-bit grid;
+    * weights the file already stored (``stored``: a weight-only INT8 file): kept as the same integers
+      (nothing re-rounded), as uint8 with the zero point moved by 128, which runs the u8 x u8 kernels,
+      exact on every CPU.
+
+    Returns counts: {"to_7bit", "stored_as_uint8"}."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    counts = {"to_7bit": 0, "stored_as_uint8": 0}
+    for dq in graph.node:
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
+            continue
+        q = numpy_helper.to_array(inits[dq.input[0]])
+        users = consumers.get(dq.output[0], [])
+        if q.dtype != np.int8 or q.ndim < 2 or len(consumers.get(dq.input[0], [])) != 1 or len(users) != 1:
+            continue
+        depthwise = _gemm_weight(users[0], dq.output[0], inits)
+        if depthwise is None:
+            continue
+        grid = qdq.weight_grid(scheme, depthwise)
+        zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] in inits else None
+        if grid.full or (zp is not None and np.any(zp != 0)):
+            continue
+        if grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax:
+            continue
+        if dq.input[0] in stored:
+            _as_uint8(graph, inits, consumers, dq, q)
+            counts["stored_as_uint8"] += 1
+            continue
+        # onto the 7-bit grid from the values the codes stand for, per output channel
+        scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
+        out_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        shape = [1] * q.ndim
+        if scale.size > 1:
+            shape[out_axis] = -1
+        values = q.astype(np.float64) * scale.reshape(shape)
+        if scale.size > 1:
+            absmax = np.abs(values).max(axis=tuple(i for i in range(q.ndim) if i != out_axis), keepdims=True)
+        else:
+            absmax = np.abs(values).max(keepdims=True)
+        new_scale = np.maximum(absmax / grid.qmax, 1e-12)
+        q7 = np.clip(np.round(values / new_scale), grid.qmin, grid.qmax).astype(np.int8)
+        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new_scale.reshape(scale.shape).astype(np.float32),
+                                                            dq.input[1]))
+        inits[dq.input[0]].CopyFrom(numpy_helper.from_array(q7, dq.input[0]))
+        counts["to_7bit"] += 1
+    return counts
+
+
+def _gemm_weight(node: onnx.NodeProto, weight: str, inits: dict[str, onnx.TensorProto]) -> bool | None:
+    """For a weight the u8 x s8 kernels read (a MatMul's or Gemm's B, a Conv's W): whether the node is a
+    depthwise convolution; None for any other use."""
+    if node.op_type in ("MatMul", "Gemm") and list(node.input[1:2]) == [weight]:
+        return False
+    if node.op_type == "Conv" and list(node.input[1:2]) == [weight]:
+        return _depthwise(node, inits)
+    return None
+
+
+def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
+              consumers: dict[str, list[onnx.NodeProto]], dq: onnx.NodeProto, q: np.ndarray) -> None:
+    """A stored int8 weight as the same integers in uint8 around 128 (u8 x u8 kernels: exact sums)."""
+    if len(dq.input) < 3 or not dq.input[2]:  # no zero point: int8 zeros, as wide as the scale
+        name = dq.input[0] + "_zero_point"
+        graph.initializer.append(numpy_helper.from_array(
+            np.zeros(numpy_helper.to_array(inits[dq.input[1]]).shape, np.int8), name))
+        inits[name] = graph.initializer[-1]
+        consumers[name] = [dq]
+        if len(dq.input) == 2:
+            dq.input.append(name)
+        else:
+            dq.input[2] = name
+    z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
+    inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
+    if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
+        dq.input[2] = dq.input[2] + "_u8"
+        graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+    else:
+        inits[dq.input[2]].CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+
+
+def _depthwise(conv: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
+    group = next((a.i for a in conv.attribute if a.name == "group"), 1)
+    return group > 1 and conv.input[1] in inits and list(inits[conv.input[1]].dims)[1:2] == [1]
+
+
+def quantize_weight_per_channel(w: np.ndarray, axis: int, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-channel int8 (grid -qmax..qmax: 127, or 63 for the 7-bit grid of "u8s7") of a
+    2-d weight along ``axis`` (the output channels): ``(q int8, scale float32)`` with
+    ``w ~= q * scale`` broadcast on ``axis``."""
     absmax = np.abs(w).max(axis=1 - axis)
-    scale = np.maximum(absmax / 127.0, 1e-12).astype(np.float32)
+    scale = np.maximum(absmax / float(qmax), 1e-12).astype(np.float32)
     shape = [1, 1]
     shape[axis] = -1
-    q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+    q = np.clip(np.round(w / scale.reshape(shape)), -qmax, qmax).astype(np.int8)
     return q, scale
 
 
@@ -461,7 +681,8 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     inits = {i.name: i for i in graph.initializer}
     fmt = qdq.act_format(scheme)
     symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
-    zp_type = TensorProto.UINT8 if scheme == "u8s8" else TensorProto.INT8
+    zp_type = TensorProto.UINT8 if qmin == 0 else TensorProto.INT8
+    w_qmax = qdq.weight_grid(scheme, depthwise=False).qmax
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
     done: dict[str, str] = {}  # float tensor -> its dequantized name
@@ -498,7 +719,7 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
             w = numpy_helper.to_array(inits[w_name]).astype(np.float32)
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
             axis = 0 if trans_b else 1  # the output-channel axis: (in, out), or (out, in) for Gemm transB
-            q, w_scale = quantize_weight_per_channel(w, axis)
+            q, w_scale = quantize_weight_per_channel(w, axis, w_qmax)
             q_name, s_name, z_name = unique(f"{w_name}_quantized"), unique(f"{w_name}_scale"), unique(f"{w_name}_zero_point")
             new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(w_scale, s_name),
                           numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), z_name)]
@@ -522,9 +743,12 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     return model
 
 
-def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str) -> ModelHandle:
+def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str,
+                         kernels: str | None = None) -> ModelHandle:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
-    with the float graph on held-out data (``ctx.metrics["int8"]``). ``config`` is an ``Int8Config``."""
+    with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
+    compute it (``kernels``: ``runtimes.int8_kernels`` semantics; None: this machine's). ``config`` is
+    an ``Int8Config``."""
     if config.method != "ptq":
         raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
                             "is possible (QAT needs the PyTorch model)")
@@ -554,9 +778,10 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
         metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
     ev, on = comparison_samples(view, config, ctx, samples)
     fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
-    got = run_graph(run.session, ev, names, fixed or 16, fixed is not None)
+    session = run.session if kernels is None or kernels == host_semantics() else session_for(dst, kernels)
+    got = run_graph(session, ev, names, fixed or 16, fixed is not None)
     ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
-    metrics["compared_on"] = {"data": on, "samples": len(ev)}
+    metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
     metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
                                                                          strict=True)}
     metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
@@ -567,7 +792,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     if handle.make_inputs is None:  # random inputs: the verified real calibration batch serves better
         new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config),
-                                           {"scheme": scheme, "from": "onnx", "float_layers": [],
+                                           {"scheme": scheme, "kernels": kernels or host_semantics(),
+                                            "from": "onnx", "float_layers": [],
                                             "placement": info["placement"], "calib_method": info["calib_method"]})]
     ctx.metrics["int8"] = metrics
     return new

@@ -39,7 +39,7 @@ from edgekit.errors import BadInputError, bad_choice
 if TYPE_CHECKING:  # imported where used: exporting is the only path that needs onnx
     import onnx
 
-SCHEMES = ("u8s8", "s8s8", "trt")
+SCHEMES = ("u8s8", "u8s7", "s8s8", "trt")
 
 
 def _register_meta_kernels() -> None:
@@ -79,10 +79,37 @@ class ActFormat:
 
 ACT_FORMATS = {
     "u8s8": ActFormat(0, 255, False),   # ONNX Runtime x86: uint8 activations (VNNI u8 x s8)
+    # x86 without VNNI: the same activations; the weights that run the u8 x s8 GEMM kernel on a 7-bit
+    # grid, so no pair of products overflows the kernel's int16 sums (``weight_grid``)
+    "u8s7": ActFormat(0, 255, False),
     "s8s8": ActFormat(-128, 127, False),
     "trt": ActFormat(-128, 127, True),  # TensorRT explicit quantization: symmetric int8
 }
 WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 127]
+# x86 CPUs without VNNI multiply uint8 activations (up to 255) by int8 weights and add each pair of
+# adjacent products in a saturating int16 (vpmaddubsw): 8-bit weights reach 255 * 254 = 64,770 > 32,767.
+# The 7-bit grid (ONNX Runtime's reduce_range, symmetric) keeps every pair within it: 255 * (64 + 64) = 32,640.
+WEIGHT_7BIT = (-64, 64)
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    """A layer's int8 weight grid: codes in [qmin, qmax]."""
+
+    qmin: int = WEIGHT_QMIN
+    qmax: int = WEIGHT_QMAX
+
+    @property
+    def full(self) -> bool:
+        return (self.qmin, self.qmax) == (WEIGHT_QMIN, WEIGHT_QMAX)
+
+
+def weight_grid(scheme: str, depthwise: bool) -> WeightGrid:
+    """A layer's weight grid under ``scheme``: the 7-bit grid for "u8s7", except in depthwise
+    convolutions (their kernels multiply and sum in 32 bits on every x86 CPU)."""
+    if scheme == "u8s7" and not depthwise:
+        return WeightGrid(*WEIGHT_7BIT)
+    return WeightGrid()
 
 
 def act_format(scheme: str) -> ActFormat:
@@ -182,9 +209,11 @@ class WeightQuant(nn.Module):
 
     scale: torch.Tensor  # (channels,) buffer
 
-    def __init__(self, name: str, channels: int) -> None:
+    def __init__(self, name: str, channels: int, grid: WeightGrid | None = None) -> None:
         super().__init__()
         self.qname = name
+        self.grid = grid or WeightGrid()  # set by the scheme at prepare time, not stored
+        self.qmin, self.qmax = self.grid.qmin, self.grid.qmax
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
         # (bias path, shift) that bias correction subtracted for this layer's weight error;
@@ -199,16 +228,26 @@ class WeightQuant(nn.Module):
         with torch.no_grad():
             flat = w.detach().float().reshape(w.shape[0], -1)
             amax = flat.abs().amax(1).clamp_min(1e-8)
-            best = amax / WEIGHT_QMAX
+            best = amax / self.qmax
             if search:
                 best_err = torch.full_like(amax, float("inf"))
                 for a in torch.linspace(0.5, 1.0, 26):
-                    s = (amax * a / WEIGHT_QMAX)[:, None]
-                    err = ((torch.clamp(torch.round(flat / s), WEIGHT_QMIN, WEIGHT_QMAX) * s - flat) ** 2).sum(1)
+                    s = (amax * a / self.qmax)[:, None]
+                    err = ((torch.clamp(torch.round(flat / s), self.qmin, self.qmax) * s - flat) ** 2).sum(1)
                     better = err < best_err
                     best = torch.where(better, s[:, 0], best)
                     best_err = torch.where(better, err, best_err)
             self.scale.copy_(best)
+
+    @property
+    def reduced(self) -> bool:
+        """A grid narrower than int8's (scheme "u8s7")."""
+        return not self.grid.full
+
+    def codes(self, w: torch.Tensor) -> torch.Tensor:
+        """The integer codes of ``w`` on this grid (float tensor of integers)."""
+        s = self.scale.reshape(-1, *([1] * (w.dim() - 1)))
+        return torch.clamp(torch.round(w / s), self.qmin, self.qmax)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -216,6 +255,11 @@ class WeightQuant(nn.Module):
         if self.training:
             self.update_scale(w)
         zp = torch.zeros(w.shape[0], dtype=torch.int32, device=w.device)
+        if self.reduced and not (torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()):
+            # ONNX's QuantizeLinear knows only the int8 range: a narrower grid is stored as weights already
+            # on it (``clip_weights_to_grid``) behind the int8 one; here the grid itself, straight-through
+            deq = self.codes(w.detach()) * self.scale.reshape(-1, *([1] * (w.dim() - 1)))
+            return w + (deq - w).detach() if w.requires_grad else deq
         return torch.fake_quantize_per_channel_affine(w, self.scale, zp, 0, WEIGHT_QMIN, WEIGHT_QMAX)
 
 
@@ -519,7 +563,8 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
         name = layer_name(wpath)
         ensure_bias(gm, n, wpath, w.shape[0])
         qname = "wq_" + name.replace(".", "_")
-        gm.add_submodule(qname, WeightQuant(name, w.shape[0]))
+        depthwise = is_conv(gm, n) and w.dim() > 2 and w.shape[1] == 1 and conv_groups(n) > 1
+        gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise)))
         wnode = n.args[1]
         with g.inserting_after(wnode):
             qw = g.call_module(qname, (wnode,))
@@ -657,6 +702,22 @@ def fit_bias_range(gm: fx.GraphModule) -> int:
                 wmod.scale.copy_(torch.where(too_small, need, wmod.scale))
             changed += int(too_small.sum())
     return changed
+
+
+def clip_weights_to_grid(gm: nn.Module, plan: QuantPlan) -> int:
+    """Put the weights of layers on a narrower grid than int8's (scheme "u8s7") on that grid
+    exactly, so the exported QuantizeLinear (int8 range only) stores what the fake-quant model computes.
+    No change to the model's outputs. Returns the number of layers changed."""
+    clipped = 0
+    for name, qname in plan.layers.items():
+        wq = weight_quant(gm, qname)
+        if not (wq.enabled and wq.reduced):
+            continue
+        w = get_attr(gm, name + ".weight")
+        with torch.no_grad():
+            w.copy_(wq.codes(w) * wq.scale.reshape(-1, *([1] * (w.dim() - 1))))
+        clipped += 1
+    return clipped
 
 
 def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:

@@ -464,12 +464,13 @@ __all__ = ["CalibrationCase", "CalibrationReport", "Measurement", "Observation",
 
 def estimate_with_calibration(model: Any, target: TargetLike, *, precision: str | None = None, batch: int = 1,
                               dims: dict[str, int] | None = None, calibrate: bool = False,
-                              runtime: str | None = None,
-                              input_options: InputOptions | None = None) -> tuple[Estimate, CalibrationReport | None]:
+                              runtime: str | None = None, input_options: InputOptions | None = None,
+                              timing: str = "gpu-compute") -> tuple[Estimate, CalibrationReport | None]:
     """What ``edgekit estimate`` does: optionally calibrate the target on this machine
     with ``model`` (only where edgekit can measure it), then estimate. ``input_options``
     (``--shapes``, or the shapes of an ``--inputs`` file) bind the batch and the named
-    dynamic dimensions; explicit ``dims`` win. ``runtime``: whose fusions apply."""
+    dynamic dimensions; explicit ``dims`` win. ``runtime``: whose fusions apply; ``timing``: what the
+    total stands for (``roofline.TIMINGS``)."""
 
     tgt = load_target(target)
     if input_options:
@@ -491,8 +492,8 @@ def estimate_with_calibration(model: Any, target: TargetLike, *, precision: str 
         with tempfile.TemporaryDirectory(prefix="edgekit-estimate-") as tmp:
             source = _as_onnx_file(model, Path(tmp))  # export once, for the measurement and the estimate
             report = _calibrate([CalibrationCase(source, dict(dims or {}), batch=batch)], tgt)
-            return estimate(source, tgt, precision, batch, dims=dims, runtime=runtime), report
-    return estimate(model, tgt, precision, batch, dims=dims, runtime=runtime), report
+            return estimate(source, tgt, precision, batch, dims=dims, runtime=runtime, timing=timing), report
+    return estimate(model, tgt, precision, batch, dims=dims, runtime=runtime, timing=timing), report
 
 
 def input_dims(model: Any, input_options: InputOptions, batch: int) -> tuple[int, dict[str, int]]:

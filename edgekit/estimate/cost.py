@@ -76,6 +76,7 @@ class NodeCost:
     precision: str  # "int8", "int4", "fp16", ...
     known: bool
     gemm: tuple[float, float, float, float] | None = None  # (batch, M, N, K) of a conv or matrix product
+    channels: float | None = None  # a convolution's input channels per group (K = channels x kernel area)
 
     @property
     def activation_bytes(self) -> float:
@@ -173,7 +174,10 @@ def node_cost(node: Node, bits: dict[str, float], prec: Precision) -> NodeCost:
         else:
             ins[t.name] = _bytes(t, bits, prec)
     outs = {t.name: _bytes(t, bits, prec) for t in node.outputs if t is not None}
-    return NodeCost(ops, weight, ins, outs, cls, _precision(node, bits, prec, cls), known, gemm)
+    w = _conv_weight(node) if node.op in CONV_OPS else None
+    channels = float(w.shape[1]) if w is not None and w.shape is not None and len(w.shape) > 1 and \
+        node.op != "ConvTranspose" else None
+    return NodeCost(ops, weight, ins, outs, cls, _precision(node, bits, prec, cls), known, gemm, channels)
 
 
 def _precision(node: Node, bits: dict[str, float], prec: Precision, cls: str) -> str:

@@ -37,6 +37,13 @@ DEFAULT_EFFICIENCY: dict[str, dict[str, float]] = {
 # Hardware tile (M, N) and the K over which the pipeline fills, per target kind.
 TILES: dict[str, tuple[int, int, int]] = {"cpu": (6, 16, 16), "gpu": (16, 32, 32), "jetson": (16, 32, 32)}
 CALIBRATION_SUFFIX = ".efficiency.json"
+# Input channels a GPU convolution's tensor-core kernel is padded to, per precision (the K step of
+# Ampere's mma instructions over the channel axis: INT8 m16n8k32, FP16 m16n8k16 with 8-channel
+# vectorized formats, TF32 m16n8k8 with 4).
+CHANNEL_ALIGN: dict[str, int] = {"int8": 32, "int4": 32, "fp8": 16, "fp16": 8, "bf16": 8, "tf32": 4}
+# Below this many input channels per group, a GPU's grouped convolution does not feed tensor cores
+# (ResNeXt's 4-32): it runs like a depthwise one, bound by memory rather than by tile fill.
+GROUPED_TENSOR_CORE_CHANNELS = 32
 
 
 @dataclass(frozen=True)
@@ -97,15 +104,26 @@ def roofs_for(target: Target | str, calibrated: bool = True) -> Roofs:
                  float(eff.get("host_copy_gbs", target.host_copy_gbs)))
 
 
-def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, depthwise: bool = False) -> float:
-    """Share of peak a (batch, M, N, K) product can use on this kind of hardware (0..1]."""
+def shape_factor(roofs: Roofs, gemm: tuple[float, float, float, float] | None, depthwise: bool = False,
+                 precision: str = "fp16", channels: float | None = None) -> float:
+    """Share of peak a (batch, M, N, K) product can use on this kind of hardware (0..1].
+
+    On GPUs a convolution's input channels are padded to the tensor-core alignment of its
+    precision (``CHANNEL_ALIGN``: 32 for INT8, 8 for FP16): a 16-channel INT8 convolution does
+    twice the work it needs, a 3-channel one more than ten times (TensorRT runs such layers in
+    FP16 instead, which the INT8 estimate's per-layer choice reproduces)."""
     if gemm is None or depthwise:
         return 1.0
+    if roofs.kind != "cpu" and gemm[0] > 1 and channels is not None and channels < GROUPED_TENSOR_CORE_CHANNELS:
+        return 1.0  # a grouped convolution with few channels per group: CUDA-core kernels, like a depthwise one
     batch, m, n, k = (max(1.0, x) for x in gemm)
     tm, tn, tk = TILES[roofs.kind]
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # a skinny product (M under one tile) runs a GEMV-style kernel: no padding penalty on M
     f = (m / (tiles_m * tm) if m >= tm else 1.0) * (n / (tiles_n * tn)) * (k / (k + tk))
+    align = CHANNEL_ALIGN.get(precision, 1) if roofs.kind != "cpu" else 1
+    if channels and align > 1:
+        f *= channels / (math.ceil(channels / align) * align)
     if roofs.kind != "cpu":
         tiles = batch * tiles_m * tiles_n
         f *= tiles / (math.ceil(tiles / roofs.sm_count) * roofs.sm_count)

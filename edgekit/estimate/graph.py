@@ -185,8 +185,11 @@ def bind_dims(model: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any,
                     warnings.append(f"input {vi.name!r} has a static batch of 1; estimated at batch 1, not {batch}")
                 continue
             name = d.dim_param or f"{vi.name}_dim{ax}"
+            total = _dim_sum(name, dims, batch)
             if name in dims:
                 value = int(dims[name])
+            elif total is not None:  # an axis the exporter named as a sum: past_sequence_length + sequence_length
+                value = total
             elif ax == 0 or name.lower() in ("batch", "batch_size", "n"):
                 value = batch
             else:
@@ -201,6 +204,22 @@ def bind_dims(model: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any,
     if assumed:
         warnings.append(f"dynamic dims {sorted(assumed)} were set to 1; pass dims (CLI: --dim NAME=VALUE) to change")
     return m, bound, warnings, inits
+
+
+def _dim_sum(name: str, dims: dict[str, int], batch: int) -> int | None:
+    """``past_sequence_length + sequence_length`` when every term is a number or a given dim."""
+    terms = [t.strip() for t in name.split("+")]
+    if len(terms) < 2:
+        return None
+    total = 0
+    for t in terms:
+        if t.isdigit():
+            total += int(t)
+        elif t in dims:
+            total += int(dims[t])
+        else:
+            return None
+    return total
 
 
 def infer_shapes(model: Any) -> tuple[Any, list[str]]:

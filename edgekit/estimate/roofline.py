@@ -35,6 +35,14 @@ from edgekit.targets import PRECISIONS, Target, TargetLike, load_target
 
 ESTIMATE_NOTE = "ESTIMATE (roofline model, not a measurement)"
 FLOAT_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+# What ``total_ms`` stands for. gpu-compute: the engine's kernels alone, as trtexec's "GPU Compute
+# Time" and MLPerf's device-resident harness time it; end-to-end: plus copying the graph's inputs
+# in and outputs out through a Python predictor (the target's ``host_copy_gbs``), as Ultralytics'
+# benchmark times it. Both are always estimated; the other is in the estimate beside it.
+TIMINGS = ("gpu-compute", "end-to-end")
+TIMING_TEXT = {"gpu-compute": "GPU compute (the kernels alone, as trtexec's GPU Compute Time)",
+               "end-to-end": "end to end through a Python predictor (kernels plus host copies of the inputs and "
+                             "outputs)"}
 
 __all__ = ["ESTIMATE_NOTE", "OP_CLASSES", "Estimate", "NodeEstimate", "estimate", "load_graph", "op_class",
            "strip_weights"]
@@ -66,6 +74,7 @@ class NodeEstimate:
     quantized: bool = False
     status: str = "runs"  # "runs" (heads a kernel) | "fused" | "folded" (constant) | "view"
     kernel: str = ""  # the fusion that made its kernel: single, epilogue, pointwise, layernorm, gelu, attention
+    reformat_ms: float = 0.0  # INT8 engines: reformats of its inputs between INT8 and float (in time_ms)
 
     @property
     def bytes(self) -> float:
@@ -118,6 +127,11 @@ class Estimate:
     fuse: bool = True
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    timing: str = "gpu-compute"  # what total_ms stands for (TIMINGS)
+    gpu_compute_ms: float = 0.0  # the kernels alone
+    end_to_end_ms: float = 0.0  # the kernels plus io_ms
+    reformat_ms: float = 0.0  # INT8 engines: reformats between INT8 and float (in the kernels' time)
+    reformats: int = 0
     kind: str = "estimate"
     source: str = "estimated"
     note: str = ESTIMATE_NOTE
@@ -146,7 +160,9 @@ class Estimate:
                  for n in self.top(50)]
         return ProfileResult(engine="", runtime="estimate", target=self.target, model=self.model,
                              settings={"precision": self.precision, "batch": self.batch, "dims": self.dims,
-                                       "estimate_range_ms": [self.low_ms, self.high_ms], "basis": self.basis},
+                                       "estimate_range_ms": [self.low_ms, self.high_ms], "basis": self.basis,
+                                       "timing": self.timing, "gpu_compute_ms": self.gpu_compute_ms,
+                                       "end_to_end_ms": self.end_to_end_ms},
                              latency_ms=stats, throughput_per_s=1e3 * self.batch / t if t else 0.0, nodes=nodes,
                              op_types=self.op_types, total_nodes=self.kernels,
                              quantized_nodes=sum(1 for n in self.nodes if n.quantized and n.status == "runs"),
@@ -159,14 +175,20 @@ class Estimate:
 
     def render(self, top_k: int = 10) -> str:
         """A plain-text table for people."""
+        other = "end-to-end" if self.timing == "gpu-compute" else "gpu-compute"
+        other_ms = self.end_to_end_ms if self.timing == "gpu-compute" else self.gpu_compute_ms
         lines = [f"{ESTIMATE_NOTE}: {self.model} on {self.target}, precision {self.precision}, batch {self.batch}"
                  + (f", dims {self.dims}" if self.dims else ""),
                  f"estimated latency {self.range_text()}, {self.bound}-bound overall",
+                 f"timing: {TIMING_TEXT[self.timing]}"
+                 + (f"; {other}: {other_ms:.3f} ms (--timing {other})" if self.io_ms else ""),
                  f"range basis: {self.basis}",
                  f"{self.kernels} kernels after {self.runtime} fusions ("
                  + ", ".join(f"{k} {v}" for k, v in sorted(self.fusions.items())) + f"); compute "
                  f"{self.compute_ms:.3f} ms, memory {self.memory_ms:.3f} ms, kernel overhead {self.overhead_ms:.3f} ms"
-                 + (f", input/output copies {self.io_ms:.3f} ms" if self.io_ms else ""),
+                 + (f", {self.reformats} INT8/float reformats {self.reformat_ms:.3f} ms" if self.reformats else "")
+                 + (f", input/output copies {self.io_ms:.3f} ms"
+                    + ("" if self.timing == "end-to-end" else " (not in the total)") if self.io_ms else ""),
                  f"work: {self.ops / 1e9:.3f} G ops, weights {self.weight_bytes / 1e6:.2f} MB, activations "
                  f"{self.activation_bytes / 1e6:.2f} MB; bandwidth {self.memory_bandwidth_gbs:g} GB/s",
                  f"efficiency: {'calibrated (' + self.calibration + ')' if self.calibration else 'target defaults'}",
@@ -217,7 +239,7 @@ def _float_precision(tgt: Target, precision: str | None) -> str:
 def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = None, batch: int = 1, *,
              dims: dict[str, int] | None = None, fuse: bool = True, runtime: str | None = None,
              efficiency: dict[str, float] | None = None, kernel_overhead_us: float | None = None,
-             calibrated: bool = True) -> Estimate:
+             calibrated: bool = True, timing: str = "gpu-compute") -> Estimate:
     """Latency estimate of a model on a target, per kernel and in total, with its range.
 
     ``model_or_onnx``: an ONNX file, an edgekit folder, a model spec, a ``ModelHandle``
@@ -226,7 +248,11 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
     runs INT8, ``int4`` assumes 4-bit weight-only MatMul/Gemm. ``dims`` binds named
     dynamic axes. ``runtime``: whose fusions to apply (default: the target's first
     runtime); ``fuse=False`` runs every node as written. ``efficiency`` overrides the
-    target's factors; ``calibrated=False`` ignores a saved calibration.
+    target's factors; ``calibrated=False`` ignores a saved calibration. ``timing``: what
+    ``total_ms`` stands for (``TIMINGS``: the kernels alone, or end to end with host copies);
+    both are in the estimate. ``precision="tf32"`` runs float layers on TF32 tensor cores (what
+    TensorRT's "FP32" engines do on Ampere unless built with --noTF32); ``fp32`` is FP32 on
+    CUDA cores, what edgekit's TensorRT bundle builds for fp32.
 
     >>> est = estimate("model.onnx", "cpu")  # doctest: +SKIP
     >>> est.total_ms, est.low_ms, est.high_ms, est.basis  # doctest: +SKIP
@@ -234,6 +260,8 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
     tgt = load_target(target)
     if batch < 1:
         raise BadInputError(f"batch must be >= 1, got {batch}")
+    if timing not in TIMINGS:
+        raise bad_choice("timing", timing, TIMINGS)
     if precision is not None:
         if precision not in PRECISIONS:
             raise BadInputError(bad_choice("precision", precision, PRECISIONS))
@@ -248,7 +276,14 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
         roofs = dataclasses.replace(roofs, overhead_us=kernel_overhead_us)
     prec = Precision(_float_precision(tgt, precision), {"int8": "int8", "int4": "int4"}.get(precision or "", "native"))
     nodes = estimate_kernels(graph, fused, roofs, prec)
-    return _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch, _io_ms(graph, roofs, prec))
+    est = _assemble(graph, fused, nodes, tgt, roofs, rt, precision, prec, batch, _io_ms(graph, roofs, prec), timing)
+    if precision == "fp32" and tgt.kind != "cpu" and "tf32" in tgt.precisions:
+        tf32 = estimate_kernels(graph, fused, roofs, Precision("tf32", "native"))
+        tf32_ms = sum(n.time_ms for n in tf32 if n.status == "runs") + (est.io_ms if timing == "end-to-end" else 0.0)
+        est.notes.append(f"fp32 is FP32 on CUDA cores, what edgekit's TensorRT bundle builds (trtexec --noTF32); "
+                         f"published TensorRT \"FP32\" results usually ran TF32 (TensorRT's default on Ampere and "
+                         f"newer): compare those with --precision tf32 ({tf32_ms:.3f} ms here)")
+    return est
 
 
 def _io_ms(graph: Graph, roofs: Roofs, prec: Precision) -> float:
@@ -290,6 +325,8 @@ def _graph_and_kernels(model_or_onnx: Any, batch: int, dims: dict[str, int] | No
 
 def estimate_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) -> list[NodeEstimate]:
     """One ``NodeEstimate`` per node: kernel heads carry their kernel's time."""
+    if prec.mode == "int8" and roofs.kind != "cpu":
+        return _implicit_int8_kernels(graph, fused, roofs, prec)
     costs = _costs(graph, fused, prec)
     total_weights = sum(c.weight_bytes for i, c in costs.items() if fused.status.get(i) in ("runs", "fused"))
     cache_bytes = roofs.cache_mb * 1e6
@@ -306,6 +343,113 @@ def estimate_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) 
                                         0.0, 0.0, 0.0, 0.0, 0.0, stage=n.stage, known=c.known,
                                         status=fused.status.get(n.index, "view"))
     return [out[n.index] for n in graph.nodes]
+
+
+# What an INT8 engine keeps in float whatever it costs: normalizations, softmax, unknown ops.
+_FLOAT_ONLY = ("normalization", "other")
+
+
+def _implicit_int8_kernels(graph: Graph, fused: Fused, roofs: Roofs, prec: Precision) -> list[NodeEstimate]:
+    """TensorRT's INT8 build of a float graph (calibrated, no Q/DQ): each kernel runs in INT8 or
+    in the float precision, and where a tensor crosses between the two a reformat kernel reads
+    and writes it. TensorRT picks the formats that make the whole engine fastest, reformats
+    included; here: start from each kernel's faster precision on its own (a 3-channel stem, or a
+    layer whose channels fill INT8's 32-wide tensor-core steps poorly, stays float), then flip
+    kernels while that lowers the total with the reformats. Normalizations, softmax and unknown
+    ops stay float. Each kernel's reformats are charged to it (``reformat_ms``)."""
+    q_costs = _costs(graph, fused, prec)
+    f_costs = _costs(graph, fused, Precision(prec.float_precision, "native"))
+    total_weights = sum(c.weight_bytes for i, c in f_costs.items() if fused.status.get(i) in ("runs", "fused"))
+    cache_bytes = roofs.cache_mb * 1e6
+    weights_cached = cache_bytes > 0 and total_weights <= cache_bytes
+    dram, cache = roofs.dram_gbs * 1e9, roofs.cache_gbs * 1e9
+    owner = {n.index: i for i, k in enumerate(fused.kernels) for n in k.nodes}
+    est: dict[str, list[dict[int, NodeEstimate]]] = {"int8": [], "float": []}
+    for k in fused.kernels:
+        est["int8"].append(_kernel_estimate(k, graph, q_costs, roofs, dram, cache, cache_bytes, weights_cached))
+        est["float"].append(_kernel_estimate(k, graph, f_costs, roofs, dram, cache, cache_bytes, weights_cached))
+    n_k = len(fused.kernels)
+    time = {p: [est[p][i][k.head.index].time_ms for i, k in enumerate(fused.kernels)] for p in est}
+    fixed = [est["float"][i][k.head.index].op_class in _FLOAT_ONLY for i, k in enumerate(fused.kernels)]
+    # edges: (producer kernel or None for a graph input, consumer kernel or None for a graph output, ms to reformat)
+    edges: list[tuple[int | None, int | None, float]] = []
+    for i, k in enumerate(fused.kernels):
+        for t, j in _kernel_inputs(k, graph, owner):
+            edges.append((j, i, _reformat_ms(t, roofs)))
+        for n in k.nodes:
+            edges += [(i, None, _reformat_ms(t, roofs)) for t in n.outputs if t is not None and t.name in graph.outputs]
+    touching: list[list[tuple[int | None, int | None, float]]] = [[] for _ in range(n_k)]
+    for e in edges:
+        for end in (e[0], e[1]):
+            if end is not None:
+                touching[end].append(e)
+    pick = ["float" if fixed[i] or time["float"][i] <= time["int8"][i] else "int8" for i in range(n_k)]
+
+    def side(x: int | None) -> str:
+        return "float" if x is None else pick[x]
+
+    def local(i: int) -> float:
+        return time[pick[i]][i] + sum(ms for a, b, ms in touching[i] if side(a) != side(b))
+
+    for _ in range(20):  # flip while it lowers the total (each pass visits every kernel once)
+        changed = False
+        for i in range(n_k):
+            if fixed[i]:
+                continue
+            before = local(i)
+            pick[i] = "int8" if pick[i] == "float" else "float"
+            if local(i) < before - 1e-12:
+                changed = True
+            else:
+                pick[i] = "int8" if pick[i] == "float" else "float"
+        if not changed:
+            break
+    out: dict[int, NodeEstimate] = {}
+    for i, k in enumerate(fused.kernels):
+        chosen = est[pick[i]][i]
+        extra = sum(ms for a, b, ms in edges if b == i and side(a) != side(b)) + \
+            sum(ms for a, b, ms in edges if a == i and b is None and side(a) != "float")
+        if extra:
+            head = chosen[k.head.index]
+            head.reformat_ms = extra
+            head.time_ms += extra
+        out.update(chosen)
+    for n in graph.nodes:
+        if n.index not in out:
+            c = f_costs[n.index]
+            out[n.index] = NodeEstimate(n.name, n.op, c.op_class, c.precision, 0.0, 0.0, 0.0, 0.0, 0.0, "overhead",
+                                        0.0, 0.0, 0.0, 0.0, 0.0, stage=n.stage, known=c.known,
+                                        status=fused.status.get(n.index, "view"))
+    return [out[n.index] for n in graph.nodes]
+
+
+def _kernel_inputs(k: Kernel, graph: Graph, owner: dict[int, int]) -> list[tuple[Any, int | None]]:
+    """The activations a kernel reads from outside, each with the kernel that wrote it (looking
+    through views; None for a graph input)."""
+    inside = {n.index for n in k.nodes}
+    seen: dict[str, int | None] = {}
+    for n in k.nodes:
+        for t in n.inputs:
+            if t is None or t.const or t.name in seen or _made_inside(t.name, graph, inside):
+                continue
+            name, hops = t.name, 0
+            p = graph.producer.get(name)
+            while p is not None and p.index not in owner and hops < 64:  # a view: look through it
+                ins = [x for x in p.inputs if x is not None and not x.const]
+                p = graph.producer.get(ins[0].name) if ins else None
+                hops += 1
+            seen[t.name] = owner.get(p.index) if p is not None else None
+    tensors = {t.name: t for n in k.nodes for t in n.inputs if t is not None}
+    return [(tensors[name], j) for name, j in seen.items()]
+
+
+def _reformat_ms(t: Any, roofs: Roofs) -> float:
+    """A reformat kernel between INT8 and float: it reads the tensor in one precision (1 or 2 bytes
+    an element) and writes it in the other, plus a kernel launch."""
+    if not t.numel:
+        return 0.0
+    return (t.numel * 3.0 / (roofs.dram_gbs * 1e9 * roofs.memory_eff("data-movement", "int8"))
+            + roofs.overhead_us * 1e-6) * 1e3
 
 
 _COSTS: dict[tuple[int, int, Precision], tuple[Graph, Fused, dict[int, Any]]] = {}
@@ -361,7 +505,8 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
         c = costs[n.index]
         if not c.ops:
             continue
-        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(roofs, c.gemm, c.op_class == "depthwise-conv")
+        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(roofs, c.gemm, c.op_class == "depthwise-conv",
+                                                                      c.precision, c.channels)
         if n is k.head:
             head_eff = eff
         compute_s += c.ops / (roofs.peak(c.precision) * eff)
@@ -375,6 +520,9 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
     if k.reorder_out:
         memory_s += 2 * sum(writes.values()) / dram
     overhead_s = roofs.overhead_us * 1e-6 * launches
+    if head.gemm is not None and head.op_class in ("conv", "matmul") and roofs.eff.get("gemm_tail_us"):
+        # a tensor-core product's pipeline fill and last partial wave: a fixed time beyond its throughput
+        compute_s += float(roofs.eff["gemm_tail_us"]) * 1e-6
     time_s = max(compute_s, memory_s) + overhead_s
     act = sum(reads.values()) + sum(writes.values())
     bytes_ = act + weight
@@ -465,7 +613,8 @@ def _group(nodes: list[NodeEstimate], key: str, total: float) -> list[dict[str, 
 
 
 def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target, roofs: Roofs, rt: str,
-              precision: str | None, prec: Precision, batch: int, io_ms: float = 0.0) -> Estimate:
+              precision: str | None, prec: Precision, batch: int, io_ms: float = 0.0,
+              timing: str = "gpu-compute") -> Estimate:
     warnings = list(graph.warnings)
     notes: list[str] = []
     graph_precision = _graph_precision(nodes)
@@ -487,7 +636,8 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
                         "memory-bound (bytes in and out only): "
                         + ", ".join(f"{op} x{c}" for op, c in sorted(unknown.items())))
     runs = [n for n in nodes if n.status == "runs"]
-    total = sum(n.time_ms for n in runs) + io_ms
+    kernels_ms = sum(n.time_ms for n in runs)
+    total = kernels_ms + (io_ms if timing == "end-to-end" else 0.0)
     compute = sum(n.compute_ms for n in runs)
     memory = sum(n.memory_ms for n in runs)
     classes = _group(nodes, "op_class", total)
@@ -506,4 +656,5 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
         nodes=nodes, kernels=len(fused.kernels), fusions=dict(fused.counts), runtime=rt, op_mix=mix,
         op_types=_group(nodes, "op_type", total), op_classes=classes, stages=_group(nodes, "stage", total),
         unknown_ops=dict(unknown), efficiency=dict(roofs.eff), calibration=roofs.calibration, fuse=FUSION_MODELS[rt].fuses,
-        warnings=warnings, notes=notes)
+        warnings=warnings, notes=notes, timing=timing, gpu_compute_ms=kernels_ms, end_to_end_ms=kernels_ms + io_ms,
+        reformat_ms=sum(n.reformat_ms for n in runs), reformats=sum(1 for n in runs if n.reformat_ms))

@@ -31,8 +31,9 @@ from typing import Any
 
 from edgekit import interrupts
 from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, write_manifest
-from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
 from edgekit.export.parity import check_parity, module_device
+from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -64,6 +65,10 @@ class ExportConfig:
         name with ``(atol, rtol)``. A compression step may loosen atol/rtol through its
         record (``meta["parity"]``); see ``effective_tolerances``.
     skip_parity: write the artifact without the parity check.
+    int8_kernels: the integer arithmetic an INT8 graph's parity is judged in: "int16-pairs" (x86
+        without VNNI), "int32" (VNNI, AMX, arm64), "float-qdq" (TensorRT); None: what the INT8 step
+        recorded for its target, else this machine's kernels. Other kernels than this machine's run
+        through ``runtimes.int8_kernels``'s model of them.
     """
 
     opset: int = DEFAULT_OPSET
@@ -74,6 +79,7 @@ class ExportConfig:
     rtol: float = 1e-3
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
     skip_parity: bool = False
+    int8_kernels: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -88,6 +94,8 @@ class ExportConfig:
             if not (isinstance(tol, (tuple, list)) and len(tol) == 2 and all(
                     isinstance(t, (int, float)) and t >= 0 for t in tol)):
                 raise BadInputError(f"tolerance for output {name!r} must be (atol, rtol) >= 0, got {tol!r}")
+        if self.int8_kernels is not None and self.int8_kernels not in SEMANTICS:
+            raise bad_choice("INT8 kernels", self.int8_kernels, SEMANTICS)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -97,11 +105,13 @@ class ExportConfig:
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
                 config: ExportConfig | None = None, input_options: InputOptions | None = None,
-                rewrites: Mapping[str, Rewrite | None] | None = None) -> Path:
+                rewrites: Mapping[str, Rewrite | None] | None = None, failed_path: Path | None = None) -> Path:
     """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
     ``input_options`` (``--shapes``, ``--inputs``) set the inputs traced and compared.
     ``rewrites``: each compression step's graph rewrite by step name (default: the registered
     step registry's, ``register_rewrite_lookup``), applied in chain order after tracing.
+    ``failed_path``: where a graph that fails parity is kept (default ``<out_dir>.failed.onnx``;
+    a caller exporting into a staging folder names a place that outlives it).
 
     >>> out = export_onnx("efficientnet-lite0", "out/onnx")  # doctest: +SKIP
     >>> read_manifest(out).metrics["parity"]["passed"]  # doctest: +SKIP
@@ -136,7 +146,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
     proto, exporter = _trace(handle, config)
     proto = _apply_rewrites(proto, handle, rewrites)
     trace_s = time.perf_counter() - t0
-    failed = Path(f"{out_dir}.failed.onnx")
+    failed = failed_path or Path(f"{out_dir}.failed.onnx")
     with staged_dir(out_dir, protect) as tmp:
         files = _save_checked(proto, tmp)
         onnx_path = tmp / files["onnx"]
@@ -148,7 +158,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
             try:
                 atol, rtol, per_output = effective_tolerances(config, handle)
                 report = check_parity(onnx_path, handle, atol, rtol, per_output,
-                                      batches=(1, 2) if config.dynamic_batch else (1,))
+                                      batches=(1, 2) if config.dynamic_batch else (1,),
+                                      semantics=parity_semantics(config, handle))
             except EdgekitError:
                 raise
             except Exception as e:  # ONNX Runtime cannot even run the graph
@@ -157,7 +168,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
                                        f"({ort_failure(e, onnx_path)}); kept it at {failed}") from None
             if not report.passed:
                 _keep_failed(onnx_path, failed)
-                raise CheckFailedError(f"{report.message()}; the failing graph is kept at {failed}")
+                hint = _scheme_hint(handle, parity_semantics(config, handle) or host_semantics())
+                raise CheckFailedError(f"{report.message()}{hint}; the failing graph is kept at {failed}")
             parity = report.to_dict()
             log.info(report.message())
         with contextlib.suppress(FileNotFoundError):
@@ -170,6 +182,27 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
                      "total_seconds": round(time.perf_counter() - t0, 3),
                      "size_mb": round(sum((tmp / f).stat().st_size for f in files.values()) / 2**20, 3)}))
     return out_dir
+
+
+def parity_semantics(config: ExportConfig, handle: ModelHandle) -> str | None:
+    """The integer arithmetic an INT8 graph is judged in: the config's, else what the INT8 step
+    recorded for its target (``meta["kernels"]``), else None (this machine's; float graphs)."""
+    if config.int8_kernels is not None:
+        return config.int8_kernels
+    for rec in reversed(handle.steps):
+        kernels = (rec.meta or {}).get("kernels")
+        if isinstance(kernels, str) and kernels in SEMANTICS:
+            return kernels
+    return None
+
+
+def _scheme_hint(handle: ModelHandle, semantics: str) -> str:
+    """Why an INT8 graph with 8-bit weights fails where the integer kernels sum in int16 pairs."""
+    scheme = next((str((r.meta or {}).get("scheme")) for r in reversed(handle.steps) if r.name == "int8"), None)
+    if scheme in ("u8s8", "s8s8") and semantics == "int16-pairs":
+        return (" (its 8-bit weights overflow the int16 pair sums of x86 integer kernels without VNNI: compress "
+                "for this target, whose INT8 scheme u8s7 keeps such weights on 7 bits)")
+    return ""
 
 
 def effective_tolerances(config: ExportConfig, handle: ModelHandle

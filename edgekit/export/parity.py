@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.runtimes.int8_kernels import describe_semantics, session_for
 from edgekit.sources.handle import ModelHandle
 
 
@@ -55,6 +56,7 @@ class OutputError:
 class ParityReport:
     errors: list[OutputError] = field(default_factory=list)
     batches: tuple[int, ...] = (1,)
+    kernels: str = ""  # what ran the graph (``describe_semantics``)
 
     @property
     def passed(self) -> bool:
@@ -73,7 +75,7 @@ class ParityReport:
             if cur is None or e.ratio > cur["ratio"] or not e.shape_ok:
                 per_output[e.name] = e.to_dict()
         worst = self.worst
-        return {"passed": self.passed, "batches": list(self.batches), "outputs": per_output,
+        return {"passed": self.passed, "batches": list(self.batches), "kernels": self.kernels, "outputs": per_output,
                 "worst": worst.name if worst else None,
                 "max_abs_error": max((e.max_abs for e in self.errors), default=0.0),
                 "max_rel_error": max((e.max_rel for e in self.errors), default=0.0)}
@@ -124,12 +126,18 @@ def run_torch(module: Any, feeds: dict[str, np.ndarray], input_names: list[str])
             for o in out]
 
 
-def run_onnxruntime(path: str | os.PathLike[str], feeds: dict[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+def run_onnxruntime(path: str | os.PathLike[str], feeds: dict[str, np.ndarray],
+                    semantics: str | None = None) -> tuple[list[str], list[np.ndarray]]:
+    """ONNX Runtime on this machine, or computing what ``semantics`` computes (an INT8 graph on
+    another CPU's integer kernels, or with Q/DQ in float as TensorRT: ``runtimes.int8_kernels``)."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    if semantics is not None:
+        sess = session_for(path, semantics)
+    else:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     outs = sess.run(None, {n: feeds[n] for n in names})
     return [o.name for o in sess.get_outputs()], list(outs)
@@ -141,8 +149,10 @@ def has_dynamic_batch(handle: ModelHandle) -> bool:
 
 def check_parity(onnx_path: str | os.PathLike[str], handle: ModelHandle, atol: float = 1e-4, rtol: float = 1e-3,
                  per_output: dict[str, tuple[float, float]] | None = None,
-                 batches: tuple[int, ...] = (1, 2)) -> ParityReport:
-    """ONNX Runtime on ``onnx_path`` against ``handle.module`` on ``handle.sample_inputs``.
+                 batches: tuple[int, ...] = (1, 2), semantics: str | None = None) -> ParityReport:
+    """ONNX Runtime on ``onnx_path`` against ``handle.module`` on ``handle.sample_inputs``;
+    ``semantics``: the integer kernels an INT8 graph is judged on (``run_onnxruntime``; None: this
+    machine's).
 
     >>> report = check_parity("model.onnx", handle)  # doctest: +SKIP
     >>> report.passed, report.worst.max_abs  # doctest: +SKIP
@@ -151,11 +161,11 @@ def check_parity(onnx_path: str | os.PathLike[str], handle: ModelHandle, atol: f
     if not has_dynamic_batch(handle):
         batches = (1,)
     names = [s.name for s in handle.inputs]
-    report = ParityReport(batches=tuple(batches))
+    report = ParityReport(batches=tuple(batches), kernels=describe_semantics(semantics))
     for b in batches:
         feeds = handle.sample_inputs(b)
         ref = run_torch(handle.module, feeds, names)
-        out_names, got = run_onnxruntime(Path(onnx_path), feeds)
+        out_names, got = run_onnxruntime(Path(onnx_path), feeds, semantics)
         for i, g in enumerate(got):
             name = out_names[i]
             a, r = per_output.get(name, (atol, rtol))

@@ -15,6 +15,7 @@ from edgekit.pipelines.results import (
     RunResult,
     StageResult,
     SweepRow,
+    source_label,
     stage_table,
     sweep_table,
     target_measurement,
@@ -159,7 +160,9 @@ def render_run_html(result: RunResult, path: Path) -> Path:
             prof = ProfileResult.load(prof_path)
             if prof.nodes:
                 parts.append(f"<h3>{html.escape(r.stage)}: top nodes</h3>")
-                parts.append(f"<p class=note>{html.escape(r.stage)} alone: p50 {prof.latency_ms.p50:.3f} ms, "
+                parts.append(f"<p class=note>{html.escape(r.stage)} alone "
+                             f"({html.escape(source_label(prof.source, prof.provenance.status if prof.provenance else None))}"
+                             f"): p50 {prof.latency_ms.p50:.3f} ms, "
                              f"p99 {prof.latency_ms.p99:.3f} ms, cv {prof.latency_ms.cv:.1%}"
                              f"{' (noisy)' if prof.noisy else ''}</p>")
                 parts.append(_table(["node (module path, else ONNX name)", "op", "ms", "share", "precision"],

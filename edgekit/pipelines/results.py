@@ -39,6 +39,7 @@ class StageResult:
     cv: float = 0.0  # coefficient of variation of the stage's times
     noisy: bool = False  # cv above the recipe's noise threshold: a verdict on it is uncertain
     range_ms: list[float] | None = None  # an estimate's range [low, high] (from its validation errors)
+    provenance: str | None = None  # device results: "verified" | "unverified" (runtimes.base.Provenance)
 
 
 @dataclass
@@ -86,12 +87,21 @@ def stage_table(result: RunResult) -> list[list[str]]:
                      f"{r.share:.0%}", "-" if r.budget_ms is None else f"{r.budget_ms:g}",
                      "-" if r.budget_ms is None else f"{r.budget_ms - r.latency_ms:+.3f}",
                      _verdict(r.passed, r.noisy),
-                     r.source + (f" ({r.range_ms[0]:.3f}-{r.range_ms[1]:.3f})" if r.range_ms else "")
+                     source_label(r.source, r.provenance) + (f" ({r.range_ms[0]:.3f}-{r.range_ms[1]:.3f})" if r.range_ms
+                                                            else "")
                      + (" (reused)" if r.reused and all(r.reused.values()) else "")])
     return rows
 
 
 STAGE_COLUMNS = ["target", "stage", "latency ms", "p50", "p99", "cv", "share", "budget", "margin", "verdict", "source"]
+
+
+def source_label(source: str, provenance: str | None = None) -> str:
+    """Where a number comes from, for tables: ``measured`` (here), ``estimated`` (roofline),
+    ``device (verified)`` or ``device (UNVERIFIED)`` (results recorded on the device)."""
+    if provenance:
+        return f"{source} ({'verified' if provenance == 'verified' else 'UNVERIFIED'})"
+    return source
 
 
 def _verdict(passed: bool | None, noisy: bool) -> str:

@@ -364,7 +364,7 @@ def _run_stage(stage: StageSpec, target: Target, recipe: Recipe, cache: _Cache, 
     if stage.steps:
         key = cache.key({**base, "model": model_id, "steps": [[s.name, s.config] for s in stage.steps],
                          "calib": stage.calib, "train": stage.train,
-                         "target": target.name if target_aware else None, **io_key})
+                         "target": target.identity if target_aware else None, **io_key})
 
         def build_model(folder: Path) -> None:
             ctx = StepContext(target=target, calib=stage.calib, train=stage.train, seed=recipe.seed,
@@ -620,7 +620,8 @@ def _stage_result(stage: StageSpec, target: Target, kind: str, prof: ProfileResu
                        passed=passed, metrics=metrics, gates=gates, artifacts=artifacts, reused=reused,
                        size_mb=size_mb, profile=prof.engine, parallel_with=list(stage.parallel_with),
                        warnings=list(prof.warnings) + list(warnings or []), cv=prof.latency_ms.cv, noisy=prof.noisy,
-                       range_ms=_estimate_range(prof))
+                       range_ms=_estimate_range(prof),
+                       provenance=prof.provenance.status if prof.provenance is not None else None)
 
 
 def _estimate_range(prof: ProfileResult) -> list[float] | None:

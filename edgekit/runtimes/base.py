@@ -235,6 +235,11 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class NoResultsYet(BadInputError):
+    """A folder that will hold recorded results but holds none yet (a build bundle whose script
+    has not run on the device): bad input to ``profile``, an expected state to pipelines."""
+
+
 # A device results folder (written by a runtime's script on the device) carries a copy of
 # the manifest of the bundle that made it under this name, so it describes itself.
 RESULTS_MANIFEST = "bundle_manifest.json"
@@ -250,6 +255,33 @@ def read_folder_manifest(folder: Path) -> Manifest:
         except (json.JSONDecodeError, TypeError, KeyError) as e:
             raise BadInputError(f"{copy} is not an edgekit manifest ({e})") from None
     return read_manifest(folder)
+
+
+PROVENANCE_STATUS = ("verified", "unverified")
+
+
+@dataclass
+class Provenance:
+    """Whether recorded results come from the device and engine they claim: ``verified`` when
+    every fact checked (GPU/SM, TensorRT version, engine inputs, batch, layer names) was recorded
+    and matched; ``unverified`` when some were not recorded (``reasons``). A mismatch never
+    gets here: it is refused. ``checks``: one record per fact (check, result, recorded,
+    expected, from)."""
+
+    status: str
+    checks: list[dict[str, str]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.status not in PROVENANCE_STATUS:
+            raise FieldError("status", f"unknown provenance {self.status!r} (choose from {', '.join(PROVENANCE_STATUS)})")
+
+    def summary(self) -> str:
+        """One line for people: what matched, or why it is unverified."""
+        if self.status == "verified":
+            return "verified: " + ", ".join(f"{c['check']} {c['recorded']}" for c in self.checks)
+        return "UNVERIFIED: " + "; ".join(self.reasons)
 
 
 @dataclass
@@ -268,6 +300,7 @@ class RecordedRun:
     engine: str = ""
     target: str | None = None
     model: str | None = None
+    provenance: Provenance | None = None  # checked against what the bundle claims (None: not a recorded run)
 
 
 class Runtime(Protocol):

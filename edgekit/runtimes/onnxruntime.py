@@ -160,8 +160,9 @@ class OnnxRuntime:
         return True, ""
 
     def measures_here(self, target: Target) -> bool:
-        """Only CPU targets: an engine timed on this host's CPU says nothing of a GPU's latency."""
-        return target.kind == "cpu"
+        """The CPU targets this machine stands for (``Target.is_this_machine``: the same architecture
+        and integer kernels): an engine timed here says nothing of a GPU's latency or another CPU's."""
+        return target.is_this_machine
 
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None  # ONNX Runtime engines are timed here, by profiling
@@ -178,6 +179,12 @@ class OnnxRuntime:
                                 "fp32, int8, int4; or --runtime openvino for bf16)")
         level = options.optimization_level
         _level(level)  # validate
+        notes: list[str] = []
+        if target.kind == "cpu" and not target.is_this_machine and level in ("layout", "all"):
+            # the saved graph of those levels holds this machine's layouts and fused kernels
+            notes.append(f"optimization level {level!r} would save a graph for this machine's CPU, not target "
+                         f"{target.name!r}'s: saved at 'extended' (its runtime applies the rest when it loads)")
+            level = "extended"
         large = _has_external_data(src)
         opt_path = out_dir / OPT_FILE
         t0 = time.perf_counter()
@@ -188,7 +195,6 @@ class OnnxRuntime:
         build_s = time.perf_counter() - t0
         inputs = _inputs_of(sess)
         feeds = options.extra.get("feeds") or _sample_feeds(inputs)
-        notes: list[str] = []
         offline = opt_path.is_file()
         warm: dict[str, Any] = {}
         if "TensorrtExecutionProvider" in providers:  # its engines build at the first inference: do it now
@@ -235,7 +241,9 @@ class OnnxRuntime:
             "graph_optimization_level": level, "intra_op_num_threads": options.threads or 0,
             "inter_op_num_threads": 1, "execution_mode": "sequential", "providers": providers,
             "provider_options": provider_options, "offline_optimized": offline,
-            "load_optimization_level": "disable" if offline else level,
+            # a graph saved below the level asked for (another CPU's target) gets the rest where it loads
+            "load_optimization_level": options.optimization_level if level != options.optimization_level else
+            ("disable" if offline else level),
         }
         return {
             "files": files,

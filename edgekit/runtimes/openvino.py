@@ -249,7 +249,8 @@ class OpenVinoRuntime:
         return True, ""
 
     def measures_here(self, target: Target) -> bool:
-        return target.kind == "cpu"
+        """The CPU targets this machine stands for: the same architecture and integer kernels."""
+        return target.is_this_machine
 
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
         return None

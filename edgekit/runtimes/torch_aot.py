@@ -102,9 +102,10 @@ class TorchAotRuntime:
         return True, ""
 
     def measures_here(self, target: Target) -> bool:
-        """CPU targets, and GPU targets where this machine has a CUDA GPU."""
+        """The CPU targets this machine stands for (``Target.is_this_machine``), and GPU targets where
+        this machine has a CUDA GPU."""
         if target.kind == "cpu":
-            return True
+            return target.is_this_machine
         import torch
 
         return target.kind == "gpu" and bool(torch.cuda.is_available())

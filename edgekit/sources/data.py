@@ -75,10 +75,9 @@ from edgekit.sources.assets import resize_center_crop, sample_photos
 from edgekit.sources.handle import ModelHandle
 from edgekit.sources.inputs import detect_preprocess, image_prepare
 from edgekit.sources.text import lee_news_documents, package_dir, split_sentences, token_windows, wikipedia_articles
-
-# Re-exported for callers that load data and cut their own windows (they live in sources.text).
-from edgekit.sources.text import random_token_windows as random_token_windows
-from edgekit.sources.text import window_prefix as window_prefix
+from edgekit.sources.text import random_token_windows as random_token_windows  # re-exported (as window_prefix)
+from edgekit.sources.text import window_prefix as window_prefix  # for callers that cut their own windows
+from edgekit.sources.tokenizer_checks import check_token_density
 
 SPLITS = ("calib", "eval", "train")
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -581,8 +580,12 @@ def _text_inputs(docs: list[str], model: ModelHandle | None, seqlen: int | None,
             L = int(max_positions)
         prefix = tuple(model.extra.get("window_prefix", ()))
         ids = token_windows(model.tokenizer, text, L, limit=limit, prefix=prefix)
+        # a tokenizer that is not the model's shows as a density far from the family's (a warning)
+        family = str((model.extra.get("hf_config") or {}).get("model_type", ""))
+        density = check_token_density(model.tokenizer, family, text, f"{model.name} on {where}")
         return ({"input_ids": ids, "attention_mask": np.ones_like(ids)},
-                {"kind": "token-windows", "seqlen": L, "prefix": list(prefix), "bos_per_window": bool(prefix)})
+                {"kind": "token-windows", "seqlen": L, "prefix": list(prefix), "bos_per_window": bool(prefix),
+                 "tokens_per_char": round(density, 4)})
     sentences = split_sentences(docs)
     if limit is not None:
         sentences = sentences[:limit]

@@ -12,7 +12,9 @@
 A GGUF file is dequantized by transformers (``gguf`` package), which is slow (~14 s for
 SmolLM2-135M), so the float32 model and its tokenizer are cached as a Hugging Face
 folder under ``cache_dir()/hf-float/`` keyed by the GGUF's name, size and mtime, and
-reloaded from there (~0.1 s) next time.
+reloaded from there (~0.1 s) next time. The tokenizer is not transformers' conversion (which
+reads Gemma's SentencePiece vocabulary as a Unigram model): it is rebuilt from the file's own
+vocabulary (``gguf_tokenizer``), and every load checks it against llama.cpp's algorithm.
 
 Nothing in a folder or GGUF file runs: ``trust_remote_code=False`` everywhere (so
 transformers never asks "Do you wish to run the custom code?"), a folder whose
@@ -46,8 +48,18 @@ from edgekit import interrupts
 from edgekit.artifact import cache_dir, sha256_json, staged_dir
 from edgekit.errors import BadInputError, UnavailableError
 from edgekit.sources.assets import cache_lock
+from edgekit.sources.gguf_tokenizer import (
+    CHECK_STRINGS,
+    TOKENIZER_ARRAYS,
+    build_tokenizer,
+    check_tokenizer,
+    read_gguf_vocab,
+    save_tokenizer,
+    vocab_from_metadata,
+)
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.sources.text import token_windows, window_prefix
+from edgekit.sources.tokenizer_checks import check_tokenizer_files
 from edgekit.sources.weights import (
     check_finite_parameters,
     check_gguf,
@@ -61,6 +73,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DEFAULT_SEQUENCE = 32  # tokens in make_inputs() when no length is asked
+# The float copy of a GGUF file is keyed by this too: copies made before the tokenizer was rebuilt
+# from the file's vocabulary (1) carry transformers' tokenizer and are not reused.
+GGUF_CONVERSION = 2
 # Calibration/evaluation window of a causal LM: the model's context (max_position_embeddings),
 # capped here: longer windows cost CPU time linearly and change perplexity little.
 DEFAULT_WINDOW = 512
@@ -136,7 +151,8 @@ def _transformers() -> Any:
 
 def _gguf_cache_folder(gguf: Path) -> Path:
     st = gguf.stat()
-    key = sha256_json({"name": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})[:16]
+    key = sha256_json({"name": gguf.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "conversion": GGUF_CONVERSION})[:16]
     return cache_dir() / "hf-float" / f"{gguf.stem}-{key}"
 
 
@@ -158,7 +174,11 @@ def float_copy_of_gguf(folder: Path, gguf_file: str) -> Path:
 
 def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
     gguf = folder / gguf_file
-    info = check_gguf(gguf)  # bounded header check before transformers parses it
+    info = check_gguf(gguf, arrays=TOKENIZER_ARRAYS)  # bounded header check before transformers parses it
+    # the tokenizer first: a file whose tokenizer edgekit cannot reproduce costs no weight conversion
+    vocab = vocab_from_metadata(info.metadata, info.arrays, str(gguf))
+    tokenizer = build_tokenizer(vocab)
+    check_tokenizer(tokenizer, vocab, str(gguf))
     tf = _transformers()
     with _no_remote_code():
         try:
@@ -169,7 +189,6 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
         # GGUF configs carry no architectures: all are causal LMs
         check_parameter_budget(tf.AutoModelForCausalLM, config, info.elements, str(gguf))
         try:
-            tokenizer = tf.AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
             # transformers' GGUF converter draws its own tqdm bar on stderr, which carries only edgekit's errors
             with contextlib.redirect_stderr(io.StringIO()):
                 model, loading = tf.AutoModelForCausalLM.from_pretrained(
@@ -187,7 +206,7 @@ def _convert_gguf(folder: Path, gguf_file: str, target: Path) -> None:
             delattr(model.config, "quantization_config")
     with staged_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(vocab, tokenizer, tmp)
         (tmp / "edgekit-source.json").write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size}))
 
 
@@ -445,12 +464,22 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, wei
         except Exception as e:  # OSError, ValueError, TypeError, tokenizers' Exception: the tokenizer files are bad
             interrupts.reraise(e)
             raise BadInputError(f"{hf_folder}: the tokenizer cannot be loaded: {first_line(e)}") from None
+        tokenizer_record: dict[str, Any] | None = None
+        if gguf_file:  # every load: the cached tokenizer must still tokenize as the file's own algorithm does
+            vocab = read_gguf_vocab(folder / gguf_file)
+            check_tokenizer(tokenizer, vocab, source)
+            tokenizer_record = {"from": "the GGUF vocabulary", "kind": vocab.describe(),
+                                "checked_against": "llama.cpp's algorithm", "strings": len(CHECK_STRINGS)}
+        else:  # tokenizer.json must tokenize as the folder's tokenizer.model, where it has both
+            check_tokenizer_files(tokenizer, hf_folder)
         if auto_class is tf.AutoModelForCausalLM:
             model = _from_pretrained(auto_class, hf_folder, files, half_storage=half_storage) if weights else None
             handle = _causal_lm_handle(model, params, config, tokenizer, name, source)
         else:
             model = _from_pretrained(auto_class, hf_folder, files, optional=("pooler.",)) if weights else None
             handle = _encoder_handle(model, params, hf_folder, config, tokenizer, name, source)
+    if tokenizer_record is not None:
+        handle.extra["tokenizer"] = tokenizer_record
     handle.extra["load_seconds"] = round(time.perf_counter() - t0, 3)
     handle.extra["hf_folder"] = str(hf_folder)
     return handle

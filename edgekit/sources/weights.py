@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgekit.errors import BadInputError
 
 MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the safetensors library's own limit
@@ -43,6 +45,9 @@ GGUF_VALUE_TYPES = {0: ("uint8", 1), 1: ("int8", 1), 2: ("uint16", 2), 3: ("int1
                     10: ("uint64", 8), 11: ("int64", 8), 12: ("float64", 8)}
 GGUF_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
                        11: "<q", 12: "<d"}
+GGUF_ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+                     11: "<i8", 12: "<f8"}
+_U64 = struct.Struct("<Q")
 
 
 @dataclass
@@ -64,6 +69,9 @@ class WeightFileInfo:
     path: Path
     tensors: dict[str, TensorInfo]
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the values of the metadata arrays asked for (``check_gguf(..., arrays=...)``): a list of str
+    # for an array of strings, a numpy array for numbers
+    arrays: dict[str, Any] = field(default_factory=dict)
 
     @property
     def elements(self) -> int:
@@ -206,24 +214,43 @@ class _Cursor:
         start = self.take(n, what)
         return bytes(self.buf[start:self.pos])
 
+    def strings(self, n: int, what: str) -> list[bytes]:
+        """``n`` strings in a row (a vocabulary: 262,144 for Gemma 3), each bounded like ``string``."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        for _ in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"{what} length needs 8 bytes past the end of the file (truncated?)")
+            (length,) = _U64.unpack_from(buf, pos)
+            pos += 8
+            if length > size - pos:
+                self.pos = pos
+                raise self.fail(f"{what} needs {length:,} bytes past the end of the file (truncated?)")
+            out.append(buf[pos:pos + length])
+            pos += length
+        self.pos = pos
+        return out
 
-def check_gguf(path: str | os.PathLike[str]) -> WeightFileInfo:
+
+def check_gguf(path: str | os.PathLike[str], arrays: tuple[str, ...] = ()) -> WeightFileInfo:
     """Check a GGUF file's header: every count and length against the bytes left, every
-    tensor's data inside the file. ``metadata`` holds the scalar and string values."""
+    tensor's data inside the file. ``metadata`` holds the scalar and string values (an array
+    stands as its length); ``arrays`` names the metadata arrays whose values are kept
+    (``info.arrays``: the tokenizer's vocabulary, scores, token types and merges)."""
     path = Path(path)
     size = _file_size(path, "model file")
     if size < 24:
         raise BadInputError(f"{path} is not a GGUF file: {size} bytes, shorter than the GGUF header")
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf(buf, path)
+            return _parse_gguf(buf, path, frozenset(arrays))
     except BadInputError:
         raise
     except (OSError, ValueError) as e:  # mmap of an unreadable or special file
         raise BadInputError(f"cannot read model file {path}: {e}") from None
 
 
-def _parse_gguf(buf: Any, path: Path) -> WeightFileInfo:
+def _parse_gguf(buf: Any, path: Path, keep: frozenset[str] = frozenset()) -> WeightFileInfo:
     import gguf
 
     cur = _Cursor(buf, path)
@@ -236,11 +263,12 @@ def _parse_gguf(buf: Any, path: Path) -> WeightFileInfo:
     n_tensors = cur.count("tensor count", 24)  # name length 8 + dimension count 4 + type 4 + offset 8
     n_kv = cur.count("metadata count", 13)  # key length 8 + type 4 + at least one byte of value
     metadata: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
     strings = [0]
     for _ in range(n_kv):
         key = _utf8(cur, cur.string("metadata key"), "metadata key")
         vtype = cur.unpack("<I", f"type of {_short(key)}")
-        metadata[key] = _gguf_value(cur, vtype, key, strings, depth=0)
+        metadata[key] = _gguf_value(cur, vtype, key, strings, depth=0, keep=kept if key in keep else None)
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
         raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
@@ -275,7 +303,7 @@ def _parse_gguf(buf: Any, path: Path) -> WeightFileInfo:
         if name in tensors:
             raise cur.fail(f"tensor {_short(name)} is declared twice")
         tensors[name] = info
-    return WeightFileInfo(path, tensors, metadata)
+    return WeightFileInfo(path, tensors, metadata, kept)
 
 
 def _short(text: str) -> str:
@@ -290,9 +318,11 @@ def _utf8(cur: _Cursor, raw: bytes, what: str) -> str:
         raise cur.fail(f"a {what} is not UTF-8") from None
 
 
-def _gguf_value(cur: _Cursor, vtype: int, key: str, strings: list[int], depth: int) -> Any:
+def _gguf_value(cur: _Cursor, vtype: int, key: str, strings: list[int], depth: int,
+                keep: dict[str, Any] | None = None) -> Any:
     """One metadata value; arrays of fixed-size items are skipped in one step, arrays of
-    strings walked (their lengths must be read), nested arrays at most two deep."""
+    strings walked (their lengths must be read), nested arrays at most two deep. With
+    ``keep``, the values of a flat array are stored there under ``key``."""
     if vtype not in GGUF_VALUE_TYPES:
         raise cur.fail(f"metadata {_short(key)} has unknown value type {vtype}")
     if vtype in GGUF_SCALAR_FORMATS:
@@ -308,14 +338,20 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, strings: list[int], depth: i
     item_size = GGUF_VALUE_TYPES[item_type][1]
     n = cur.count(f"array {_short(key)}", item_size or (8 if item_type == 8 else 12))
     if item_size:
-        cur.take(n * item_size, f"array {_short(key)}")
+        start = cur.take(n * item_size, f"array {_short(key)}")
+        if keep is not None:
+            keep[key] = np.frombuffer(cur.buf, GGUF_ARRAY_DTYPES[item_type], n, start).copy()
         return n  # the length stands for the array: only scalars and strings are needed later
     if item_type == 8:
         strings[0] += n
         if strings[0] > GGUF_MAX_STRING_ITEMS:
             raise cur.fail(f"metadata holds more than {GGUF_MAX_STRING_ITEMS:,} strings")
-        for _ in range(n):
-            cur.string(f"item of {_short(key)}")
+        items = cur.strings(n, f"item of {_short(key)}")
+        if keep is not None:
+            try:
+                keep[key] = [b.decode("utf-8") for b in items]
+            except UnicodeDecodeError:
+                raise cur.fail(f"an item of {_short(key)} is not UTF-8") from None
         return n
     for _ in range(n):
         _gguf_value(cur, item_type, key, strings, depth + 1)

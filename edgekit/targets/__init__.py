@@ -15,11 +15,13 @@ from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import FieldError, Loc, check_fields, from_mapping, read_yaml
+from edgekit.targets.cpu_isa import ARCHS, FEATURES, Int8Kernel, cpu_features, int8_kernel
 from edgekit.targets.runtime_registry import RUNTIMES
 
 TARGETS_DIR = Path(__file__).parent
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8", "int4")
 KINDS = ("cpu", "gpu", "jetson")
+HOST_TARGET = "cpu"  # the target that describes the machine edgekit runs on (detected at load)
 TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -44,7 +46,8 @@ class Target:
     jetpack: str | None = None
     execution_providers: tuple[str, ...] = ()  # onnxruntime EPs, in order
     cores: int | None = None
-    isa: tuple[str, ...] = ()
+    arch: str | None = None  # CPU targets: "x86_64" | "arm64"
+    isa: tuple[str, ...] = ()  # CPU features that decide kernels (``cpu_isa.FEATURES``: avx2, avx512_vnni, dotprod, ...)
     kernel_overhead_us: float = 5.0  # per-node launch/dispatch overhead for the estimator
     efficiency: dict[str, float] = field(default_factory=dict)  # op class -> fraction of peak (fitted)
     cache_mb: float = 0.0  # L2 / last-level cache one kernel's working set can live in (estimator)
@@ -102,6 +105,11 @@ class Target:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise FieldError(name, f"must be > 0, got {v}")
+        if self.arch is not None and self.arch not in ARCHS:
+            raise FieldError("arch", f"unknown architecture {self.arch!r} (choose from {', '.join(ARCHS)})")
+        for i, f in enumerate(self.isa):
+            if f not in FEATURES:
+                raise FieldError(f"isa[{i}]", f"unknown CPU feature {f!r} (choose from {', '.join(FEATURES)})")
         if self.sm is not None and not re.fullmatch(r"sm_\d{2,3}", self.sm):
             raise FieldError("sm", f"must look like 'sm_87', got {self.sm!r}")
         if self.tensorrt_versions:
@@ -122,6 +130,34 @@ class Target:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def int8_kernel(self) -> Int8Kernel | None:
+        """The integer kernel family of a CPU target (None for GPU targets, or a CPU target that
+        does not say its architecture)."""
+        if self.kind != "cpu" or self.arch is None:
+            return None
+        return int8_kernel(self.arch, self.isa)
+
+    @property
+    def identity(self) -> str:
+        """What a target-aware result depends on: the name, and for a CPU target its architecture and
+        integer kernels (the ``cpu`` target on two machines of different kinds is two targets)."""
+        kernel = self.int8_kernel
+        return f"{self.name}/{self.arch}/{kernel.name}" if kernel is not None else self.name
+
+    @property
+    def is_this_machine(self) -> bool:
+        """A CPU target this machine stands for: the ``cpu`` target, or a named CPU target of this
+        machine's architecture whose integer kernels are this machine's (an engine built and timed
+        here runs the kernels it will run there)."""
+        if self.kind != "cpu":
+            return False
+        if self.name == HOST_TARGET:
+            return True
+        arch, isa, _ = cpu_features()
+        mine = int8_kernel(arch, isa)
+        return self.arch == arch and self.int8_kernel is not None and self.int8_kernel.name == mine.name
 
     @property
     def has_gpu(self) -> bool:
@@ -207,22 +243,15 @@ def load_target(name_or_path: TargetLike) -> Target:
         raise bad_choice("target", text, files)
     data = read_yaml(path, "target file")  # bounded, no YAML aliases or tags
     target = target_from_dict(data, str(path))
-    if target.kind == "cpu" and target.name == "cpu":
+    if target.kind == "cpu" and target.name == HOST_TARGET:
         target = _detect_host(target)
     return target
 
 
 def _detect_host(target: Target) -> Target:
-    """The ``cpu`` target is this host: fill in cores and ISA extensions from /proc/cpuinfo."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = [name for flag, name in (("avx2", "avx2"), ("avx512f", "avx512"), ("avx512_vnni", "avx512-vnni"),
-                                   ("avx_vnni", "avx-vnni"), ("amx_int8", "amx-int8"), ("amx_bf16", "amx-bf16"),
-                                   ("asimd", "neon")) if flag in flags]
-    return dataclasses.replace(target, cores=os.cpu_count(), isa=tuple(isa) or target.isa)
+    """The ``cpu`` target is this host: architecture, cores and the CPU features that decide
+    kernels, read from this machine (``cpu_isa.cpu_features``)."""
+    arch, isa, model = cpu_features()
+    description = f"{target.description}: {model}" if model else target.description
+    return dataclasses.replace(target, cores=os.cpu_count(), arch=arch if arch in ARCHS else None,
+                               isa=isa or target.isa, description=description)

@@ -160,11 +160,31 @@ def test_config_validation_messages():
         Int8Config().method = "qat"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("scheme,depthwise,grid", [
+    ("u8s8", False, (-128, 127)), ("u8s7", False, (-64, 64)), ("u8s7", True, (-128, 127)), ("trt", False, (-128, 127)),
+])
+def test_weight_grid_per_scheme_and_layer(scheme, depthwise, grid):
+    from edgekit.compress.qdq import weight_grid
+
+    g = weight_grid(scheme, depthwise)
+    assert (g.qmin, g.qmax) == grid
+
+
 def test_scheme_follows_the_target():
     from edgekit.targets import Target, load_target
 
-    assert resolve_scheme(Int8Config(), load_target("cpu")) == "u8s8"
-    assert resolve_scheme(Int8Config(), None) == "u8s8"
+    from edgekit.targets.cpu_isa import host_int8_kernel
+
+    # the CPU's integer kernels decide: int32 sums (VNNI, AMX, arm64) keep 8-bit weights; the int16 pair
+    # sums of x86 without VNNI get 7-bit weights; this machine by its own kind, whatever it is
+    assert resolve_scheme(Int8Config(), load_target("cpu-avx2")) == "u8s7"
+    for name in ("cpu-avx512-vnni", "cpu-amx", "cpu-cortex-a78ae", "cpu-neoverse-n1", "cpu-cortex-a76"):
+        assert resolve_scheme(Int8Config(), load_target(name)) == "u8s8", name
+    host = "u8s7" if host_int8_kernel().saturates else "u8s8"
+    assert resolve_scheme(Int8Config(), load_target("cpu")) == host
+    assert resolve_scheme(Int8Config(), None) == host
+    unknown = dataclasses.replace(load_target("cpu-avx512-vnni"), arch=None)  # a user's file without its CPU
+    assert resolve_scheme(Int8Config(), unknown) == "u8s7"
     orin = Target(name="orin", description="", kind="jetson", runtimes=("tensorrt", "onnxruntime"),
                   precisions=("fp16", "int8"))
     assert resolve_scheme(Int8Config(), orin) == "trt"
@@ -173,7 +193,8 @@ def test_scheme_follows_the_target():
     # GPU target any runtime's; a CPU target whose first runtime runs any Q/DQ form gets "u8s8"
     gpu = dataclasses.replace(orin, kind="gpu", runtimes=("onnxruntime", "tensorrt"))
     assert resolve_scheme(Int8Config(), gpu) == "trt"
-    assert resolve_scheme(Int8Config(), dataclasses.replace(gpu, kind="cpu")) == "u8s8"
+    assert resolve_scheme(Int8Config(), dataclasses.replace(gpu, kind="cpu", arch="x86_64",
+                                                            isa=("avx2", "avx512_vnni"))) == "u8s8"
     assert resolve_scheme(Int8Config(), dataclasses.replace(gpu, kind="cpu", runtimes=("tensorrt",))) == "trt"
 
 
@@ -189,13 +210,23 @@ def test_every_runtime_declares_an_int8_scheme_the_int8_step_knows():
 # ----------------------------------------------------------------------------- PTQ, export, parity
 
 
-def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path):
-    ctx = _ctx((3, 32, 32))
+@pytest.mark.parametrize("target", ["cpu-avx2", "cpu-avx512-vnni"])
+def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
+    """On each CPU kind's integer kernels (this machine's, or their numerical model), whatever CPU runs
+    the test: the scheme the target gets keeps the engine within a step or two of the fake-quant model."""
+    from edgekit.runtimes.int8_kernels import semantics_for_target, session_for
+    from edgekit.targets import load_target
+
+    tgt = load_target(target)
+    ctx = _ctx((3, 32, 32), target=tgt)
     q = apply(tiny_cnn, Int8Config(calib_method="minmax"), ctx)
     meta = q.steps[-1].meta
-    assert meta["scheme"] == "u8s8" and meta["folded_bn"] == 1 and len(meta["layers"]) == 4
+    scheme = {"cpu-avx2": "u8s7", "cpu-avx512-vnni": "u8s8"}[target]
+    assert meta["scheme"] == scheme and meta["folded_bn"] == 1 and len(meta["layers"]) == 4
+    assert meta["kernels"] == {"cpu-avx2": "int16-pairs", "cpu-avx512-vnni": "int32"}[target]
     m = ctx.metrics["int8"]
     assert m["int8_fake_quant"]["mean_kl"] < 0.01  # fake-quant stays close to FP32
+    assert abs(m["int8_engine"]["drop_from_fake_quant"]) <= 0.1  # the engine as the target runs it, same data
     path = _export(q, tmp_path / "onnx")
     import onnx
     from onnx import numpy_helper
@@ -205,11 +236,17 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path):
     dqs = [n for n in g.node if n.op_type == "DequantizeLinear"]
     weights = [inits[n.input[0]] for n in dqs if n.input[0] in inits and inits[n.input[0]].ndim >= 2]
     assert len(weights) == 4 and all(w.dtype == np.int8 for w in weights)  # int8 weights, stored quantized
+    depthwise = [w for w in weights if w.ndim == 4 and w.shape[1] == 1]
+    gemm = [w for w in weights if not (w.ndim == 4 and w.shape[1] == 1)]
+    wmax = max(int(np.abs(w.astype(np.int32)).max()) for w in gemm)
+    assert len(depthwise) == 1 and int(np.abs(depthwise[0].astype(np.int32)).max()) == 127  # exact kernels: 8 bits
+    assert wmax <= 64 if scheme == "u8s7" else wmax == 127  # the 7-bit grid: no int16 pair overflows
     qs = [n for n in g.node if n.op_type == "QuantizeLinear"]
     assert qs and all(inits.get(n.input[2], np.zeros((), np.uint8)).dtype == np.uint8 for n in qs if len(n.input) > 2)
     x = ctx.eval.inputs["input"][:4]
-    y, ops = _ort(path, x)
+    _, ops = _ort(path, x)
     assert ops.count("QLinearConv") == 3, ops  # every conv runs in int8 after ORT's QDQ fusion
+    y = session_for(path, semantics_for_target(tgt)).run(None, {"input": x})[0]
     with torch.no_grad():
         ref = q.module(torch.from_numpy(x)).numpy()
     # parity of the INT8 engine against the PyTorch fake-quant model: the engine requantizes with
@@ -220,6 +257,61 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path):
     # the unoptimized graph (plain Q/DQ semantics) matches the fake-quant model much more tightly
     y_raw, _ = _ort(path, x, optimized=False)
     assert np.abs(y_raw - ref).max() <= 0.005 * np.abs(ref).max() + 1e-4
+
+
+def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
+    """The VNNI scheme (8-bit weights) on the int16-pair kernels of x86 without VNNI, through their
+    numerical model: far outside the parity tolerance on any machine that runs the test; the 7-bit
+    scheme of the same model stays inside it."""
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.errors import CheckFailedError
+    from edgekit.runtimes.int8_kernels import session_for
+
+    from edgekit.targets import load_target
+
+    errors = {}
+    made_for = {"u8s8": load_target("cpu-avx512-vnni"), "u8s7": load_target("cpu-avx2")}
+    for scheme in ("u8s8", "u8s7"):
+        q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for[scheme]))
+        assert q.steps[-1].meta["scheme"] == scheme
+        path = _export(q, tmp_path / scheme)
+        x = _images(32, (3, 32, 32), 5).inputs["input"]
+        with torch.no_grad():
+            ref = q.module(torch.from_numpy(x)).numpy()
+        pairs = session_for(path, "int16-pairs").run(None, {"input": x})[0]
+        exact = session_for(path, "int32").run(None, {"input": x})[0]
+        errors[scheme] = [float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) for y in (pairs, exact)]
+    # exact int32 sums: both schemes within 1e-3 of their fake-quant model (relative L2 error of the logits);
+    # int16 pair sums: the 7-bit scheme computes exactly the same, the 8-bit one is off by orders of magnitude
+    assert max(errors["u8s8"][1], errors["u8s7"][1]) < 1e-3, errors
+    assert errors["u8s7"][0] == pytest.approx(errors["u8s7"][1], rel=1e-3, abs=1e-7), errors
+    assert errors["u8s8"][0] > 100 * errors["u8s8"][1] and errors["u8s8"][0] > 5 * errors["u8s7"][0], errors
+    # export parity judged on those kernels (at a tolerance this small model's logits resolve) refuses the
+    # 8-bit graph, naming the cause, and keeps it where it says; the 7-bit graph passes the same check
+    strict = {"logits": (2e-3, 0.0)}
+    q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for["u8s8"]))
+    with pytest.raises(CheckFailedError, match="overflow the int16 pair sums") as err:
+        export_onnx(q, tmp_path / "refused", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
+    assert str(tmp_path / "refused.failed.onnx") in str(err.value)
+    assert (tmp_path / "refused.failed.onnx").is_file() and not (tmp_path / "refused").exists()
+    q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for["u8s7"]))
+    export_onnx(q, tmp_path / "kept", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
+
+
+def test_the_int8_step_stops_when_the_targets_kernels_compute_something_else(tiny_cnn):
+    """The VNNI scheme forced onto an x86 target without VNNI: the engine as that CPU runs it (its own
+    kernels or their model) falls far below the fake-quant model, and the step stops before anything is
+    written, saying so."""
+    from edgekit.errors import CheckFailedError
+    from edgekit.targets import load_target
+
+    ctx = _ctx((3, 32, 32), target=load_target("cpu-avx2"))
+    with pytest.raises(CheckFailedError, match=r"loses \d+\.\d points against its fake-quant model on .*int16 pair|"
+                                               r"loses \d+\.\d points against its fake-quant model on .*avx2"):
+        apply(tiny_cnn, Int8Config(calib_method="minmax", scheme="u8s8"), ctx)
+    ctx = _ctx((3, 32, 32), target=load_target("cpu-avx2"), accept_quality_loss=True)
+    apply(tiny_cnn, Int8Config(calib_method="minmax", scheme="u8s8"), ctx)  # accepted: measured and reported
+    assert ctx.metrics["int8"]["int8_engine"]["drop_from_fake_quant"] > 0.1
 
 
 def test_trt_scheme_is_symmetric_int8_and_quantizes_residual_adds(tmp_path):
@@ -260,7 +352,7 @@ def test_compress_load_export_build_profile_end_to_end(tmp_path):
     ctx = _ctx((3, 16, 16))
     out = compress(h, [("int8", Int8Config(calib_method="mse"))], tmp_path / "int8", ctx)
     man = read_manifest(out)
-    assert man.metrics["int8"]["scheme"] == "u8s8" and man.steps[-1]["name"] == "int8"
+    assert man.metrics["int8"]["scheme"] == resolve_scheme(Int8Config(), None) and man.steps[-1]["name"] == "int8"
     assert man.steps[-1]["meta"]["float_layers"] == []
     back = load_compressed(out)  # base model + rebuilt fake-quant graph + saved weights and scales
     x = torch.from_numpy(ctx.eval.inputs["input"][:4])

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit.compress.int8 import Int8Config
+from edgekit.compress.int8 import Int8Config, resolve_scheme
 from edgekit.compress.int8_onnx import quantize_onnx_file, resolve_placement, weight_linear_nodes
 from edgekit.errors import BadInputError
 from edgekit.sources.data import Samples
 
 D, F, C = 16, 32, 8  # hidden, FFN, classes
+HOST_SCHEME = resolve_scheme(Int8Config(), None)  # what this machine's integer kernels compute exactly
 WEIGHT_NODES = {"q_proj", "k_proj", "v_proj", "o_proj", "ffn_up", "ffn_down", "head"}
 FLOAT_OPS = {"LayerNormalization", "Softmax", "Add", "Sigmoid", "Mul", "Transpose", "ReduceMean"}
 
@@ -86,7 +87,7 @@ def _run(path: Path, x: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module")
 def quantized(encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     dst = tmp_path_factory.mktemp("q") / "encoder.int8.onnx"
-    info = quantize_onnx_file(encoder, dst, _samples(32, 1), ["x"], None, 99.99, "u8s8")  # placement "auto"
+    info = quantize_onnx_file(encoder, dst, _samples(32, 1), ["x"], None, 99.99, HOST_SCHEME)  # placement "auto"
     return dst, info
 
 
@@ -127,7 +128,7 @@ def test_weights_are_per_channel_int8(quantized):
     for name, n in dqs.items():
         q, scale = inits[name], inits[n.input[1]]
         axis = next(a.i for a in n.attribute if a.name == "axis")
-        assert q.dtype == np.int8 and np.abs(q).max() == 127
+        assert q.dtype == np.int8 and np.abs(q).max() == (64 if HOST_SCHEME == "u8s7" else 127)
         assert scale.shape == (q.shape[axis],)
         assert axis == (0 if name.startswith("Wc") else 1)  # Gemm transB: (out, in)
 
@@ -147,6 +148,29 @@ def test_output_close_to_float_and_engine_runs_integer_matmuls(encoder, quantize
     ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node]
     assert ops.count("MatMulIntegerToFloat") >= 6
     assert "QLinearSoftmax" not in ops and "QLinearAdd" not in ops
+
+
+@pytest.mark.parametrize("target", ["cpu-avx2", "cpu-avx512-vnni"])
+def test_each_cpu_kind_runs_its_own_scheme_close_to_float(encoder, tmp_path, target):
+    """The scheme each CPU kind gets, on that kind's integer kernels (this machine's or their model):
+    within cosine 0.995 of the float graph; the 8-bit weights of the VNNI scheme on kernels without
+    VNNI are not."""
+    from edgekit.runtimes.int8_kernels import semantics_for_target, session_for
+    from edgekit.targets import load_target
+
+    tgt = load_target(target)
+    x = _samples(16, 2).inputs["x"]
+    ref = _run(encoder, x)
+
+    def cosine(path: Path, semantics: str) -> float:
+        y = session_for(path, semantics).run(None, {"x": x})[0]
+        return float(((ref * y).sum(-1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(y, axis=-1))).min())
+
+    dst = tmp_path / f"{target}.onnx"
+    quantize_onnx_file(encoder, dst, _samples(32, 1), ["x"], None, 99.99, resolve_scheme(Int8Config(), tgt))
+    assert cosine(dst, semantics_for_target(tgt)) > 0.995
+    if target == "cpu-avx512-vnni":
+        assert cosine(dst, "int16-pairs") < 0.99  # this graph on an AVX2 CPU
 
 
 def test_all_placement_quantizes_more_than_linear(encoder, tmp_path):

@@ -197,10 +197,14 @@ def test_export_with_kv_cache_rewrites_packed_layers(tmp_path, fmt, group_size, 
         types = [inits[n.input[0]].data_type for n in dqs]  # 4-bit layers and the 8-bit tied table
         assert set(types) == ({TensorProto.INT4, TensorProto.INT8} if sym else {TensorProto.UINT4, TensorProto.UINT8})
         assert {len(n.input) for n in dqs} == {2 if sym else 3}
-        from edgekit.runtimes.tensorrt.lint import lint_onnx
+        from edgekit.runtimes.tensorrt.lint import lint_model, lint_onnx
 
         qdq = [f for f in lint_onnx(out / "model.onnx", "jetson-agx-orin-64").findings if f.check in ("qdq", "int4")]
         assert (qdq == []) if sym else (len(qdq) == 16)  # TensorRT 10.3 takes signed codes without zero points
+        if sym:  # docs/tensorrt.md's 4-bit recipe: with the KV cache's profile, nothing would fail on the Orin
+            recipe = lint_model(out, "jetson-agx-orin-64", dims={"batch_size": (1, 1), "sequence_length": (1, 512),
+                                                               "past_sequence_length": (0, 512)})
+            assert recipe.exit_code == 0 and [f.check for f in recipe.findings] == ["opset"]  # opset 21: a warning
     assert "BitShift" not in ops  # the traced unpacking is gone
     inputs = [i.name for i in proto.graph.input]
     assert "past_key_values.1.value" in inputs and "present.1.key" in [o.name for o in proto.graph.output]

@@ -354,3 +354,125 @@ def test_gpu_style_calibration_fits_one_factor_end_to_end(board: Path) -> None:
     report = calibrate([], board, measurements=[meas], save=False)
     assert report.efficiency_after["matmul"] == pytest.approx(0.3, rel=0.01)  # 0.6 halved
     assert abs(report.models[0]["error_after"]) < 0.01
+
+
+# --- precision and timing conventions on a GPU (issue 27) -----------------------------------------------
+
+def _convs(stem_channels: int = 3, width: int = 64, depth: int = 3) -> object:
+    """A stem convolution on `stem_channels` channels, then `depth` wide 3x3 convolutions with ReLUs."""
+    inits = [numpy_helper.from_array(_rand(width, stem_channels, 3, 3), "w0")]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="stem", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0")]
+    for i in range(1, depth + 1):
+        inits.append(numpy_helper.from_array(_rand(width, width, 3, 3), f"w{i}"))
+        nodes += [helper.make_node("Conv", [f"r{i - 1}", f"w{i}"], [f"c{i}"], name=f"body{i}", pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}" if i < depth else "y"], name=f"relu{i}")]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, stem_channels, 112, 112])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width, 112, 112])], inits)
+
+
+def test_int8_channel_alignment_and_tensorrts_per_layer_choice() -> None:
+    """An INT8 engine of a float graph: the 3-channel stem (padded to INT8's 32-wide steps) stays
+    FP16, the 64-channel body runs INT8, and the tensors crossing between float and INT8 (into the
+    body, out of the engine) cost reformats."""
+    from edgekit.estimate.efficiency import roofs_for, shape_factor
+
+    roofs = roofs_for("jetson-agx-orin-64", calibrated=False)
+    gemm = (1.0, 12544.0, 64.0, 144.0)
+    assert shape_factor(roofs, gemm, precision="int8", channels=16) == pytest.approx(
+        shape_factor(roofs, gemm, precision="int8", channels=32) / 2)  # 16 channels fill half of a 32-wide step
+    assert shape_factor(roofs, gemm, precision="fp16", channels=16) == shape_factor(roofs, gemm, precision="fp16",
+                                                                                   channels=32)
+    cpu = roofs_for("cpu", calibrated=False)  # the CPU's estimate is untouched by tensor-core alignment
+    assert shape_factor(cpu, gemm, precision="int8", channels=3) == shape_factor(cpu, gemm, precision="int8",
+                                                                                channels=32)
+    est = estimate(_convs(), "jetson-agx-orin-64", "int8", runtime="tensorrt", calibrated=False)
+    assert [_node(est, n).precision for n in ("stem", "body1", "body2", "body3")] == ["fp16", "int8", "int8", "int8"]
+    assert est.reformats == 2 and _node(est, "body1").reformat_ms > 0 and _node(est, "body3").reformat_ms > 0
+    assert est.reformat_ms == pytest.approx(_node(est, "body1").reformat_ms + _node(est, "body3").reformat_ms)
+    fp16 = estimate(_convs(), "jetson-agx-orin-64", "fp16", runtime="tensorrt", calibrated=False)
+    assert est.total_ms < fp16.total_ms  # INT8 still pays where the body is large enough
+    # one body convolution alone does not win back its two reformats: TensorRT would keep it in FP16 too
+    one = estimate(_convs(depth=1), "jetson-agx-orin-64", "int8", runtime="tensorrt", calibrated=False)
+    assert _node(one, "body1").precision == "fp16" and one.reformats == 0
+
+
+def test_timing_conventions_and_tf32() -> None:
+    model = _convs(stem_channels=32)
+    gpu = estimate(model, "jetson-agx-orin-64", "fp16", runtime="tensorrt", calibrated=False)
+    e2e = estimate(model, "jetson-agx-orin-64", "fp16", runtime="tensorrt", calibrated=False, timing="end-to-end")
+    from edgekit.estimate.efficiency import roofs_for
+
+    # the host copies of the input (32x112x112 floats) and output (64x112x112) at the target's host_copy_gbs
+    rate = roofs_for("jetson-agx-orin-64", calibrated=False).host_copy_gbs
+    assert gpu.io_ms == e2e.io_ms == pytest.approx((32 + 64) * 112 * 112 * 4 / (rate * 1e9) * 1e3)
+    assert gpu.total_ms == pytest.approx(gpu.gpu_compute_ms) and e2e.total_ms == pytest.approx(e2e.end_to_end_ms)
+    assert e2e.total_ms == pytest.approx(gpu.total_ms + gpu.io_ms)
+    assert "timing: GPU compute (the kernels alone, as trtexec's GPU Compute Time)" in gpu.render()
+    assert f"end-to-end: {gpu.end_to_end_ms:.3f} ms (--timing end-to-end)" in gpu.render()
+    assert e2e.to_profile().settings["timing"] == "end-to-end"
+    with pytest.raises(BadInputError, match="unknown timing 'wall'"):
+        estimate(model, "jetson-agx-orin-64", "fp16", timing="wall")
+    # fp32 is what the bundle builds (--noTF32); the note gives the TF32 figure published FP32 results match
+    fp32 = estimate(model, "jetson-agx-orin-64", "fp32", runtime="tensorrt", calibrated=False)
+    tf32 = estimate(model, "jetson-agx-orin-64", "tf32", runtime="tensorrt", calibrated=False)
+    assert tf32.total_ms < fp32.total_ms
+    (note,) = [n for n in fp32.notes if "TF32" in n]
+    assert note.endswith(f"compare those with --precision tf32 ({tf32.total_ms:.3f} ms here)")
+    # a CPU target copies nothing: both conventions agree
+    cpu = estimate(model, "cpu", calibrated=False)
+    assert cpu.io_ms == 0 and cpu.total_ms == cpu.end_to_end_ms == cpu.gpu_compute_ms
+
+
+def _kv_attention(heads: int = 4, dim: int = 16) -> object:
+    """One attention step over a KV cache, named as optimum exports it: past_key (batch, heads,
+    past_sequence_length, dim) concatenated with this step's keys; the mask spans
+    `past_sequence_length + sequence_length`."""
+    d = heads * dim
+    wq, wk = numpy_helper.from_array(_rand(d, d), "wq"), numpy_helper.from_array(_rand(d, d), "wk")
+    shape = numpy_helper.from_array(np.array([1, -1, heads, dim], np.int64), "shape")
+    nodes = [helper.make_node("MatMul", ["h", "wq"], ["q0"], name="q_proj"),
+             helper.make_node("MatMul", ["h", "wk"], ["k0"], name="k_proj"),
+             helper.make_node("Reshape", ["q0", "shape"], ["q1"], name="q_heads"),
+             helper.make_node("Reshape", ["k0", "shape"], ["k1"], name="k_heads"),
+             helper.make_node("Transpose", ["q1"], ["q"], name="q_t", perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["k1"], ["k"], name="k_t", perm=[0, 2, 3, 1]),
+             helper.make_node("Transpose", ["past_key"], ["pk"], name="past_t", perm=[0, 1, 3, 2]),
+             helper.make_node("Concat", ["pk", "k"], ["kall"], name="cache", axis=3),
+             helper.make_node("MatMul", ["q", "kall"], ["s"], name="scores"),
+             helper.make_node("Add", ["s", "mask"], ["sm"], name="masked"),
+             helper.make_node("Softmax", ["sm"], ["y"], name="softmax", axis=-1)]
+    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch_size", "sequence_length", d]),
+              helper.make_tensor_value_info("past_key", TensorProto.FLOAT,
+                                            ["batch_size", heads, "past_sequence_length", dim]),
+              helper.make_tensor_value_info("mask", TensorProto.FLOAT,
+                                            ["batch_size", 1, 1, "past_sequence_length + sequence_length"])]
+    return _model(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [wq, wk, shape],
+                  opset=17)
+
+
+def test_kv_cache_prefill_is_estimable(tmp_path: Path) -> None:
+    """A KV-cache graph's prefill: past_sequence_length=0 and 128 new tokens (the mask's axis, named
+    as their sum, follows); one decode step after 128 tokens for comparison."""
+    model = _kv_attention()
+    prefill = estimate(model, "jetson-agx-orin-64", "fp16", runtime="tensorrt", calibrated=False,
+                       dims={"past_sequence_length": 0, "sequence_length": 128})
+    decode = estimate(model, "jetson-agx-orin-64", "fp16", runtime="tensorrt", calibrated=False,
+                      dims={"past_sequence_length": 128, "sequence_length": 1})
+    assert prefill.dims["past_sequence_length + sequence_length"] == 128 and not prefill.warnings
+    assert decode.dims["past_sequence_length + sequence_length"] == 129
+    # the prefill projects 128 tokens, the decode step one: 128x the projection work
+    assert _node(prefill, "q_proj").ops == 128 * _node(decode, "q_proj").ops == 128 * 2 * 64 * 64
+    from click.testing import CliRunner
+
+    from edgekit.cli import cli
+
+    path = tmp_path / "kv.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = CliRunner().invoke(cli, ["estimate", str(path), "--target", "jetson-agx-orin-64", "--precision", "fp16",
+                                   "--dim", "past_sequence_length=0", "--dim", "sequence_length=128", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["dims"]["past_sequence_length"] == 0
+    res = CliRunner().invoke(cli, ["estimate", str(path), "--target", "jetson-agx-orin-64", "--dim",
+                                   "past_sequence_length=-1"])
+    assert res.exit_code == 2 and "--dim 'past_sequence_length=-1' must be NAME=VALUE with a whole number" in res.output

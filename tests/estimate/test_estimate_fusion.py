@@ -161,15 +161,19 @@ def test_validation_cases_are_held_out_families() -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_estimate_cpu import FIT_FAMILIES, HELD_OUT_FAMILIES
-    from bench_estimate_published import PUBLISHED
+    from bench_estimate_published import rows
 
     assert not set(FIT_FAMILIES) & set(HELD_OUT_FAMILIES)
     data = json.loads(VALIDATION_FILE.read_text())["targets"]
     fit_prefixes = ("efficientnet", "centerface", "smollm2")
     assert data["cpu"]["cases"] and not any(c["case"].startswith(fit_prefixes) for c in data["cpu"]["cases"])
-    tuned = {case for case, *_, split in PUBLISHED if split == "tune"}
-    held = {c["case"] for c in data["jetson-agx-orin-64"]["cases"]}
-    assert held and not held & tuned
+    published = rows()
+    fitted = {(r["case"], r["target"]) for r in published if r["split"] == "fit"}
+    assert len(fitted) == 4 and {t for _, t in fitted} == {"jetson-agx-orin-64"}
+    for target in ("jetson-agx-orin-64", "jetson-orin-nx-16"):  # every validated case is a published row not fitted
+        held = {(c["case"], target) for c in data[target]["cases"]}
+        assert held and not held & fitted
+        assert held <= {(r["case"], r["target"]) for r in published}
 
 
 def test_cli_prints_the_range_and_writes_the_fields(tmp_path: Path) -> None:

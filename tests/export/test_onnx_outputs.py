@@ -14,8 +14,10 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekit.cli import cli
+from edgekit.compress.int8 import Int8Config, resolve_scheme
 from edgekit.compress.int8_onnx import dequant_chains_to_dq, quantize_onnx_file
 from edgekit.errors import BadInputError, CheckFailedError
+from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples
 from edgekit.sources.onnx_file import find_quantized, weight_dequant_chains
@@ -25,6 +27,8 @@ RNG = np.random.default_rng(0)
 W1 = (RNG.standard_normal((D, F)) * 0.4).astype(np.float32)
 W2 = (RNG.standard_normal((F, NOUT)) * 0.4).astype(np.float32)
 B1 = (RNG.standard_normal(F) * 0.1).astype(np.float32)
+
+HOST_SCHEME = resolve_scheme(Int8Config(), None)  # what this machine's integer kernels compute exactly
 
 
 def _save(nodes: list, inits: list, path: Path, inputs: list | None = None, opset: int = 17,
@@ -281,7 +285,8 @@ def test_compress_of_onnx_writes_a_verified_graph_and_no_work_folder(tmp_path):
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "out" / "manifest.json").read_text())["metrics"]["int8"]
     assert metrics["compared_on"] == {"data": f"the eval split of {tmp_path / 'calib.npz'} (disjoint from its "
-                                              "calibration split)", "samples": 16}
+                                              "calibration split)", "samples": 16,
+                                      "kernels": describe_semantics(host_semantics())}
     assert metrics["outputs"]["y"]["mean_cosine"] > 0.995 and metrics["outputs"]["y"]["min_cosine"] > 0.98
     assert "already_quantized" not in metrics
     x = _samples(8, 9).inputs["x"]
@@ -320,11 +325,19 @@ def test_cast_mul_weights_become_the_equal_dequantize_linear(tmp_path):
                                   _run(tmp_path / "w.onnx", {"ids": ids}, optimize=False))
 
 
+def _as_stored(got: np.ndarray, stored: np.ndarray) -> np.ndarray:
+    """A weight as its file stored it: scheme "u8s7" keeps stored int8 weights as uint8 around 128 (the same
+    integers, run by kernels that sum them exactly on CPUs without VNNI)."""
+    if got.dtype == np.uint8 and stored.dtype == np.int8:
+        return (got.astype(np.int16) - 128).astype(np.int8)
+    return got
+
+
 @pytest.mark.parametrize("placement", ["auto", "linear", "all"])
 def test_partly_quantized_graph_quantizes_only_the_float_layer(tmp_path, placement):
     src = _partly_quantized(tmp_path / "p.onnx")
     dst = tmp_path / "q.onnx"
-    info = quantize_onnx_file(src, dst, _samples(32, 1), ["x"], None, 99.99, "u8s8", placement=placement)
+    info = quantize_onnx_file(src, dst, _samples(32, 1), ["x"], None, 99.99, HOST_SCHEME, placement=placement)
     assert info["already_quantized"]["kept"] == ("1 Q/DQ pairs on activations; 1 integer weights dequantized by "
                                                  "DequantizeLinear")
     original = {n.name: n for n in onnx.load(str(src)).graph.node}
@@ -333,8 +346,8 @@ def test_partly_quantized_graph_quantizes_only_the_float_layer(tmp_path, placeme
     for name in ("x_q", "x_dq", "w1_dq", "fc1"):  # the quantized region, node for node
         assert nodes[name] == original[name], name
     inits = {i.name: numpy_helper.to_array(i) for i in got.initializer}
-    np.testing.assert_array_equal(inits["W1q"], numpy_helper.to_array(
-        next(i for i in onnx.load(str(src)).graph.initializer if i.name == "W1q")))
+    w1q = numpy_helper.to_array(next(i for i in onnx.load(str(src)).graph.initializer if i.name == "W1q"))
+    np.testing.assert_array_equal(_as_stored(inits["W1q"], w1q), w1q)
     producer = {o: n for n in got.node for o in n.output}
     fc2 = nodes["fc2"]
     assert [producer[i].op_type for i in fc2.input] == ["DequantizeLinear", "DequantizeLinear"]  # newly quantized
@@ -349,13 +362,17 @@ def test_weight_only_graph_keeps_its_integer_weights_and_quantizes_activations(t
     refused, is the slow test below): the stored integers are kept, the activations quantized."""
     src = _weight_only(tmp_path / "w.onnx")
     dst = tmp_path / "q.onnx"
-    info = quantize_onnx_file(src, dst, _samples(32, 1, ids=True), ["ids"], None, 99.99, "u8s8", placement=placement)
+    info = quantize_onnx_file(src, dst, _samples(32, 1, ids=True), ["ids"], None, 99.99, HOST_SCHEME,
+                              placement=placement)
     assert info["placement"] == ("all" if placement == "all" else "linear")
     assert info["preprocessed"] == {"cast_mul_weights_as_dequantize_linear": 2}
     stored = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(src)).graph.initializer}
     got = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(dst)).graph.initializer}
+    # "u8s7": fc1's int8 weights become uint8 around 128 (exact u8 x u8 kernels without VNNI); fc2's are uint8
+    # already and the Gather table feeds no matmul
+    assert info.get("weights_fitted_to_kernels", {}).get("stored_as_uint8", 0) == (0 if HOST_SCHEME == "u8s8" else 1)
     for name in ("Eq", "W1q", "W2q"):  # the same integers, not re-rounded
-        np.testing.assert_array_equal(got[name], stored[name])
+        np.testing.assert_array_equal(_as_stored(got[name], stored[name]), stored[name])
     ids = _samples(16, 7, ids=True).inputs["ids"]
     ref, out = _run(src, {"ids": ids}), _run(dst, {"ids": ids})
     assert _cosine(out, ref) > 0.98

@@ -89,7 +89,7 @@ def test_alias_bomb_is_refused_at_once_with_one_line(tmp_path, where):
 
 @pytest.mark.parametrize("section, value, message", [
     ("export", {"opst": 18}, "stage 'mlp' export.opst: unknown option (known: atol, batch, dynamic_batch, dynamo, "
-                             "opset, rtol, skip_parity, tolerances; did you mean 'opset'?)"),
+                             "int8_kernels, opset, rtol, skip_parity, tolerances; did you mean 'opset'?)"),
     ("build", {"threds": 1}, "stage 'mlp' build.threds: unknown option (known: batch, extra, optimization_level, "
                              "precision, runtime, threads; did you mean 'threads'?)"),
     ("build", {"extra": {"workspace": 64}}, "stage 'mlp' build.extra.workspace: unknown option (known: "

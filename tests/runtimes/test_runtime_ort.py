@@ -121,6 +121,72 @@ def test_build_from_pytorch_model_exports_first(tiny_mlp, tmp_path):
         feeds["input"])).detach().numpy(), atol=1e-4, rtol=1e-3)
 
 
+def test_engine_quality_says_whether_parity_ran(tiny_mlp, tiny_onnx, tmp_path):
+    """An engine carries whether it was checked against its model: verified (parity passed), unverified
+    (parity skipped: profile warns, check --require-verified fails) or as-given (an ONNX input)."""
+    from click.testing import CliRunner
+
+    from edgekit.check import check_budget
+    from edgekit.cli import cli
+    from edgekit.profiling import ProfileConfig, profile_engine
+
+    checked = build_engine(tiny_mlp, "cpu", tmp_path / "checked", BuildOptions(threads=1))
+    assert read_manifest(checked).metrics["quality"]["status"] == "verified"
+    assert read_manifest(build_engine(tiny_onnx, "cpu", tmp_path / "given")).metrics["quality"]["status"] == "as-given"
+    blind = build_engine(tiny_mlp, "cpu", tmp_path / "blind",
+                         BuildOptions(threads=1, extra={"export": {"skip_parity": True}}))
+    quality = read_manifest(blind).metrics["quality"]
+    assert quality["status"] == "unverified" and "parity" in quality["reason"]
+    prof = profile_engine(blind, ProfileConfig(warmup_ms=5, duration_s=0.05, iterations=3, node_profile=False),
+                          out_json=tmp_path / "blind.json")
+    assert prof.quality["status"] == "unverified"
+    assert any(w.startswith("quality: unverified") for w in prof.warnings)
+    assert check_budget(prof, 1e6).passed  # a warning by default
+    verdict = check_budget(prof, 1e6, require_verified=True)
+    assert not verdict.passed and "FAIL (--require-verified): quality: unverified" in verdict.message()
+    r = CliRunner().invoke(cli, ["check", str(tmp_path / "blind.json"), "--budget-ms", "1000000", "--require-verified"])
+    assert r.exit_code == 1 and "quality: unverified" in r.output
+
+
+def test_a_failing_int8_graph_is_kept_where_the_message_says(tmp_path):
+    """Built for an x86 CPU without VNNI, a graph compressed with 8-bit weights for a VNNI CPU fails parity on
+    that CPU's integer kernels (its own or their model); the graph is kept beside the output, as said."""
+    from edgekit.compress import StepContext, compress
+    from edgekit.compress.int8 import Int8Config
+    from edgekit.errors import CheckFailedError
+    from edgekit.sources.data import Samples
+
+    from tests.compress.test_int8 import residual_model
+
+    x = np.random.default_rng(0).standard_normal((64, 3, 16, 16)).astype(np.float32)
+    ctx = StepContext(target=load_target("cpu-avx512-vnni"), calib=Samples("s", "calib", {"input": x[:32]}),
+                      eval=Samples("s", "eval", {"input": x[32:]}), progress=False)
+    folder = compress(residual_model(), [("int8", Int8Config(calib_method="minmax"))], tmp_path / "int8", ctx)
+    strict = {"export": {"tolerances": {"logits": [2e-3, 0.0]}}}  # what this small model's logits resolve
+    with pytest.raises(CheckFailedError, match="overflow the int16 pair sums") as err:
+        build_engine(folder, "cpu-avx2", tmp_path / "engine", BuildOptions(threads=1, extra=strict))
+    kept = tmp_path / "engine.failed.onnx"
+    assert f"kept at {kept}" in str(err.value) and kept.is_file() and not (tmp_path / "engine").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+
+
+def test_an_engine_for_another_cpu_says_what_did_not_run_there(tiny_onnx, tmp_path):
+    """Built here for an Arm CPU: a portable graph (no layouts of this machine's CPU), and the manifest and
+    the build's warnings say that nothing ran or was timed on that CPU."""
+    out = build_engine(tiny_onnx, "cpu-cortex-a78ae", tmp_path / "arm", BuildOptions(threads=1))
+    m = read_manifest(out)
+    assert m.config["session"]["load_optimization_level"] == "all"  # the device applies its own layouts
+    assert any("would save a graph for this machine's CPU" in n for n in m.config["notes"])
+    note = m.metrics["not_run_on_the_target"]
+    assert "for target 'cpu-cortex-a78ae' (arm64, arm-dotprod integer kernels)" in note
+    assert note.endswith("nothing was run or timed on that CPU (profile the engine there, or with `edgekit remote`)")
+    assert note in m.metrics["warnings"]
+    from edgekit.runtimes import get_runtime
+
+    assert not get_runtime("onnxruntime").measures_here(load_target("cpu-cortex-a78ae"))
+    assert get_runtime("onnxruntime").measures_here(load_target("cpu"))
+
+
 def test_corrupt_onnx_build_is_bad_input(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07garbage")

@@ -63,6 +63,55 @@ def _onnx(path: Path, op: str = "Relu", qdq: bool = False, seq: bool = False) ->
     return path
 
 
+def _cnn_onnx(path: Path) -> Path:
+    """The small CNN the hand-written trtexec exports (fixtures/trtexec/int8_*.json) describe: their
+    input (1x3x224x224) and the ONNX node and weight names their layer names carry."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.ones(s, np.float32), n) for n, s in
+             (("conv1.weight", (8, 3, 3, 3)), ("conv2.weight", (8, 8, 3, 3)), ("conv3.weight", (8, 8, 3, 3)),
+              ("fc.weight", (8, 10)))]
+    nodes = [helper.make_node("Conv", ["input", "conv1.weight"], ["c1"], name="Conv_5", strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="Relu_6"),
+             helper.make_node("Conv", ["r1", "conv2.weight"], ["c2"], name="Conv_11", strides=[2, 2]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="Relu_12"),
+             helper.make_node("Conv", ["r2", "conv3.weight"], ["c3"], name="Conv_15"),
+             helper.make_node("GlobalAveragePool", ["c3"], ["p"], name="GlobalAveragePool_16"),
+             helper.make_node("Flatten", ["p"], ["f"], name="Flatten_19"),
+             helper.make_node("MatMul", ["f", "fc.weight"], ["logits"], name="MatMul_22")]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 224, 224])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 10])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save_model(m, str(path))
+    return path
+
+
+def onnx_of_engine(layers_json: Path, path: Path) -> Path:
+    """An ONNX graph standing in for the one a real engine was built from (Engine Explorer's
+    repository does not keep it): the engine's inputs, and one node per ONNX name its layer
+    names carry, so the results' provenance (inputs, batch, layer names) can be checked."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgekit.runtimes.tensorrt.provenance import layer_names, read_record
+
+    rec = read_record({"layers": layers_json})
+    names = list(dict.fromkeys(p for layer in rec.described for p in layer_names(layer, rec.onnx_names)))
+    (first, dims), = rec.inputs.items()
+    nodes, x = [], first
+    for i, name in enumerate(names):  # element-wise nodes: something to estimate, nothing lint refuses
+        nodes.append(helper.make_node("Relu", [x], [f"t{i}"], name=name))
+        x = f"t{i}"
+    graph = helper.make_graph(nodes, "engine", [helper.make_tensor_value_info(first, TensorProto.FLOAT, dims)],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, dims)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save_model(m, str(path))
+    return path
+
+
 # --- precision and the command line -------------------------------------------------------
 
 def test_unsupported_precision_lists_target_precisions(tmp_path):
@@ -175,7 +224,7 @@ def test_bundle_contents_and_profile_after_device_run(tmp_path, cache_env, monke
 
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
-    onnx_path = _onnx(tmp_path / "m.onnx")
+    onnx_path = _cnn_onnx(tmp_path / "m.onnx")
     out = build_engine(onnx_path, "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("int8", extra={"dla_core": 0}))
     m = read_manifest(out)
     assert m.kind == "bundle" and m.config["path"] == "bundle" and m.target == "jetson-agx-orin-64"
@@ -267,7 +316,7 @@ def test_trtexec_path_builds_caches_and_reuses(tmp_path, cache_env, monkeypatch)
     fake = _fake_trtexec(tmp_path)
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo(**{**H100.to_dict(), "trtexec": trtexec}))
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
-    onnx_path = _onnx(tmp_path / "m.onnx")
+    onnx_path = _cnn_onnx(tmp_path / "m.onnx")
     opts = BuildOptions("fp16", extra={"trtexec": str(fake)})
     out = build_engine(onnx_path, "h100-sxm", tmp_path / "e1", opts)
     m = read_manifest(out)
@@ -290,7 +339,10 @@ def test_trtexec_path_builds_caches_and_reuses(tmp_path, cache_env, monkeypatch)
     # profile reads trtexec's JSON, the same ProfileResult as every runtime
     r = profile_engine(out)
     assert r.source == "trtexec" and r.runtime == "tensorrt" and r.target == "h100-sxm"
-    assert r.float_share == pytest.approx(1 - 0.19 / 0.40)
+    assert r.float_share == pytest.approx(1 - 0.19 / 0.38)
+    # built and timed here: the probed GPU and TensorRT, the ONNX's input and layer names all match
+    assert r.provenance is not None and r.provenance.status == "verified"
+    assert [c["check"] for c in r.provenance.checks] == ["gpu", "tensorrt", "inputs", "batch", "layers"]
 
 
 def test_trtexec_names_unsupported_op(tmp_path, cache_env, monkeypatch):
@@ -636,6 +688,8 @@ def test_ort_build_and_load_providers(tmp_path):
 # jetson_clocks, nvidia-smi and dpkg-query print what JetPack 6.2 prints. build.sh runs unchanged.
 
 REAL_RESNET = FIX / "real" / "resnet-qat-a100" / "resnet-qat.onnx.engine"
+# What trtexec on an AGX Orin prints as its device (the fake Orin's; the timings it writes are the A100's)
+ORIN_LOG_DEVICE = {"Selected Device": "Orin", "Compute Capability": 8.7, "SMs": 16, "Device Global Memory": "62800 MiB"}
 
 DEVICE_TRTEXEC = r'''#!{python}
 """A FAKE trtexec on a fake Orin: writes real trtexec exports where asked. Not TensorRT."""
@@ -675,8 +729,10 @@ def _fake_orin(tmp_path: Path, clocks_locked: bool = True) -> dict:
     real.parent.mkdir(exist_ok=True)
     for suffix in ("timing", "profile", "graph"):
         shutil.copy(f"{REAL_RESNET}.{suffix}.json", f"{real}.{suffix}.json")
+    # the log of the fake Orin: its own device section and banner, the real run's options and summary
     Path(f"{real}.log").write_text(trtexec_log_from_metadata(Path(f"{REAL_RESNET}.build.metadata.json"),
-                                                             Path(f"{REAL_RESNET}.profile.metadata.json")))
+                                                             Path(f"{REAL_RESNET}.profile.metadata.json"),
+                                                             device=ORIN_LOG_DEVICE, banner="TensorRT v100300"))
     (bin_dir / "trtexec").write_text(DEVICE_TRTEXEC.format(python=sys.executable, real=str(real)))
     for name, body in DEVICE_TOOLS.items():
         body = body.replace("{gpu_max}", "1300500000" if clocks_locked else "306000000")
@@ -695,7 +751,8 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
 
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
-    out = build_engine(_onnx(tmp_path / "m.onnx"), "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
+    resnet = onnx_of_engine(Path(f"{REAL_RESNET}.graph.json"), tmp_path / "resnet18-qat.onnx")
+    out = build_engine(resnet, "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
     proc = subprocess.run(["bash", str(out / "build.sh")], env=_fake_orin(tmp_path), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     results = out / "results"
@@ -706,6 +763,12 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     shutil.copytree(results, alone)
     r = profile_engine(alone)
     assert (r.source, r.runtime, r.target) == ("device", "tensorrt", "jetson-agx-orin-64")
+    # what the results record matches what the bundle claims: the Orin's SM and TensorRT, the engine's input
+    # (input.1 32x3x224x224), its batch and the ONNX names of its layers
+    assert r.provenance is not None and r.provenance.status == "verified" and r.provenance.reasons == []
+    checks = {c["check"]: c for c in r.provenance.checks}
+    assert checks["gpu"]["recorded"] == "Orin (sm_87)" and checks["tensorrt"]["recorded"] == "10.3.0"
+    assert checks["batch"]["recorded"] == "32" and checks["layers"]["recorded"] == "37 of 37 layers carry an ONNX name"
     assert r.machine["power_mode"] == "MAXN" and r.machine["power_mode_id"] == 0 and r.machine["clocks_locked"] is True
     assert r.machine["jetpack"] == "6.2+b77" and r.machine["tensorrt_version"] == "10.3.0" and r.machine["sm"] == "sm_87"
     assert r.machine["clocks"]["gpu"] == {"min_mhz": 1300.5, "max_mhz": 1300.5, "current_mhz": 1300.5}
@@ -723,12 +786,14 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     assert res.exit_code == 0, res.output
     assert ("measured on the device: Orin (sm_87), JetPack 6.2+b77, TensorRT 10.3.0, power mode MAXN, clocks locked"
             in res.output)
-    assert runner.invoke(cli, ["check", str(alone), "--budget-ms", "1.0"]).exit_code == 0
+    assert runner.invoke(cli, ["check", str(alone), "--budget-ms", "1.0", "--require-verified"]).exit_code == 0
     miss = runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--budget-ms", "0.5"])
     assert miss.exit_code == 1
     res = runner.invoke(cli, ["report", str(tmp_path / "p.json"), "-o", str(tmp_path / "r.md")])
     text = (tmp_path / "r.md").read_text()
-    assert res.exit_code == 0 and "(tensorrt, device)" in text
+    # per number, where it comes from: the device, with its provenance status
+    assert res.exit_code == 0 and "(tensorrt, device (verified))" in text
+    assert "/s | device (verified) |" in text and "Provenance: verified: gpu Orin (sm_87), tensorrt 10.3.0" in text
     assert "Measured on the device: Orin, JetPack 6.2+b77, TensorRT 10.3.0, power mode MAXN, clocks locked." in text
     # a report of a bundle that has not been run says that nothing was built
     fresh = build_engine(_onnx(tmp_path / "m2.onnx"), "jetson-agx-orin-64", tmp_path / "fresh", BuildOptions("fp16"))
@@ -743,7 +808,8 @@ def test_device_results_warn_when_clocks_are_not_locked(tmp_path, cache_env, mon
 
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
-    out = build_engine(_onnx(tmp_path / "m.onnx"), "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
+    resnet = onnx_of_engine(Path(f"{REAL_RESNET}.graph.json"), tmp_path / "resnet18-qat.onnx")
+    out = build_engine(resnet, "jetson-agx-orin-64", tmp_path / "bundle", BuildOptions("fp16"))
     env = _fake_orin(tmp_path, clocks_locked=False)
     assert subprocess.run(["bash", str(out / "build.sh")], env=env, capture_output=True).returncode == 0
     r = profile_engine(out)  # the bundle folder itself: its results/ are found
@@ -758,9 +824,9 @@ def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_en
 
     monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
     monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
+    resnet = onnx_of_engine(Path(f"{REAL_RESNET}.graph.json"), tmp_path / "resnet18-qat.onnx")
     recipe = parse_recipe({"name": "orin", "target": "jetson-agx-orin-64", "budget_ms": 5, "seed": 0,
-                           "stages": [{"name": "mlp", "model": "edgekit.pipelines.examples:tiny_mlp",
-                                       "build": {"precision": "fp16"}}]})
+                           "stages": [{"name": "resnet", "model": str(resnet), "build": {"precision": "fp16"}}]})
     first = run_recipe(recipe, tmp_path / "run", progress=False)
     stage = first.stages[0]
     assert stage.source == "estimated" and "bundle" in stage.artifacts
@@ -777,3 +843,13 @@ def test_run_prefers_the_device_measurement_over_the_estimate(tmp_path, cache_en
     stage = second.stages[0]
     assert stage.source == "device" and stage.estimated_ms == pytest.approx(first.stages[0].estimated_ms)
     assert stage.latency_ms == pytest.approx(0.884735, abs=1e-6)  # p99 of the device run (the recipe's percentile)
+    assert stage.provenance == "verified"
+    from edgekit.pipelines.results import stage_table
+
+    assert stage_table(second)[0][-1] == "device (verified) (reused)"  # the bundle was reused, its results are new
+    assert stage_table(first)[0][-1].startswith("estimated (")  # the first run's number was an estimate, with its range
+    from edgekit.report import render_report
+
+    html = render_report(tmp_path / "run").with_suffix(".html").read_text()
+    # the stage's number is the device's; the nodes shown are those of the profile the run kept (the estimate's)
+    assert "<td>device (verified) (reused)</td>" in html and "resnet alone (estimated)" in html

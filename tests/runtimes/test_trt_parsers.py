@@ -88,8 +88,10 @@ def test_profile_from_trtexec_int8():
     by_name = {n.name: n for n in r.nodes}
     assert by_name["conv3.weight + Conv_15"].precision == "fp16"
     assert by_name["Reformatting CopyNode for Input Tensor 0 to GlobalAveragePool_16"].op_type == "Reformat"
-    # float share = 1 - (0.08 + 0.06 + 0.05) / 0.40
-    assert r.float_share == pytest.approx(1 - 0.19 / 0.40)
+    # float share over the layers of known precision: the reformat (0.02 ms) is not in the layer info, so its
+    # precision is unknown and counts neither as float nor as int8: 1 - (0.08 + 0.06 + 0.05) / 0.38
+    assert by_name["Reformatting CopyNode for Input Tensor 0 to GlobalAveragePool_16"].precision == "unknown"
+    assert r.float_share == pytest.approx(1 - 0.19 / 0.38)
     assert r.nodes[0].name == "conv3.weight + Conv_15"  # sorted by time
     assert sum(n.share for n in r.nodes) == pytest.approx(1.0)
     # the slow inference pushes the CV of GPU compute above trtexec's 2.5 % threshold
@@ -203,13 +205,18 @@ def test_real_precision_report_mobilenet_v2_titan_rtx():
     assert any(w.startswith("GPU compute time varies: coefficient of variation 4.8%") for w in r.warnings)
 
 
-def trtexec_log_from_metadata(build_meta: Path, profile_meta: Path) -> str:
+def trtexec_log_from_metadata(build_meta: Path, profile_meta: Path, device: dict | None = None,
+                              banner: str | None = None) -> str:
     """A trtexec log in trtexec's own line format (samples/common/sampleReporting.cpp and
-    sampleOptions.cpp), RECONSTRUCTED from the values Engine Explorer kept of a real run's log."""
+    sampleOptions.cpp), RECONSTRUCTED from the values Engine Explorer kept of a real run's log.
+    ``device``: the "Device Information" section to write instead of the recorded one (a fake
+    device's own), ``banner``: trtexec's first line (``TensorRT v100300``)."""
     stamp = "[06/03/2022-10:00:00] [I] "
     b, p = json.loads(build_meta.read_text()), json.loads(profile_meta.read_text())
-    lines = [f"{stamp}=== Build Options ==="] + [f"{stamp}{k}: {v}" for k, v in b["build_options"].items()]
-    lines += [f"{stamp}=== Device Information ==="] + [f"{stamp}{k}: {v}" for k, v in p["device_information"].items()]
+    lines = [f"&&&& RUNNING TensorRT.trtexec [{banner}] # trtexec"] if banner else []
+    lines += [f"{stamp}=== Build Options ==="] + [f"{stamp}{k}: {v}" for k, v in b["build_options"].items()]
+    info = device if device is not None else p["device_information"]
+    lines += [f"{stamp}=== Device Information ==="] + [f"{stamp}{k}: {v}" for k, v in info.items()]
     lines += [f"{stamp}", f"{stamp}=== Performance summary ===", f"{stamp}Throughput: {p['performance_summary']['Throughput']} qps"]
     for key in ("Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency"):
         v = p["performance_summary"][key]
@@ -246,3 +253,46 @@ def test_trtexec_log_sections(tmp_path):
                                                      ["performance_summary"]["Throughput"]))
     assert perf["Latency"] == {"min": 0.255981, "max": 0.901474, "mean": 0.263917, "median": 0.25824, "p90": 0.26123,
                                "p95": 0.278473, "p99": 0.38501}
+
+
+# Engine Explorer's eight example sets that carry trtexec's own summary (fixtures/trtexec/real/README.md)
+SETS = {"resnet50-tf-rtx3090-fp32": ("resnet.onnx.engine", 103), "resnet50-tf-rtx3090-qat": ("resnet-qat.onnx.engine", 63),
+        "resnet50-tf-rtx3090-fp16": ("resnet.onnx.engine", 86), "resnet18-a100-fp32": ("resnet.onnx.engine", 32),
+        "resnet18-a100-fp16": ("resnet.onnx.engine", 36), "resnet-qat-a100": ("resnet-qat.onnx.engine", 37),
+        "resnet18-a100-qat-residual": ("resnet-qat-residual.onnx.engine", 26),
+        "resnet18-a100-qat-residual-qgap": ("resnet-qat-residual-qgap.onnx.engine", 24)}
+
+
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_engine_explorer_sets_per_layer_times_to_the_last_digit(name):
+    """Each layer's time and share, as trtexec wrote them (its percentage has 6 significant digits)."""
+    stem, layers = SETS[name]
+    base = REAL / name / stem
+    count, times = tp.read_profile(f"{base}.profile.json")
+    raw = json.loads(Path(f"{base}.profile.json").read_text())[1:]
+    assert len(times) == len(raw) == layers
+    assert [t.average_ms for t in times] == [r["averageMs"] for r in raw]  # exactly
+    nodes = tp.nodes_from_trtexec(times, None)
+    from edgekit.profiling import summarize_nodes
+
+    summarize_nodes(nodes)
+    total = sum(r["averageMs"] for r in raw)
+    for n, r in zip(nodes, raw):
+        assert n.share == pytest.approx(r["averageMs"] / total) and n.share * 100 == pytest.approx(r["percentage"],
+                                                                                                    rel=1e-5, abs=1e-4)
+    meta = tp.read_trex_metadata(f"{base}.profile.metadata.json")
+    assert meta["device_information"]["Compute Capability"] in (8.0, 8.6)
+
+
+def test_whole_timing_file_gives_trtexecs_own_summary():
+    """The one set whose --exportTimes is kept whole (RTX 3090 FP32, TensorRT 8): min, max, median to
+    the last digit and mean to the 6 digits trtexec printed, after dropping its 200 ms warm-up; p99
+    differs by definition (trtexec takes a sample, edgekit interpolates)."""
+    base = REAL / "resnet50-tf-rtx3090-fp32" / "resnet.onnx.engine"
+    r = profile_from_recorded(tp.recorded_run_from_trtexec(times=f"{base}.timing.json", warmup_ms=200))
+    trtexec = tp.read_trex_metadata(f"{base}.profile.metadata.json")["performance_summary"]["GPU Compute Time"]
+    s = r.latency_ms
+    assert (s.min, s.max, s.p50) == (trtexec["min"], trtexec["max"], trtexec["median"]) == (12.0986, 12.7928, 12.1682)
+    assert round(s.mean, 4) == trtexec["mean"] == 12.1952
+    assert s.count == 248 and trtexec["p99"] == 12.7775 and s.p99 == pytest.approx(12.699997, abs=1e-6)
+

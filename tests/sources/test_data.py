@@ -142,7 +142,9 @@ def test_text_file_for_a_causal_lm(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("\n".join(f"line {i} " + "x" * 60 for i in range(40)))
     s = load_samples(str(f), lm_model(), split="eval", seqlen=16)
-    assert s.meta == {"kind": "token-windows", "seqlen": 16, "prefix": [], "bos_per_window": False}
+    # one token per character: 4.8x the default norm of English prose, which the load reports in a warning
+    assert s.meta == {"kind": "token-windows", "seqlen": 16, "prefix": [], "bos_per_window": False,
+                      "tokens_per_char": 1.0}
     assert s.inputs["input_ids"].shape[1] == 16 and (s.inputs["attention_mask"] == 1).all()
     assert "line 39" in s.text and "line 0 " not in s.text  # eval = the last quarter of the lines
     calib = load_samples(str(f), lm_model(), split="calib", seqlen=16)

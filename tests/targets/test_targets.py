@@ -12,8 +12,12 @@ from click.testing import CliRunner
 from edgekit.errors import BadInputError
 from edgekit.targets import list_targets, load_target, version_in_range
 
+CPU_KINDS = {"cpu-avx2": ("x86_64", "avx2", True), "cpu-avx512-vnni": ("x86_64", "avx512-vnni", False),
+             "cpu-amx": ("x86_64", "amx", False), "cpu-cortex-a78ae": ("arm64", "arm-dotprod", False),
+             "cpu-neoverse-n1": ("arm64", "arm-dotprod", False), "cpu-cortex-a76": ("arm64", "arm-dotprod", False)}
 EXPECTED = {"cpu", "jetson-agx-orin-64", "jetson-agx-orin-32", "jetson-orin-nx-16", "jetson-orin-nx-8",
-            "jetson-orin-nano-8", "jetson-orin-nano-8-super", "h100-sxm", "h100-pcie", "h200", "a100-80", "l4"}
+            "jetson-orin-nano-8", "jetson-orin-nano-8-super", "h100-sxm", "h100-pcie", "h200", "a100-80", "l4",
+            *CPU_KINDS}
 
 
 def test_all_targets_load_with_provenance():
@@ -29,6 +33,46 @@ def test_all_targets_load_with_provenance():
         for key in t.peak_tops:  # every peak says where it comes from
             assert any(k in (f"peak_tops.{key}", "peak_tops") for k in t.provenance), (name, key)
         assert all(v.startswith(("facts", "recalled", "derived")) for v in t.provenance.values()), name
+
+
+@pytest.mark.parametrize("name", sorted(CPU_KINDS))
+def test_named_cpu_targets_say_their_cpu_and_its_integer_kernels(name):
+    arch, kernel, saturates = CPU_KINDS[name]
+    t = load_target(name)
+    assert (t.arch, t.int8_kernel.name, t.int8_kernel.saturates) == (arch, kernel, saturates)
+    assert t.cores == 1 and {"fp32", "int8"} <= set(t.peak_tops)  # one core, as edgekit times CPU engines
+    for key in t.peak_tops:  # every peak says where it comes from
+        assert any(k in (f"peak_tops.{key}", "peak_tops") for k in t.provenance), (name, key)
+
+
+def test_the_cpu_target_is_this_machine():
+    from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel
+
+    t = load_target("cpu")
+    arch, isa, _ = cpu_features()
+    assert (t.arch, t.isa, t.is_this_machine) == (arch, isa, True)
+    assert t.int8_kernel == host_int8_kernel()
+    # a named target stands for this machine exactly when its integer kernels are this machine's
+    for name in CPU_KINDS:
+        named = load_target(name)
+        assert named.is_this_machine == (named.arch == arch and named.int8_kernel.name == host_int8_kernel().name)
+    assert not load_target("jetson-agx-orin-64").is_this_machine
+
+
+def test_cpu_features_name_the_kernel_family():
+    from edgekit.targets.cpu_isa import int8_kernel
+
+    assert int8_kernel("x86_64", ("avx2", "fma")).saturates and int8_kernel("x86_64", ("avx2",)).name == "avx2"
+    assert int8_kernel("x86_64", ("avx2", "avx512f", "avx512bw")).name == "avx512bw"  # AVX-512 without VNNI
+    assert int8_kernel("x86_64", ("avx512bw", "avx512_vnni")).exact
+    assert int8_kernel("x86_64", ("avx2", "avx_vnni")).name == "avx-vnni"  # Alder Lake's 256-bit VNNI
+    assert int8_kernel("x86_64", ("avx512_vnni", "amx_int8")).name == "amx"
+    assert int8_kernel("arm64", ("neon",)).exact and int8_kernel("arm64", ("neon", "dotprod", "i8mm")).name == "arm-i8mm"
+    with pytest.raises(BadInputError, match=r"unknown CPU feature 'avx1024'"):
+        from edgekit.targets import target_from_dict
+
+        target_from_dict({"name": "x", "description": "d", "kind": "cpu", "runtimes": ["onnxruntime"],
+                          "precisions": ["fp32"], "arch": "x86_64", "isa": ["avx2", "avx1024"]})
 
 
 @pytest.mark.parametrize("name,int8,fp16,bw,mem", [

@@ -113,9 +113,12 @@ def bundle_readme(argv: list[str], target: Target, settings: TrtSettings, rel_on
         "## Back on the build machine",
         "```bash",
         f"edgekit profile {RESULTS_DIR} --json profile.json   # a device measurement, with the machine state",
-        "edgekit check profile.json --budget-ms 33",
+        "edgekit check profile.json --budget-ms 33 --require-verified",
         "edgekit report THIS_FOLDER",
         "```",
+        f"`edgekit profile` accepts the results only if they match this bundle: the GPU's SM ({target.sm or '?'}), "
+        f"TensorRT {target.tensorrt_versions or 'any'}, the ONNX's inputs, batch and node names (the manifest keeps them); "
+        "results of another device or model are refused, and facts the device did not record leave them unverified.",
         "",
         "## Settings",
         f"- ONNX: `{rel_onnx}`",

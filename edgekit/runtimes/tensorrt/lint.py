@@ -4,19 +4,24 @@
 
 - operators, opset and data types against onnx-tensorrt's support table of the TensorRT
   version the target's JetPack pins (``data/onnx_tensorrt_operators.json``: 8.5, 8.6, 10.0,
-  10.1; a version is checked against the newest table at or below it), including the
-  inputs its "Restrictions" column says must be initializers or build-time constants;
+  10.1; a version is checked against the newest table at or below it);
+- every sentence of the table's "Restrictions" column (``lint_rules.py``: attribute values,
+  modes, outputs, ranks, limits, constant inputs, static shapes, If/Loop bodies) and its
+  "Supported Types" column, each finding quoting the table's words and citing the row's
+  line in ``docs/operators.md``;
 - Q/DQ: zero points must be 0 and types signed (int8; fp8 and int4 from TensorRT 10);
-  int32 DequantizeLinear (quantized biases) is not imported; blocked int4
-  DequantizeLinear needs TensorRT 10 (JetPack 6.1+);
-- dynamic input axes without an optimization profile;
-- for a DLA core, the layers that will fall back to the GPU, by the layer rules of
-  TensorRT's ``NvInfer.h`` and NVIDIA's "DLA Supported Layers and Restrictions" page
-  (see ``data/README.md``).
+  int32 DequantizeLinear (quantized biases) is not imported; blocked int4 DequantizeLinear
+  needs TensorRT 10 and the form its importer takes (one blocked axis of the scale, an even
+  last dimension: onnx-tensorrt's ``onnxOpImporters.cpp``);
+- dynamic input axes without an optimization profile (``shapes``: the profile the build uses);
+- for a DLA core, dynamic dimensions and the layers that will fall back to the GPU, by the
+  layer rules of TensorRT's ``NvInfer.h`` and NVIDIA's "DLA Supported Layers and
+  Restrictions" page (see ``data/README.md``).
 
-Each ``Finding`` names the node, says why, and what to do. Severity ``error``: the build or
-the engine would fail on the device; ``warning``: it builds, but not as asked (a layer
-falls back from the DLA to the GPU, a dynamic axis gets a default profile).
+Each ``Finding`` names the node, says why, what to do, and where the rule comes from
+(``source``). Severity ``error``: the build or the engine would fail on the device;
+``warning``: it builds, but not as asked (a layer falls back from the DLA to the GPU) or a
+rule could not be checked offline.
 """
 from __future__ import annotations
 
@@ -30,34 +35,58 @@ from typing import Any
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto
 
 from edgekit.artifact import is_artifact, read_manifest
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.runtimes.tensorrt.lint_rules import TOPK_K_UNKNOWN, GraphView, Rule, attr, rule_for, sentences
 from edgekit.targets import Target, list_targets, load_target
 
 TABLE_FILE = Path(__file__).parent / "data" / "onnx_tensorrt_operators.json"
+TABLE_DOC = "docs/operators.md"
 # JetPack -> the TensorRT it ships, for target files that name JetPack but no TensorRT range.
 JETPACK_TENSORRT = {"5.1": "8.5", "6.0": "8.6", "6.1": "10.3", "6.2": "10.3"}
 DLA_RULES_SOURCE = ("TensorRT include/NvInfer.h (TensorRT 10.9 OSS) and NVIDIA's 'DLA Supported Layers and "
                     "Restrictions'")
+# The Q/DQ importer that decides what blocked int4 TensorRT 10 takes (read at onnx-tensorrt 10.1-GA).
+QDQ_IMPORTER_SOURCE = "onnx-tensorrt 10.1-GA onnxOpImporters.cpp (QuantizeLinear/DequantizeLinear importer)"
+# onnx-tensorrt 10.x sets no maximum opset (ModelImporter.cpp warns only below opset 7).
+OPSET_SOURCE = "onnx-tensorrt 10.1-GA ModelImporter.cpp (no maximum opset is enforced)"
+# ONNX opset 21 changed these operators only by adding types (int4/uint4, float8; Q/DQ also
+# block_size and output_dtype): a graph at opset 21 means at them what it means at opset 20.
+# GroupNormalization-21 changed its scale and bias to per-channel (onnx-tensorrt: 10.9 changelog).
+OPSET21_TYPE_ONLY = {"Cast", "CastLike", "Constant", "ConstantOfShape", "DequantizeLinear", "Flatten", "Identity",
+                     "If", "Loop", "Pad", "QLinearMatMul", "QuantizeLinear", "Reshape", "Scan", "Shape", "Size",
+                     "Squeeze", "Transpose", "Unsqueeze"}
 _TABLE_TYPE: dict[int, str] = {TensorProto.FLOAT: "FLOAT32", TensorProto.FLOAT16: "FLOAT16", TensorProto.BFLOAT16: "BFLOAT16",
                TensorProto.DOUBLE: "DOUBLE", TensorProto.INT8: "INT8", TensorProto.UINT8: "UINT8",
                TensorProto.INT32: "INT32", TensorProto.INT64: "INT64", TensorProto.BOOL: "BOOL",
                TensorProto.INT4: "INT4", TensorProto.UINT4: "UINT4", TensorProto.FLOAT8E4M3FN: "FP8",
                TensorProto.INT16: "INT16", TensorProto.UINT16: "UINT16", TensorProto.UINT32: "UINT32",
                TensorProto.UINT64: "UINT64", TensorProto.STRING: "STRING", TensorProto.COMPLEX64: "COMPLEX64"}
-_CONST_PHRASES = re.compile(r"`([A-Za-z_]+)`[^`|]*?must be (?:an initializer|a build-time constant|a constant tensor)")
+# The names of the "Supported Types" column.
+_COLUMN_TYPE: dict[int, str] = {TensorProto.FLOAT: "FP32", TensorProto.FLOAT16: "FP16", TensorProto.BFLOAT16: "BF16",
+                                TensorProto.INT32: "INT32", TensorProto.INT64: "INT64", TensorProto.INT8: "INT8",
+                                TensorProto.UINT8: "UINT8", TensorProto.BOOL: "BOOL",
+                                TensorProto.FLOAT8E4M3FN: "FP8", TensorProto.INT4: "INT4"}
+# Ops whose first input is not the data the "Supported Types" column describes (a condition,
+# a trip count, a shape, indices), or whose types the Q/DQ rules check.
+_TYPES_SKIP = {"If", "Loop", "Scan", "ConstantOfShape", "OneHot", "Shape", "Size", "Cast", "CastLike",
+               "QuantizeLinear", "DequantizeLinear", "Constant", "Identity", "NonZero", "Range", "EyeLike",
+               "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike"}
 
 
 @dataclass(frozen=True)
 class Finding:
     severity: str  # "error" | "warning"
-    check: str  # operator | opset | dtype | constant-input | qdq | int4 | dynamic-shape | dla
+    # operator | opset | dtype | type | attribute | mode | output | rank | limit | constant-input |
+    # static-shape | subgraph | ignored | qdq | int4 | dynamic-shape | dla
+    check: str
     node: str
     op_type: str
     why: str
     fix: str
+    source: str = ""  # where the rule comes from: a table row (file:line at a branch), a header, a source file
 
     def line(self) -> str:
         return f"{self.severity}: {self.op_type} {self.node!r}: {self.why}; {self.fix}"
@@ -72,6 +101,7 @@ class LintReport:
     opset: int
     dla_core: int | None = None
     findings: list[Finding] = field(default_factory=list)
+    shapes: dict[str, dict[str, list[int]]] | None = None  # the optimization profile checked against
 
     @property
     def errors(self) -> list[Finding]:
@@ -94,8 +124,8 @@ class LintReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "target": self.target, "tensorrt_version": self.tensorrt_version,
-                "table": self.table, "opset": self.opset, "dla_core": self.dla_core, "exit_code": self.exit_code,
-                "summary": self.summary(), "findings": [asdict(f) for f in self.findings]}
+                "table": self.table, "opset": self.opset, "dla_core": self.dla_core, "shapes": self.shapes,
+                "exit_code": self.exit_code, "summary": self.summary(), "findings": [asdict(f) for f in self.findings]}
 
 
 # --- which TensorRT, which table ------------------------------------------------------------
@@ -141,67 +171,16 @@ def table_for(version: str) -> tuple[str, dict[str, Any]]:
     return key, tables[key]
 
 
-# --- the graph ------------------------------------------------------------------------------
-
-class _Graph:
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.model = model
-        g = model.graph
-        self.inits = {i.name: i for i in g.initializer}
-        self.const_nodes = {n.output[0]: n for n in g.node if n.op_type == "Constant"}
-        self.producer = {o: n for n in g.node for o in n.output}
-        self.types: dict[str, int] = {}
-        self.shapes: dict[str, list[int | None]] = {}
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError):
-            inferred = model  # checks that need types or shapes skip what they cannot see
-        for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
-            tt = vi.type.tensor_type
-            self.types[vi.name] = tt.elem_type
-            if tt.HasField("shape"):
-                self.shapes[vi.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-                                        for d in tt.shape.dim]
-        for name, init in self.inits.items():
-            self.types[name] = init.data_type
-            self.shapes[name] = list(init.dims)
-
-    def is_const(self, name: str) -> bool:
-        """An initializer, a Constant, or a DequantizeLinear of one (what TensorRT folds)."""
-        if name in self.inits or name in self.const_nodes:
-            return True
-        p = self.producer.get(name)
-        return p is not None and p.op_type in ("DequantizeLinear", "Identity", "Cast") and bool(p.input) \
-            and self.is_const(p.input[0])
-
-    def value(self, name: str) -> np.ndarray | None:
-        if name in self.inits:
-            init = self.inits[name]
-            if init.data_location == TensorProto.EXTERNAL:
-                return None
-            return numpy_helper.to_array(init)
-        if name in self.const_nodes:
-            a = self.const_nodes[name].attribute[0]
-            return numpy_helper.to_array(a.t) if a.name == "value" else None
-        return None
-
-    def rank(self, name: str) -> int | None:
-        s = self.shapes.get(name)
-        return len(s) if s is not None else None
+def table_source(table: dict[str, Any], line: int | None) -> str:
+    """``onnx-tensorrt 10.1-GA docs/operators.md:207``: where a rule of a table comes from."""
+    return f"onnx-tensorrt {table['branch']} {TABLE_DOC}" + (f":{line}" if line else "")
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
+# --- the checks -----------------------------------------------------------------------------
 
 def _name(node: onnx.NodeProto, index: int) -> str:
     return node.name or f"{node.op_type}_{index}"
 
-
-# --- the checks -----------------------------------------------------------------------------
 
 def lint_onnx(onnx_path: str | Path, target: Target | str, *, tensorrt_version: str | None = None,
               dla_core: int | None = None, shapes: dict[str, dict[str, list[int]]] | None = None,
@@ -230,38 +209,99 @@ def lint_onnx(onnx_path: str | Path, target: Target | str, *, tensorrt_version: 
     version = tensorrt_version_of(target, tensorrt_version)
     key, table = table_for(version)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if shapes:
+        shapes = _checked_profile(model, shapes)
     report = LintReport(model=str(path), target=target.name, tensorrt_version=version,
-                        table=f"{key} (onnx-tensorrt {table['branch']})", opset=opset, dla_core=dla_core)
-    g = _Graph(model)
+                        table=f"{key} (onnx-tensorrt {table['branch']})", opset=opset, dla_core=dla_core,
+                        shapes=shapes or None)
+    g = GraphView(model)
     where = f"onnx-tensorrt's {key} table" + ("" if key == version else f" (the newest at or below {version})")
-    _check_opset(report, opset, table, where)
+    _check_opset(report, model, opset, table, where, version)
     _check_io_types(report, g, table, where, version)
     functions = {(f.domain, f.name) for f in model.functions}
     for i, node in enumerate(model.graph.node):
         _check_node(report, g, node, _name(node, i), table, where, functions, version)
-    _check_dynamic(report, g, shapes, dla_core is not None)
+    _check_dynamic(report, g, shapes, dla_core)
     if dla_core is not None:
         if precision is not None and precision not in ("fp16", "int8", "best"):
             report.findings.append(Finding("error", "dla", "-", "network", f"the DLA runs fp16 or int8, not {precision}",
-                                           "build with --precision fp16 or int8"))
+                                           "build with --precision fp16 or int8", DLA_RULES_SOURCE))
         for i, node in enumerate(model.graph.node):
             why = dla_fallback_reason(node, g)
             if why:
                 report.findings.append(Finding(
                     "warning", "dla", _name(node, i), node.op_type, f"falls back from DLA core {dla_core} to the GPU: "
                     f"{why} (rules: {DLA_RULES_SOURCE})",
-                    "keep GPU fallback on (edgekit's default), or change the layer so the DLA takes it"))
+                    "keep GPU fallback on (edgekit's default), or change the layer so the DLA takes it", DLA_RULES_SOURCE))
     return report
 
 
-def _check_opset(report: LintReport, opset: int, table: dict[str, Any], where: str) -> None:
+def _checked_profile(model: onnx.ModelProto, shapes: dict[str, dict[str, list[int]]]) -> dict[str, dict[str, list[int]]]:
+    """The profile against the graph's inputs: known names, the right rank, static dims kept,
+    min <= opt <= max; anything else is bad input naming the input."""
+    inits = {i.name for i in model.graph.initializer}
+    inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}
+    out = {}
+    for name, prof in shapes.items():
+        if name not in inputs:
+            raise BadInputError(f"--shapes names input {name!r}, which the model does not have (inputs: "
+                                f"{', '.join(inputs) or 'none'})")
+        dims = inputs[name].type.tensor_type.shape.dim
+        for which in ("min", "opt", "max"):
+            got = list(prof[which])
+            if len(got) != len(dims):
+                raise BadInputError(f"--shapes gives input {name!r} {len(got)} dimensions ({'x'.join(map(str, got))}); "
+                                    f"it has {len(dims)}")
+            for axis, (d, v) in enumerate(zip(dims, got)):
+                if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != v:
+                    raise BadInputError(f"--shapes gives input {name!r} axis {axis} size {v}; the model fixes it at "
+                                        f"{d.dim_value}")
+        if any(lo > hi for lo, hi in zip(prof["min"], prof["max"])) or \
+                any(not lo <= o <= hi for lo, o, hi in zip(prof["min"], prof["opt"], prof["max"])):
+            raise BadInputError(f"the profile of input {name!r} is not min <= opt <= max: {prof}")
+        out[name] = {k: [int(x) for x in prof[k]] for k in ("min", "opt", "max")}
+    return out
+
+
+def _check_opset(report: LintReport, model: onnx.ModelProto, opset: int, table: dict[str, Any], where: str,
+                 version: str) -> None:
     hi, lo = table["opset_max"], table["opset_min"]
+    source = table_source(table, table.get("opset_line"))
     if opset > hi:
+        changed = _changed_since(model, hi, opset)
+        if opset == 21 and hi == 20 and _vtuple(version) >= (10,) and changed <= OPSET21_TYPE_ONLY:
+            report.findings.append(Finding(
+                "warning", "opset", "-", "model",
+                f"opset 21 is above 20, the highest in {where}; opset 21 changed "
+                + (", ".join(sorted(changed)) if changed else "none of this graph's operators")
+                + " only by adding types (int4/uint4, float8; Q/DQ also block_size); onnx-tensorrt 10.x sets no "
+                "maximum opset, so its parser takes the graph as at opset 20 (the first table read here that lists "
+                "opset 21 is TensorRT 10.15's; not verified on a device)",
+                "check the engine on the device (build.sh), or export at opset 20 where no 4-bit type is needed",
+                f"{source}; {OPSET_SOURCE}"))
+            return
+        extra = ("" if not changed else f" ({', '.join(sorted(changed - OPSET21_TYPE_ONLY) or sorted(changed))} "
+                 f"changed after opset {hi})")
         report.findings.append(Finding("error", "opset", "-", "model", f"opset {opset} is above {hi}, the highest in "
-                                       f"{where}", f"re-export with opset {hi} or lower (edgekit export --opset {hi})"))
+                                       f"{where}{extra}", f"re-export with opset {hi} or lower (edgekit export "
+                                       f"--opset {hi})", source))
     elif lo is not None and opset < lo:
         report.findings.append(Finding("error", "opset", "-", "model", f"opset {opset} is below {lo}, the lowest in "
-                                       f"{where}", f"re-export with opset {lo} or higher"))
+                                       f"{where}", f"re-export with opset {lo} or higher", source))
+
+
+def _changed_since(model: onnx.ModelProto, old: int, new: int) -> set[str]:
+    """The graph's standard operators whose definition changed between opset ``old`` and ``new``."""
+    out = set()
+    for op in {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}:
+        try:
+            a = onnx.defs.get_schema(op, max_inclusive_version=new).since_version
+            b = onnx.defs.get_schema(op, max_inclusive_version=old).since_version
+        except onnx.defs.SchemaError:
+            continue
+        if a != b:
+            out.add(op)
+    return out
 
 
 def _type_ok(t: int, table: dict[str, Any]) -> bool:
@@ -269,7 +309,7 @@ def _type_ok(t: int, table: dict[str, Any]) -> bool:
     return name in table["data_types"] or name in table["limited_types"]
 
 
-def _check_io_types(report: LintReport, g: _Graph, table: dict[str, Any], where: str, version: str) -> None:
+def _check_io_types(report: LintReport, g: GraphView, table: dict[str, Any], where: str, version: str) -> None:
     for vi in [*g.model.graph.input, *g.model.graph.output]:
         if vi.name in g.inits:
             continue
@@ -280,23 +320,11 @@ def _check_io_types(report: LintReport, g: _Graph, table: dict[str, Any], where:
                                            f"type {name} is not among the data types of {where}",
                                            "cast it to a supported type in the model (FLOAT32, FLOAT16, INT32, ...)"
                                            + (" or target TensorRT 10 (JetPack 6.1+)" if _vtuple(version) < (10,)
-                                              and name in ("UINT8", "BFLOAT16") else "")))
+                                              and name in ("UINT8", "BFLOAT16") else ""),
+                                           table_source(table, table.get("data_types_line"))))
 
 
-def _const_inputs(op: str, restrictions: str) -> list[int]:
-    """Input indices that the table's restriction text says must be constants."""
-    names = _CONST_PHRASES.findall(restrictions)
-    if not names:
-        return []
-    try:
-        schema = onnx.defs.get_schema(op)
-    except onnx.defs.SchemaError:
-        return []
-    formal = [i.name for i in schema.inputs]
-    return [formal.index(n) for n in names if n in formal]
-
-
-def _check_node(report: LintReport, g: _Graph, node: onnx.NodeProto, name: str, table: dict[str, Any], where: str,
+def _check_node(report: LintReport, g: GraphView, node: onnx.NodeProto, name: str, table: dict[str, Any], where: str,
                 functions: set[tuple[str, str]], version: str) -> None:
     op = node.op_type
     if (node.domain, op) in functions:
@@ -304,26 +332,61 @@ def _check_node(report: LintReport, g: _Graph, node: onnx.NodeProto, name: str, 
     if node.domain not in ("", "ai.onnx"):
         report.findings.append(Finding("error", "operator", name, f"{node.domain}::{op}",
                                        f"a {node.domain} op, not standard ONNX: TensorRT has no importer for it",
-                                       "export without runtime-specific contrib ops, or provide a TensorRT plugin"))
+                                       "export without runtime-specific contrib ops, or provide a TensorRT plugin",
+                                       table_source(table, None)))
         return
     entry = table["operators"].get(op)
+    source = table_source(table, entry.get("line") if entry else None)
     if entry is None or not entry["supported"]:
         state = "not in" if entry is None else "marked unsupported in"
         report.findings.append(Finding("error", "operator", name, op, f"{op} is {state} {where}",
-                                       _operator_fix(op, version)))
+                                       _operator_fix(op, version), source))
         return
     if entry.get("experimental"):
         report.findings.append(Finding("warning", "operator", name, op, f"{op} is experimental in {where}",
-                                       "check the engine's outputs against ONNX Runtime on the device"))
-    for idx in _const_inputs(op, entry.get("restrictions", "")):
-        if idx < len(node.input) and node.input[idx] and not g.is_const(node.input[idx]):
-            report.findings.append(Finding("error", "constant-input", name, op,
-                                           f"input {node.input[idx]!r} is computed at run time; {where} says: "
-                                           f"{entry['restrictions'].strip()}",
-                                           "make it a constant (fold it with onnxsim / constant folding before "
-                                           "export) or re-export with static shapes"))
+                                       "check the engine's outputs against ONNX Runtime on the device", source))
+    _check_types(report, g, node, name, entry, where, source, version)
+    for sentence in sentences(entry.get("restrictions", "")):
+        rule = rule_for(op, sentence)
+        if rule is None:  # a table sentence without a rule (a test keeps the shipped tables covered)
+            report.findings.append(Finding("warning", "unchecked", name, op, f"{where} says \"{sentence}\", which "
+                                           "edgekit does not check", "check it by hand", source))
+            continue
+        _apply(report, rule, g, node, name, sentence, where, source)
+        if op == "TopK" and "3840" in sentence:
+            _apply(report, TOPK_K_UNKNOWN, g, node, name, sentence, where, source)
     if op in ("QuantizeLinear", "DequantizeLinear"):
-        _check_qdq(report, g, node, name, version)
+        _check_qdq(report, g, node, name, version, table)
+
+
+def _apply(report: LintReport, rule: Rule, g: GraphView, node: onnx.NodeProto, name: str, sentence: str, where: str,
+           source: str) -> None:
+    if rule.check is None:
+        return
+    got = rule.check(node, g)
+    if got:
+        report.findings.append(Finding(rule.severity, rule.family, name, node.op_type,
+                                       f"{got}; {where} says: \"{sentence}\"", rule.fix, source))
+
+
+def _check_types(report: LintReport, g: GraphView, node: onnx.NodeProto, name: str, entry: dict[str, Any], where: str,
+                 source: str, version: str) -> None:
+    """The "Supported Types" column, read for the tensor the op computes on (its first input)."""
+    types = entry.get("types") or []
+    if not types or node.op_type in _TYPES_SKIP or not node.input or not node.input[0]:
+        return
+    t = g.types.get(node.input[0])
+    column = _COLUMN_TYPE.get(t) if t else None
+    if t == TensorProto.DOUBLE:
+        column = "FP32"  # the header: DOUBLE is cast down to FLOAT
+    if column == "INT64" and _vtuple(version) < (9,):
+        column = "INT32"  # TensorRT 8's header: INT64 is cast down to INT32
+    if column is None or column in types:
+        return
+    report.findings.append(Finding("error", "type", name, node.op_type,
+                                   f"input {node.input[0]!r} is {column}; {where} lists {', '.join(types)} for "
+                                   f"{node.op_type}", f"compute {node.op_type} in one of {', '.join(types)} (a Cast "
+                                   "before it), or keep the op out of the engine", source))
 
 
 def _operator_fix(op: str, version: str) -> str:
@@ -335,10 +398,14 @@ def _operator_fix(op: str, version: str) -> str:
             + (", or target TensorRT 10 (JetPack 6.1+)" if _vtuple(version) < (10,) else ""))
 
 
-def _check_qdq(report: LintReport, g: _Graph, node: onnx.NodeProto, name: str, version: str) -> None:
+def _check_qdq(report: LintReport, g: GraphView, node: onnx.NodeProto, name: str, version: str,
+               table: dict[str, Any]) -> None:
     op = node.op_type
     trt10 = _vtuple(version) >= (10,)
-    block = _attr(node, "block_size", 0)
+    entry = table["operators"].get(op, {})
+    source = table_source(table, entry.get("line"))
+    said = f" (onnx-tensorrt's table: \"{entry.get('restrictions', '').strip()}\")" if entry.get("restrictions") else ""
+    block = attr(node, "block_size", 0)
     data_t = g.types.get(node.input[0]) if op == "DequantizeLinear" else None
     zp_name = node.input[2] if len(node.input) > 2 and node.input[2] else None
     zp_t = g.types.get(zp_name) if zp_name else (TensorProto.UINT8 if op == "QuantizeLinear" else data_t)
@@ -347,36 +414,63 @@ def _check_qdq(report: LintReport, g: _Graph, node: onnx.NodeProto, name: str, v
         report.findings.append(Finding(
             "error", "int4", name, op, f"blocked 4-bit DequantizeLinear (block_size {block or '-'}) needs TensorRT 10; "
             f"TensorRT {version} (JetPack 5.1 / 6.0) imports int8 DequantizeLinear only",
-            "keep int8 weights for this target (edgekit compress --bits 8), or target JetPack 6.1+ (TensorRT 10.3)"))
+            "keep int8 weights for this target (edgekit compress --bits 8), or target JetPack 6.1+ (TensorRT 10.3)",
+            table_source(table, table.get("data_types_line"))))
         return
     if op == "DequantizeLinear" and data_t == TensorProto.INT32:
         report.findings.append(Finding(
             "error", "qdq", name, op, "int32 DequantizeLinear (a quantized bias) is not imported by TensorRT",
-            "fold it to a float constant (edgekit build does so when it converts the graph)"))
+            "fold it to a float constant (edgekit build does so when it converts the graph)", source))
         return
     if zp_t in (TensorProto.UINT8, TensorProto.UINT4):
         report.findings.append(Finding(
             "error", "qdq", name, op, f"{'uint4' if zp_t == TensorProto.UINT4 else 'uint8'} quantization; TensorRT's "
             "explicit quantization takes signed types with a zero point of 0",
             "build with edgekit build (it converts uint8/asymmetric Q/DQ to signed symmetric int8 and records the "
-            "accuracy cost), or re-quantize for the target (edgekit compress --target ...)"))
+            "accuracy cost), or re-quantize for the target (edgekit compress --target ...)", source))
         return
     if zp_name:
         zp = g.value(zp_name)
         if zp is not None and np.any(zp):
             report.findings.append(Finding(
                 "error", "qdq", name, op, f"zero point {int(np.max(np.abs(zp)))} (non-zero): TensorRT requires "
-                "symmetric quantization (zero point 0)",
-                "build with edgekit build (it converts the ranges to symmetric scales), or re-quantize symmetric"))
+                f"symmetric quantization (zero point 0){said}",
+                "build with edgekit build (it converts the ranges to symmetric scales), or re-quantize symmetric",
+                source))
             return
     allowed = {TensorProto.INT8, TensorProto.FLOAT8E4M3FN, TensorProto.INT4} if trt10 else {TensorProto.INT8}
     if zp_t is not None and zp_t not in allowed and zp_t != 0:
         report.findings.append(Finding(
             "error", "qdq", name, op, f"{_TABLE_TYPE.get(zp_t, zp_t)} quantization is not imported by TensorRT {version}",
-            "quantize to int8"))
+            "quantize to int8", source))
+        return
+    if four_bit:
+        _check_blocked(report, g, node, name)
 
 
-def _check_dynamic(report: LintReport, g: _Graph, shapes: dict[str, dict[str, list[int]]] | None, dla: bool) -> None:
+def _check_blocked(report: LintReport, g: GraphView, node: onnx.NodeProto, name: str) -> None:
+    """What TensorRT 10's Q/DQ importer asserts of a blocked (4-bit) DequantizeLinear."""
+    raw_data, raw_scale = g.shapes.get(node.input[0]), g.shapes.get(node.input[1]) if len(node.input) > 1 else None
+    if raw_data is None or raw_scale is None or None in raw_data or None in raw_scale:
+        return  # shapes not known: the importer's checks need them
+    data, scale = [int(d or 0) for d in raw_data], [int(d or 0) for d in raw_scale]
+    problem = None
+    if len(scale) not in (0, 1) and len(scale) != len(data):
+        problem = f"a scale of rank {len(scale)} for data of rank {len(data)} (the importer takes rank 1 or the data's)"
+    elif len(scale) == len(data):
+        blocked = [i for i, (d, s) in enumerate(zip(data, scale)) if s and d // s != 1]
+        if len(blocked) > 1:
+            problem = f"blocks along axes {blocked} (scale {scale} for data {data}): only one axis may be blocked"
+    if problem is None and g.types.get(node.input[0]) == TensorProto.INT4 and data and data[-1] % 2:
+        problem = f"an odd last dimension ({data[-1]}) of int4 data: int4 is packed in pairs"
+    if problem:
+        report.findings.append(Finding("error", "int4", name, node.op_type, problem,
+                                       "quantize with one block axis (the input dimension of the weight) and an even "
+                                       "last dimension", QDQ_IMPORTER_SOURCE))
+
+
+def _check_dynamic(report: LintReport, g: GraphView, shapes: dict[str, dict[str, list[int]]] | None,
+                   dla_core: int | None) -> None:
     for vi in g.model.graph.input:
         if vi.name in g.inits:
             continue
@@ -392,12 +486,19 @@ def _check_dynamic(report: LintReport, g: _Graph, shapes: dict[str, dict[str, li
                 "error" if others else "warning", "dynamic-shape", vi.name, "graph input",
                 f"dynamic {names} and no optimization profile: TensorRT needs min/opt/max shapes for it",
                 "edgekit build adds one for a dynamic batch (min 1, opt --batch, max --max-batch)" if not others else
-                "export with static shapes, or give the sizes (BuildOptions.extra dims or min/opt/max shapes)"))
-        elif dla and profile["min"] != profile["max"]:
+                "give the sizes: lint --shapes NAME:DIMS (trtexec syntax) or --dim NAME=SIZE, build --shapes; or "
+                "export with static shapes", "TensorRT developer guide, 'Working with Dynamic Shapes'"))
+            if dla_core is not None and not others:
+                report.findings.append(Finding(
+                    "warning", "dla", vi.name, "graph input", f"dynamic {names}: the DLA takes no dynamic dimensions, "
+                    f"so DLA core {dla_core} runs this network only with a fixed batch (min = opt = max)",
+                    "build with a fixed batch (edgekit build fixes it at --batch unless --max-batch is larger), or "
+                    "export with a static batch", DLA_RULES_SOURCE))
+        elif dla_core is not None and profile["min"] != profile["max"]:
             report.findings.append(Finding(
                 "warning", "dla", vi.name, "graph input", f"optimization profile {profile['min']}..{profile['max']}: "
                 "the DLA takes no dynamic dimensions (min, opt and max must be equal), so the network runs on the GPU",
-                "build with a fixed batch (--max-batch equal to --batch)"))
+                "build with a fixed batch (--max-batch equal to --batch)", DLA_RULES_SOURCE))
 
 
 # --- DLA ------------------------------------------------------------------------------------
@@ -416,7 +517,7 @@ def _in_range(values: list[int], lo: int, hi: int) -> bool:
     return all(lo <= int(v) <= hi for v in values)
 
 
-def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
+def dla_fallback_reason(node: onnx.NodeProto, g: GraphView) -> str | None:
     """Why this node's layer cannot run on the DLA (None: the rules allow it)."""
     op = node.op_type
     rank = g.rank(node.input[0]) if node.input else None
@@ -424,13 +525,13 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
         return None
     if op in ("Conv", "ConvTranspose"):
         w = g.shapes.get(node.input[1]) if len(node.input) > 1 else None
-        kernel = list(_attr(node, "kernel_shape", None) or (w[2:] if w else []))
+        kernel = list(attr(node, "kernel_shape", None) or (w[2:] if w else []))
         if len(kernel) != 2:
             return "only 2D convolutions run on the DLA"
-        strides = list(_attr(node, "strides", None) or [1, 1])
-        pads = list(_attr(node, "pads", None) or [0, 0, 0, 0])
-        dil = list(_attr(node, "dilations", None) or [1, 1])
-        group = int(_attr(node, "group", 1))
+        strides = list(attr(node, "strides", None) or [1, 1])
+        pads = list(attr(node, "pads", None) or [0, 0, 0, 0])
+        dil = list(attr(node, "dilations", None) or [1, 1])
+        group = int(attr(node, "group", 1))
         if op == "ConvTranspose":
             if group != 1:
                 return f"a grouped deconvolution (group {group}); the DLA needs 1 group"
@@ -457,14 +558,14 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
     if op == "PRelu":
         return None if len(node.input) > 1 and g.is_const(node.input[1]) else "the slope is not a build-time constant"
     if op in ("MaxPool", "AveragePool"):
-        kernel = list(_attr(node, "kernel_shape", []))
+        kernel = list(attr(node, "kernel_shape", []))
         if len(kernel) != 2:
             return "only 2D pooling runs on the DLA"
         if not _in_range(kernel, 1, 8):
             return f"pooling window {kernel} outside the DLA's [1,8]"
-        if not _in_range(list(_attr(node, "strides", None) or [1, 1]), 1, 16):
+        if not _in_range(list(attr(node, "strides", None) or [1, 1]), 1, 16):
             return "pooling stride outside the DLA's [1,16]"
-        if not _in_range(list(_attr(node, "pads", None) or [0, 0, 0, 0]), 0, 7):
+        if not _in_range(list(attr(node, "pads", None) or [0, 0, 0, 0]), 0, 7):
             return "pooling padding outside the DLA's [0,7]"
         return None
     if op in ("GlobalAveragePool", "GlobalMaxPool"):
@@ -477,13 +578,13 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
     if op in ("Equal", "Greater", "Less"):
         return None
     if op == "Concat":
-        axis = int(_attr(node, "axis", 0))
+        axis = int(attr(node, "axis", 0))
         if rank is not None and (axis % rank) != rank - 3:
             return f"concatenation on axis {axis}; the DLA concatenates on the channel axis only"
         return None
     if op == "Softmax":
         s = g.shapes.get(node.input[0])
-        axis = int(_attr(node, "axis", -1))
+        axis = int(attr(node, "axis", -1))
         if s is None:
             return None
         ax = axis % len(s)
@@ -503,9 +604,9 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
     if op in ("Slice", "Split"):  # the parser makes slice layers of both
         return None if all(g.is_const(i) for i in node.input[1:] if i) else "slice bounds are not build-time constants"
     if op == "Resize":
-        mode = _attr(node, "mode", b"nearest")
+        mode = attr(node, "mode", b"nearest")
         mode = mode.decode() if isinstance(mode, bytes) else mode
-        ctm = _attr(node, "coordinate_transformation_mode", b"half_pixel")
+        ctm = attr(node, "coordinate_transformation_mode", b"half_pixel")
         ctm = ctm.decode() if isinstance(ctm, bytes) else ctm
         if len(node.input) > 3 and node.input[3]:
             return "resize to given output sizes (the DLA takes scales only)"
@@ -517,7 +618,7 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
             return f"{mode} resize"
         return None
     if op == "LRN":
-        return None if int(_attr(node, "size", 0)) in (3, 5, 7, 9) else "LRN window not in {3, 5, 7, 9}"
+        return None if int(attr(node, "size", 0)) in (3, 5, 7, 9) else "LRN window not in {3, 5, 7, 9}"
     if op == "Gemm":
         return None  # a fully connected layer
     return f"{op} is not a layer the DLA runs"
@@ -525,33 +626,98 @@ def dla_fallback_reason(node: onnx.NodeProto, g: _Graph) -> str | None:
 
 # --- the command ----------------------------------------------------------------------------
 
-def resolve_lint_input(model: str | Path) -> Path:
-    """An ONNX file, or an edgekit folder holding one (the graph a TensorRT build used, if any)."""
+def resolve_lint_input(model: str | Path) -> tuple[Path, dict[str, dict[str, list[int]]] | None]:
+    """An ONNX file, or an edgekit folder holding one (the graph a TensorRT build used, if any),
+    with the optimization profile the folder's build recorded (None when it recorded none)."""
     p = Path(model)
     if p.is_file():
         if p.suffix != ".onnx":
             raise BadInputError(f"{p} is not an .onnx file (lint takes an ONNX file or an edgekit folder holding one)")
-        return p
+        return p, None
     if p.is_dir() and is_artifact(p):
         m = read_manifest(p)
+        recorded = (m.config.get("settings") or {}).get("shapes") or None
         for role in ("onnx_tensorrt", "onnx"):
             if role in m.files:
-                return m.path_of(p, role)
+                return m.path_of(p, role), recorded
         raise BadInputError(f"{p} holds a {m.kind!r} artifact without an ONNX graph; export it first "
                             f"(edgekit export {p} -o ONNX_DIR)")
     raise BadInputError(f"{str(p)!r} is neither an ONNX file nor an edgekit folder (export the model first: "
                         "edgekit export MODEL -o ONNX_DIR)")
 
 
+def lint_profile(onnx_path: Path, shapes: dict[str, tuple[int, ...]] | None = None,
+                 dims: dict[str, tuple[int, int]] | None = None) -> dict[str, dict[str, list[int]]]:
+    """An optimization profile from ``--shapes`` (fixed shapes per input, trtexec syntax) and
+    ``--dim NAME=SIZE|MIN:MAX`` (every input axis of that name): min/opt/max per dynamic input
+    (opt = max; an axis the exporter named as a sum of others, such as ``past_sequence_length +
+    sequence_length``, adds their ranges). Inputs with a dynamic axis neither gives stay out
+    (lint reports them)."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [vi for vi in model.graph.input if vi.name not in inits]
+    dims = dict(dims or {})
+    known = {t.strip() for vi in inputs for d in vi.type.tensor_type.shape.dim if d.dim_param
+             for t in d.dim_param.split("+")}
+    unknown = sorted(set(dims) - known)
+    if unknown:
+        raise BadInputError(f"--dim names {unknown[0]!r}, which no input axis of {onnx_path.name} is called (named "
+                            f"axes: {', '.join(sorted(known)) or 'none'})")
+    out: dict[str, dict[str, list[int]]] = {}
+    for name, fixed in (shapes or {}).items():
+        out[name] = {w: [int(x) for x in fixed] for w in ("min", "opt", "max")}
+    for vi in inputs:
+        if vi.name in out:
+            continue
+        axes = vi.type.tensor_type.shape.dim
+        if all(d.HasField("dim_value") and d.dim_value > 0 for d in axes):
+            continue
+        lo, hi = [], []
+        for d in axes:
+            size = (d.dim_value, d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else \
+                _dim_range(d.dim_param, dims)
+            if size is None:
+                break
+            lo.append(size[0])
+            hi.append(size[1])
+        else:
+            out[vi.name] = {"min": lo, "opt": hi, "max": hi}
+    return out
+
+
+def _dim_range(param: str, dims: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """A named axis's (min, max): given, or a sum the exporter wrote (``past_sequence_length +
+    sequence_length``) of given names and numbers; None when a term is not given."""
+    if param in dims:
+        return dims[param]
+    terms = [t.strip() for t in param.split("+")] if param else []
+    if len(terms) < 2:
+        return None
+    lo = hi = 0
+    for t in terms:
+        if t.isdigit():
+            lo, hi = lo + int(t), hi + int(t)
+        elif t in dims:
+            lo, hi = lo + dims[t][0], hi + dims[t][1]
+        else:
+            return None
+    return lo, hi
+
+
 def lint_model(model: str | Path, target: str | Target, *, tensorrt_version: str | None = None,
-               dla_core: int | None = None, precision: str | None = None) -> LintReport:
-    """``edgekit lint``: check an ONNX file or edgekit folder against a TensorRT target."""
+               dla_core: int | None = None, precision: str | None = None,
+               shapes: dict[str, tuple[int, ...]] | None = None,
+               dims: dict[str, tuple[int, int]] | None = None) -> LintReport:
+    """``edgekit lint``: check an ONNX file or edgekit folder against a TensorRT target, with
+    the optimization profile ``shapes``/``dims`` give (else the one the folder's build recorded)."""
     t = load_target(target) if isinstance(target, str) else target
     if "tensorrt" not in t.runtimes:
         raise bad_choice("target for a TensorRT check (it lists the tensorrt runtime)", t.name,
                          [n for n in _tensorrt_targets()])
-    return lint_onnx(resolve_lint_input(model), t, tensorrt_version=tensorrt_version, dla_core=dla_core,
-                     precision=precision)
+    path, recorded = resolve_lint_input(model)
+    profile = lint_profile(path, shapes, dims) if (shapes or dims) else recorded
+    return lint_onnx(path, t, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
+                     shapes=profile)
 
 
 def _tensorrt_targets() -> list[str]:

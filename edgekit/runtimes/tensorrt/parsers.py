@@ -73,7 +73,7 @@ def dtype_of(fmt: str | None) -> str:
     return "unknown"
 
 
-def _load_json(path: str | Path, what: str) -> Any:
+def load_export_json(path: str | Path, what: str) -> Any:
     p = Path(path)
     if not p.is_file():
         raise BadInputError(f"trtexec {what} file {str(p)!r} does not exist")
@@ -105,7 +105,7 @@ class TimingTrace:
 def read_times(path: str | Path, warmup_ms: float | None = None) -> TimingTrace:
     """Parse ``--exportTimes``. Records whose compute started before ``warmup_ms`` are
     dropped, as trtexec does for its own summary (TensorRT 8 files include warm-up)."""
-    data = _load_json(path, "--exportTimes")
+    data = load_export_json(path, "--exportTimes")
     if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
         raise BadInputError(f"{path} is not a trtexec --exportTimes file (expected a non-empty list of records)")
     need = ("computeMs", "latencyMs")
@@ -145,7 +145,7 @@ class LayerTime:
 
 def read_profile(path: str | Path) -> tuple[int, list[LayerTime]]:
     """Parse ``--exportProfile``: (profiled iterations, per-layer times)."""
-    data = _load_json(path, "--exportProfile")
+    data = load_export_json(path, "--exportProfile")
     if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "count" not in data[0]:
         raise BadInputError(f"{path} is not a trtexec --exportProfile file (expected [{{\"count\": N}}, layers...])")
     count = int(data[0]["count"])
@@ -231,7 +231,7 @@ def precision_breakdown(nodes: list[NodeTiming]) -> dict[str, Any]:
 
 def read_layer_info(path: str | Path) -> list[LayerInfo]:
     """Parse ``--exportLayerInfo`` (needs ``--profilingVerbosity=detailed``)."""
-    data = _load_json(path, "--exportLayerInfo")
+    data = load_export_json(path, "--exportLayerInfo")
     layers = data.get("Layers") if isinstance(data, dict) else None
     if not isinstance(layers, list):
         raise BadInputError(f"{path} is not a trtexec --exportLayerInfo file (no 'Layers' list)")
@@ -308,7 +308,7 @@ def read_trtexec_log(path: str | Path) -> dict[str, dict[str, Any]]:
 def read_trex_metadata(path: str | Path) -> dict[str, dict[str, Any]]:
     """TensorRT Engine Explorer's ``*.build.metadata.json`` / ``*.profile.metadata.json`` (the
     same log sections, stats as bare lists) in ``read_trtexec_log``'s form."""
-    data = _load_json(path, "Engine Explorer metadata")
+    data = load_export_json(path, "Engine Explorer metadata")
     if not isinstance(data, dict) or not any(k in data for k in _SECTIONS.values()):
         raise BadInputError(f"{path} is not Engine Explorer metadata (no {', '.join(_SECTIONS.values())} section)")
     out = {k: dict(v) for k, v in data.items() if k in _SECTIONS.values() and isinstance(v, dict)}
@@ -413,18 +413,30 @@ def trtexec_outputs(folder: str | Path) -> dict[str, Path]:
 
 
 def recorded_run_from_folder(folder: str | Path, manifest: Manifest | None = None, *,
-                             metric: str = "latency") -> RecordedRun:
-    """A RecordedRun from a bundle or engine folder where trtexec has written its JSON."""
+                             metric: str = "latency", found: dict[str, Path] | None = None) -> RecordedRun:
+    """A RecordedRun from a bundle or engine folder where trtexec has written its JSON.
+
+    ``found``: the exports by role (``times``, ``profile``, ``layers``, ``log``, ``metadata``: Engine
+    Explorer's profile metadata); default: edgekit's file names in the folder or its ``results/``."""
     folder = Path(folder)
-    found = trtexec_outputs(folder)
+    found = dict(found) if found is not None else trtexec_outputs(folder)
     if "times" not in found:
         raise BadInputError(f"{folder} has no trtexec results ({TIMES_JSON}); run its build.sh on the device "
                             "first, then copy the folder back")
+    if "log" not in found and (found["times"].parent / LOG_FILE).is_file():
+        found["log"] = found["times"].parent / LOG_FILE
     target = model = None
     settings: dict[str, Any] = {}
     warmup_ms = None
     if manifest is None and is_artifact(folder):
         manifest = read_manifest(folder)
+    sections: dict[str, dict[str, Any]] = {}
+    if "log" in found:  # trtexec's own account: build options, device, its performance summary
+        sections = read_trtexec_log(found["log"])
+    elif "metadata" in found:  # the same sections as Engine Explorer kept them
+        sections = read_trex_metadata(found["metadata"])
+        if "build_metadata" in found:
+            sections.update(read_trex_metadata(found["build_metadata"]))
     if manifest is not None:
         target = manifest.target
         model = (manifest.model or {}).get("name")
@@ -433,15 +445,29 @@ def recorded_run_from_folder(folder: str | Path, manifest: Manifest | None = Non
         settings = {"precision": manifest.config.get("precision"), "trt_path": manifest.config.get("path"),
                     "trtexec_command": trt.get("command")}
         warmup_ms = build.get("warmup_ms")  # TensorRT 8 files keep the warm-up records
+    if warmup_ms is None:  # the log's own warm-up, else trtexec's default (200 ms)
+        warmup_ms = logged_warmup_ms(sections)
+        settings["warmup_ms"] = warmup_ms
     run = recorded_run_from_trtexec(times=found["times"], profile=found.get("profile"), layers=found.get("layers"),
                                     engine=str(folder), target=target, model=model, settings=settings, metric=metric,
                                     warmup_ms=warmup_ms)
-    log = found["times"].parent / LOG_FILE
-    if log.is_file():  # trtexec's own account: build options, device, its performance summary
-        sections = read_trtexec_log(log)
-        if sections:
-            run.settings["trtexec_log"] = sections
-            device = sections.get("device_information", {})
-            if device.get("Selected Device"):
-                run.machine.setdefault("gpu", device["Selected Device"])
+    if sections:
+        run.settings["trtexec_log"] = sections
+        device = sections.get("device_information", {})
+        if device.get("Selected Device"):
+            run.machine.setdefault("gpu", device["Selected Device"])
     return run
+
+
+TRTEXEC_WARMUP_MS = 200.0  # trtexec's default --warmUp
+
+
+def logged_warmup_ms(sections: dict[str, dict[str, Any]]) -> float:
+    """The warm-up a trtexec run used, from its log's inference options ("Warmup: 200ms" or
+    "Duration: 3s (+ 200ms warm up)"); trtexec's default when the log does not say."""
+    options = sections.get("inference_options", {})
+    for key in ("Warmup", "Duration"):
+        m = re.search(r"(\d+(?:\.\d+)?)\s*ms", str(options.get(key, "")))
+        if m:
+            return float(m.group(1))
+    return TRTEXEC_WARMUP_MS

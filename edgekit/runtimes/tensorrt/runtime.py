@@ -39,7 +39,7 @@ import onnx
 
 from edgekit.artifact import Manifest, atomic_write_bytes, atomic_write_text, sha256_file
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, RecordedRun, resolve_onnx
+from edgekit.runtimes.base import BuildOptions, NoResultsYet, Provenance, RecordedRun, resolve_onnx
 from edgekit.runtimes.tensorrt import device
 from edgekit.runtimes.tensorrt.api import UNSUPPORTED_OP, TensorRTEngine, build_with_api
 from edgekit.runtimes.tensorrt.bundle import bundle_readme, bundle_script
@@ -54,6 +54,7 @@ from edgekit.runtimes.tensorrt.parsers import (
     recorded_run_from_folder,
     trtexec_outputs,
 )
+from edgekit.runtimes.tensorrt.provenance import check_provenance, claim_for, expectation, exports_of, read_record
 from edgekit.runtimes.tensorrt.results import read_machine_state, results_dir_of
 from edgekit.runtimes.tensorrt.settings import (
     BUILD_SCRIPT,
@@ -209,6 +210,7 @@ class TensorRTRuntime:
         argv = trtexec_argv(settings, onnx=rel_onnx, trtexec="trtexec")
         config: dict[str, Any] = {
             "path": path, "path_reason": why, "settings": settings.to_dict(),
+            "expect": expectation(onnx_path),  # what results must match (inputs, node names): provenance
             "trtexec": {"argv": argv, "command": shlex.join(argv), "cwd": "the engine folder"},
             "target_sm": target.sm, "target_tensorrt_versions": target.tensorrt_versions,
             "session": {"engine": ENGINE_FILE},
@@ -376,20 +378,49 @@ class TensorRTRuntime:
         return TensorRTEngine(trt, plan, inputs, outputs)
 
     def recorded_run(self, folder: Path, manifest: Manifest | None) -> RecordedRun | None:
-        """trtexec's JSON in the folder (or its ``results/``), or None when there is none;
-        a bundle without results is an error (nothing was built or timed yet)."""
-        if "times" not in trtexec_outputs(folder):
+        """trtexec's exports in the folder (or its ``results/``), or None when there are none;
+        a bundle without results is an error (nothing was built or timed yet).
+
+        The results are checked against what the manifest claims (``provenance``: GPU/SM and
+        TensorRT version against the target, the engine's inputs, batch and layer names against
+        the bundle's ONNX, the files against each other): a mismatch is ``BadInputError`` naming
+        both sides, facts no file records leave the run ``unverified`` with a warning. A manifest
+        with ``config.imported`` describes trtexec exports made by hand (``edgekit profile
+        --trtexec DIR --onnx MODEL --target T``)."""
+        folder = Path(folder)
+        found = exports_of(folder)
+        if "times" not in found:
             if manifest is not None and manifest.kind == "bundle":
-                raise BadInputError(f"{folder} is a build bundle without results: run its {BUILD_SCRIPT} on the "
-                                    f"device (it writes {RESULTS_DIR}/{TIMES_JSON}), copy the folder back, then profile it")
+                raise NoResultsYet(f"{folder} is a build bundle without results: run its {BUILD_SCRIPT} on the "
+                                   f"device (it writes {RESULTS_DIR}/{TIMES_JSON}), copy the folder back, then profile it")
             return None
-        run = recorded_run_from_folder(folder, manifest)
-        results = results_dir_of(Path(folder))
+        run = recorded_run_from_folder(folder, manifest, found=found)
+        results = results_dir_of(folder)
+        imported = manifest is not None and bool(manifest.config.get("imported"))
         if results is not None:  # written by a bundle's build.sh: measured on the device itself
             state, warnings = read_machine_state(results)
             run.source, run.machine = "device", {**run.machine, **state}
             run.warnings = warnings + run.warnings
             run.settings["measured_by"] = "trtexec on the device (build.sh of an edgekit bundle)"
+        elif imported:
+            run.source = "device"
+            run.settings["measured_by"] = "trtexec exports brought in by hand (edgekit profile --trtexec)"
+        record = read_record(found, manifest)
+        if manifest is None:
+            run.provenance = Provenance("unverified", reasons=["no manifest says which model and target these "
+                                                               "results are for"])
+        else:
+            run.provenance = check_provenance(record, claim_for(folder, manifest), str(folder))
+        sm = next((v for v, _ in record.sm), None)
+        if sm:
+            run.machine.setdefault("sm", sm)
+        if record.gpu:
+            run.machine.setdefault("gpu", record.gpu[0][0])
+        if record.tensorrt:
+            run.machine.setdefault("tensorrt_version", record.tensorrt[0][0])
+        if run.provenance.status == "unverified":
+            run.warnings.insert(0, "provenance unverified: " + "; ".join(run.provenance.reasons)
+                                + " (check --require-verified fails on it)")
         return run
 
 
