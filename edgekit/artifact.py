@@ -11,8 +11,10 @@ staged as a temporary sibling and renamed into place only when the step succeede
 so an interrupted or failed step never leaves a half-written output.
 
 Outputs never destroy what edgekit did not write: an existing output folder is replaced
-only when it is an edgekit output folder (its manifest says so) or empty, and never when
-it is, holds or lies inside the working directory or the command's input. New files and
+only when it is empty or an edgekit output folder holding nothing but what its manifest
+lists (a file a user added to it stops the replacement), and never when it is, holds or
+lies inside the working directory or the command's input. Outputs are regular files and
+folders only: a FIFO, a device or a mount point is refused before any work. New files and
 folders get the permissions the umask gives.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 
 from edgekit import interrupts
 from edgekit.errors import BadInputError, shown_path
+from edgekit.limits import require_disk
+from edgekit.paths import cache_path, staging_journal_path
 from edgekit.schema import FieldError, Loc, check_entries, check_keys, read_json, show
 
 try:
@@ -48,7 +52,7 @@ except ImportError:  # pragma: no cover - not POSIX: no advisory locks
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ``contents``, every entry of the folder as it was committed
 LOCK_FILE = ".edgekit.lock"  # held by the process working in a run or sweep folder
 _open_stages = 0  # staged_dir blocks open in this process
 
@@ -83,6 +87,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
     created: str = ""
+    contents: list[str] = field(default_factory=list)  # the folder's entries, recorded by staged_dir as it commits
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,6 +99,10 @@ class Manifest:
         kind known, file paths inside the folder, steps well-formed, schema not newer than
         this edgekit reads); errors are one line naming ``where``, the field and the value."""
         loc = Loc(where)
+        newer = data.get("schema") if isinstance(data, dict) else None
+        if isinstance(newer, int) and not isinstance(newer, bool) and newer > SCHEMA_VERSION:  # before its new fields
+            raise FieldError(loc / "schema", f"{newer} is not a manifest schema this edgekit reads "
+                                             f"(1 to {SCHEMA_VERSION}; a newer edgekit wrote it?)")
         values = check_entries(cls, check_keys(cls, data, loc, noun="field"), loc)
         if "kind" not in values:
             raise FieldError(loc, f"missing required field 'kind' (one of {', '.join(KINDS)})")
@@ -103,6 +112,9 @@ class Manifest:
             parts = Path(rel).parts
             if not rel or Path(rel).is_absolute() or ".." in parts or "\x00" in rel:
                 raise FieldError(loc / "files" / role, f"must be a relative path inside the folder, got {rel!r}")
+        for i, name in enumerate(values.get("contents", [])):
+            if not name or "/" in name or name in (".", "..") or "\x00" in name:
+                raise FieldError((loc / "contents").at(i), f"must be the name of an entry of the folder, got {name!r}")
         for i, step in enumerate(values.get("steps", [])):
             if not isinstance(step.get("name"), str) or not isinstance(step.get("config", {}), dict) \
                     or not isinstance(step.get("meta", {}), dict) or set(step) - {"name", "config", "meta"}:
@@ -123,7 +135,7 @@ class Manifest:
 def cache_dir() -> Path:
     """Where edgekit caches derived files (a float copy of a GGUF model, trained
     benchmark weights, timing caches): ``$EDGEKIT_CACHE`` or ``~/.cache/edgekit``."""
-    path = Path(os.environ.get("EDGEKIT_CACHE") or Path.home() / ".cache" / "edgekit")
+    path = cache_path()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -187,13 +199,6 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: It
 
     protect: for a file the user named (``--json``, ``-o``), the command's inputs: then
     ``path`` also may not be one of them or a file an edgekit folder's manifest records."""
-    if _is_special(path):  # /dev/null, /dev/stdout, a FIFO: written into, never replaced
-        try:
-            with open(path, "wb") as f:
-                f.write(data)
-        except OSError as e:
-            raise _os_error(e, "cannot write", path) from None
-        return Path(path)
     path = check_output_file(path, protect) if protect is not None else _plain_output_file(path)
     state: dict[str, Any] = {"tmp": None, "created": [], "done": False}
 
@@ -256,21 +261,25 @@ def _json_default(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
-               own_entry: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+               own_entry: Callable[[Path], bool] | None = None, expected_bytes: float = 0) -> Iterator[Path]:
     """Yield a temporary folder that becomes ``out`` only if the block succeeds.
 
     ``out`` is checked first (``check_output_dir``): it must be new, empty or an edgekit
-    output folder, and may not be, hold or lie inside the working directory or an input
-    named in ``protect`` (paths or specs; those that are not existing paths are ignored).
-    The old ``out`` is replaced only after the new one is complete. On any exception,
-    KeyboardInterrupt included, and when a SIGINT was seen during the block, ``out`` is
+    output folder holding only what its manifest lists, and may not be, hold or lie inside
+    the working directory or an input named in ``protect`` (paths or specs; those that are
+    not existing paths are ignored); ``expected_bytes`` must fit on its file system.
+    The old ``out`` is replaced only after the new one is complete; its manifest records
+    every entry the new folder holds (``contents``). On any exception, KeyboardInterrupt
+    included, and when a SIGINT, SIGTERM or SIGHUP was seen during the block, ``out`` is
     left as it was and nothing is left beside it: interrupts are held back while the
-    folders are swapped and cleaned up. own_entry: how a cache recognises its own entries
+    folders are swapped and cleaned up. A process killed outright leaves its staging
+    folder recorded in the staging journal, and the next edgekit command removes it
+    (``recover_abandoned_outputs``). own_entry: how a cache recognises its own entries
     (which carry no manifest) so they may be replaced too.
     """
     global _open_stages
     given = Path(out)
-    final = check_output_dir(given, protect, own_entry)
+    final = check_output_dir(given, protect, own_entry, expected_bytes=expected_bytes)
     _recover_debris(final)
     stage = _Stage(final)
     _open_stages += 1
@@ -282,6 +291,7 @@ def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
         except OSError as e:
             raise _in_output(e, stage.path, given) from None
         apply_umask(stage.path)  # libraries that write through temporary files leave 0600 behind
+        _record_contents(stage.path)
         interrupts.raise_if_seen()  # a SIGINT that the block's libraries swallowed: do not commit
         with interrupts.deferred(), _dir_lock(final.parent):
             check_output_dir(given, protect, own_entry)  # again: the folder may have changed meanwhile
@@ -303,6 +313,7 @@ class _Stage:
         self.old: Path | None = None
         self.created: list[Path] = []
         self.committed = False
+        self.journal: Path | None = None
 
     @property
     def path(self) -> Path:
@@ -318,6 +329,7 @@ class _Stage:
         except OSError as e:
             raise _os_error(e, "cannot create a folder in", self.final.parent) from None
         os.chmod(self.tmp, 0o777 & ~umask())  # mkdtemp makes it 0700
+        self.journal = _journal_add(self.final)
 
     def commit(self) -> None:
         if os.path.lexists(self.final):
@@ -340,6 +352,56 @@ class _Stage:
         if not self.committed:
             _remove_empty(self.created)
             self.created = []
+        if self.journal is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.journal)
+            self.journal = None
+
+
+def _record_contents(folder: Path) -> None:
+    """Write the folder's entries into its manifest (``contents``), the record that lets a
+    later command replace the folder knowing that nothing in it is someone else's."""
+    if not (folder / MANIFEST).is_file():
+        return  # a cache entry without a manifest (its own_entry rule applies)
+    manifest = read_manifest(folder)
+    manifest.contents, manifest.schema = sorted(os.listdir(folder)), SCHEMA_VERSION
+    atomic_write_json(folder / MANIFEST, manifest.to_dict())
+
+
+def _journal_add(final: Path) -> Path | None:
+    """Record that this process stages ``final`` (best effort: without a writable cache the
+    staging folder is still removed by this process, or by the next write to ``final``)."""
+    try:
+        journal = staging_journal_path()
+        journal.mkdir(parents=True, exist_ok=True)
+        entry = journal / f"{os.getpid()}-{secrets.token_hex(6)}.json"
+        with open(entry, "x") as f:
+            json.dump({"pid": os.getpid(), "output": str(final)}, f)
+        return entry
+    except OSError:
+        return None
+
+
+def recover_abandoned_outputs() -> list[str]:
+    """Remove the staging folders of processes that died without cleaning up (SIGKILL,
+    power loss), as recorded in the staging journal, and put back an output whose swap
+    they cut; returns the outputs recovered. Entries of live processes are left alone."""
+    recovered: list[str] = []
+    try:
+        entries = sorted(staging_journal_path().iterdir())
+    except OSError:
+        return recovered
+    for entry in entries:
+        m = re.fullmatch(r"(\d+)-[0-9a-f]+\.json", entry.name)
+        if m is None or _alive(int(m[1])):
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            output = Path(json.loads(entry.read_text())["output"])
+            _recover_debris(output)
+            recovered.append(str(output))
+        with contextlib.suppress(OSError):
+            os.unlink(entry)
+    return recovered
 
 
 def _settle(step: Callable[[], None]) -> None:
@@ -438,6 +500,21 @@ def _in_output(e: OSError, staging: Path, given: Path) -> OSError:
     return e
 
 
+def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy folder ``src`` to ``dst`` (new, or merged into), regular files and folders only;
+    the first OSError is raised as it is (``shutil.copytree`` gathers them into one
+    ``shutil.Error`` whose message is a list), so a full disk reads as one line."""
+    src, dst = Path(src), Path(dst)
+    os.makedirs(dst, exist_ok=True)
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        target = dst / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            copy_tree(entry.path, target)
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copyfile(entry.path, target)
+            shutil.copymode(entry.path, target)
+
+
 def _os_error(e: OSError, what: str, path: str | os.PathLike[str]) -> OSError:
     """``e`` again, naming ``path`` (the output the user gave, not a temporary name)."""
     err = type(e)(e.errno, e.strerror or str(e), str(path))
@@ -522,14 +599,17 @@ def _check_location(given: Path, real: Path, protect: Iterable[object], what: st
 
 
 def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
-                     own_entry: Callable[[Path], bool] | None = None) -> Path:
+                     own_entry: Callable[[Path], bool] | None = None, expected_bytes: float = 0) -> Path:
     """The real path of output folder ``out`` if edgekit may write it, else BadInputError.
 
     Refused: a symbolic link; the working directory, a folder holding it; an input in
     ``protect`` (paths or specs), a folder holding one, a folder inside an input folder;
-    a path whose parent is a file; an existing file; an existing folder that is neither
-    empty nor an edgekit output folder (no flag overrides this: edgekit never deletes what
-    it did not write); an edgekit folder another edgekit process is working in."""
+    a path whose parent is a file; an existing file, FIFO, device or socket; a mount point
+    (an output is replaced by renaming, which a mount point refuses: the build would fail
+    at its end); an existing folder that is neither empty nor an edgekit output folder
+    holding only what its manifest lists (no flag overrides this: edgekit never deletes
+    what it did not write); an edgekit folder another edgekit process is working in; a
+    file system without ``expected_bytes`` free."""
     given = Path(out)
     if not os.fspath(out):
         raise BadInputError("the output folder is an empty path")
@@ -538,17 +618,34 @@ def check_output_dir(out: str | os.PathLike[str], protect: Iterable[object] = ()
     real = Path(os.path.realpath(given))
     _check_location(given, real, protect, "output folder")
     if os.path.lexists(real):
-        if not real.is_dir():
-            raise BadInputError(f"output {str(given)!r} is a file, not a folder; choose a new folder")
+        kind = _file_kind(real)
+        if kind != "folder":
+            raise BadInputError(f"output {str(given)!r} is a {kind}, not a folder; choose a new folder")
+        if os.path.ismount(real):
+            raise BadInputError(f"output folder {str(given)!r} is a mount point, which edgekit cannot replace "
+                                "(it renames a finished output into place); give a folder inside it")
         why = None if own_entry is not None and own_entry(real) else not_replaceable(real)
         if why:
             raise BadInputError(f"output folder {str(given)!r} already exists and {why}; edgekit replaces only "
                                 "its own output folders or empty ones: choose a new folder or remove it yourself")
+    if expected_bytes:
+        require_disk(real, expected_bytes, "the output")
     return real
 
 
+# Hidden names edgekit itself leaves in a folder it works in: the lock of a run or sweep
+# folder, and the temporary siblings of atomic writes and staged folders.
+_OWN_HIDDEN = re.compile(r"\.edgekit\.lock|\..+\.[a-z0-9_]{8}\.tmp|\..+\.\d+-[a-z0-9_]+\.(partial|old)")
+
+
+def own_hidden_entry(name: str) -> bool:
+    """Whether ``name`` is a hidden entry edgekit itself leaves in a folder it writes in."""
+    return _OWN_HIDDEN.fullmatch(name) is not None
+
+
 def not_replaceable(folder: Path) -> str | None:
-    """Why edgekit may not replace an existing ``folder`` (None when it may)."""
+    """Why edgekit may not replace an existing ``folder`` (None when it may): it must be
+    empty, or an edgekit output folder every entry of which its manifest lists."""
     try:
         entries = os.listdir(folder)
     except OSError as e:
@@ -558,11 +655,17 @@ def not_replaceable(folder: Path) -> str | None:
     if MANIFEST not in entries:
         return f"is not an edgekit output folder (no {MANIFEST})"
     try:
-        read_manifest(folder)
+        manifest = read_manifest(folder)
     except BadInputError as e:
         return f"is not an edgekit output folder ({e})"
     except OSError as e:
         return f"is not an edgekit output folder ({MANIFEST} cannot be read: {e.strerror})"
+    listed = {MANIFEST, *manifest.contents, *(Path(rel).parts[0] for rel in manifest.files.values())}
+    foreign = sorted(e for e in entries if e not in listed and not own_hidden_entry(e))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        return (f"holds {shown_path(foreign[0])!r}{more}, which its {MANIFEST} does not list (edgekit did not "
+                "write it)")
     holder = lock_holder(folder)
     if holder is not None:
         return f"is in use by another edgekit process (PID {holder})"
@@ -571,24 +674,35 @@ def not_replaceable(folder: Path) -> str | None:
     return None
 
 
-def _is_special(path: str | os.PathLike[str]) -> bool:
-    """A device, FIFO or socket (or a /dev or /proc name for one): not a file to replace."""
-    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
-        return True
+def _file_kind(path: str | os.PathLike[str]) -> str:
+    """``file``, ``folder``, ``FIFO``, ``socket``, ``character device``, ``block device``
+    (what ``path`` is, following links) or ``missing``."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+        return "missing"
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def _plain_output_file(path: str | os.PathLike[str]) -> Path:
+    """An output file is a regular file or a new name: a FIFO (nothing may read it: the
+    command would block), a device, a socket, or a name under /dev, /proc or /sys is
+    refused before any work, like a folder."""
     given = Path(path)
     if not os.fspath(path):
         raise BadInputError("the output file is an empty path")
     real = Path(os.path.realpath(given))
+    kind = _file_kind(real)
     if real.is_dir():
         raise BadInputError(f"output file {str(given)!r} is a folder; give a file name")
+    system = str(real).startswith(("/dev/", "/proc/", "/sys/"))
+    if kind not in ("file", "missing") or system:
+        raise BadInputError(f"output file {str(given)!r} is {'a system path' if system else 'a ' + kind}, "
+                            "not a regular file; give the name of a regular file")
     p = real.parent
     while not os.path.lexists(p):
         p = p.parent
@@ -736,21 +850,35 @@ def claim_work_folder(out: str | os.PathLike[str], kind: str, *, wait: bool = Fa
     return _claim(out, kind, wait, tuple(protect), hint)
 
 
-@contextlib.contextmanager
-def _claim(out: str | os.PathLike[str], kind: str, wait: bool, protect: tuple[object, ...], hint: str) -> Iterator[Path]:
+def check_work_folder(out: str | os.PathLike[str], kind: str, protect: Iterable[object] = ()) -> Path:
+    """The real path of folder ``out`` if a process may fill it in place as a ``kind`` folder
+    (``claim_work_folder``): new, empty (and writable) or an edgekit folder of that kind;
+    not a link, a file, the working directory or an input; else BadInputError.
+    ``edgekit run --dry-run`` checks its run folder with this, as the run does."""
     given = Path(out)
+    if not os.fspath(out):
+        raise BadInputError(f"the {kind} folder is an empty path")
     if os.path.islink(given):
         raise BadInputError(f"output {str(given)!r} is a symbolic link; give the folder it points to")
     real = Path(os.path.realpath(given))
     _check_location(given, real, protect, f"{kind} folder")
-    if os.path.lexists(real) and not real.is_dir():
-        raise BadInputError(f"output {str(given)!r} is a file, not a folder; choose a new folder")
+    kind_here = _file_kind(real)
+    if kind_here not in ("folder", "missing"):
+        raise BadInputError(f"output {str(given)!r} is a {kind_here}, not a folder; choose a new folder")
     if real.is_dir() and os.listdir(real):
         found = _folder_kind(real)
         if found != kind:
             what = f"an edgekit {found} folder" if found else f"not an edgekit {kind} folder (no {MANIFEST})"
             raise BadInputError(f"output folder {str(given)!r} already exists and is {what}; edgekit works only in "
                                 f"its own {kind} folders or empty ones: choose a new folder or remove it yourself")
+    elif real.is_dir() and not os.access(real, os.W_OK):
+        raise BadInputError(f"output folder {str(given)!r} is read-only; choose another folder")
+    return real
+
+
+@contextlib.contextmanager
+def _claim(out: str | os.PathLike[str], kind: str, wait: bool, protect: tuple[object, ...], hint: str) -> Iterator[Path]:
+    real = check_work_folder(out, kind, protect)
     _make_parents(real)
     with folder_lock(real, wait=wait, hint=hint):
         if not (real / MANIFEST).is_file():

@@ -30,6 +30,7 @@ from edgekit.artifact import (
     atomic_write_bytes,
     atomic_write_json,
     check_output_dir,
+    copy_tree,
     input_record,
     read_manifest,
     sha256_file,
@@ -38,11 +39,12 @@ from edgekit.artifact import (
 )
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.limits import require_memory
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.runtimes.int8_kernels import semantics_for_target
 from edgekit.sources.arrays import read_arrays
-from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds
+from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds, stored_bytes
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
 from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels, read_graph_outline
@@ -117,15 +119,16 @@ def build_engine(model: str | os.PathLike[str] | ModelHandle, target: TargetLike
     inputs = {"model": input_record(src)} if src is not None and src.exists() else {}
     t0 = time.perf_counter()
     given_inputs = input_options.inputs if input_options is not None else None
-    with staged_dir(out_dir, (model, handle.source, handle.onnx_path, given_inputs)) as tmp:
+    feeds = handle.sample_inputs(options.batch)  # sized against the memory before the output is staged
+    with staged_dir(out_dir, (model, handle.source, handle.onnx_path, given_inputs),
+                    expected_bytes=stored_bytes(handle)) as tmp:
         files: dict[str, str] = {}
         metrics: dict[str, Any] = {}
-        feeds = handle.sample_inputs(options.batch)
         _save_inputs(tmp / INPUTS_FILE, feeds)
         files["inputs"] = INPUTS_FILE
         if runtime.input_format == "onnx":
             if onnx_artifact is not None:
-                shutil.copytree(onnx_artifact, tmp / ONNX_DIR)
+                copy_tree(onnx_artifact, tmp / ONNX_DIR)
             else:
                 export_cfg = options.extra.get("export")
                 if isinstance(export_cfg, dict):
@@ -256,7 +259,7 @@ def _build_best(model: str | os.PathLike[str] | ModelHandle, target: Target, out
             candidates[name].update(timing)
         chosen = min(built, key=lambda n: candidates[n]["p50_ms"])
         with staged_dir(out_dir, protect) as tmp:
-            shutil.copytree(built[chosen], tmp, dirs_exist_ok=True)
+            copy_tree(built[chosen], tmp)
             manifest = read_manifest(tmp)
             manifest.config["runtime_choice"] = {
                 "requested": BEST_RUNTIME, "chosen": chosen,
@@ -342,6 +345,8 @@ def _batched(feeds: dict[str, np.ndarray], manifest: Any, batch: int | None) -> 
     if batch is None:
         return feeds
     dynamic = {s["name"] for s in manifest.model.get("inputs", []) if s.get("shape") and s["shape"][0] == "batch"}
+    need = sum(v.nbytes // max(v.shape[0], 1) * batch if k in dynamic and v.ndim else v.nbytes for k, v in feeds.items())
+    require_memory(need, f"a batch of {batch} sample inputs", "lower --batch")
     out = {}
     for k, v in feeds.items():
         if k in dynamic and v.ndim and v.shape[0] != batch:

@@ -19,6 +19,8 @@ import click
 
 from edgekit import __version__, interrupts
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
+from edgekit.limits import MAX_DIM
+from edgekit.paths import has_journal_entries
 
 
 class EdgekitGroup(click.Group):
@@ -27,12 +29,18 @@ class EdgekitGroup(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
+        if has_journal_entries():  # staging folders of edgekit processes that were killed outright
+            from edgekit.artifact import recover_abandoned_outputs
+
+            recover_abandoned_outputs()
         try:
             rv = super().main(*args, **kwargs)
             interrupts.raise_if_seen()
-        except (click.exceptions.Abort, KeyboardInterrupt):
+        except (click.exceptions.Abort, KeyboardInterrupt):  # Ctrl-C, SIGTERM, SIGHUP (edgekit.interrupts)
             interrupts.exiting()
             _fail("", interrupts.EXIT_INTERRUPTED)
+        except MemoryError as e:  # an allocation no limit foresaw (numpy: "Unable to allocate 5.70 TiB ...")
+            _fail(f"out of memory: {str(e).splitlines()[0] if str(e) else 'an allocation failed'}", 2)
         except EdgekitError as e:
             _fail(str(e), e.exit_code)
         except click.exceptions.Exit as e:
@@ -53,8 +61,9 @@ def _fail(message: str, code: int) -> None:
     """One line on stderr and the exit code; after a Ctrl-C (even one a library turned
     into another error) the interrupt is what is reported, with exit 130."""
     if interrupts.seen() or code == interrupts.EXIT_INTERRUPTED:
-        message, code = interrupts.interrupted_message(), interrupts.EXIT_INTERRUPTED
-    click.echo(f"error: {message}", err=True)
+        message, code = interrupts.interrupted_message(), interrupts.exit_status()
+    with contextlib.suppress(OSError):  # a hung-up terminal (SIGHUP) has nowhere to print to
+        click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
 
@@ -66,14 +75,23 @@ def _console() -> Any:
 
 
 def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Any:
+    """A rich table; every text escaped, so a name holding rich markup (``[/]``, ``[link=...]``)
+    shows as written instead of styling the table or failing to render."""
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=title)
+    t = Table(title=escape(title) if title is not None else None)
     for c in columns:
-        t.add_column(c)
+        t.add_column(escape(c))
     for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_row(*[escape(str(x)) for x in r])
     return t
+
+
+def _escape(text: object) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def _cell(value: Any) -> str:
@@ -107,12 +125,22 @@ def _json_flag(what: str) -> Any:
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON (one document on stdout).")
 
 
+def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file named on the command line, checked before any work: a folder, a FIFO
+    (no reader: the command would block at its end), a device or a system path is refused."""
+    if value is not None and value != "-":
+        from edgekit.artifact import check_output_file
+
+        check_output_file(value)
+    return value
+
+
 def _json_file_or_stdout(what: str) -> Any:
     """``--json [FILE]``: write ``what`` to FILE, or with no FILE (or ``-``) print it on stdout as
     the only output."""
     return click.option("--json", "json_out", type=click.Path(), default=None, is_flag=False, flag_value="-",
-                        metavar="[FILE]", help=f"Write {what} to FILE; without FILE (or with -) print it on stdout "
-                        "instead of the tables.")
+                        metavar="[FILE]", callback=_output_file,
+                        help=f"Write {what} to FILE; without FILE (or with -) print it on stdout instead of the tables.")
 
 
 def _print_json(doc: Any) -> None:
@@ -317,7 +345,7 @@ def _print_parity(folder: Path, as_json: bool = False) -> None:
 @click.option("--remote", default=None, help="TensorRT: build on the device over SSH (user@host).")
 @click.option("--workspace-mb", type=int, default=None, help="TensorRT: builder workspace limit.")
 @click.option("--dla-core", type=int, default=None, help="TensorRT on Orin: DLA core, with GPU fallback.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
 @click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 @with_input_options("shapes", "inputs")
 @_json_flag("the engine folder, its config and metrics")
@@ -365,21 +393,22 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
 @click.option("--duration-s", type=float, default=3.0, show_default=True)
 @click.option("--iterations", type=int, default=100, show_default=True, help="Minimum timed inferences.")
 @click.option("--threads", type=int, default=None)
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
 @click.option("--top-k", type=int, default=15, show_default=True)
 @click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
 @_json_file_or_stdout("the profile JSON")
 @click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
-@click.option("--prompt-lengths", default="128,512", show_default=True,
-              help="Causal LMs: prompt lengths whose prefill (time to first token) is timed.")
-@click.option("--contexts", default="128,1024", show_default=True,
-              help="Causal LMs: context lengths after which decode tokens/s is measured.")
-@click.option("--new-tokens", type=int, default=128, show_default=True, help="Causal LMs: tokens generated per run.")
+@click.option("--prompt-lengths", default=None, help="Causal LMs: prompt lengths whose prefill (time to first token) "
+              "is timed (default 128,512, cut to the context the model declares; longer ones are refused).")
+@click.option("--contexts", default=None, help="Causal LMs: context lengths after which decode tokens/s is measured "
+              "(default 128,1024, cut to leave room for the new tokens within the model's context).")
+@click.option("--new-tokens", type=int, default=None, help="Causal LMs: tokens generated per run (default 128, at "
+              "most a quarter of the model's context).")
 @with_input_options("shapes", "inputs")
 def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
             warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
-            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str,
-            contexts: str, new_tokens: int, input_options: Any) -> None:
+            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str | None,
+            contexts: str | None, new_tokens: int | None, input_options: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
@@ -412,7 +441,8 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
     config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
                            batch=batch, node_profile=not no_nodes, top_k=top_k)
     generation = None if no_generation else GenerationConfig(
-        prompt_lengths=_int_list("--prompt-lengths", prompt_lengths), contexts=_int_list("--contexts", contexts),
+        prompt_lengths=None if prompt_lengths is None else _int_list("--prompt-lengths", prompt_lengths),
+        contexts=None if contexts is None else _int_list("--contexts", contexts),
         new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
@@ -484,12 +514,13 @@ def _print_profile(result: Any, top_k: int) -> None:
     if result.source == "device":
         m = result.machine
         clocks = {True: "clocks locked", False: "clocks NOT locked"}.get(m.get("clocks_locked"), "clocks not recorded")
-        con.print(f"measured on the device: {m.get('board') or m.get('gpu') or 'unknown device'}"
+        device = (f"measured on the device: {m.get('board') or m.get('gpu') or 'unknown device'}"
                   + (f" ({m['sm']})" if m.get("sm") else "") + f", JetPack {m.get('jetpack') or 'not recorded'}, "
                   f"TensorRT {m.get('tensorrt_version') or 'not recorded'}, power mode "
                   f"{m.get('power_mode') or 'not recorded'}, {clocks}")
+        con.print(device, markup=False)  # what the device wrote, shown as written
     for w in result.warnings:
-        con.print(f"[yellow]warning:[/] {w}")
+        con.print(f"[yellow]warning:[/] {_escape(w)}")
 
 
 @cli.command()
@@ -581,7 +612,8 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 
 @cli.command()
 @click.argument("folder", type=click.Path())
-@click.option("-o", "--out", type=click.Path(), default=None, help="Markdown file (default FOLDER/report.md).")
+@click.option("-o", "--out", type=click.Path(), default=None, callback=_output_file,
+              help="Markdown file (default FOLDER/report.md).")
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
 @click.option("--percentile", default="p99", show_default=True)
 @click.option("--top-k", type=int, default=10, show_default=True)
@@ -744,10 +776,11 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
             wait: bool, as_json: bool) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
-    from edgekit.pipelines.run import STAGE_COLUMNS, plan, run_recipe, stage_table, target_verdict
+    from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
 
     parsed = load_recipe(recipe)
     if dry_run:
+        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, cache_dir)  # what the run would refuse
         if as_json:
             _print_json({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
                          "percentile": parsed.percentile})
@@ -781,15 +814,16 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("--grid", multiple=True, help="STEP.FIELD=v1,v2 (repeatable); every combination runs.")
 @click.option("--list", "combo_list", multiple=True, help="One combination 'k=v,k2=v2' (repeatable), instead of a grid.")
 @click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
-@click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes.")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes (at most the cores).")
+@click.option("--max-points", type=int, default=None, help="Refuse grids of more points than this (default 256).")
 @click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
 @click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
 @click.option("--force", is_flag=True)
 @_json_flag("the rows (what sweep.json holds)")
-def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int, executor: str,
-          address: str | None, force: bool, as_json: bool) -> None:
+def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
+          max_points: int | None, executor: str, address: str | None, force: bool, as_json: bool) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
-    from edgekit.pipelines.sweep import SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
+    from edgekit.pipelines.sweep import DEFAULT_MAX_POINTS, SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
 
     combos = None
     if combo_list:
@@ -802,7 +836,8 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
     with _json_stdout(as_json):
         rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
-                         force=force)
+                         force=force, max_points=max_points or DEFAULT_MAX_POINTS,
+                         announce=lambda line: click.echo(line, err=True))
     if as_json:
         _print_json({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]})
         return
@@ -814,12 +849,33 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 
 @cli.group("targets", invoke_without_command=True)
 @_json_flag("the targets")
+@click.option("--probe", is_flag=True, help="Measure this machine now (kernel rates of ONNX Runtime at 1 thread, "
+              "memory and L2 bandwidth, caches, per-node overhead) for the `cpu` target, and cache it.")
 @click.pass_context
-def targets_group(ctx: click.Context, as_json: bool) -> None:
+def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
     """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
-    (`edgekit targets show NAME`)."""
-    if ctx.invoked_subcommand is None:
+    (`edgekit targets show NAME`). `--probe` measures this machine for the `cpu` target
+    (the first `edgekit estimate --target cpu` does so once by itself); the result is cached
+    per machine and used until `--probe` measures again."""
+    if probe:
+        if ctx.invoked_subcommand is not None:
+            raise BadInputError(f"--probe is an option of `edgekit targets` alone, not of `targets "
+                                f"{ctx.invoked_subcommand}` (run `edgekit targets --probe`)")
+        _probe(as_json)
+    elif ctx.invoked_subcommand is None:
         _list_targets(as_json)
+
+
+def _probe(as_json: bool) -> None:
+    from edgekit.estimate.probe import describe, probe_machine
+
+    with _json_stdout(as_json):
+        probed = probe_machine(refresh=True)
+    if as_json:
+        _print_json({**probed.probe.to_dict(), "path": str(probed.path)})
+        return
+    _console().print(_table("this machine, measured for the cpu target (one thread)", ["figure", "value"],
+                            [list(r) for r in describe(probed)]))
 
 
 @targets_group.command("list")
@@ -949,7 +1005,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
 @click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
 @click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
               "(default: the target's first runtime).")
@@ -974,9 +1030,9 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     bound: dict[str, int] = {}
     for d in dims:
         name, _, value = d.partition("=")
-        if not name or not value.strip().lstrip("-").isdigit() or int(value) < 0:
-            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE >= 0 (0: an empty axis, "
-                                "such as past_sequence_length=0 for a prefill)")
+        if not name or not value.strip().lstrip("-").isdigit() or not 0 <= int(value) <= MAX_DIM:
+            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE from 0 to {MAX_DIM} (0: an "
+                                "empty axis, such as past_sequence_length=0 for a prefill)")
         bound[name] = int(value)
     with _json_stdout(json_out == "-"):
         est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
@@ -1077,7 +1133,7 @@ def main() -> None:
     try:
         cli()
     except SystemExit as e:
-        if e.code == interrupts.EXIT_INTERRUPTED:
+        if interrupts.is_interrupted_status(e.code):
             interrupts.exit_interrupted()
         raise
     except KeyboardInterrupt:  # Ctrl-C again before the first one was reported

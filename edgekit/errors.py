@@ -6,6 +6,8 @@ missing capability.
 from __future__ import annotations
 
 import errno
+import os
+import re
 from collections.abc import Iterable
 
 
@@ -55,9 +57,30 @@ _OS_WHAT = {errno.ENOSPC: "cannot write", errno.EROFS: "cannot write", errno.EDQ
             errno.EFBIG: "cannot write", errno.ENOTDIR: "cannot use", errno.EISDIR: "cannot use"}
 
 
+_OS_CODE = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+
+
+def os_error_from(e: BaseException, path: object) -> BaseException:
+    """A library's own error that wraps an operating-system error (safetensors: ``I/O error:
+    No space left on device (os error 28)``) as the OSError it is, naming ``path``, so it
+    reads as one line like any other; ``e`` itself when it carries no OS error code."""
+    if isinstance(e, OSError):
+        return e
+    m = _OS_CODE.search(str(e))
+    if m is None:
+        return e
+    code = int(m[1] or m[2])
+    return OSError(code, os.strerror(code), str(path))
+
+
 def os_error_message(e: OSError) -> str:
     """One line for an OSError: ``cannot write out/model: No space left on device``.
-    Names the path (both paths of a rename) and the system's reason, never a traceback."""
+    Names the path (both paths of a rename) and the system's reason, never a traceback.
+    ``shutil.Error`` (a list of failed copies as its argument) is told by its first failure."""
+    if e.args and isinstance(e.args[0], list) and e.args[0] and isinstance(e.args[0][0], tuple):
+        src, dst, why = (list(e.args[0][0]) + ["", "", ""])[:3]
+        reason = _OS_CODE.sub("", str(why)).split(":")[0].strip() or "copy failed"
+        return f"cannot write {shown_path(dst)}: {reason}"
     what = getattr(e, "what", None) or _OS_WHAT.get(e.errno or 0, "cannot access")
     reason = e.strerror or str(e) or type(e).__name__
     paths = [shown_path(p) for p in (e.filename, e.filename2) if p is not None]

@@ -250,6 +250,62 @@ def token_nll(logits: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndar
     return float(nll.astype(np.float64).sum()), int(nll.size)
 
 
+def compare_lm(run: Runner, run_reference: Runner, samples: Samples, *, progress: bool | None = None
+               ) -> dict[str, Any]:
+    """A causal LM against a reference (its float model) on token windows, token by token, one window
+    at a time: memory holds one window's logits of each, whatever the number of windows.
+
+    Returns the share of tokens whose top-1 prediction is the reference's (``top1_agreement``; top-5:
+    the reference's top-1 within the model's five), mean KL(reference || model) per token, the
+    perplexity of each on the windows' next tokens and their ratio, the largest and mean absolute
+    logit difference, the largest reference logit, and the per-window cosine of the logits (mean, min).
+    ``run`` / ``run_reference``: feeds -> [logits (batch, tokens, vocab), ...] (``make_runner``).
+    """
+    import torch
+
+    if "input_ids" not in samples.inputs:
+        raise BadInputError(f"comparing causal LMs needs token windows (input_ids); {samples.source!r} has "
+                            f"{sorted(samples.inputs)}")
+    if len(samples) == 0:
+        raise BadInputError(f"no windows to compare in {samples.source!r} ({samples.split} split)")
+    top1 = top5 = tokens = predicted = 0
+    kl = nll = nll_ref = abs_sum = 0.0
+    max_diff = ref_max = 0.0
+    cosines: list[float] = []
+    for feeds in progress_bar(samples.batches(1), "compare", total=len(samples), enabled=progress):
+        got = np.asarray(run(feeds)[0], dtype=np.float32)
+        ref = np.asarray(run_reference(feeds)[0], dtype=np.float32)
+        if got.shape != ref.shape or got.ndim != 3:
+            raise BadInputError(f"logits {got.shape} and reference logits {ref.shape} differ in shape (or are not "
+                                "(batch, tokens, vocabulary))")
+        ids = feeds["input_ids"]
+        rows = nll_rows(ref.shape[-1])
+        for s in range(0, ref.shape[1], rows):  # log-softmax of a chunk of positions at a time
+            g = torch.from_numpy(np.ascontiguousarray(got[0, s:s + rows])).double()
+            r = torch.from_numpy(np.ascontiguousarray(ref[0, s:s + rows])).double()
+            lg, lr = torch.log_softmax(g, -1), torch.log_softmax(r, -1)
+            kl += float((lr.exp() * (lr - lg)).sum())
+            best = r.argmax(-1)
+            top1 += int((g.argmax(-1) == best).sum())
+            top5 += int((g.topk(min(5, g.shape[-1]), -1).indices == best[:, None]).any(-1).sum())
+            diff = (g - r).abs()
+            max_diff, abs_sum = max(max_diff, float(diff.max())), abs_sum + float(diff.sum())
+            ref_max = max(ref_max, float(r.abs().max()))
+        tokens += ref.shape[1]
+        nll += float(window_nll(got, ids).astype(np.float64).sum())
+        nll_ref += float(window_nll(ref, ids).astype(np.float64).sum())
+        predicted += ref.shape[1] - 1
+        a, b = got.reshape(-1).astype(np.float64), ref.reshape(-1).astype(np.float64)
+        cosines.append(float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12)))
+    ppl = math.exp(min(nll / max(predicted, 1), 700.0))
+    ppl_ref = math.exp(min(nll_ref / max(predicted, 1), 700.0))
+    return {"windows": len(samples), "tokens": tokens, "top1_agreement": top1 / max(tokens, 1),
+            "top5_agreement": top5 / max(tokens, 1), "mean_kl": kl / max(tokens, 1), "perplexity": ppl,
+            "perplexity_reference": ppl_ref, "perplexity_ratio": ppl / ppl_ref, "max_abs_diff": max_diff,
+            "mean_abs_diff": abs_sum / max(tokens * ref.shape[-1], 1), "ref_max_abs": ref_max,
+            "mean_cosine": float(np.mean(cosines)), "min_cosine": float(np.min(cosines))}
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API.
 

@@ -23,6 +23,7 @@ import numpy as np
 from edgekit.artifact import atomic_write_json, check_output_file, machine_info, now_iso
 from edgekit.build import load_engine, load_engine_inputs
 from edgekit.errors import BadInputError, EdgekitError
+from edgekit.limits import MAX_DIM
 from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import (
@@ -94,8 +95,8 @@ class ProfileConfig:
         if self.threads is not None and not 1 <= self.threads <= 4096:
             raise BadInputError(f"threads must be >= 1, got {self.threads}" if self.threads < 1 else
                                 f"threads must be at most 4096, got {self.threads}")
-        if self.batch < 1:
-            raise BadInputError(f"batch must be >= 1, got {self.batch}")
+        if not 1 <= self.batch <= MAX_DIM:
+            raise BadInputError(f"batch must be 1 to {MAX_DIM}, got {self.batch}")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
+from edgekit.limits import MAX_DIM
 from edgekit.profiling import (
     CV_WARNING,
     LatencyStats,
@@ -40,19 +41,30 @@ from edgekit.profiling import (
 )
 from edgekit.runtimes.base import TokenDecoder
 from edgekit.sources.inputs import InputOptions
+from edgekit.sources.models import DEFAULT_PAST
 
 GENERATION_METHOD = ("prefill: warm-up by time, then >= iterations and >= duration; decode: greedy generations "
                      "of new_tokens one-token steps through the IO-bound KV cache after a context, >= decode_runs "
                      "and >= duration, every step a sample; wall and process CPU time")
 
 
+DEFAULT_PROMPT_LENGTHS = (128, 512)
+DEFAULT_CONTEXTS = (128, 1024)
+DEFAULT_NEW_TOKENS = 128
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Which generation metrics to measure, and how long."""
+    """Which generation metrics to measure, and how long.
 
-    prompt_lengths: tuple[int, ...] = (128, 512)
-    contexts: tuple[int, ...] = (128, 1024)
-    new_tokens: int = 128
+    ``prompt_lengths``, ``contexts``, ``new_tokens``: None takes the defaults (prompts of 128 and 512
+    tokens, 128 new tokens after contexts of 128 and 1024), cut to the context the model declares
+    (``within_context``); lengths given explicitly must fit in it.
+    """
+
+    prompt_lengths: tuple[int, ...] | None = None
+    contexts: tuple[int, ...] | None = None
+    new_tokens: int | None = None
     warmup_ms: float = 200.0
     duration_s: float = 3.0
     iterations: int = 5  # minimum timed prefills per prompt length
@@ -63,10 +75,13 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         for name in ("prompt_lengths", "contexts"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            if values is not None and (not values or any(not isinstance(v, int) or v < 1 for v in values)):
                 raise BadInputError(f"{name.replace('_', ' ')} must be whole numbers >= 1, got {values!r}")
-        if self.new_tokens < 1:
-            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}")
+            if values is not None and max(values) > MAX_DIM:  # tokens, like any dimension: beyond it a typo
+                raise BadInputError(f"{name.replace('_', ' ')} must be at most {MAX_DIM} tokens, got {max(values)}")
+        if self.new_tokens is not None and not 1 <= self.new_tokens <= MAX_DIM:
+            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}" if self.new_tokens < 1 else
+                                f"new tokens must be at most {MAX_DIM}, got {self.new_tokens}")
         if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
             raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
         if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
@@ -78,7 +93,46 @@ class GenerationConfig:
 
     @property
     def max_length(self) -> int:
-        return max(max(self.prompt_lengths), max(self.contexts) + self.new_tokens)
+        """The longest sequence the measurement runs (prompt, or context plus new tokens)."""
+        prompts = self.prompt_lengths or DEFAULT_PROMPT_LENGTHS
+        return max(max(prompts), max(self.contexts or DEFAULT_CONTEXTS) + (self.new_tokens or DEFAULT_NEW_TOKENS))
+
+    def within_context(self, tokens: int | None, model: str = "the model") -> tuple[GenerationConfig, list[str]]:
+        """This config with every length set, fitting a model that declares ``tokens`` positions (None:
+        unknown, the defaults as they are), and what was cut. Defaults are cut to the context with a
+        warning (new tokens to a quarter of it, prompts to it, contexts to what leaves room for the new
+        tokens); a length given explicitly beyond it is ``BadInputError``: timings of positions the model
+        was never defined for describe no use of it."""
+        new = self.new_tokens or DEFAULT_NEW_TOKENS
+        prompts = self.prompt_lengths or DEFAULT_PROMPT_LENGTHS
+        contexts = self.contexts or DEFAULT_CONTEXTS
+        warnings: list[str] = []
+        if tokens is not None:
+            declared = f"the {tokens} positions {model} declares"
+            if self.new_tokens is None:
+                new = min(new, max(1, tokens // 4))
+            if self.prompt_lengths is not None and max(prompts) > tokens:
+                raise BadInputError(f"--prompt-lengths {_csv(prompts)} exceeds {declared}; choose prompt lengths "
+                                    f"up to {tokens}")
+            room = tokens - new
+            if room < 1:
+                raise BadInputError(f"--new-tokens {new} leaves no context within {declared}; choose fewer than "
+                                    f"{tokens}")
+            if self.contexts is not None and max(contexts) > room:
+                raise BadInputError(f"--contexts {_csv(contexts)} with {new} new tokens runs {max(contexts) + new} "
+                                    f"tokens, beyond {declared}; choose contexts up to {room} (or fewer new tokens)")
+            fitted = (tuple(sorted({min(p, tokens) for p in prompts})), tuple(sorted({min(c, room) for c in contexts})))
+            if (fitted[0], fitted[1], new) != (prompts, contexts, self.new_tokens or DEFAULT_NEW_TOKENS):
+                warnings.append(f"the default lengths are cut to {declared}: prompts {_csv(fitted[0])}, contexts "
+                                f"{_csv(fitted[1])}, {new} new tokens")
+            prompts, contexts = fitted
+        resolved = GenerationConfig(**{**asdict(self), "prompt_lengths": prompts, "contexts": contexts,
+                                       "new_tokens": new})
+        return resolved, warnings
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -94,6 +148,10 @@ def _stats(wall: list[float], cpu: list[float]) -> dict[str, Any]:
 
 def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[str, Any]:
     """Time to first token and decode throughput of an engine's ``TokenDecoder`` (see the module doc)."""
+    config, _ = config.within_context(None)  # every length set (defaults where None)
+    prompt_lengths = config.prompt_lengths or DEFAULT_PROMPT_LENGTHS
+    contexts = config.contexts or DEFAULT_CONTEXTS
+    new_tokens = config.new_tokens or DEFAULT_NEW_TOKENS
     rng = np.random.default_rng(config.seed)
     vocab = decoder.vocab_size
     batch = decoder.batch
@@ -103,7 +161,7 @@ def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[
         return rng.integers(0, vocab, size=(batch, n)).astype(np.int64)
 
     ttft: dict[str, Any] = {}
-    for n in config.prompt_lengths:
+    for n in prompt_lengths:
         ids = prompt(n)
 
         def prefill(ids: np.ndarray = ids) -> None:
@@ -124,7 +182,7 @@ def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[
         ttft[str(n)] = _stats(wall, cpu)
 
     decode: dict[str, Any] = {}
-    for ctx in config.contexts:
+    for ctx in contexts:
         ids = prompt(ctx)
         step_wall: list[float] = []
         step_cpu: list[float] = []
@@ -137,7 +195,7 @@ def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[
             token = decoder.forward(ids)[:, -1].argmax(-1)[:, None].astype(np.int64)
             run_wall: list[float] = []
             run_cpu: list[float] = []
-            for _ in range(config.new_tokens):
+            for _ in range(new_tokens):
                 c0, t0 = time.process_time(), time.perf_counter()
                 token = decoder.forward(token)[:, -1].argmax(-1)[:, None].astype(np.int64)
                 run_wall.append((time.perf_counter() - t0) * 1e3)
@@ -149,14 +207,14 @@ def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[
                 continue
             step_wall += run_wall
             step_cpu += run_cpu
-            runs.append({"tokens_per_s": 1e3 * config.new_tokens * batch / sum(run_wall),
-                         "cpu_tokens_per_s": 1e3 * config.new_tokens * batch / max(sum(run_cpu), 1e-9)})
+            runs.append({"tokens_per_s": 1e3 * new_tokens * batch / sum(run_wall),
+                         "cpu_tokens_per_s": 1e3 * new_tokens * batch / max(sum(run_cpu), 1e-9)})
         stats = _stats(step_wall, step_cpu)
         if stats["wall_ms"]["cv"] > CV_WARNING:
             warnings.append(f"decode at context {ctx}: coefficient of variation {stats['wall_ms']['cv']:.1%} exceeds "
                             f"{CV_WARNING:.1%}: the machine may be busy or clocks unstable")
         decode[str(ctx)] = {
-            "step": stats, "new_tokens": config.new_tokens, "runs": len(runs),
+            "step": stats, "new_tokens": new_tokens, "runs": len(runs),
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in runs])),
             "cpu_tokens_per_s": float(np.median([r["cpu_tokens_per_s"] for r in runs])),
             "tokens_per_s_runs": [round(r["tokens_per_s"], 2) for r in runs],
@@ -168,19 +226,31 @@ def measure_generation(decoder: TokenDecoder, config: GenerationConfig) -> dict[
             "time_to_first_token_ms": ttft, "decode": decode, "peak_memory_mb": peak_rss_mb(), "warnings": warnings}
 
 
+def declared_tokens(engine_dir: str | os.PathLike[str]) -> int | None:
+    """The context a causal-LM engine's model declares (recorded at export: ``model.context.tokens``,
+    ``max_position_embeddings`` or what rotary scaling extends it to); None where not recorded."""
+    context = read_manifest(Path(engine_dir)).model.get("context") or {}
+    tokens = context.get("tokens") if isinstance(context, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
+
+
 def profile_generation(engine_dir: str | os.PathLike[str], config: GenerationConfig | None = None) -> dict[str, Any]:
     """Generation metrics of a causal-LM engine folder (exported with the KV cache, on a runtime
-    whose engines decode through it: ``Engine.token_decoder``)."""
-    config = config or GenerationConfig()
+    whose engines decode through it: ``Engine.token_decoder``), at lengths within the context its
+    model declares (``GenerationConfig.within_context``)."""
+    config, warnings = (config or GenerationConfig()).within_context(declared_tokens(engine_dir),
+                                                                     f"{Path(engine_dir).name}'s model")
     engine = load_engine(engine_dir, threads=config.threads)
     try:
         decoder = engine.token_decoder(config.max_length)
         if decoder is None:
             raise BadInputError(f"{engine_dir} is not an ONNX Runtime engine of a causal LM exported with its KV "
                                 "cache (export with `edgekit export MODEL --kv-cache`)")
-        return measure_generation(decoder, config)
+        result = measure_generation(decoder, config)
     finally:
         engine.close()
+    result["warnings"] = warnings + result["warnings"]
+    return result
 
 
 def is_causal_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
@@ -188,6 +258,15 @@ def is_causal_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
     manifest = read_manifest(Path(engine_dir))
     return bool(manifest.model.get("kv_cache")) or any(
         str(i.get("name", "")).startswith("past_key_values.") for i in manifest.model.get("inputs", []) or [])
+
+
+def _reads_as_lm_engine(engine_dir: str | os.PathLike[str]) -> bool:
+    """``is_causal_lm_engine`` of a folder with its own manifest; False for any other folder (a device's
+    results, a bundle, trtexec exports), which ``profile_engine`` reads or refuses with its own message."""
+    try:
+        return is_causal_lm_engine(engine_dir)
+    except BadInputError:
+        return False
 
 
 def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileConfig | None = None,
@@ -203,12 +282,19 @@ def profile_with_generation(engine_dir: str | os.PathLike[str], config: ProfileC
     """
     if out_json is not None:
         check_output_file(out_json, (engine_dir,))  # before the measurement
+    lm = generation is not None and _reads_as_lm_engine(engine_dir)
+    if generation is not None and lm:  # lengths beyond the model's context: refused before any timing
+        generation.within_context(declared_tokens(engine_dir), f"{Path(engine_dir).name}'s model")
     result = profile_engine(engine_dir, config, out_json=None, input_options=input_options)
     # Generation is timed here, on engines this machine runs; a device's recorded run is summarized as it is.
-    if generation is not None and result.source == "measured" and is_causal_lm_engine(engine_dir):
+    if generation is not None and result.source == "measured" and lm:
         threads = generation.threads if generation.threads is not None else (config.threads if config else None)
         gen = GenerationConfig(**{**asdict(generation), "threads": threads})
         result.generation = profile_generation(engine_dir, gen)
+        tokens = declared_tokens(engine_dir)
+        if tokens is not None and tokens <= DEFAULT_PAST:  # the engine's stored decode-step inputs
+            result.warnings.append(f"latency_ms times a decode step after a {DEFAULT_PAST}-token past, beyond the "
+                                   f"{tokens} positions the model declares")
         result.warnings.extend(result.generation["warnings"])
         result.peak_memory_mb = max(filter(None, [result.peak_memory_mb, result.generation["peak_memory_mb"]]),
                                     default=None)
@@ -283,5 +369,5 @@ def check_generation(profile: str | os.PathLike[str] | ProfileResult, min_tokens
                              ttft_ms=ttft, max_ttft_ms=max_ttft_ms, prompt_length=plen, percentile=key)
 
 
-__all__ = ["GenerationConfig", "GenerationVerdict", "check_generation", "measure_generation", "profile_generation",
-           "profile_with_generation", "is_causal_lm_engine"]
+__all__ = ["GenerationConfig", "GenerationVerdict", "check_generation", "declared_tokens", "measure_generation",
+           "profile_generation", "profile_with_generation", "is_causal_lm_engine"]

@@ -8,7 +8,6 @@ precision, the share of time in float nodes, and the budget verdict (from a save
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,11 @@ from edgekit.artifact import (
 )
 from edgekit.check import check_budget
 from edgekit.errors import BadInputError, EdgekitError
+from edgekit.markup import md
 from edgekit.pipelines.html import render_run_html
 from edgekit.pipelines.results import RunResult, StageResult, markdown_summary, source_label
 from edgekit.profiling import ProfileResult
+from edgekit.schema import read_json
 
 
 @dataclass
@@ -55,8 +56,8 @@ def collect(folder: str | os.PathLike[str]) -> ReportData:
                 continue
             continue
         try:
-            obj = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            obj = read_json(p, "JSON file")  # bounded: a folder may hold anything
+        except EdgekitError:
             continue
         if isinstance(obj, dict) and "latency_ms" in obj and "runtime" in obj:
             try:
@@ -76,7 +77,7 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 def render_markdown(data: ReportData, budget_ms: float | None = None, percentile: str = "p99",
                     top_k: int = 10) -> tuple[str, dict[str, Any]]:
-    lines = [f"# edgekit report: {data.folder}", ""]
+    lines = [f"# edgekit report: {md(data.folder)}", ""]
     summary: dict[str, Any] = {"folder": str(data.folder), "artifacts": [], "profiles": [], "verdicts": []}
     if data.artifacts:
         lines += ["## Artifacts", "", "| folder | kind | model | target | steps | key metrics |", "|---|---|---|---|---|---|"]
@@ -84,20 +85,21 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
             steps = " → ".join(s["name"] for s in m.steps) or "-"
             metrics = _short_metrics(m.metrics)
             name = m.model.get("name") or m.source or "-"
-            lines.append(f"| {_rel(folder, data.folder)} | {m.kind} | {name} | {m.target or '-'} | {steps} | {metrics} |")
+            lines.append(f"| {md(_rel(folder, data.folder))} | {md(m.kind)} | {md(name)} | {md(m.target or '-')} "
+                         f"| {md(steps)} | {md(metrics)} |")
             summary["artifacts"].append({"folder": str(folder), "kind": m.kind, "model": name, "target": m.target,
                                          "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
         lines.append("")
         for folder, m in data.artifacts:  # what a runtime did not do (a bundle: nothing built or measured)
             status = m.config.get("status") or {}
             if status.get("built") is False:
-                lines += [f"> {_rel(folder, data.folder)}: {status.get('summary')}", ""]
+                lines += [f"> {md(_rel(folder, data.folder))}: {md(status.get('summary'))}", ""]
     for path, prof in data.profiles:
         s = prof.latency_ms
-        source = source_label(prof.source, prof.provenance.status if prof.provenance else None)
-        lines += [f"## Latency: {prof.model or '-'} on {prof.target or '-'} ({prof.runtime}, {source})", "",
-                  f"Profile `{_rel(path, data.folder)}`; settings: "
-                  + ", ".join(f"{k}={v}" for k, v in prof.settings.items()), "",
+        source = md(source_label(prof.source, prof.provenance.status if prof.provenance else None))
+        lines += [f"## Latency: {md(prof.model or '-')} on {md(prof.target or '-')} ({md(prof.runtime)}, {source})", "",
+                  f"Profile {md(_rel(path, data.folder))}; settings: "
+                  + md(", ".join(f"{k}={v}" for k, v in prof.settings.items())), "",
                   "| min | mean | p50 | p90 | p95 | p99 | max | std | CV | throughput | source |",
                   "|---|---|---|---|---|---|---|---|---|---|---|",
                   f"| {_fmt(s.min)} | {_fmt(s.mean)} | {_fmt(s.p50)} | {_fmt(s.p90)} | {_fmt(s.p95)} | {_fmt(s.p99)} "
@@ -105,32 +107,34 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
                   "", f"All times in ms over {s.count} timed inferences." if prof.source != "estimated" else
                   "Every number in this table is an ESTIMATE (roofline model), not a measurement."]
         if prof.provenance is not None:
-            lines.append(f"Provenance: {prof.provenance.summary()}.")
+            lines.append(f"Provenance: {md(prof.provenance.summary())}.")
         if prof.source == "device":
             mc = prof.machine
             clocks_locked: Any = mc.get("clocks_locked")  # True, False or not recorded
-            lines.append(f"Measured on the device: {mc.get('board') or mc.get('gpu') or 'unknown'}, JetPack "
-                         f"{mc.get('jetpack') or 'not recorded'}, TensorRT {mc.get('tensorrt_version') or 'not recorded'}, "
-                         f"power mode {mc.get('power_mode') or 'not recorded'}, clocks "
-                         + {True: "locked", False: "not locked"}.get(clocks_locked, "not recorded") + ".")
+            lines.append(md(f"Measured on the device: {mc.get('board') or mc.get('gpu') or 'unknown'}, JetPack "
+                            f"{mc.get('jetpack') or 'not recorded'}, TensorRT "
+                            f"{mc.get('tensorrt_version') or 'not recorded'}, power mode "
+                            f"{mc.get('power_mode') or 'not recorded'}, clocks "
+                            + {True: "locked", False: "not locked"}.get(clocks_locked, "not recorded") + "."))
         if prof.model_size_mb is not None or prof.peak_memory_mb is not None:
             lines.append(f"Model size {_fmt(prof.model_size_mb, 2)} MB; peak memory {_fmt(prof.peak_memory_mb, 1)} MB.")
         if prof.float_share is not None:
             lines.append(f"Quantized nodes: {prof.quantized_nodes} of {prof.total_nodes}; "
                          f"share of node time in float nodes: {prof.float_share:.1%}.")
         for w in prof.warnings:
-            lines.append(f"> warning: {w}")
+            lines.append(f"> warning: {md(w)}")
         lines.append("")
         if prof.nodes:
             lines += [f"### Top {min(top_k, len(prof.nodes))} nodes", "",
                       "| node (module path, else ONNX name) | op type | ms | share | precision |", "|---|---|---|---|---|"]
             for n in prof.nodes[:top_k]:
-                lines.append(f"| {n.label} | {n.op_type} | {n.time_ms:.4f} | {n.share:.1%} | {n.precision} |")
+                lines.append(f"| {md(n.label)} | {md(n.op_type)} | {n.time_ms:.4f} | {n.share:.1%} | {md(n.precision)} |")
             lines.append("")
         if prof.op_types:
             lines += ["### By op type", "", "| op type | count | ms | share | quantized |", "|---|---|---|---|---|"]
             for t in prof.op_types[:top_k]:
-                lines.append(f"| {t['op_type']} | {t['count']} | {t['time_ms']:.4f} | {t['share']:.1%} | {t['quantized']} |")
+                lines.append(f"| {md(t['op_type'])} | {md(t['count'])} | {t['time_ms']:.4f} | {t['share']:.1%} "
+                             f"| {md(t['quantized'])} |")
             lines.append("")
         entry = {"path": str(path), "model": prof.model, "target": prof.target, "runtime": prof.runtime,
                  "latency_ms": s.__dict__, "float_share": prof.float_share, "source": prof.source,
@@ -144,7 +148,7 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
         for verdict in data.verdicts:
             msg = verdict.get("message") or (f"{'PASS' if verdict['passed'] else 'FAIL'}: {verdict['percentile']} "
                                              f"{verdict['latency_ms']:.3f} ms vs {verdict['budget_ms']} ms")
-            lines.append(f"- **{'PASS' if verdict['passed'] else 'FAIL'}** {msg.split(': ', 1)[-1]}")
+            lines.append(f"- **{'PASS' if verdict['passed'] else 'FAIL'}** {md(msg.split(': ', 1)[-1])}")
         lines.append("")
         summary["verdicts"] = data.verdicts
     return "\n".join(lines) + "\n", summary
@@ -182,46 +186,52 @@ def render_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | 
     data = collect(folder)
     md, summary = render_markdown(data, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
     out_md = Path(out) if out else data.folder / "report.md"
-    check_report_outputs(out_md, (".json",), folder)
+    check_report_outputs(out_md, (".json",), folder, named=out is not None)
     atomic_write_text(out_md, md, protect=(folder,))
     atomic_write_json(out_md.with_suffix(".json"), summary, protect=(folder,))
     return out_md
 
 
-def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | os.PathLike[str]) -> None:
-    """Before anything is written: the Markdown file is the one the user named (or the
-    default), but its ``.json`` / ``.html`` siblings are replaced only when they are
-    edgekit reports, so a report never overwrites a file it did not write."""
+def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | os.PathLike[str],
+                         named: bool = True) -> None:
+    """Before anything is written: the Markdown file the user named (``-o``) may be replaced;
+    the default one (``named`` False) and the ``.json`` / ``.html`` siblings only when they
+    are edgekit reports, so a report never overwrites a file it did not write."""
     check_output_file(out_md, (folder,))
-    for suffix in siblings:
-        path = out_md.with_suffix(suffix)
+    for path in ([] if named else [out_md]) + [out_md.with_suffix(suffix) for suffix in siblings]:
         check_output_file(path, (folder,))
         if path.is_file() and not _is_report_file(path):
-            raise BadInputError(f"the report {out_md} also writes {path}, which exists and is not an edgekit "
-                                "report; choose another -o")
+            what = f"the report {out_md} also writes {path}, which" if path != out_md else f"{path}"
+            raise BadInputError(f"{what} exists and is not an edgekit report; choose another -o "
+                                "(edgekit replaces only the reports it wrote)")
 
 
 def _is_report_file(path: Path) -> bool:
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return False
-    if path.suffix == ".html":
+    """Whether ``path`` is a report edgekit wrote (read bounded: it may be anything)."""
+    if path.suffix in (".md", ".html"):
+        try:
+            with open(path, "rb") as f:  # a regular file (checked by the caller): its first bytes say
+                head = f.read(4096)
+        except OSError:
+            return False
+        text = head.decode("utf-8", errors="replace")
+        if path.suffix == ".md":
+            return text.startswith(("# edgekit report: ", "# edgekit run: "))
         return text.startswith("<!doctype html>") and "<title>edgekit " in text[:2000]
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = read_json(path, "report")
+    except EdgekitError:
         return False
     return isinstance(data, dict) and ({"folder", "artifacts", "profiles"} <= set(data)
                                        or {"recipe", "stages", "run_dir"} <= set(data))
 
 
 def _render_run(folder: Path, out: str | os.PathLike[str] | None) -> Path:
-    data = json.loads((folder / "results.json").read_text())
+    data = read_json(folder / "results.json", "run results")
     data["stages"] = [StageResult(**s) for s in data["stages"]]
     result = RunResult(**data)
     out_md = Path(out) if out else folder / "report.md"
-    check_report_outputs(out_md, (".json", ".html"), folder)
+    check_report_outputs(out_md, (".json", ".html"), folder, named=out is not None)
     atomic_write_text(out_md, markdown_summary(result), protect=(folder,))
     atomic_write_json(out_md.with_suffix(".json"), result.to_dict(), protect=(folder,))
     render_run_html(result, out_md.with_suffix(".html"))

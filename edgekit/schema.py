@@ -13,7 +13,12 @@ from a file (known keys, types, finite numbers) and builds the dataclass, whose
 Field metadata refines a field:
   * ``{"schema": Cls}``: the value is kept as a plain mapping but must follow ``Cls``
     (``{"schema": Cls, "each": True}``: a mapping of names to such mappings);
-  * ``{"internal": True}``: set in code only, never from a file.
+  * ``{"internal": True}``: set in code only, never from a file;
+  * ``{"program": "how to name it instead"}``: the value names a program edgekit runs. Data
+    never names a program (a recipe would run whatever it says while it is only meant to be
+    read): such a key in a file is refused with that hint; code and the command line set it;
+  * ``{"from_data": check}``: a value read from a file is also passed to ``check(value)``,
+    which raises ``BadInputError`` (ssh options from a recipe: an allow-list).
 
 ``read_yaml`` and ``read_json`` read untrusted files: bounded in size and nesting, YAML
 without aliases, anchors or tags (a 400-byte alias bomb expands to gigabytes), duplicate
@@ -231,16 +236,23 @@ def check_keys(cls: type, data: object, loc: Loc, *, noun: str = "option", extra
     known = known_keys(cls) + list(extra)
     if internal:
         known += [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("internal")]
+    programs = {} if internal else {f.name: f.metadata["program"] for f in dataclasses.fields(cls)
+                                    if f.metadata.get("program")}
     for key in data:
         if not isinstance(key, str):
             raise FieldError(loc, f"keys must be strings, got {show(key)}")
+        if key in programs:
+            raise FieldError(loc / key, f"names a program to run, which a file may not (data never names a "
+                                        f"program): {programs[key]}")
         if key not in known:
             raise unknown_key(loc, key, known, noun)
     return data
 
 
-def check_entries(cls: type, data: Mapping[str, Any], loc: Loc, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Each present field of ``cls`` checked against its annotation (or its metadata schema)."""
+def check_entries(cls: type, data: Mapping[str, Any], loc: Loc, *, skip: tuple[str, ...] = (),
+                  internal: bool = False) -> dict[str, Any]:
+    """Each present field of ``cls`` checked against its annotation (or its metadata schema);
+    values read from a file (not ``internal``) also against their ``from_data`` check."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = type_hints(cls)
     out: dict[str, Any] = {}
@@ -259,11 +271,20 @@ def check_entries(cls: type, data: Mapping[str, Any], loc: Loc, *, skip: tuple[s
             for name, sub in value.items():
                 if not isinstance(name, str):
                     raise FieldError(loc / key, f"keys must be strings, got {show(name)}")
-                from_mapping(schema, sub, loc / key / name)
+                from_mapping(schema, sub, loc / key / name, internal=internal)
                 out[key][name] = dict(sub)
         else:
-            from_mapping(schema, value, loc / key)
+            from_mapping(schema, value, loc / key, internal=internal)
             out[key] = dict(value)
+        check = None if internal else fields[key].metadata.get("from_data")
+        if check is not None and out[key] is not None:
+            try:
+                check(out[key])
+            except FieldError as e:
+                raise FieldError(Loc(loc.context, ".".join(k for k in ((loc / key).key, e.loc.key) if k)),
+                                 e.problem) from None
+            except BadInputError as e:
+                raise FieldError(loc / key, str(e)) from None
     return out
 
 
@@ -272,7 +293,7 @@ def from_mapping(cls: type[T], data: object, loc: Loc, *, noun: str = "option", 
     dataclass's own range checks. Errors name ``loc`` and the bad key. ``internal``: the
     mapping was built in code and may set fields marked internal."""
     mapping = check_keys(cls, data, loc, noun=noun, internal=internal)
-    values = check_entries(cls, mapping, loc)
+    values = check_entries(cls, mapping, loc, internal=internal)
     missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values  # type: ignore[arg-type]
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:

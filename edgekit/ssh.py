@@ -10,16 +10,28 @@ trtexec on the device (``--remote``), and ``edgekit.remote`` to run edgekit ther
 
 Errors: an unreachable host or a command that times out raises ``UnavailableError``
 (exit 2) naming the host; a failed command raises the edgekit error its exit code means.
+
+What a device sends back is not trusted: downloads stream to disk (never whole into
+memory), within the free space, and only regular files and folders inside the target
+folder are written (no links, devices, FIFOs, absolute paths or ``..``). What data may
+ask of ssh is limited too: a destination is ``[user@]host[:port]`` and nothing else, and
+``-o`` options from a recipe (``check_data_options``) come from an allow-list of options
+that neither run a command here (ProxyCommand, LocalCommand, KnownHostsCommand, Match
+exec, ...), load code (PKCS11Provider), read other configuration (Include), forward
+anything to the device (ForwardAgent, forwarded ports) nor name files.
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import re
 import shlex
+import stat
 import subprocess
 import tarfile
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +39,24 @@ from typing import Any
 
 from edgekit.artifact import sha256_file
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError
+from edgekit.limits import format_bytes, free_space
+
+# ``-o`` options a recipe may give (compared without case, as ssh does): connection and
+# cryptography settings only. Everything else can run a program or load code on this machine,
+# forward something to the device, or write a file; give those on the command line
+# (``--ssh-option``) or in your own ~/.ssh/config.
+SSH_OPTIONS_FROM_DATA = (
+    "AddressFamily", "CheckHostIP", "Ciphers", "Compression", "ConnectionAttempts", "ConnectTimeout",
+    "HostKeyAlgorithms", "HostKeyAlias", "IdentitiesOnly", "IPQoS", "KexAlgorithms", "LogLevel", "MACs",
+    "Port", "PreferredAuthentications", "PubkeyAcceptedAlgorithms", "PubkeyAcceptedKeyTypes",
+    "PubkeyAuthentication", "RekeyLimit", "ServerAliveCountMax", "ServerAliveInterval",
+    "StrictHostKeyChecking", "TCPKeepAlive", "UpdateHostKeys", "User", "VerifyHostKeyDNS",
+)
+_OPTION = re.compile(r"\s*([A-Za-z][A-Za-z0-9]*)\s*(?:=|\s)\s*(.*)", re.DOTALL)
+_OPTION_VALUE = re.compile(r"[A-Za-z0-9@.:,+=/%_-]*")  # no quotes, spaces, $, `, ;, |, &, <, >
+_MAX_TRAILING = 1 << 20  # bytes a transfer may hold after its archive ends (tar pads to 10 KiB records)
+_DESTINATION = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?(?:[A-Za-z0-9][A-Za-z0-9._-]*|\[[0-9A-Fa-f:.]+\])"
+                          r"(?::[0-9]{1,5})?")
 
 _UNREACHABLE = ("connection refused", "timed out", "could not resolve", "no route to host", "permission denied",
                 "host key verification failed", "connection closed", "network is unreachable",
@@ -48,8 +78,7 @@ class RemoteHost:
     multiplex: bool = True  # one SSH connection for all commands (ControlMaster; exits 30 s after last use)
 
     def __post_init__(self) -> None:
-        if not self.spec or any(c.isspace() for c in self.spec) or self.spec.startswith("-"):
-            raise BadInputError(f"bad remote {self.spec!r} (use user@host or user@host:port)")
+        check_destination(self.spec)
         host = self.spec
         if host.count(":") == 1 and host.rsplit(":", 1)[1].isdigit():
             host, port = host.rsplit(":", 1)
@@ -170,7 +199,8 @@ class RemoteHost:
     def get(self, remote_dir: str, names: list[str] | None, local_dir: Path,
             optional: list[str] | tuple[str, ...] = ()) -> list[str]:
         """Fetch ``names`` (relative to ``remote_dir``; None = the whole folder) into
-        ``local_dir``; verify sha256. Missing ``optional`` names are skipped."""
+        ``local_dir``; verify sha256. Missing ``optional`` names are skipped. The transfer
+        streams to disk and only regular files and folders are written (``_extract``)."""
         local_dir = Path(local_dir)
         q = shlex.quote(remote_dir)
         if names is not None:
@@ -187,29 +217,123 @@ class RemoteHost:
         else:
             hashes = self.remote_hashes(remote_dir)
             cmd = f"cd {q} && tar -cf - ."
-        data = self.run(cmd, text=False, timeout=self.command_timeout).stdout
         local_dir.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-            members = []
-            for m in tar.getmembers():
-                name = m.name[2:] if m.name.startswith("./") else m.name
-                if name in ("", "."):
-                    continue
-                if m.issym() or m.islnk() or name.startswith("/") or ".." in Path(name).parts:
-                    raise UnavailableError(f"remote {self.spec}: refusing unsafe path {m.name!r} in the transfer")
-                m.name = name
-                members.append(m)
-            for m in members:
-                tar.extract(m, local_dir, set_attrs=False)
-        bad = [n for n, h in hashes.items() if sha256_file(local_dir / n) != h]
+        self._extract(cmd, local_dir)
+        bad = [n for n, h in hashes.items() if not (local_dir / n).is_file() or sha256_file(local_dir / n) != h]
         if bad:
             raise UnavailableError(f"remote {self.spec}: download corrupted {bad[:3]} (sha256 differs)")
         return sorted(hashes)
 
+    def _extract(self, command: str, local_dir: Path) -> None:
+        """Run ``command`` (it writes a tar stream) and unpack the stream into ``local_dir``
+        as it arrives: regular files and folders only, inside ``local_dir``, within the free
+        space there. Anything else the device sends is refused, naming it."""
+        found = free_space(local_dir)
+        room = found[1] if found is not None else None
+        with tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.Popen(self.ssh_argv(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=err)
+            except FileNotFoundError:
+                raise UnavailableError("the ssh client is not installed here (apt-get install openssh-client)") from None
+            timer = threading.Timer(self.command_timeout, proc.kill)
+            timer.start()
+            try:
+                if proc.stdout is None:  # stdout=PIPE always gives one
+                    raise RuntimeError("ssh without a stdout pipe")
+                total = 0
+                with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+                    for m in tar:
+                        name = m.name[2:] if m.name.startswith("./") else m.name
+                        if name in ("", "."):
+                            continue
+                        kind = _member_kind(m)
+                        if kind is not None:
+                            raise UnavailableError(f"remote {self.spec}: refusing {kind} {name!r} in the transfer "
+                                                   "(only regular files and folders are accepted)")
+                        if name.startswith("/") or ".." in Path(name).parts or not name.isprintable():
+                            raise UnavailableError(f"remote {self.spec}: refusing unsafe path {m.name!r} in the transfer")
+                        total += m.size
+                        if room is not None and total > room:
+                            raise UnavailableError(f"remote {self.spec}: the transfer is larger than the "
+                                                   f"{format_bytes(room)} free in {local_dir}")
+                        m.name = name
+                        tar.extract(m, local_dir, set_attrs=False, filter="data")
+                trailing = 0  # after the archive's end: tar's padding of its last record, then EOF
+                while chunk := proc.stdout.read(1 << 16):
+                    trailing += len(chunk)
+                    if trailing > _MAX_TRAILING:
+                        raise UnavailableError(f"remote {self.spec}: the transfer goes on after its end")
+                proc.wait()
+            except tarfile.TarError as e:
+                if not timer.is_alive():
+                    raise UnavailableError(f"remote {self.spec}: download timed out after "
+                                           f"{self.command_timeout:g} s") from None
+                proc.wait()
+                err.seek(0)
+                detail = err.read().decode(errors="replace").strip().splitlines()
+                raise UnavailableError(f"remote {self.spec}: the download is not a valid transfer ({e})"
+                                       + (f": {detail[-1][:200]}" if detail else "")) from None
+            finally:
+                timer.cancel()
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            if proc.returncode != 0:
+                err.seek(0)
+                raise _remote_error(self.spec, command, proc.returncode, err.read().decode(errors="replace"))
+
+
+def _member_kind(m: tarfile.TarInfo) -> str | None:
+    """What a transfer member is when it is not a regular file or a folder (None when it is)."""
+    if m.isreg() or m.isdir():
+        return None
+    kinds = {tarfile.SYMTYPE: "symbolic link", tarfile.LNKTYPE: "hard link", tarfile.CHRTYPE: "character device",
+             tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "FIFO"}
+    return kinds.get(m.type, f"special file (tar type {m.type!r})")
+
+
+def check_destination(spec: str) -> str:
+    """``spec`` as an SSH destination, ``[user@]host[:port]``, or BadInputError: anything
+    else (an option such as ``-oProxyCommand=...``, spaces, shell characters) is refused."""
+    if not isinstance(spec, str) or not _DESTINATION.fullmatch(spec):
+        raise BadInputError(f"bad remote {spec!r} (use user@host or user@host:port)")
+    return spec
+
+
+def check_data_options(options: list[str]) -> None:
+    """``-o`` options a recipe gives: each ``Key=Value`` with a key from
+    ``SSH_OPTIONS_FROM_DATA`` and a plain value, else BadInputError naming it."""
+    allowed = {name.lower(): name for name in SSH_OPTIONS_FROM_DATA}
+    for opt in options:
+        m = _OPTION.fullmatch(opt) if isinstance(opt, str) else None
+        if m is None:
+            raise BadInputError(f"ssh option {opt!r} must be Key=Value")
+        if m[1].lower() not in allowed:
+            raise BadInputError(f"ssh option {m[1]!r} may not come from a recipe (allowed there: "
+                                f"{', '.join(SSH_OPTIONS_FROM_DATA)}); options that run commands, load code, "
+                                "forward or name files go on the command line (--ssh-option) or in ~/.ssh/config")
+        if not _OPTION_VALUE.fullmatch(m[2]):
+            raise BadInputError(f"ssh option {m[1]!r} has the value {m[2]!r}; a recipe's ssh option values are "
+                                "plain words (letters, digits and @.:,+=/%_-)")
+
 
 def _control_dir() -> str:
+    """The folder of the shared connections' sockets: whoever can enter it can run commands
+    on the device as this user, so it must be this user's own, private, real folder."""
     d = Path(tempfile.gettempdir()) / f"edgekit-ssh-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError as e:
+        raise UnavailableError(f"cannot use the SSH control folder {d}: {e.strerror or e}; set TMPDIR to a "
+                               "private folder") from None
+    problem = ("is not a folder" if not stat.S_ISDIR(st.st_mode) else
+               f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.getuid() else
+               f"can be used by other users (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o077 else None)
+    if problem:
+        raise BadInputError(f"the SSH control folder {d} {problem}: another user could take over this machine's "
+                            "connections to the device through it; remove it or set TMPDIR to a private folder")
     return str(d)
 
 

@@ -17,12 +17,13 @@ def _sigint_state_restored():
     process's handler and edgekit's interrupt state as they were, whatever the test order."""
     import signal
 
-    handler = signal.getsignal(signal.SIGINT)
+    handlers = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
     state = {k: getattr(interrupts, k) for k in ("_installed", "_exiting", "_running", "_seen", "_defer_depth",
-                                                  "_pending")}
+                                                  "_pending", "_first")}
     written = list(interrupts._written)
     yield
-    signal.signal(signal.SIGINT, handler)
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
     for k, v in state.items():
         setattr(interrupts, k, v)
     interrupts._written[:] = written
@@ -36,7 +37,7 @@ def python_sigint(monkeypatch):
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     for name, value in (("_installed", False), ("_exiting", False), ("_running", False), ("_seen", 0),
-                        ("_defer_depth", 0), ("_pending", False)):
+                        ("_defer_depth", 0), ("_pending", False), ("_first", None)):
         monkeypatch.setattr(interrupts, name, value)
     yield
     signal.signal(signal.SIGINT, previous)
@@ -173,3 +174,69 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# A local transport for the SSH code: a fake ``ssh`` that runs the remote command here with bash
+# (what sshd would run on the device) and logs its argv, for tests that need no sshd.
+FAKE_SSH = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_SSH_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\\n")
+i = 0
+while i < len(args) and args[i].startswith("-"):
+    if args[i] == "-O":
+        sys.exit(0)  # "ssh -O exit": no shared connection to stop
+    i += 2 if args[i] in ("-o", "-p", "-i", "-l", "-F", "-J") else 1
+os.execvp("bash", ["bash", "-c", " ".join(args[i + 1:])])
+"""
+
+
+def install_local_ssh(root, monkeypatch):
+    """Put the fake ``ssh`` first on PATH (its argv log: ``root/ssh.log``) and make ``root/tmp``
+    the TMPDIR (the device's ``mktemp`` and the control folder); returns the log."""
+    import os
+    import sys
+    import tempfile
+
+    bin_dir = root / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    ssh = bin_dir / "ssh"
+    ssh.write_text(FAKE_SSH.format(python=sys.executable))
+    ssh.chmod(0o755)
+    log = root / "ssh.log"
+    log.touch()
+    (root / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    monkeypatch.setenv("TMPDIR", str(root / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    return log
+
+
+@pytest.fixture
+def local_ssh(tmp_path, monkeypatch):
+    """A fake ``ssh`` on PATH: the "device" is this machine; every ssh argv is logged (the log's path)."""
+    return install_local_ssh(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def host_probe_json() -> str:
+    """This machine's probe (``edgekit targets --probe``) as JSON text: the one cached for this
+    machine, measured once if there is none. Tests that point ``EDGEKIT_CACHE`` at a fresh folder
+    put it there (``seed_host_probe``) so that a ``cpu`` estimate does not measure the machine again."""
+    from edgekit.estimate.probe import probe_machine
+
+    return probe_machine().path.read_text()
+
+
+@pytest.fixture
+def seed_host_probe(host_probe_json: str):
+    """Write the session's probe into the current ``EDGEKIT_CACHE``."""
+    def seed() -> None:
+        from edgekit.targets.host_probe import probe_path
+
+        path = probe_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(host_probe_json)
+    return seed

@@ -211,7 +211,7 @@ def test_sigint_at_any_step_of_the_swap_leaves_old_or_new(tmp_path: Path, monkey
         monkeypatch.setattr(interrupts, "_installed", True)
         monkeypatch.setattr(interrupts, "_running", True)
         monkeypatch.setattr(interrupts, "_seen", 0)
-        previous = signal.signal(signal.SIGINT, interrupts._on_sigint)
+        previous = signal.signal(signal.SIGINT, interrupts._on_signal)
     try:
         with pytest.raises(KeyboardInterrupt):
             with staged_dir(out) as tmp:
@@ -235,7 +235,7 @@ def test_a_sigint_the_block_swallowed_still_stops_the_commit(tmp_path: Path, mon
     monkeypatch.setattr(interrupts, "_installed", True)
     monkeypatch.setattr(interrupts, "_running", True)
     monkeypatch.setattr(interrupts, "_seen", 0)
-    previous = signal.signal(signal.SIGINT, interrupts._on_sigint)
+    previous = signal.signal(signal.SIGINT, interrupts._on_signal)
     try:
         with pytest.raises(KeyboardInterrupt):
             with staged_dir(out) as tmp:
@@ -452,19 +452,24 @@ def test_engine_cache_stores_whole_entries_concurrently(tmp_path: Path) -> None:
     assert sorted(os.listdir(cache.root)) == [".locks", entry.name]
 
 
-def test_special_files_are_written_into_not_replaced(tmp_path: Path) -> None:
-    """`--json /dev/null` must not replace the device (root could) with a regular file."""
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    received: list[bytes] = []
-    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
-    reader.start()
-    atomic_write_json(fifo, {"ok": 1}, protect=())
-    reader.join()
-    assert json.loads(received[0]) == {"ok": 1} and stat.S_ISFIFO(fifo.lstat().st_mode)
-    atomic_write_json("/dev/null", {"ok": 1}, protect=())
-    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
-    assert siblings(tmp_path) == ["fifo"]
+@pytest.mark.parametrize("kind", ["fifo", "socket", "/dev/null", "/proc/version"])
+def test_special_files_are_refused_as_outputs(tmp_path: Path, kind: str) -> None:
+    """`profile --json out.fifo` blocked forever when nothing read the FIFO, and `--json
+    /dev/null` wrote into a device: an output is a regular file or a new name, nothing else
+    (the device is never replaced by a regular file either)."""
+    import socket
+
+    path = tmp_path / kind if not kind.startswith("/") else Path(kind)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+    before = os.stat(path).st_mode
+    with pytest.raises(BadInputError, match=rf"output file '{path}' is a (FIFO|socket|system path), not a regular file"):
+        atomic_write_json(path, {"ok": 1}, protect=())
+    assert os.stat(path).st_mode == before
+    assert siblings(tmp_path) == ([kind] if not kind.startswith("/") else [])
 
 
 @pytest.mark.parametrize("error, message", [

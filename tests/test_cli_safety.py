@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import resource
 import stat
 import subprocess
@@ -228,7 +230,8 @@ def test_read_only_folder_and_file_too_large_are_one_line(tmp_path: Path) -> Non
 # --- Ctrl-C: a real SIGINT at chosen moments ----------------------------------------------------------
 
 DRIVER = textwrap.dedent("""
-    # Run `python -m edgekit.cli ARGS` and send this process a real SIGINT at each moment in
+    # Run `python -m edgekit.cli ARGS` and send this process a real SIGINT (or the signal named
+    # by $EDGEKIT_TEST_SIGNAL: SIGTERM, SIGHUP, SIGKILL) at each moment in
     # WHEN ("+"-joined): "import:M" = just before module M is first imported; "rename" = just
     # before a staging folder is renamed into place; "copy" = just before a file is copied into
     # a staging folder; "rmtree" = just before a staging folder is removed; "echo" = just
@@ -244,7 +247,7 @@ DRIVER = textwrap.dedent("""
                 with open(snapshot, "w") as f:
                     json.dump(sorted(os.listdir(watch)) if os.path.isdir(watch) else [], f)
             fired.append(tag)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), getattr(signal, os.environ.get("EDGEKIT_TEST_SIGNAL", "SIGINT")))
 
     class Hook:
         def find_spec(self, name, path=None, target=None):
@@ -538,3 +541,319 @@ def test_any_output_path_is_safe(tmp_path_factory: pytest.TempPathFactory, tiny_
         assert existing in (None, "file")
         assert out.read_text().strip()
     assert debris(work) == []
+
+
+# --- the second round (a hostile recipe, device and disk): each case as it was found -------------------
+
+@pytest.mark.parametrize("signame, code, word", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                                  ("SIGHUP", 129, "hung up (SIGHUP)")])
+@pytest.mark.parametrize("when", ["copy", "import:onnxruntime"])
+def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does(tmp_path: Path, interrupt_setup: Path, tiny_onnx: Path,
+                                                          signame: str, code: int, word: str, when: str) -> None:
+    """SIGTERM had no handler: exit 143 with no message, and 5 of 8 interrupted builds left a
+    hidden `.NAME.PID-*.partial` folder with a model copy until a later run into the same -o."""
+    old = make_output(tmp_path / "out" / "onnx")
+    before = tree_hash(tmp_path)
+    snapshot = tmp_path.parent / f"{tmp_path.name}-snapshot.json"
+    r = subprocess.run([sys.executable, str(interrupt_setup / "driver.py"), when, str(snapshot), str(old.parent),
+                        "export", str(tiny_onnx), "-o", "out/onnx"],
+                       cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(interrupt_setup), EDGEKIT_TEST_SIGNAL=signame,
+                                                        EDGEKIT_CACHE=str(tmp_path.parent / "cache")),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == code, r.stdout + r.stderr
+    assert one_line_error(r.stderr) == f"error: {word}; outputs were left as they were before this command"
+    assert debris(tmp_path) == [] and tree_hash(tmp_path) == before
+    assert any(name.endswith(".partial") for name in json.loads(snapshot.read_text()))  # staging was under way
+
+
+def test_staging_of_a_killed_process_is_removed_by_the_next_command(tmp_path: Path, interrupt_setup: Path,
+                                                                     tiny_onnx: Path) -> None:
+    """A process killed outright (SIGKILL: nothing of it runs) leaves its staging folder; the
+    staging journal lets the next edgekit command, whatever it is, remove it."""
+    cache = tmp_path / "cache"
+    work = tmp_path / "w"
+    work.mkdir()
+    env = subprocess_env(PYTHONPATH=str(interrupt_setup), EDGEKIT_TEST_SIGNAL="SIGKILL", EDGEKIT_CACHE=str(cache))
+    r = subprocess.run([sys.executable, str(interrupt_setup / "driver.py"), "copy", str(tmp_path / "snap.json"),
+                        str(work / "out"), "export", str(tiny_onnx), "-o", "out/onnx"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+    left = debris(work)
+    assert len(left) == 1 and left[0].endswith(".partial") and len(os.listdir(cache / "staging")) == 1
+    r = subprocess.run([sys.executable, "-m", "edgekit.cli", "targets"], cwd=tmp_path,
+                       env=subprocess_env(EDGEKIT_CACHE=str(cache)), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert debris(work) == [] and os.listdir(cache / "staging") == []
+
+
+def test_a_users_file_in_an_output_folder_stops_its_replacement(tmp_path: Path, tiny_onnx: Path) -> None:
+    """`my_notes.txt` added to an engine folder was deleted by the next `build -o` into it:
+    any folder with a readable manifest.json counted as replaceable."""
+    out = tmp_path / "eng_prev"
+    assert run("build", tiny_onnx, "--target", "cpu", "-o", out).exit_code == 0
+    assert read_manifest(out).contents == ["inputs.npz", "manifest.json", "model.opt.onnx"]
+    (out / "my_notes.txt").write_text("mine\n")
+    before = tree_hash(tmp_path)
+    r = run("build", tiny_onnx, "--target", "cpu", "-o", out)
+    assert r.exit_code == 2, r.output
+    assert one_line_error(r.stderr, r.output) == (
+        f"error: output folder '{out}' already exists and holds 'my_notes.txt', which its manifest.json does not "
+        "list (edgekit did not write it); edgekit replaces only its own output folders or empty ones: choose a new "
+        "folder or remove it yourself")
+    assert tree_hash(tmp_path) == before
+    (out / "my_notes.txt").unlink()
+    assert run("build", tiny_onnx, "--target", "cpu", "-o", out).exit_code == 0  # only edgekit's files: replaced
+
+
+def test_an_older_manifest_lists_its_files(tmp_path: Path) -> None:
+    """A folder an older edgekit wrote (no `contents`) is edgekit's when every entry is one of
+    its `files` (or under one)."""
+    from edgekit.artifact import not_replaceable
+
+    folder = make_output(tmp_path / "old")
+    assert not_replaceable(folder) is None
+    (folder / "extra.bin").write_bytes(b"x")
+    assert not_replaceable(folder) == ("holds 'extra.bin', which its manifest.json does not list (edgekit did not "
+                                       "write it)")
+
+
+def test_report_replaces_only_its_own_default_output(tmp_path: Path, tiny_onnx: Path) -> None:
+    """`edgekit report proj2` overwrote the user's own proj2/report.md (its default output),
+    while a user's report.json in the same place was refused."""
+    proj = tmp_path / "proj2"
+    assert run("export", tiny_onnx, "-o", proj).exit_code == 0
+    (proj / "report.md").write_text("my own notes\n")
+    before = tree_hash(tmp_path)
+    r = run("report", proj)
+    assert r.exit_code == 2, r.output
+    assert one_line_error(r.stderr, r.output) == (
+        f"error: {proj / 'report.md'} exists and is not an edgekit report; choose another -o (edgekit replaces only "
+        "the reports it wrote)")
+    assert tree_hash(tmp_path) == before
+    (proj / "report.md").unlink()
+    assert run("report", proj).exit_code == 0 and run("report", proj).exit_code == 0  # its own: replaced
+    assert (proj / "report.md").read_text().startswith("# edgekit report: ")
+    named = tmp_path / "mine.md"
+    named.write_text("the user names this file: it is replaced\n")
+    assert run("report", proj, "-o", named).exit_code == 0 and named.read_text().startswith("# edgekit report")
+
+
+@pytest.mark.parametrize("args", [["profile", "NO_ENGINE", "--json", "FIFO"], ["report", "NO_ENGINE", "-o", "FIFO"],
+                                  ["check", "NO_ENGINE", "--budget-ms", "1", "--json", "FIFO"],
+                                  ["estimate", "NO_ENGINE", "--target", "cpu", "--json", "FIFO"]])
+def test_an_output_that_is_a_fifo_is_refused_before_any_work(tmp_path: Path, args: list[str]) -> None:
+    """`profile --json out.fifo` and `report -o out.fifo` blocked forever when nothing read the
+    FIFO. The engine here does not even exist: the output is refused first."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    r = run(*[str(fifo) if a == "FIFO" else str(tmp_path / "none") if a == "NO_ENGINE" else a for a in args])
+    assert r.exit_code == 2, r.output
+    assert one_line_error(r.stderr, r.output) == (f"error: output file '{fifo}' is a FIFO, not a regular file; give "
+                                                  "the name of a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and os.listdir(tmp_path) == ["out.fifo"]
+
+
+def test_an_empty_read_only_mount_point_is_refused_before_the_build(tmp_path: Path, tiny_onnx: Path) -> None:
+    """An empty read-only mount point as -o failed only after the whole build (renaming a
+    mount point is refused)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        r = run("build", tiny_onnx, "-o", mnt)
+        assert r.exit_code == 2, r.output
+        assert one_line_error(r.stderr, r.output) == (
+            f"error: output folder '{mnt}' is a mount point, which edgekit cannot replace (it renames a finished "
+            "output into place); give a folder inside it")
+        assert sorted(os.listdir(tmp_path)) == ["mnt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, capture_output=True, timeout=30)
+
+
+def test_dry_run_refuses_the_folders_the_run_refuses(tmp_path: Path, proj: Path) -> None:
+    """`run -o /etc --dry-run` exited 0 though the real run refused; `--cache DIR` wrote 23
+    entries beside a user's files in any folder."""
+    recipe = _callable_recipe(tmp_path)
+    before = tree_hash(proj)
+    for extra, message in (
+            (["-o", "src"], "error: output folder 'src' already exists and is not an edgekit run folder (no "
+                            "manifest.json); edgekit works only in its own run folders or empty ones: choose a new "
+                            "folder or remove it yourself"),
+            (["-o", "runs/new", "--cache", "src"], "error: cache folder 'src' holds 'train.py', which is not a run "
+                                                   "cache entry; give a new or empty folder, or an edgekit run cache")):
+        dry, real = run("run", recipe, "--dry-run", *extra), run("run", recipe, *extra)
+        assert dry.exit_code == real.exit_code == 2, (dry.output, real.output)
+        assert one_line_error(dry.stderr, dry.output) == one_line_error(real.stderr, real.output) == message
+    assert tree_hash(proj) == before and not (proj / "runs").exists()
+    r = run("run", recipe, "-o", "runs/a", "--cache", "shared")  # a new cache folder: used, then reused
+    assert r.exit_code == 0, r.output
+    assert run("run", recipe, "-o", "runs/b", "--cache", "shared").exit_code == 0
+    assert all(re.fullmatch(r"[a-z]+-[0-9a-f]{16}|\.locks", n) for n in os.listdir(proj / "shared"))
+
+
+def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch,
+                                                tiny_mlp: object) -> None:
+    """`compress fmnist-cnn --bits 8` onto a full 5 MB tmpfs failed after 150 s of work with a
+    safetensors traceback ("No space left"); the build's disk-full line was a raw Python list.
+    The free space is checked against the output's size before the work."""
+    import edgekit.limits as limits
+
+    real_usage = limits.shutil.disk_usage
+    full = tmp_path / "full"
+    full.mkdir()
+
+    def usage(path: object) -> object:
+        return type("U", (), {"free": 0})() if str(path).startswith(str(full)) else real_usage(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(limits.shutil, "disk_usage", usage)
+    for args in (["export", tiny_onnx, "-o", full / "onnx"], ["build", tiny_onnx, "-o", full / "engine"]):
+        r = run(*args)
+        assert r.exit_code == 2, r.output
+        assert re.fullmatch(rf"error: cannot write {re.escape(str(full))}/(onnx|engine): the output needs about "
+                            rf"[0-9.]+ (B|KiB) and {re.escape(str(full))} has 0 B free; free some space or choose "
+                            "another folder", one_line_error(r.stderr, r.output))
+    from edgekit.compress import StepContext, compress
+    from edgekit.errors import BadInputError
+
+    calls: list[str] = []
+    monkeypatch.setattr(sys.modules["edgekit.compress"], "measure_reference", lambda *a, **k: calls.append("work"))
+    with pytest.raises(BadInputError, match=rf"^cannot write {re.escape(str(full))}/c: the output needs about "
+                                            r"[0-9.]+ (B|KiB) and .* has 0 B free"):
+        compress(tiny_mlp, [("half", {"dtype": "fp16"})], full / "c", StepContext(progress=False))
+    assert calls == [] and os.listdir(full) == []  # refused before the reference run and the first step
+
+
+def test_a_library_error_that_wraps_a_full_disk_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            tiny_mlp: object) -> None:
+    """safetensors reports a full disk as its own error type ("I/O error: No space left on
+    device (os error 28)"): it reads as the OS error it is, naming the output."""
+    import safetensors.torch
+
+    from edgekit.compress import StepContext, compress
+
+    def full(*a: object, **k: object) -> None:
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_model", full)
+    with pytest.raises(OSError) as e:
+        compress(tiny_mlp, [("half", {"dtype": "fp16"})], tmp_path / "out", StepContext(progress=False))
+    from edgekit.errors import os_error_message
+
+    assert os_error_message(e.value) == f"cannot write {tmp_path / 'out' / 'model.safetensors'}: No space left on device"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_copy_that_fills_the_disk_is_one_line(tmp_path: Path) -> None:
+    """The build copies an ONNX folder: a full disk there was `[('o6/model.onnx', ...)]`."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    big = numpy_helper.from_array(np.ones((512, 512), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "big",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 512])], [big])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(tmp_path / "big.onnx"))
+    assert edgekit("export", "big.onnx", "-o", "o6", cwd=tmp_path).returncode == 0
+    before = tree_hash(tmp_path)
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    r = edgekit("build", "o6", "-o", "out/engine", cwd=tmp_path, preexec=small_files)
+    assert r.returncode == 2, r.stderr
+    assert one_line_error(r.stderr) == "error: cannot write out/engine/onnx/model.onnx: File too large"
+    assert tree_hash(tmp_path) == before
+
+
+def _graph_with(tmp_path: Path, name: str, **kind: object) -> Path:
+    """A small ONNX file: `big_input` (10^12 elements declared), `outside` (external data
+    pointing out of its folder) or `sparse` (a sparse_initializer, valid ONNX)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder = tmp_path / name
+    folder.mkdir()
+    if "big_input" in kind:
+        graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1000000, 1000000])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1000000, 1000000])])
+    elif "outside" in kind:
+        w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+        w.data_location = TensorProto.EXTERNAL
+        w.ClearField("raw_data")
+        for key, value in (("location", "../secret.bin"), ("offset", "0"), ("length", "64")):
+            w.external_data.add(key=key, value=value)
+        (tmp_path / "secret.bin").write_bytes(b"\0" * 64)
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    else:
+        values = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")
+        sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([0, 5], np.int64), "i"), [4, 3])
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+                                  sparse_initializer=[sparse])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / "model.onnx"
+    onnx.save_model(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("big_input", "input 'x' declares shape (1000000, 1000000), 3.73e+03 GiB per sample (at most 2 GiB)"),
+    ("outside", "tensor 'w' refers to external data '../secret.bin'; it must be a relative path inside the model's "
+                "folder"),
+])
+def test_estimate_and_lint_read_models_as_build_does(tmp_path: Path, kind: str, message: str) -> None:
+    """`estimate` and `lint` accepted a 10^12-element input and external data pointing outside
+    the model's folder, which `build` refuses: all three use the same loader now."""
+    path = _graph_with(tmp_path, "m", **{kind: True})
+    lines = []
+    for args in (["build", path, "-o", tmp_path / "e"], ["estimate", path, "--target", "jetson-agx-orin-64"],
+                 ["lint", path, "--target", "jetson-agx-orin-64"]):
+        r = run(*args)
+        assert r.exit_code == 2, (args, r.output)
+        lines.append(one_line_error(r.stderr, r.output))
+    assert lines == [f"error: {path}: {message}"] * 3
+
+
+def test_estimate_reads_a_sparse_initializer(tmp_path: Path) -> None:
+    """`estimate` on a valid ONNX file with a sparse_initializer gave a 47-line traceback
+    ("Invalid model with cyclic graph"); build accepts the file, and so does estimate now."""
+    path = _graph_with(tmp_path, "m", sparse=True)
+    r = run("estimate", path, "--target", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+    est = json.loads(r.stdout)
+    assert est["total_ms"] > 0 and [n["op_type"] for n in est["nodes"]] == ["MatMul"]
+
+
+def test_onnx_runtime_telemetry_is_off_and_nothing_is_written_outside(tmp_path: Path, tiny_onnx: Path) -> None:
+    """ONNX Runtime's telemetry wrote a device id, OS, CPU and paths under ~/.cache/Microsoft/
+    (and OpenVINO's a client id under ~/intel/); with a fresh HOME, builds and a profile write
+    nothing there (nothing at all outside the outputs and $EDGEKIT_CACHE)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {k: v for k, v in subprocess_env(HOME=str(home), EDGEKIT_CACHE=str(home / "ekc")).items()
+           if k != "ORT_DISABLE_TELEMETRY"}
+    commands = [["build", str(tiny_onnx), "-o", "e"], ["profile", "e", "--duration-s", "0.05", "--iterations", "5",
+                                                       "--warmup-ms", "1", "--json", "p.json"]]
+    if importlib.util.find_spec("openvino") is not None:  # OpenVINO's telemetry writes ~/intel/ at its import
+        commands.append(["build", str(tiny_onnx), "--runtime", "openvino", "-o", "e-ov"])
+    for args in commands:
+        r = subprocess.run([sys.executable, "-m", "edgekit.cli", *args], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    written = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    assert written == ["ekc", "ekc/staging"], written
+    r = subprocess.run([sys.executable, "-c", "import os, edgekit; print(os.environ['ORT_DISABLE_TELEMETRY'])"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "1"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from edgekit.errors import BadInputError
-from edgekit.evaluate import agreement_metrics, evaluate, perplexity, reference_outputs
+from edgekit.evaluate import agreement_metrics, compare_lm, evaluate, perplexity, reference_outputs
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import InputSpec, ModelHandle
 
@@ -185,3 +185,45 @@ def test_modules_are_evaluated_in_eval_mode_and_restored():
     m = evaluate(net, s, reference=net)  # with dropout active the two runs would disagree
     assert m["top1_agreement"] == 1.0 and m["mean_kl"] == pytest.approx(0, abs=1e-12)
     assert net.training
+
+
+def _runner(module):
+    calls = []
+
+    def run(feeds):
+        calls.append(feeds["input_ids"].shape)
+        with torch.no_grad():
+            return [module(torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["attention_mask"])).numpy()]
+
+    return run, calls
+
+
+def _token_samples(ids: np.ndarray) -> Samples:
+    return Samples("windows", "eval", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+
+
+def test_compare_lm_against_itself_and_against_an_oracle():
+    ids = windows(n=5, seqlen=12)
+    run, calls = _runner(UniformLM())
+    same = compare_lm(run, run, _token_samples(ids))
+    assert calls == [(1, 12)] * 10  # one window at a time, both models
+    assert same["windows"] == 5 and same["tokens"] == 60 and same["top1_agreement"] == 1.0
+    assert same["mean_kl"] == pytest.approx(0.0, abs=1e-12) and same["max_abs_diff"] == 0.0
+    assert same["perplexity"] == pytest.approx(VOCAB) and same["perplexity_ratio"] == pytest.approx(1.0)
+    oracle, _ = _runner(OracleLM(ids))
+    vs = compare_lm(run, oracle, _token_samples(ids))  # the uniform model against the oracle as reference
+    assert vs["perplexity"] == pytest.approx(VOCAB) and vs["perplexity_reference"] == pytest.approx(1.0, abs=1e-6)
+    assert vs["perplexity_ratio"] == pytest.approx(VOCAB, rel=1e-5)
+    # KL(oracle || uniform) = log V where the oracle knows the next token, 0 at the last position
+    assert vs["mean_kl"] == pytest.approx(math.log(VOCAB) * 11 / 12, rel=1e-3)
+    assert vs["max_abs_diff"] == 30.0 and vs["ref_max_abs"] == 30.0
+
+
+def test_compare_lm_says_what_is_wrong():
+    run, _ = _runner(UniformLM())
+    with pytest.raises(BadInputError, match=r"comparing causal LMs needs token windows \(input_ids\); 'synthetic' "
+                                            r"has \['input'\]"):
+        compare_lm(run, run, classifier_samples())
+    other = lambda feeds: [np.zeros((1, 12, VOCAB + 1), np.float32)]  # noqa: E731
+    with pytest.raises(BadInputError, match=r"logits \(1, 12, 50\) and reference logits \(1, 12, 51\) differ"):
+        compare_lm(run, other, _token_samples(windows(n=1)))

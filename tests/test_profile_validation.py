@@ -230,7 +230,7 @@ def _manifest(tmp_path, **over):
     ({"inputs": {"model": {"path": "m", "sha256": 5}}}, "inputs.model.sha256: must be a string, got 5"),
     ({"schema": SCHEMA_VERSION + 1}, f"schema: {SCHEMA_VERSION + 1} is not a manifest schema this edgekit reads"),
     ({"created": 20240101}, "created: must be a string, got 20240101 (quote it)"),
-    ({"colour": "red"}, "colour: unknown field (known: config, created, files, inputs, kind, machine, metrics,"),
+    ({"colour": "red"}, "colour: unknown field (known: config, contents, created, files, inputs, kind, machine, metrics,"),
 ])
 def test_manifest_fields_are_checked(tmp_path, over, message):
     mf = _manifest(tmp_path, **over)

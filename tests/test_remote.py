@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import importlib.util
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -85,8 +86,9 @@ LogLevel ERROR
 
 
 def _edgekit_cmd() -> str:
-    exe = Path(sys.executable).parent / "edgekit"
-    return str(exe) if exe.exists() else f"{sys.executable} -m edgekit.cli"
+    """The "device" runs this checkout's edgekit (sshd gives the command a fresh environment)."""
+    repo = Path(__file__).resolve().parents[1]
+    return f"env PYTHONPATH={shlex.quote(str(repo))} {shlex.quote(sys.executable)} -m edgekit.cli"
 
 
 def _host(sshd, **kw) -> RemoteHost:

@@ -103,6 +103,43 @@ def _gpt_neox() -> Any:
                                              eos_token_id=258, initializer_range=INIT_STD, tie_word_embeddings=False)
 
 
+def _mixtral() -> Any:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # 4 experts, top-2: each expert sees its own subset of the tokens
+    return MixtralForCausalLM, MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2,
+                                                       tie_word_embeddings=False))
+
+
+def _qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # routed experts plus a gated shared expert
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(**_common(num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=HIDDEN,
+                                                         shared_expert_intermediate_size=2 * HIDDEN,
+                                                         tie_word_embeddings=False))
+
+
+def _falcon() -> Any:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # Falcon-40B/180B style: new decoder architecture, grouped KV, parallel attention and MLP
+    return FalconForCausalLM, FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                           num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                           max_position_embeddings=128, bos_token_id=257, eos_token_id=258,
+                                           initializer_range=INIT_STD)
+
+
+def _llama4() -> Any:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    # Llama 4 text: MoE with a shared expert in every layer, chunked attention, no-rope layers
+    return Llama4ForCausalLM, Llama4TextConfig(**_common(head_dim=16, intermediate_size_mlp=2 * HIDDEN,
+                                                         num_local_experts=4, num_experts_per_tok=1,
+                                                         attention_chunk_size=64, tie_word_embeddings=False))
+
+
 def _bert() -> Any:
     from transformers import BertConfig, BertModel
 
@@ -115,8 +152,30 @@ DECODERS: dict[str, Callable[[], Any]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3,
     "phi3": _phi3, "gpt2": _gpt2, "opt": _opt, "gpt-neox": _gpt_neox,
 }
+# decoders the matrix meets with their own expectations (mixture of experts, Falcon's fused q/k/v)
+MORE_DECODERS: dict[str, Callable[[], Any]] = {
+    "mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "falcon": _falcon, "llama4": _llama4,
+}
 ENCODERS: dict[str, Callable[[], Any]] = {"bert": _bert}
 GEMMA = ("gemma2", "gemma3")  # their tokenizers add <bos>; their embeddings are scaled by sqrt(hidden)
+
+# Rotary scaling of every type transformers defines (transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS), as
+# config overrides of a decoder with head_dim 16: pretrained for ORIGINAL_CONTEXT positions, scaled 4x. Longrope's
+# short and long factors differ enough that taking one for the other shows in the logits.
+ORIGINAL_CONTEXT = 64
+_LONGROPE = {"short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}
+ROPE_SCALING: dict[str, dict[str, Any]] = {
+    "default": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT},
+    "linear": {"max_position_embeddings": ORIGINAL_CONTEXT, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "dynamic": {"max_position_embeddings": ORIGINAL_CONTEXT, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    "yarn": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT,
+             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT}},
+    "longrope": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT, "original_max_position_embeddings": ORIGINAL_CONTEXT,
+                 "rope_scaling": {"type": "longrope", **_LONGROPE}},  # Phi3Config wants exactly these keys
+    "llama3": {"max_position_embeddings": 4 * ORIGINAL_CONTEXT,
+               "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": ORIGINAL_CONTEXT}},
+}
 
 
 def byte_tokenizer(add_bos: bool = False) -> Any:
@@ -143,7 +202,7 @@ def build(family: str, seed: int = 0, **config: Any) -> Any:
     ``config`` overrides fields of its config (``sliding_window=8``)."""
     import torch
 
-    cls, cfg = {**DECODERS, **ENCODERS}[family]()
+    cls, cfg = {**DECODERS, **MORE_DECODERS, **ENCODERS}[family]()
     for key, value in config.items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)
@@ -199,3 +258,59 @@ def tiny_effnet() -> Any:
                        module=module, inputs=[InputSpec("input", ("batch", 3, 224, 224), "float32")],
                        outputs=["logits"], make_inputs=make_inputs, evaluator="agreement",
                        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, extra={"num_classes": 10})
+
+
+# --- the generated matrix: every causal LM class of the installed transformers ---------------------
+
+# The size fields transformers' configs use (each config takes those it knows): what makes a config tiny.
+TINY_FIELDS: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+    initializer_range=INIT_STD, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128, n_inner=2 * HIDDEN,
+    d_model=HIDDEN, ffn_dim=2 * HIDDEN, moe_intermediate_size=HIDDEN, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, pad_token_id=256, bos_token_id=257, eos_token_id=258)
+TINY_PARAMS = 2_000_000  # a config that stays larger than this with the fields above is not "tiny"
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type the installed transformers maps to a ``*ForCausalLM`` class (generated, not
+    hand-picked): the rows of the decoder conformance matrix."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0) -> Any:
+    """The ``*ForCausalLM`` of ``model_type`` built from its config with ``TINY_FIELDS`` (those it
+    takes), seeded random weights, eval mode; a string saying why instead when the config cannot be
+    made tiny (it fails to build, or stays over ``TINY_PARAMS`` parameters)."""
+    import inspect
+    import warnings
+
+    import torch
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    if cls is None:
+        return f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]} is not importable here"
+    config_cls = CONFIG_MAPPING[model_type]
+    taken = inspect.signature(config_cls.__init__).parameters
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = config_cls(**{k: v for k, v in TINY_FIELDS.items() if k in taken})
+            torch.manual_seed(seed)
+            model = cls(config).eval()
+    except Exception as e:  # a config whose other defaults do not fit the tiny sizes
+        return f"its config does not build at tiny sizes ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    n = sum(p.numel() for p in model.parameters())
+    if n > TINY_PARAMS:
+        return f"{n / 1e6:.1f}M parameters at the tiny sizes (fields it does not take keep it large)"
+    try:  # state-space models without their kernels ask for absurd buffers here, and fail at once
+        with torch.no_grad():
+            model(torch.arange(128).reshape(4, 32))  # the matrix's window shape
+    except Exception as e:
+        return f"the float model does not run at tiny sizes ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return model

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.compress.quality import QualityBounds, check_quality, compare, loosest, measure_reference
-from edgekit.errors import BadInputError, CheckFailedError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error_from
 from edgekit.export.onnx import register_rewrite_lookup
 from edgekit.export.packing import validate_packed
 from edgekit.progress import StepProgress
@@ -285,6 +285,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     >>> compress("efficientnet-lite0", [("int8", {"method": "ptq"})], "out/int8")  # doctest: +SKIP
     """
     from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, work_folder, write_manifest
+    from edgekit.sources.handle import stored_bytes
     from edgekit.sources.models import load_model
 
     if not steps:
@@ -295,7 +296,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs))
     protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
                getattr(ctx.reference, "source", None), getattr(ctx.inputs, "inputs", None))
-    check_output_dir(out_dir, protect)  # before hours of work
+    # Before hours of work: the folder, and room for the smallest compressed model (4-bit: an eighth).
+    check_output_dir(out_dir, protect, expected_bytes=stored_bytes(handle) / 8)
     if ctx.work_dir is None:
         ctx.work_dir = work_folder(out_dir)
     metrics: dict[str, Any] = {}
@@ -346,7 +348,10 @@ def save_model_files(handle: ModelHandle, folder: Path) -> dict[str, str]:
     if handle.module is not None:
         from safetensors.torch import save_model
 
-        save_model(handle.module, str(folder / "model.safetensors"))
+        try:
+            save_model(handle.module, str(folder / "model.safetensors"))
+        except Exception as e:  # safetensors' own error type wraps the OS error ("No space left ... (os error 28)")
+            raise os_error_from(e, folder / "model.safetensors") from None
         files["weights"] = "model.safetensors"
     if handle.onnx_path is not None and handle.module is None:
         import onnx

@@ -9,12 +9,14 @@ after the group's input is seen); finally it runs the quantized block to produce
 block's inputs. Memory holds one block's activations for all windows, never the whole model's.
 
 A pass to a group replays what is already final instead of recomputing it from the block's
-start: a probe forward of one sample (``BlockPlan``) finds the submodules whose output is one
+start: a probe forward of the first batch (``BlockPlan``) finds the submodules whose output is one
 linear's output (a decoder layer's attention returns ``o_proj(x)``, its MLP ``down_proj(x)``),
 so once the pass to ``o_proj`` has recorded its inputs, later passes run the attention as
 ``o_proj`` on them. With GPTAQ a float copy of the block runs beside it, pass for pass, giving
-every group's float inputs in the same step. The algorithms plug in as the ``visit_group``
-callback (``gptq.gptq_visit``, ``awq.awq_visit``); this module knows none of them.
+every group's float inputs in the same step; an expert of a mixture of experts sees only the
+tokens its router sends it, and its rows are paired token by token, found by exact row match
+(``row_positions``) against the router's input in each model. The algorithms plug in as the
+``visit_group`` callback (``gptq.gptq_visit``, ``awq.awq_visit``); this module knows none of them.
 """
 from __future__ import annotations
 
@@ -109,15 +111,33 @@ def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     return None, None
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # config fields naming the experts
+
+
+def expert_routers(module: nn.Module) -> list[str]:
+    """The routers of a mixture-of-experts model: linears named ``gate``/``router`` whose outputs
+    are one score per expert (``config.num_local_experts`` and its synonyms). They stay in float:
+    their few weights decide which experts run, and a 4-bit router changes the routing itself."""
+    cfg = getattr(hf_model(module), "config", None)
+    counts = {getattr(cfg, k, None) for k in EXPERT_COUNTS} - {None}
+    counts = {c for c in counts if isinstance(c, int) and c > 1}
+    if not counts:
+        return []
+    return [n for n, m in module.named_modules()
+            if isinstance(m, nn.Linear) and m.out_features in counts and n.rpartition(".")[2] in ("gate", "router")]
+
+
 def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
-    """(block prefix, blocks, name -> nn.Linear) of the linears inside the blocks, the LM head left out."""
+    """(block prefix, blocks, name -> nn.Linear) of the linears inside the blocks, the LM head and
+    mixture-of-experts routers (``expert_routers``) left out."""
     prefix, blocks = find_blocks(module)
     head, _ = head_layers(module)
+    skip = {head, *expert_routers(module)}
     names = {id(m): n for n, m in module.named_modules()}
     linears: dict[str, nn.Linear] = {}
     for b in blocks:
         for m in b.modules():
-            if isinstance(m, nn.Linear) and names[id(m)] != head:
+            if isinstance(m, nn.Linear) and names[id(m)] not in skip:
                 linears[names[id(m)]] = m
     return prefix, blocks, linears
 
@@ -168,7 +188,7 @@ class Tail(NamedTuple):
 
 @dataclass
 class BlockPlan:
-    """How one block runs, from a forward of one sample with hooks on every submodule: the walked
+    """How one block runs, from a forward of the first batch with hooks on every submodule: the walked
     linears grouped by shared input in execution order, and when each submodule started and ended,
     which is what tells a pass what it may replay instead of recomputing. Paths are relative to the
     block, so one plan serves the block and its float copy."""
@@ -183,9 +203,21 @@ class BlockPlan:
     tails: dict[str, Tail]
     output_elements: dict[str, int]  # recordable direct children -> tensor elements of the output, per sample
     input_elements: list[int]  # per group: elements of its input, per sample
+    routed: set[int]  # groups that see the tokens a router sends them (experts)
+    linears: list[str]  # every linear of the block, walked or not (routers), in module order
 
     def first(self, group: int) -> str:
         return self.groups[group][0]
+
+    def stop_step(self, group: int) -> int:
+        """The probe step at which group ``group``'s first linear started; for an expert the probe did
+        not reach, the step at which its nearest reached ancestor started."""
+        name = self.first(group)
+        while name:
+            if name in self.enter:
+                return self.enter[name]
+            name = name.rpartition(".")[0]
+        return 0
 
 
 class _Track:
@@ -196,8 +228,8 @@ class _Track:
     def __init__(self, block: nn.Module, data: list[Batch], budget: int, frozen: bool) -> None:
         self.block, self.data, self.budget = block, data, budget
         self.frozen = frozen  # the float copy: no weight of it ever changes
-        self.samples = sum(int(b[0][0].shape[0]) for b in data)
-        self.itemsize = data[0][0][0].element_size() if data else 4
+        self.samples = sum(int(_hidden(b).shape[0]) for b in data)
+        self.itemsize = _hidden(data[0]).element_size() if data else 4
         self.inputs: dict[int, list[torch.Tensor]] = {}  # group -> its input, per batch
         self.outputs: dict[str, list[Any]] = {}  # direct child -> its output, per batch
         self.held = 0  # bytes in the records
@@ -242,6 +274,7 @@ class BlockWalker:
         self.prefix, self.blocks = find_blocks(module)
         self.names = {id(m): n for n, m in module.named_modules()}
         self.linears: dict[str, nn.Linear] = {}
+        self._routers = expert_routers(module)
 
     def _capture_block0(self) -> list[Batch]:
         if not self.prefix:  # the whole model is the block: its inputs are the samples
@@ -275,7 +308,7 @@ class BlockWalker:
         return captured
 
     def _plan(self, block: nn.Module, batch: Batch) -> BlockPlan:
-        """Probe ``block`` on the first sample of ``batch``: groups, order of the submodules, tails."""
+        """Probe ``block`` on ``batch`` (the first): groups, order of the submodules, tails, routed groups."""
         rel = {id(m): n for n, m in block.named_modules() if n}
         walked = [n for n, m in block.named_modules() if n and isinstance(m, nn.Linear)
                   and self.names.get(id(m)) in self.linears]
@@ -305,8 +338,10 @@ class BlockWalker:
             if name:
                 hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
         try:
+            # the whole first batch, as captured: slicing to one sample would have to know every block's
+            # own state arguments (RWKV, recurrent Gemma, XLNet), and more samples reach more experts
             args, kw = batch
-            block(*tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), **_slice_kwargs(kw, 1))
+            block(*args, **kw)
         finally:
             for h in hooks:
                 h.remove()
@@ -320,6 +355,10 @@ class BlockWalker:
             else:
                 groups.append([name])
             last = x
+        # experts the probe batch was not routed to: one group each, in module order (their inputs
+        # come from whatever calibration tokens the router sends them, possibly none)
+        seen = {n for g in groups for n in g}
+        groups += [[n] for n in walked if n not in seen]
         group_of = {n: i for i, g in enumerate(groups) for n in g}
         inside = {n: [lin for lin in group_of if lin == n or lin.startswith(n + ".")]
                   for n, _m in block.named_modules() if n}
@@ -334,15 +373,27 @@ class BlockWalker:
                     tails[n] = Tail(lin, group_of[lin], 0)
                 elif isinstance(out, tuple) and out and out[0] is outputs[lin] and all(o is None for o in out[1:]):
                     tails[n] = Tail(lin, group_of[lin], len(out))
-        output_elements = {n: e for n in modules if "." not in n
+        per = max(1, int(_hidden(batch).shape[0]))  # samples in the probe batch
+        output_elements = {n: e // per for n in modules if "." not in n
                            and (e := _tensor_elements(outputs.get(n))) is not None}
         firsts = {g[0]: i for i, g in enumerate(groups)}
         input_elements = [0] * len(groups)
+        tokens = _hidden(batch).shape[:-1].numel()
+        reached: dict[str, torch.Size] = {}
         for name, x in order:
+            reached.setdefault(name, x.shape)
             if name in firsts:
-                input_elements[firsts[name]] = x.numel()
+                input_elements[firsts[name]] = x.numel() // per
+        # groups that see a subset of the tokens (mixture-of-experts experts): linears of the blocks
+        # of a ModuleList beside a router, or whose probe input is not one row per token
+        routers = {self.names.get(id(m)) for m in block.modules()} & set(self._routers)
+        lists = {n for n, m in block.named_modules() if isinstance(m, nn.ModuleList)}
+        routed = {i for i, g in enumerate(groups) if routers and (
+            g[0].rpartition(".")[0].rpartition(".")[0] in lists
+            or g[0] not in reached or reached[g[0]][:-1].numel() != tokens)}
+        linears = [n for n, m in block.named_modules() if n and isinstance(m, nn.Linear)]
         return BlockPlan(groups, group_of, modules, inside, enter, leave, calls, tails, output_elements,
-                         input_elements)
+                         input_elements, routed, linears)
 
     @torch.no_grad()
     def walk(self, linears: dict[str, nn.Linear], visit_group: GroupVisit,
@@ -353,7 +404,8 @@ class BlockWalker:
         self.linears = linears
         with float32_compute(self.module):
             data = self._capture_block0()
-        data = [(tuple(_upcast_half_tensor(a) for a in args), kw) for args, kw in data]
+        data = [(tuple(_upcast_half_tensor(a) for a in args), {k: _upcast_half_tensor(v) for k, v in kw.items()})
+                for args, kw in data]
         data_fp: list[Batch] | None = data if self.track_float else None  # the blocks before the first are not quantized
         if data_fp is not None and self.float_samples is not None:
             data_fp = data_fp[:max(1, -(-self.float_samples // self.batch_size))]
@@ -362,8 +414,8 @@ class BlockWalker:
             upcast_half(block)
             if not any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
                 if data_fp is not None:
-                    data_fp = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data_fp]
-                data = [((self._run(block, b),) + tuple(b[0][1:]), b[1]) for b in data]
+                    data_fp = [_with_hidden(b, self._run(block, b)) for b in data_fp]
+                data = [_with_hidden(b, self._run(block, b)) for b in data]
                 continue
             plan = self._plan(block, data[0])
             # the float copy is taken before any group of the block changes
@@ -374,7 +426,7 @@ class BlockWalker:
             for gi, rel_names in enumerate(plan.groups):
                 names = [f"{prefix}.{n}" if prefix else n for n in rel_names]
                 visit_group(bi, names, GroupInputs(self, plan, gi, tracks[0], tracks[1] if len(tracks) > 1 else None))
-            outs = [[((y,) + tuple(b[0][1:]), b[1]) for y, b in zip(self._pass(t, plan, None), t.data, strict=True)]
+            outs = [[_with_hidden(b, y) for y, b in zip(self._pass(t, plan, None), t.data, strict=True)]
                     for t in tracks]
             data = outs[0]
             if data_fp is not None:
@@ -386,21 +438,19 @@ class BlockWalker:
     @torch.no_grad()
     def groups(self, linears: dict[str, nn.Linear]) -> list[list[str]]:
         """The walk's groups of ``linears`` in every block (model paths), from the probe of each
-        block on the first calibration sample, without quantizing anything."""
+        block on the first calibration batch, without quantizing anything."""
         self.linears = linears
         batch = self._capture_block0()[0]
-        args, kw = batch
-        batch = (tuple(a[:1] if isinstance(a, torch.Tensor) else a for a in args), _slice_kwargs(kw, 1))
         out: list[list[str]] = []
         for block in self.blocks:
             prefix = self.names[id(block)]
             if any(isinstance(m, nn.Linear) and self.names[id(m)] in linears for m in block.modules()):
                 out += [[f"{prefix}.{n}" if prefix else n for n in g] for g in self._plan(block, batch).groups]
-            batch = ((self._run(block, batch),) + tuple(batch[0][1:]), batch[1])
+            batch = _with_hidden(batch, self._run(block, batch))
         return out
 
     def _budget(self, data: list[Batch]) -> int:
-        return int(self.reuse_factor * sum(b[0][0].numel() * b[0][0].element_size() for b in data))
+        return int(self.reuse_factor * sum(_hidden(b).numel() * _hidden(b).element_size() for b in data))
 
     def _run(self, block: nn.Module, batch: Batch) -> torch.Tensor:
         args, kw = batch
@@ -408,10 +458,18 @@ class BlockWalker:
 
     def _pass(self, track: _Track, plan: BlockPlan, target: int | None) -> Iterator[torch.Tensor]:
         """Per batch of ``track``: the input of group ``target`` (the block stops at its first linear),
-        or the block's output (``target`` None), replaying what the records allow."""
+        or the block's output (``target`` None), replaying what the records allow; batches that do
+        not reach ``target`` (tokens the router sent elsewhere) are left out."""
+        return (x for x in self._steps(track, plan, target) if x is not None)
+
+    def _steps(self, track: _Track, plan: BlockPlan, target: int | None,
+               watch: dict[str, torch.Tensor] | None = None) -> Iterator[torch.Tensor | None]:
+        """``_pass`` with one item per batch: None for a batch that does not reach ``target``. With
+        ``watch``, each batch first clears it, then fills it with the input of every linear of the
+        block the forward reaches (by path in the block; what runs is not replayed)."""
         groups = len(plan.groups)
         upto = groups if target is None else target
-        stop_at = None if target is None else plan.enter[plan.first(target)]
+        stop_at = None if target is None else plan.stop_step(target)
 
         def eligible(name: str) -> bool:
             return (plan.calls.get(name) == 1 and name in plan.leave
@@ -476,6 +534,11 @@ class BlockWalker:
                 for name in record:
                     hooks.append(track.block.get_submodule(name).register_forward_hook(
                         lambda _m, _a, out, name=name: new_outputs[name].append(_keep(out))))
+                if watch is not None:
+                    watch.clear()
+                    for name in plan.linears:
+                        hooks.append(track.block.get_submodule(name).register_forward_pre_hook(
+                            lambda _m, a, name=name: watch.setdefault(name, a[0].detach())))
                 if target is not None:
                     hooks.append(track.block.get_submodule(plan.first(target)).register_forward_pre_hook(stop))
                 try:
@@ -493,6 +556,8 @@ class BlockWalker:
                 if keep_input:
                     new_inputs.append(box[0])
                 yield box[0]
+            else:
+                yield None
         # a pass run to its end: its records are complete
         for name, outs in new_outputs.items():
             track.outputs[name] = outs
@@ -525,20 +590,91 @@ class GroupInputs:
         self.walker, self.plan, self.group = walker, plan, group
         self.track, self.float_track = track, float_track
         self.block, self.data = track.block, track.data
+        self.paired_rows = self.float_rows = 0  # routed groups: rows seen, rows with a float counterpart
 
     def __call__(self) -> Iterator[torch.Tensor]:
         return self.walker._pass(self.track, self.plan, self.group)
 
+    @property
+    def routed(self) -> bool:
+        """Whether the group sees a subset of the block's tokens (a mixture-of-experts expert)."""
+        return self.group in self.plan.routed
+
     def paired(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """``(x, x_float)`` per batch: the group's input here and in the unquantized model (needs a
         walker with ``track_float``); ``x_float`` is None for the batches beyond the float model's
-        (``float_samples``)."""
+        (``float_samples``). For a routed group (an expert) the rows are the tokens the router sends
+        it *here*; each is paired with the same token's input in the float model where the float
+        model has one (the float router may have chosen other tokens), else with itself (the plain
+        GPTQ objective for that token)."""
         if self.float_track is None:
             raise RuntimeError("paired inputs need BlockWalker(track_float=True)")
-        floats = self.walker._pass(self.float_track, self.plan, self.group)
-        carried = len(self.float_track.data)
+        if self.routed:
+            return self._paired_by_token(self.float_track)
+        return self._paired_by_position(self.float_track)
+
+    def _paired_by_position(self, float_track: _Track) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        floats = self.walker._pass(float_track, self.plan, self.group)
+        carried = len(float_track.data)
         for i, x in enumerate(self()):
             yield x, next(floats) if i < carried else None
+        for _ in floats:  # run the float pass to its end, which completes its records
+            pass
+
+    def _tokens(self, seen: dict[str, torch.Tensor], tokens: int) -> torch.Tensor | None:
+        """Token positions (among a batch's ``tokens`` flattened tokens) of this expert's rows, from the
+        linear inputs ``seen`` in one forward (the float model's or this one's): the expert's entry
+        layer's rows are exact copies of rows of a full-token layer's input (the router's), found by
+        match."""
+        first = self.plan.first(self.group)
+        rows = seen.get(first)
+        if rows is None:
+            return None
+        n = rows.reshape(-1, rows.shape[-1]).shape[0]
+        parent = first.rpartition(".")[0]
+        expert = [first] + [m for m in self.plan.linears if m != first and m.rpartition(".")[0] == parent]
+        for entry in expert:
+            x = seen.get(entry)
+            if x is None or x.reshape(-1, x.shape[-1]).shape[0] != n:
+                continue
+            x = x.reshape(-1, x.shape[-1])
+            for layer in self.plan.linears:
+                table = seen.get(layer)
+                if layer in expert or table is None or table.shape[-1] != x.shape[-1] \
+                        or table.shape[:-1].numel() != tokens:  # one row per token
+                    continue
+                idx = row_positions(x, table.reshape(-1, table.shape[-1]))
+                if idx is not None:
+                    return idx
+        return None
+
+    def _paired_by_token(self, float_track: _Track) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        seen: dict[str, torch.Tensor] = {}
+        float_seen: dict[str, torch.Tensor] = {}
+        floats = self.walker._steps(float_track, self.plan, self.group, float_seen)
+        carried = len(float_track.data)
+        for b, x in enumerate(self.walker._steps(self.track, self.plan, self.group, seen)):
+            fp = next(floats) if b < carried else None
+            if x is None:  # the router sent this expert no token of this batch
+                continue
+            x = x.reshape(-1, x.shape[-1])
+            self.paired_rows += x.shape[0]
+            if b >= carried:  # beyond the windows the float model runs for
+                yield x, None
+                continue
+            x_fp = x.clone()
+            if fp is not None:
+                tokens = _hidden(self.data[b]).shape[:-1].numel()
+                here, there = self._tokens(seen, tokens), self._tokens(float_seen, tokens)
+                if here is not None and there is not None:
+                    fp = fp.reshape(-1, x.shape[-1])
+                    where = torch.full((tokens,), -1, dtype=torch.long, device=x.device)
+                    where[there] = torch.arange(there.shape[0], device=x.device)
+                    match = where[here]
+                    hit = match >= 0
+                    x_fp[hit] = fp[match[hit]]
+                    self.float_rows += int(hit.sum())
+            yield x, x_fp
         for _ in floats:  # run the float pass to its end, which completes its records
             pass
 
@@ -599,6 +735,35 @@ def value_projection(module: nn.Module, names: list[str]) -> ValueProjection | N
     return None
 
 
+def _hidden(batch: Batch) -> torch.Tensor:
+    """The hidden states of a block's batch: its first positional argument, else its
+    ``hidden_states`` keyword (blocks called with keywords only)."""
+    args, kw = batch
+    x = args[0] if args else kw.get("hidden_states")
+    if not isinstance(x, torch.Tensor):
+        raise BadInputError("the block walk cannot find the hidden states among the block's arguments")
+    return x
+
+
+def _with_hidden(batch: Batch, hidden: torch.Tensor) -> Batch:
+    """``batch`` with ``hidden`` as its hidden states, where the block takes them (see ``_hidden``)."""
+    args, kw = batch
+    if args:
+        return (hidden,) + tuple(args[1:]), kw
+    return args, {**kw, "hidden_states": hidden}
+
+
+def row_positions(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """For each row of ``rows`` (n, d), the index of an identical row of ``table`` (N, d) (exact
+    equality: a gathered copy); None when some row is not in ``table``."""
+    both = torch.cat([table, rows])
+    _, inverse = torch.unique(both, dim=0, return_inverse=True)
+    where = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=rows.device)
+    where[inverse[:table.shape[0]]] = torch.arange(table.shape[0], device=rows.device)
+    idx = where[inverse[table.shape[0]:]]
+    return None if bool((idx < 0).any()) else idx
+
+
 def upcast_half(module: nn.Module) -> None:
     """Cast the bfloat16/float16 parameters and buffers of ``module`` to float32, in place (a block of
     a model stored in half precision, as the walk reaches it)."""
@@ -615,18 +780,6 @@ def _upcast_half_tensor(a: Any) -> Any:
     return a.float() if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) else a
 
 
-def _slice_kwargs(kw: dict[str, Any], n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in kw.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] > 1 and k != "cache_position":
-            out[k] = v[:n]
-        elif isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v):
-            out[k] = tuple(t[:n] if t.dim() > 0 and t.shape[0] > 1 else t for t in v)
-        else:
-            out[k] = v
-    return out
-
-
-__all__ = ["Batch", "BlockPlan", "BlockWalker", "upcast_half", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
+__all__ = ["EXPERT_COUNTS", "expert_routers", "row_positions", "Batch", "BlockPlan", "BlockWalker", "upcast_half", "GroupInputs", "GroupVisit", "Quantized", "ValueProjection", "check_blocks",
            "find_blocks", "head_layers", "linear_at", "quantizable_linears", "replace_module", "submodule",
            "value_projection"]

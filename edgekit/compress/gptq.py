@@ -39,7 +39,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, linear_at, value_projection
-from edgekit.compress.rtn import dequantize_groups, qparams, quantize_int
+from edgekit.compress.rtn import dequantize_groups, qparams, quantize_int, rtn_quantize
 from edgekit.export.packing import group_width, num_groups
 
 
@@ -502,10 +502,17 @@ def with_bits(config: GPTQOptions, bits: Mapping[str, int] | None, names: list[s
 
 
 def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
-               bits: Mapping[str, int] | None = None) -> GroupVisit:
+               bits: Mapping[str, int] | None = None, experts: dict[str, Any] | None = None) -> GroupVisit:
     """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
     then the weights onto the grid (only after every Hessian of the group saw float layers).
-    ``bits``: a bit width per linear, where it differs from ``config.bits`` (mixed precision)."""
+    ``bits``: a bit width per linear, where it differs from ``config.bits`` (mixed precision).
+
+    A group that saw no calibration token (a mixture-of-experts expert the router never chose)
+    has no Hessian: its layers are rounded to the nearest grid point (RTN) and their names listed
+    in ``experts["without_calibration_tokens"]``, for the step's report. A routed expert's GPTAQ
+    pairs are its own tokens (``GroupInputs.paired``): ``experts["routed_rows"]`` counts them,
+    ``experts["routed_rows_paired"]`` those the float model also sent to that expert."""
+    report = experts if experts is not None else {}
     def visit(_block: int, names: list[str], inputs: GroupInputs) -> None:
         cfg = with_bits(config, bits, names)
         linears = [linear_at(module, n) for n in names]
@@ -519,13 +526,23 @@ def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
                     pairs.add_batch(x)
                 else:
                     pairs.add_pair(x, x_fp)
-            weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, cfg.gptaq_alpha, cfg.damp)
-                       for n, w in weights.items()}
+            if inputs.paired_rows:
+                report["routed_rows"] = report.get("routed_rows", 0) + inputs.paired_rows
+                report["routed_rows_paired"] = report.get("routed_rows_paired", 0) + inputs.float_rows
+            if pairs.nsamples:
+                weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, cfg.gptaq_alpha, cfg.damp)
+                           for n, w in weights.items()}
         else:
             acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device, symmetric=True)
             for x in inputs():
                 acc.add_batch(x)
-        results.update(solve_group(module, names, weights, acc.H, inputs, cfg))
+        if acc.nsamples:
+            results.update(solve_group(module, names, weights, acc.H, inputs, cfg))
+        else:  # no token reached the group: nothing to weigh the columns by
+            for name, w in weights.items():
+                q, s, z = rtn_quantize(w, cfg.bits, cfg.group_size, cfg.sym)
+                results[name] = (q.cpu(), s.cpu(), z.cpu())
+            report.setdefault("without_calibration_tokens", []).extend(names)
         for name, lin in zip(names, linears):
             q, s, z = results[name]
             lin.weight.data.copy_(dequantize_groups(q, s, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))

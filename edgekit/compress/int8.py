@@ -55,7 +55,7 @@ from edgekit.compress.calibration import (
 from edgekit.compress.calibration import quality as quality_of
 from edgekit.compress.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8_gptq import round_model
-from edgekit.compress.int8_onnx import PLACEMENTS, quantize_onnx_handle  # the ONNX-graph path
+from edgekit.compress.int8_onnx import PLACEMENTS, eval_limit, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.quality import BOUNDS_8BIT
@@ -113,7 +113,8 @@ class Int8Config:
     equalize: cross-layer equalization before calibration (exact across ReLU only).
     bias_correction: correct each layer's output mean shift after weight quantization.
     qat_epochs, qat_lr, qat_batch_size, qat_max_steps, learnable_scales: QAT.
-    eval_samples: evaluation samples for the metrics (None: the whole eval split).
+    eval_samples: evaluation samples for the metrics (None: the whole eval split; for a causal LM
+        its first ``quality.EVAL_WINDOWS`` windows (8), compared token by token one window at a time).
     placement: where Q/DQ go when the model is quantized from its ONNX graph (ONNX-only
         models, and models torch.fx cannot trace, e.g. Hugging Face BERT): "auto" ("all" if
         the graph has a Conv, else "linear") | "linear" (only the inputs of MatMul/Gemm
@@ -363,7 +364,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     evaluator = handle.evaluator
     ev = None
     try:
-        ev = load_split(handle, ctx, "eval", config.eval_samples)
+        ev = load_split(handle, ctx, "eval", eval_limit(handle, config.eval_samples))
     except BadInputError:
         if ctx.eval is not None:
             raise

@@ -66,7 +66,9 @@ from edgekit.compress.calibration import (
     qparams,
     score,
 )
+from edgekit.compress.quality import EVAL_WINDOWS
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.evaluate import compare_lm
 from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.runtimes.onnxruntime import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples, resolve_samples
@@ -645,10 +647,18 @@ def _as_uint8(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
         else:
             dq.input[2] = name
     z = numpy_helper.to_array(inits[dq.input[2]]).astype(np.int16)
+    stale = {dq.input[0], dq.input[2]}  # their recorded int8 types (an exporter's value_info) no longer hold
+    kept = [vi for vi in graph.value_info if vi.name not in stale]
+    if len(kept) < len(graph.value_info):
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
     inits[dq.input[0]].CopyFrom(numpy_helper.from_array((q.astype(np.int16) + 128).astype(np.uint8), dq.input[0]))
     if len(consumers.get(dq.input[2], [])) != 1:  # a shared zero point: this weight gets its own
-        dq.input[2] = dq.input[2] + "_u8"
+        consumers[dq.input[2]].remove(dq)
+        dq.input[2] = dq.input[0] + "_zero_point_u8"  # the weight's name: used once, so unique
         graph.initializer.append(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
+        inits[dq.input[2]] = graph.initializer[-1]
+        consumers[dq.input[2]] = [dq]
     else:
         inits[dq.input[2]].CopyFrom(numpy_helper.from_array((z + 128).astype(np.uint8), dq.input[2]))
 
@@ -777,14 +787,19 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
         metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
     ev, on = comparison_samples(view, config, ctx, samples)
-    fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
     session = run.session if kernels is None or kernels == host_semantics() else session_for(dst, kernels)
-    got = run_graph(session, ev, names, fixed or 16, fixed is not None)
-    ref = run_graph(_float_session(src), ev, names, fixed or 16, fixed is not None)
     metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
-    metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
-                                                                         strict=True)}
-    metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
+    if handle.kind == "causal-lm" and "input_ids" in ev.inputs:  # token by token, one window at a time
+        lm = compare_lm(_session_runner(session, names), _session_runner(_float_session(src), names), ev)
+        metrics["outputs"] = {run.session.get_outputs()[0].name: {k: lm[k] for k in LM_DRIFT}}
+        metrics["int8"] = {k: v for k, v in lm.items() if k not in LM_DRIFT or k == "max_abs_diff"}
+    else:
+        fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
+        got = run_graph(session, ev, names, fixed or COMPARE_BATCH, fixed is not None)
+        ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
+        metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
+                                                                             strict=True)}
+        metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None
@@ -801,22 +816,42 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
 
 
 
+# The drift of the logits as ``output_drift`` reports an output's (compare_lm's per-window keys).
+LM_DRIFT = ("mean_cosine", "min_cosine", "max_abs_diff", "mean_abs_diff", "ref_max_abs")
+
+
+def eval_limit(handle: ModelHandle, eval_samples: int | None) -> int | None:
+    """How many eval samples the INT8 step compares on: ``eval_samples``, else every sample of the
+    split, except for a causal LM: its first ``EVAL_WINDOWS`` windows, the ones the compress gate
+    measures (an eval split holds thousands: 8,561 Wikipedia windows at 128 tokens)."""
+    if eval_samples is not None:
+        return int(eval_samples)
+    return EVAL_WINDOWS if handle.kind == "causal-lm" else None
+
+
+def _session_runner(session: Any, names: list[str]) -> Any:
+    return lambda feeds: session.run(None, {k: feeds[k] for k in names})
+
+
 def comparison_samples(view: ModelHandle, config: OnnxInt8Options, ctx: StepContext, calib: Samples) -> tuple[Samples, str]:
-    """Data to compare the INT8 graph with the float one on: the eval data (given, or the
-    model's default); else the eval split of the calibration source (disjoint from its calib
-    split); only when neither exists, the calibration samples themselves (said so)."""
+    """Data to compare the INT8 graph with the float one on (``eval_limit`` samples): the eval data
+    (given, or the model's default); else the eval split of the calibration source (disjoint from its
+    calib split); only when neither exists, the calibration samples themselves (said so)."""
+    limit = eval_limit(view, config.eval_samples)
     try:
-        return load_split(view, ctx, "eval", config.eval_samples), "eval data"
+        return load_split(view, ctx, "eval", limit), "eval data"
     except BadInputError:
         if ctx.eval is not None:
             raise
     if isinstance(ctx.calib, (str, os.PathLike)):
         try:
-            ev = resolve_samples(ctx.calib, view, "eval", config.eval_samples, None, ctx.seed)
+            ev = resolve_samples(ctx.calib, view, "eval", limit, None, ctx.seed)
         except BadInputError:
             ev = None
         if ev is not None and len(ev):
             return ev, f"the eval split of {ctx.calib} (disjoint from its calibration split)"
+    if limit is not None and len(calib) > limit:
+        calib = calib.subset(slice(0, limit))
     return calib, "the calibration samples (no held-out data given: pass eval data for an unbiased comparison)"
 
 
@@ -834,9 +869,15 @@ def run_graph(session: Any, samples: Samples, names: list[str], batch_size: int,
     return [np.concatenate(o) for o in outs]
 
 
+# Samples per run when comparing the INT8 graph with the float one: two sessions are alive at once,
+# each holding its largest batch's intermediates (a ResNet-50 at 224: ~25 MB per sample).
+COMPARE_BATCH = 4
+
+
 def _float_session(path: Path) -> Any:
     so = ort.SessionOptions()
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = False  # the reference runs once per batch: no arena kept beside the INT8 session's
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except ort_errors() as e:

@@ -118,14 +118,24 @@ def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.nda
     return f"the model's sample inputs ({n})", [{k: v for k, v in feeds.items() if k in names}]
 
 
-def _run(handle: ModelHandle, feeds: dict[str, np.ndarray]) -> torch.Tensor:
-    """The first output of the model (its PyTorch module, else its ONNX graph) as float32."""
+def _runner(handle: ModelHandle) -> Any:
+    """``feeds -> first output as float32 tensor`` of the model (its PyTorch module, else its ONNX graph,
+    loaded once for every window)."""
     try:
-        out = make_runner(handle)(feeds)[0]
+        run = make_runner(handle)
     except ort_errors() as e:  # an ONNX graph ONNX Runtime refuses: one line naming the node
         raise BadInputError(f"{handle.onnx_path or handle.name} does not load in ONNX Runtime: "
                             f"{ort_failure(e, handle.onnx_path)}") from None
-    return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+    def first_output(feeds: dict[str, np.ndarray]) -> torch.Tensor:
+        try:
+            out = run(feeds)[0]
+        except ort_errors() as e:
+            raise BadInputError(f"{handle.onnx_path or handle.name} does not run in ONNX Runtime: "
+                                f"{ort_failure(e, handle.onnx_path)}") from None
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+    return first_output
 
 
 def _token_nll(logits: torch.Tensor, ids: np.ndarray) -> np.ndarray:
@@ -140,9 +150,10 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     nll: list[np.ndarray] | None = [] if lm else None
     top, rows, index = [], [], []
     per_feed = max(1, COSINE_ROWS // len(feeds))
+    run = _runner(handle)
     for f in feeds:
         with float32_compute(handle.module) if handle.module is not None else nullcontext():
-            out = _run(handle, f)  # weights stored in half precision: float32 a layer at a time
+            out = run(f)  # weights stored in half precision: float32 a layer at a time
         if nll is not None:
             nll.append(_token_nll(out, f["input_ids"]))
         flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
@@ -160,8 +171,9 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
         own_memory(handle.module)
     nll: list[np.ndarray] = []
     agree, count, rows = 0, 0, []
+    run = _runner(handle)
     for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):
-        out = _run(handle, f)
+        out = run(f)
         if ref.nll is not None:
             nll.append(_token_nll(out, f["input_ids"]))
         flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)

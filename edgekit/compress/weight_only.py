@@ -17,6 +17,7 @@ walk moves on. transformers' ``Conv1D`` layers (GPT-2) are first swapped for the
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from edgekit.compress.blocks import (
     BlockWalker,
     Quantized,
     check_blocks,
+    expert_routers,
     find_blocks,
     head_layers,
     linear_at,
@@ -56,6 +58,8 @@ from edgekit.memory import float32_compute
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
+
+log = logging.getLogger(__name__)
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
 HEAD_CHOICES = ("int8", "int4", "none")
@@ -309,6 +313,19 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         raise UnavailableError("device 'cuda' asked for but CUDA is not available here (use --device cpu)")
     results: Quantized = {}
     info: dict[str, Any] = {"blocks": len(blocks), "block_prefix": prefix}
+    routers = expert_routers(module)
+    if routers:
+        info["routers_in_float"] = routers
+    # matrices of the blocks that are no nn.Linear (Llama 4's experts: one (experts, in, out) tensor):
+    # left in float, said in the report rather than silently
+    in_linears = {id(lin.weight) for lin in linears.values()}
+    unpacked = [f"{prefix}.{b_i}.{n}" for b_i, b in enumerate(blocks) for n, p in b.named_parameters()
+                if p.dim() >= 2 and id(p) not in in_linears and not n.endswith(tuple(f"{r.rpartition('.')[2]}.weight"
+                                                                                          for r in routers))]
+    if unpacked:
+        info["float_matrices"] = unpacked
+        log.warning("%d weight tensors of the blocks are not nn.Linear layers and stay in float (%s)", len(unpacked),
+                    ", ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
     if converted:
         info["conv1d_as_linear"] = len(converted)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -333,9 +350,17 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                              track_float=config.method == "gptq" and config.gptaq_alpha > 0,
                              reuse_factor=0.0 if config.method.startswith("awq") else 4.0,
                              float_samples=config.gptaq_windows)
-        visit = (gptq_visit if config.method == "gptq" else awq_visit)(module, config, results, bits)
+        experts: dict[str, Any] = {}  # mixture of experts: routed rows, experts no calibration token reached
+        visit = gptq_visit(module, config, results, bits, experts) if config.method == "gptq" else \
+            awq_visit(module, config, results, bits)
         walker.walk(linears, visit, None if after_block is None else lambda names: after_block(
             {n: results[n] for n in names}))
+        if experts:
+            info["experts"] = experts
+        unseen = experts.get("without_calibration_tokens", [])
+        if unseen:
+            log.warning("%d layers of experts saw no calibration token and were rounded to nearest (RTN): %s",
+                        len(unseen), ", ".join(unseen[:6]) + (" ..." if len(unseen) > 6 else ""))
         module.to("cpu")
         info["calib_windows"] = int(calib[0].shape[0])
         info["calib_tokens"] = int(calib[0].numel())
@@ -520,7 +545,9 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                            "float_bytes": float_bytes,
                            **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
                               if mixed is not None else {}),
-                           **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {})}
+                           **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {}),
+                           # what stayed in float and which experts calibration missed: in the report, not silent
+                           **{k: info[k] for k in ("routers_in_float", "float_matrices", "experts") if k in info}}
     if windows is not None and ppl_float is not None:
         ppl = _perplexity(handle, windows, ctx)
         ctx.metrics["int4"].update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),

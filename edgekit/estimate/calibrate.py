@@ -39,6 +39,7 @@ from edgekit.build import build_engine, load_engine
 from edgekit.errors import BadInputError, EdgekitError, UnavailableError
 from edgekit.estimate.efficiency import calibration_path, load_calibration, roofs_for
 from edgekit.estimate.graph import load_graph, strip_weights
+from edgekit.estimate.probe import probed_target
 from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate
 from edgekit.export.onnx import export_onnx
 from edgekit.profiling import ProfileConfig, measure, profile_engine
@@ -304,7 +305,7 @@ def calibrate(cases: list[Any], target: TargetLike = "cpu", *, threads: int | No
     >>> print(report.render())  # doctest: +SKIP
     """
 
-    tgt = load_target(target)
+    tgt, _ = probed_target(load_target(target))  # the cpu target: this machine's measured figures
     cases = [c if isinstance(c, CalibrationCase) else CalibrationCase(c) for c in cases]
     if measurements is None:
         if tgt.kind == "cpu":

@@ -117,6 +117,23 @@ def is_depthwise(node: Node) -> bool:
     return w is not None and w.shape is not None and len(w.shape) > 1 and w.shape[1] == 1
 
 
+def dot_k(node: Node) -> tuple[float, int] | None:
+    """(K, taps) of a convolution or matrix product as integer dot-product kernels see it (u8 x s8
+    summed four at a time: x86 vpmaddubsw/vpdpbusd, Arm sdot): a convolution's input channels per
+    group padded to a multiple of 4, times its taps (kernel positions; above 1 its input goes
+    through an im2col); a matrix product's K padded to 4, one tap. None for other nodes."""
+    if node.op in CONV_OPS:
+        w = _conv_weight(node)
+        if w is None or w.shape is None or len(w.shape) < 2:
+            return None
+        taps = math.prod(w.shape[2:])
+        return float(math.ceil(w.shape[1] / 4) * 4 * taps), taps
+    if node.op in MATMUL_OPS and node.inputs and node.inputs[0] is not None and node.inputs[0].shape:
+        k = node.inputs[0].shape[-1]
+        return (float(math.ceil(k / 4) * 4), 1) if isinstance(k, int) else None
+    return None
+
+
 def tensor_bits(graph: Graph) -> dict[str, float]:
     """Bits per element each tensor is read at, where that differs from its element type:
     the outputs of DequantizeLinear read the quantized tensor (engines fuse the DQ into the

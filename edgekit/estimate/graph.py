@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import helper
 
 from edgekit.artifact import read_manifest
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.export.onnx import export_onnx
 from edgekit.sources.models import load_model
+from edgekit.sources.onnx_file import read_onnx, sparse_to_initializers
 
 # ONNX element type -> bits per element
 ELEM_BITS = {1: 32, 2: 8, 3: 8, 4: 16, 5: 16, 6: 32, 7: 64, 9: 8, 10: 16, 11: 64, 12: 32, 13: 64, 16: 16,
@@ -126,10 +126,8 @@ def load_onnx(path: str | os.PathLike[str]) -> Any:
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if key in _GRAPH_CACHE:  # estimating one graph for many targets reads and parses it once
         return _GRAPH_CACHE[key]
-    try:
-        proto = onnx.load(str(p), load_external_data=False)
-    except (DecodeError, ValueError, OSError) as e:
-        raise BadInputError(f"{p} is not a valid ONNX model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    proto = read_onnx(p)  # the loader build uses: validated, external data inside the folder, input sizes bounded
+    sparse_to_initializers(proto, p)
     strip_weights(proto)
     while len(_GRAPH_CACHE) >= 2:
         _GRAPH_CACHE.pop(next(iter(_GRAPH_CACHE)))

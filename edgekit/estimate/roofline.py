@@ -4,7 +4,8 @@ The graph (``graph.py``: shapes from ONNX Runtime's symbolic shape inference) is
 into the kernels the target's runtime runs (``fusion.py``); each kernel's work
 (``cost.py``) meets the target's roofs (``efficiency.py``)::
 
-    compute = sum over its nodes of ops / (peak[precision] * eff[class] * shape_factor)
+    compute = sum over its nodes of ops / (rate * eff[class] * shape_factor)
+              (rate: the peak at the node's precision; on CPUs its class's kernel rate)
     memory  = bytes it reads and writes from outside / (cache or DRAM bandwidth)
     time    = max(compute, memory) + kernel overhead
 
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.estimate.cost import OP_CLASSES, Precision, node_cost, op_class, tensor_bits
+from edgekit.estimate.cost import OP_CLASSES, Precision, dot_k, node_cost, op_class, tensor_bits
 from edgekit.estimate.efficiency import Roofs, roofs_for, shape_factor
 from edgekit.estimate.fusion import DEFAULT_FUSION, FUSION_MODELS, FUSION_RUNTIMES, Fused, Kernel, fuse
 from edgekit.estimate.graph import Graph, load_graph, read_graph, strip_weights
+from edgekit.estimate.probe import probed_target
 from edgekit.estimate.uncertainty import estimate_range, op_mix
 from edgekit.profiling import LatencyStats, ProfileResult
 from edgekit.runtimes.base import NodeTiming
@@ -43,6 +45,8 @@ TIMINGS = ("gpu-compute", "end-to-end")
 TIMING_TEXT = {"gpu-compute": "GPU compute (the kernels alone, as trtexec's GPU Compute Time)",
                "end-to-end": "end to end through a Python predictor (kernels plus host copies of the inputs and "
                              "outputs)"}
+# A CPU engine's inputs and outputs already sit in host memory: both timings are the same run.
+CPU_TIMING_TEXT = "one session.run on this CPU (inputs and outputs in host memory, nothing to copy)"
 
 __all__ = ["ESTIMATE_NOTE", "OP_CLASSES", "Estimate", "NodeEstimate", "estimate", "load_graph", "op_class",
            "strip_weights"]
@@ -128,6 +132,7 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timing: str = "gpu-compute"  # what total_ms stands for (TIMINGS)
+    timing_text: str = ""  # the same in words, for the target's kind
     gpu_compute_ms: float = 0.0  # the kernels alone
     end_to_end_ms: float = 0.0  # the kernels plus io_ms
     reformat_ms: float = 0.0  # INT8 engines: reformats between INT8 and float (in the kernels' time)
@@ -180,7 +185,7 @@ class Estimate:
         lines = [f"{ESTIMATE_NOTE}: {self.model} on {self.target}, precision {self.precision}, batch {self.batch}"
                  + (f", dims {self.dims}" if self.dims else ""),
                  f"estimated latency {self.range_text()}, {self.bound}-bound overall",
-                 f"timing: {TIMING_TEXT[self.timing]}"
+                 f"timing: {self.timing_text or TIMING_TEXT[self.timing]}"
                  + (f"; {other}: {other_ms:.3f} ms (--timing {other})" if self.io_ms else ""),
                  f"range basis: {self.basis}",
                  f"{self.kernels} kernels after {self.runtime} fusions ("
@@ -239,7 +244,7 @@ def _float_precision(tgt: Target, precision: str | None) -> str:
 def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = None, batch: int = 1, *,
              dims: dict[str, int] | None = None, fuse: bool = True, runtime: str | None = None,
              efficiency: dict[str, float] | None = None, kernel_overhead_us: float | None = None,
-             calibrated: bool = True, timing: str = "gpu-compute") -> Estimate:
+             calibrated: bool = True, timing: str = "gpu-compute", probe: bool = True) -> Estimate:
     """Latency estimate of a model on a target, per kernel and in total, with its range.
 
     ``model_or_onnx``: an ONNX file, an edgekit folder, a model spec, a ``ModelHandle``
@@ -252,12 +257,17 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
     ``total_ms`` stands for (``TIMINGS``: the kernels alone, or end to end with host copies);
     both are in the estimate. ``precision="tf32"`` runs float layers on TF32 tensor cores (what
     TensorRT's "FP32" engines do on Ampere unless built with --noTF32); ``fp32`` is FP32 on
-    CUDA cores, what edgekit's TensorRT bundle builds for fp32.
+    CUDA cores, what edgekit's TensorRT bundle builds for fp32. The ``cpu`` target is this
+    machine as its probe measured it (``estimate.probe``: measured now if none is cached;
+    ``probe=False`` keeps the YAML's generic figures where none is cached).
 
     >>> est = estimate("model.onnx", "cpu")  # doctest: +SKIP
     >>> est.total_ms, est.low_ms, est.high_ms, est.basis  # doctest: +SKIP
     """
     tgt = load_target(target)
+    probe_warning = None
+    if probe:
+        tgt, probe_warning = probed_target(tgt)
     if batch < 1:
         raise BadInputError(f"batch must be >= 1, got {batch}")
     if timing not in TIMINGS:
@@ -283,7 +293,20 @@ def estimate(model_or_onnx: Any, target: TargetLike, precision: str | None = Non
         est.notes.append(f"fp32 is FP32 on CUDA cores, what edgekit's TensorRT bundle builds (trtexec --noTF32); "
                          f"published TensorRT \"FP32\" results usually ran TF32 (TensorRT's default on Ampere and "
                          f"newer): compare those with --precision tf32 ({tf32_ms:.3f} ms here)")
+    if tgt.kind == "cpu":
+        est.notes.append(cpu_note(tgt))
+        if probe_warning:
+            est.warnings.append(probe_warning)
     return est
+
+
+def cpu_note(tgt: Target) -> str:
+    """What a CPU estimate stands for: one thread, on which figures."""
+    figures = (f"this machine's figures measured by its probe ({tgt.probe})" if tgt.probe else
+               "the target's datasheet-derived figures (kernel rates = peaks x estimate.efficiency.KERNEL_REACH)"
+               if not tgt.kernel_rates else "the target's kernel rates")
+    return (f"CPU estimate for one intra-op thread (as `build --threads 1` runs and calibration measures), from "
+            f"{figures}")
 
 
 def _io_ms(graph: Graph, roofs: Roofs, prec: Precision) -> float:
@@ -505,11 +528,13 @@ def _kernel_estimate(k: Kernel, graph: Graph, costs: dict[int, Any], roofs: Roof
         c = costs[n.index]
         if not c.ops:
             continue
-        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(roofs, c.gemm, c.op_class == "depthwise-conv",
-                                                                      c.precision, c.channels)
+        eff = roofs.class_eff(c.op_class, c.precision) * shape_factor(
+            roofs, c.gemm, c.op_class == "depthwise-conv", c.precision, c.channels,
+            dot_k(n) if c.precision == "int8" and roofs.kind == "cpu" else None)
         if n is k.head:
             head_eff = eff
-        compute_s += c.ops / (roofs.peak(c.precision) * eff)
+        taps = c.gemm[3] if c.gemm and c.op_class == "depthwise-conv" else None  # depthwise: K = kh x kw
+        compute_s += c.ops / (roofs.rate(c.op_class, c.precision, taps) * eff)
     if k.pattern == "attention":  # a fused attention kernel runs at the attention factor as a whole
         eff = roofs.class_eff("attention", head.precision)
         compute_s = ops / (roofs.peak(head.precision) * eff)
@@ -642,7 +667,8 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
     memory = sum(n.memory_ms for n in runs)
     classes = _group(nodes, "op_class", total)
     mix = op_mix({c["op_class"]: c["time_ms"] for c in classes})
-    rng = estimate_range(total, tgt.name, tgt.kind, mix)
+    cpu_kind = tgt.int8_kernel.name if tgt.int8_kernel is not None else None
+    rng = estimate_range(total, tgt.name, tgt.kind, mix, cpu_kind=cpu_kind)
     dram = tgt.memory_bandwidth_gbs * 1e9
     crossover = {p: roofs.peak(p) / dram for p in tgt.precisions if dram > 0}
     return Estimate(
@@ -656,5 +682,7 @@ def _assemble(graph: Graph, fused: Fused, nodes: list[NodeEstimate], tgt: Target
         nodes=nodes, kernels=len(fused.kernels), fusions=dict(fused.counts), runtime=rt, op_mix=mix,
         op_types=_group(nodes, "op_type", total), op_classes=classes, stages=_group(nodes, "stage", total),
         unknown_ops=dict(unknown), efficiency=dict(roofs.eff), calibration=roofs.calibration, fuse=FUSION_MODELS[rt].fuses,
-        warnings=warnings, notes=notes, timing=timing, gpu_compute_ms=kernels_ms, end_to_end_ms=kernels_ms + io_ms,
+        warnings=warnings, notes=notes, timing=timing,
+        timing_text=CPU_TIMING_TEXT if tgt.kind == "cpu" and not io_ms else TIMING_TEXT[timing],
+        gpu_compute_ms=kernels_ms, end_to_end_ms=kernels_ms + io_ms,
         reformat_ms=sum(n.reformat_ms for n in runs), reformats=sum(1 for n in runs if n.reformat_ms))

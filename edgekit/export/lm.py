@@ -25,7 +25,9 @@ form (``input_ids, attention_mask, position_ids, past_key_values.{i}.key/value``
 ``logits, present.{i}.key/value``) with optimum's ONNX exporter, rewrites packed layers and
 checks parity against the PyTorch model (which dequantizes the same codes) and, for a
 compressed model, against the float model it came from (``check_against_float``) on a prefill and
-a one-token decode step.
+a one-token decode step; for a rotary model also far into the context (``check_long_context``:
+across every threshold its rope scaling declares, up to the end of its declared context). A graph
+that fails parity is not written (``CheckFailedError``).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import numpy as np
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
+from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
 from edgekit.memory import release_memory
 from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
@@ -535,12 +538,16 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
                                                              atol=atol, rtol=INT8_COMPUTE_RTOL)
         elif parity:
             metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
+        if parity and not metrics["parity"]["passed"]:  # nothing is written: a wrong graph is not an artifact
+            raise CheckFailedError(f"the exported graph of {handle.name} does not compute what the PyTorch model "
+                                   f"computes: {parity_failure(metrics['parity'])}")
         if parity and handle.steps and "parity_float" not in metrics:
             metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past)
+        context = declared_context(_hf_model(handle.module))
         write_manifest(folder, Manifest(
             kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
             model={**handle.describe(), "inputs": [{"name": n} for n in names],
-                   "outputs": outputs, "kv_cache": with_past},
+                   "outputs": outputs, "kv_cache": with_past, **({"context": context} if context else {})},
             steps=[{"name": s.name, "config": s.config, "meta": {k: v for k, v in s.meta.items() if k != "layers"}}
                    for s in handle.steps],
             config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset, "graph": graph,
@@ -558,17 +565,53 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
     except ImportError as e:
         raise UnavailableError(f"causal-LM export with the KV cache needs optimum-onnx: {e}") from None
     hf = _hf_model(handle.module)
+    cfg = hf.config
+    if cfg.model_type == "falcon" and getattr(cfg, "new_decoder_architecture", False) and \
+            getattr(cfg, "num_kv_heads", None) not in (None, cfg.num_attention_heads):
+        # optimum's Falcon configuration shapes the cache with one KV head per query head
+        raise traced_export_failure(cfg, RuntimeError(
+            f"its Falcon configuration assumes as many KV heads as query heads, this model has {cfg.num_kv_heads} "
+            f"for {cfg.num_attention_heads} (new_decoder_architecture, grouped KV)"))
     with tempfile.TemporaryDirectory(prefix="edgekit-lm-") as tmp:
         use_cache = hf.config.use_cache
         hf.config.use_cache = with_past
         try:
-            with torch.no_grad(), float_placeholders(handle.module):
+            # position-dependent rotary types (dynamic NTK, longrope) choose their rotation in the graph
+            with torch.no_grad(), float_placeholders(handle.module), traceable_rope(hf):
                 onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
                                        no_post_process=True)
+        except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise traced_export_failure(hf.config, e) from None
         finally:
             hf.config.use_cache = use_cache
         release_memory()  # the float placeholders and the exporter's own copies, before the graph loads
         return onnx.load(os.path.join(tmp, "model.onnx"))
+
+
+def traced_export_failure(config: Any, error: Exception) -> BadInputError:
+    """One line for an architecture neither graph can write: the model type, what is missing (no
+    fused graph, and what optimum's tracer said), and what does work (compress, PyTorch)."""
+    model_type = getattr(config, "model_type", "?")
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "unsupported architecture" in text or "not supported" in text:
+        why = "optimum's ONNX exporter has no configuration for it"
+    elif "assumes" in text:
+        why = f"optimum's ONNX exporter does not fit it: {text}"
+    else:
+        why = f"optimum's ONNX exporter fails on it ({type(error).__name__}: {text[:160]})"
+    _, fused_why = supports_fused_graph_for(config)
+    return BadInputError(f"cannot export model type {model_type!r} with the KV cache: {fused_why}, and {why}; "
+                         "its compressed PyTorch model is still usable (edgekit compress, evaluate)")
+
+
+def supports_fused_graph_for(config: Any) -> tuple[bool, str]:
+    """``supports_fused_graph`` from a config alone."""
+    class _Holder:
+        pass
+
+    holder = _Holder()
+    holder.config = config  # type: ignore[attr-defined]
+    return supports_fused_graph(holder)
 
 
 def _graph_block_size(proto: Any) -> list[int]:
@@ -640,8 +683,11 @@ def empty_past(sess: Any, batch: int = 1) -> dict[str, np.ndarray]:
     return feeds
 
 
-def lm_feeds(sess: Any, input_ids: np.ndarray, past: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Feeds for one forward: ``input_ids`` (b, t) after ``past`` (feeds of the previous present)."""
+def lm_feeds(sess: Any, input_ids: np.ndarray, past: dict[str, np.ndarray] | None = None,
+             start: int = 0) -> dict[str, np.ndarray]:
+    """Feeds for one forward: ``input_ids`` (b, t) after ``past`` (feeds of the previous present), at
+    positions ``start + past length`` onwards (``start``: where a sequence begins, for checks far into
+    the context without a long prompt)."""
     past = past if past is not None else empty_past(sess, input_ids.shape[0])
     plen = next(iter(past.values())).shape[2] if past else 0
     b, t = input_ids.shape
@@ -650,7 +696,8 @@ def lm_feeds(sess: Any, input_ids: np.ndarray, past: dict[str, np.ndarray] | Non
     if "attention_mask" in names:
         feeds["attention_mask"] = np.ones((b, plen + t), dtype=np.int64)
     if "position_ids" in names:
-        feeds["position_ids"] = np.broadcast_to(np.arange(plen, plen + t, dtype=np.int64), (b, t)).copy()
+        first = start + plen
+        feeds["position_ids"] = np.broadcast_to(np.arange(first, first + t, dtype=np.int64), (b, t)).copy()
     feeds.update({k: v for k, v in past.items() if k in names})
     return feeds
 
@@ -660,41 +707,125 @@ def presents_to_past(sess: Any, outputs: list[np.ndarray]) -> dict[str, np.ndarr
     return {n.replace("present", "past_key_values"): v for n, v in zip(names, outputs) if n.startswith("present")}
 
 
-def onnx_logits(sess: Any, ids: np.ndarray, prompt_len: int, with_past: bool) -> np.ndarray:
-    """Logits of ``ids`` through the session: a prefill of ``prompt_len`` tokens then one decode
-    step on the cache it returned (with past), else one forward."""
+def onnx_logits(sess: Any, ids: np.ndarray, prompt_len: int, with_past: bool, start: int = 0) -> np.ndarray:
+    """Logits of ``ids`` through the session: a prefill of ``prompt_len`` tokens then one-token decode
+    steps on the cache (with past; positions from ``start``), else one forward."""
     if with_past:
-        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len]))
-        step = sess.run(None, lm_feeds(sess, ids[:, prompt_len:], presents_to_past(sess, out)))
-        return np.concatenate([out[0], step[0]], axis=1)
+        out = sess.run(None, lm_feeds(sess, ids[:, :prompt_len], start=start))
+        logits = [out[0]]
+        for k in range(prompt_len, ids.shape[1]):
+            out = sess.run(None, lm_feeds(sess, ids[:, k:k + 1], presents_to_past(sess, out), start=start))
+            logits.append(out[0])
+        return np.concatenate(logits, axis=1)
     return sess.run(None, {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids)}.items()
                            if k in {i.name for i in sess.get_inputs()}})[0]
 
 
+def torch_logits(hf: Any, ids: np.ndarray, prompt_len: int, start: int = 0) -> np.ndarray:
+    """Logits of ``ids`` through transformers as ``generate`` runs it: a prefill of ``prompt_len`` tokens
+    at positions ``start`` onwards, then one-token steps on its own KV cache, from a fresh rotary state
+    (position-dependent rotary types choose each step's rotation from its position)."""
+    import torch
+    from transformers import DynamicCache
+
+    reset_rope_state(hf)
+    t = torch.from_numpy(ids)
+    cache = DynamicCache()
+    logits = []
+    with torch.no_grad():
+        for lo, hi in [(0, prompt_len)] + [(k, k + 1) for k in range(prompt_len, ids.shape[1])]:
+            positions = torch.arange(start + lo, start + hi).expand(ids.shape[0], -1)
+            out = hf(input_ids=t[:, lo:hi], attention_mask=torch.ones(ids.shape[0], hi, dtype=torch.int64),
+                     position_ids=positions, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits.float())
+    reset_rope_state(hf)
+    return torch.cat(logits, 1).numpy()
+
+
+# Decode steps after each prefill of the long-context checks (the first crosses the position a prefill ends at).
+LONG_CHECK_DECODE = 2
+
+
+def check_long_context(handle: Any, sess: Any, ids: np.ndarray, *, prompt_len: int, atol: float,
+                       rtol: float) -> dict[str, Any] | None:
+    """Parity far into the context, where rotary scaling changes what a position computes: for each
+    threshold the config declares (dynamic NTK's ``max_position_embeddings``, longrope's and the
+    scalings' ``original_max_position_embeddings``), a prefill ending at it whose decode steps cross it
+    and a prefill starting at it, and a prefill whose decode steps reach the end of the declared
+    context (``rope.check_starts``). Short prompts placed there by their position ids, so a
+    128k-context model costs what a 16-token check costs. None for a model without rotary embedding
+    or a graph without position ids."""
+    hf = _hf_model(handle.module)
+    spec = model_rope(hf)
+    if spec is None or "position_ids" not in {i.name for i in sess.get_inputs()}:
+        return None
+    starts = check_starts(spec, prompt_len, LONG_CHECK_DECODE)
+    worst_abs, worst_rel, agree, count = 0.0, 0.0, 0, 0
+    passed = True
+    for start in starts:
+        ref = torch_logits(hf, ids, prompt_len, start)
+        got = onnx_logits(sess, ids, prompt_len, True, start)
+        diff = float(np.abs(got - ref).max())
+        scale = float(np.abs(ref).max())
+        worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / max(scale, 1e-12))
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        count += got.shape[0] * got.shape[1]
+        passed &= diff <= atol + rtol * scale
+    return {"rope_type": spec.rope_type, "thresholds": list(spec.thresholds), "context": spec.context,
+            "starts": starts, "tokens_each": int(ids.shape[1]), "max_abs_diff": worst_abs, "max_rel_diff": worst_rel,
+            "argmax_agreement": agree / max(count, 1), "passed": bool(passed)}
+
+
+def parity_failure(report: dict[str, Any]) -> str:
+    """What a failed ``check_lm_parity`` report found, in one line."""
+    tol = f"atol {report['atol']:g} + rtol {report['rtol']:g} x the largest logit"
+    parts = []
+    if report["max_abs_diff"] > report["atol"] + report["rtol"] * report["largest_logit"]:
+        parts.append(f"a {report['tokens'] - 1}-token prefill and a decode step differ by {report['max_abs_diff']:.3g} "
+                     f"(relative {report['max_rel_diff']:.3g}; {tol})")
+    bound = report.get("io_binding", {}).get("max_abs_diff_to_plain_loop", 0.0)
+    if bound > report["atol"]:
+        parts.append(f"the IO-bound KV-cache loop differs from the plain loop by {bound:.3g}")
+    long = report.get("long_context")
+    if long and not long["passed"]:
+        parts.append(f"far into the context ({long['rope_type']} rotary, thresholds {long['thresholds']}, checked "
+                     f"from positions {long['starts']}) the logits differ by {long['max_abs_diff']:.3g} (relative "
+                     f"{long['max_rel_diff']:.3g}, top-1 agreement {long['argmax_agreement']:.2f}; {tol})")
+    return "; ".join(parts) or f"parity report {report}"
+
+
 def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True, prompt_len: int = 16,
                     atol: float = 2e-3, rtol: float = 2e-3) -> dict[str, Any]:
-    """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step."""
+    """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step, and
+    (with past, for rotary models) far into the context (``check_long_context``)."""
     import torch
 
     sess = lm_session(onnx_path, threads=2, fp32_compute=True)
-    feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
-    ids = feeds["input_ids"][:, : prompt_len + 1]
+    feeds = handle.sample_inputs(1, sequence=prompt_len + LONG_CHECK_DECODE)
+    ids = feeds["input_ids"][:, : prompt_len + LONG_CHECK_DECODE]
+    short = ids[:, : prompt_len + 1]
     with torch.no_grad():
-        ref = handle.module(torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids))).float().numpy()
+        ref = handle.module(torch.from_numpy(short), torch.ones_like(torch.from_numpy(short))).float().numpy()
     report: dict[str, Any] = {"atol": atol, "rtol": rtol}
-    got = onnx_logits(sess, ids, prompt_len, with_past)
+    got = onnx_logits(sess, short, prompt_len, with_past)
     diff = np.abs(got - ref)
     scale = np.abs(ref).max()
     report.update({"max_abs_diff": float(diff.max()), "max_rel_diff": float(diff.max() / max(scale, 1e-12)),
                    "argmax_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
-                   "tokens": int(ids.shape[1])})
+                   "tokens": int(short.shape[1]), "largest_logit": float(scale)})
     report["passed"] = bool(report["max_abs_diff"] <= atol + rtol * scale)
     if with_past:  # the IO-bound loop (in-place KV cache where the graph allows it) must give the same logits
         decoder = KVCacheDecoder(sess, max_length=prompt_len + 8)
-        bound = np.concatenate([decoder.forward(ids[:, :prompt_len]), decoder.forward(ids[:, prompt_len:])], axis=1)
+        bound = np.concatenate([decoder.forward(short[:, :prompt_len]), decoder.forward(short[:, prompt_len:])],
+                               axis=1)
         report["io_binding"] = {"kv_cache": "in place (shared buffer)" if decoder.shared else "bound presents",
                                 "max_abs_diff_to_plain_loop": float(np.abs(bound - got).max())}
         report["passed"] = report["passed"] and bool(np.abs(bound - got).max() <= atol)
+        long = check_long_context(handle, sess, ids, prompt_len=prompt_len, atol=atol, rtol=rtol)
+        if long is not None:
+            report["long_context"] = long
+            report["passed"] = report["passed"] and long["passed"]
     if not report["passed"]:
         log.warning("LM parity failed: %s", report)
     return report

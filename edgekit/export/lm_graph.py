@@ -13,7 +13,11 @@ writes the graph ONNX Runtime's GenAI model builder writes, from edgekit's packe
   (packed rows concatenated: exact, no re-quantization), one each for o and down;
 * ``com.microsoft::GroupQueryAttention`` with the rotary embedding inside (``do_rotary``) and the
   KV cache as ``past``/``present`` (BNSH); fed a past buffer of the maximum length and bound to
-  the same memory as its present output, it appends in place (no copy per step);
+  the same memory as its present output, it appends in place (no copy per step). Its cos/sin
+  tables come from the model's rotary module (``rope.py``): a fixed type's tables cover the
+  context the config declares and are folded as the session loads; dynamic NTK and longrope
+  choose their ``inv_freq`` from ``max(position_ids) + 1`` in the graph each forward, as
+  transformers does, and compute the rows of that forward's positions;
 * ``com.microsoft::QuickGelu`` with ``alpha = 1`` (x * sigmoid(x): SiLU) for the gate, or
   ``com.microsoft::FastGelu`` (the tanh approximation) for Gemma's ``gelu_pytorch_tanh``;
 * the LM head as ``MatMulNBits`` (the packed 8-bit or 4-bit head) or a float MatMul, the
@@ -50,6 +54,14 @@ from torch import nn
 
 from edgekit.errors import BadInputError
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
+from edgekit.export.rope import (
+    RopeSpec,
+    check_exportable,
+    dynamic_ntk_constants,
+    fixed_inv_freq,
+    longrope_inv_freqs,
+    module_spec,
+)
 from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
 
 
@@ -85,7 +97,7 @@ ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
 MS = "com.microsoft"
-MIN_ROTARY_POSITIONS = 4096  # rows of the cos/sin caches for models trained on shorter sequences
+MIN_ROTARY_POSITIONS = 4096  # rows of fixed cos/sin tables for models declaring shorter contexts
 
 
 @dataclass(frozen=True)
@@ -127,9 +139,10 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     body = getattr(hf_model, "model", None)
     if arch.local_rotary and getattr(body, "rotary_emb_local", None) is None:
         return False, "the model has no local rotary embedding (model.rotary_emb_local)"
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", "linear", "llama3"):
-        return False, f"rope scaling {scaling!r} is not supported by the fused graph"
+    try:  # every rotary type transformers defines is written (position-dependent ones chosen in the graph)
+        check_exportable(hf_model)
+    except BadInputError as e:
+        return False, str(e)
     for name, m in hf_model.named_modules():
         if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
             return False, f"{name} has {m.bits}-bit weights (the fused graph takes {KERNEL_BITS})"
@@ -309,21 +322,93 @@ def _shared_embedding(w: _Writer, emb: QuantEmbedding, head: QuantLinear, out: s
                [out], "embed/slice")
 
 
-def _rotary_caches(w: _Writer, attn_rotary: Any, max_positions: int, suffix: str = "") -> None:
-    """``cos_cache{suffix}`` / ``sin_cache{suffix}`` (max_positions, rotary_dim / 2) from the model's own
-    rotary embedding, computed in the graph as the model computes them (float32 positions times its
-    ``inv_freq``, times its ``attention_scaling``): ONNX Runtime folds them once as the session
-    loads, and the file carries ``inv_freq`` instead of two tables per rotary base."""
-    inv_freq = attn_rotary.inv_freq.detach().float().cpu().numpy()  # (rotary_dim / 2,)
-    scale = float(getattr(attn_rotary, "attention_scaling", 1.0))
+def _rotary_caches(w: _Writer, rotary: Any, suffix: str = "") -> None:
+    """``cos_cache{suffix}`` / ``sin_cache{suffix}`` (rows, rotary_dim / 2) for GroupQueryAttention, from the
+    model's own rotary embedding: a fixed type's tables, or a position-dependent type's computed each
+    forward (``_runtime_rotary``)."""
+    spec = module_spec(rotary)
+    if spec.by_position:
+        _runtime_rotary(w, rotary, spec, suffix)
+        return
+    inv_freq, scale = fixed_inv_freq(rotary)
+    # every position of the declared context (and the traced graph's reach on short-context models)
+    _fixed_rotary(w, inv_freq.numpy(), scale, max(spec.context, MIN_ROTARY_POSITIONS), suffix)
+
+
+def _fixed_rotary(w: _Writer, inv_freq: np.ndarray, scale: float, rows: int, suffix: str) -> None:
+    """The tables of a fixed rotary, computed in the graph as the model computes them (float32 positions
+    times ``inv_freq``, cos and sin, times the attention scaling): ONNX Runtime folds them once as the
+    session loads, and the file carries ``inv_freq`` instead of two tables per rotary base."""
     n = f"rotary{suffix}"
-    positions = w.init("rotary.positions", np.arange(max_positions, dtype=np.float32)[:, None], shared=True)
+    positions = w.init(f"rotary.positions{rows}", np.arange(rows, dtype=np.float32)[:, None], shared=True)
     freqs = w.node("Mul", [positions, w.init(f"{n}.inv_freq", inv_freq)], [f"{n}/freqs"], f"{n}/freqs")[0]
+    _cos_sin(w, freqs, scale, suffix)
+
+
+def _cos_sin(w: _Writer, freqs: str, scale: float, suffix: str, out: str = "cache") -> list[str]:
+    n = f"rotary{suffix}"
+    made = []
     for fn in ("Cos", "Sin"):
-        out = f"{fn.lower()}_cache{suffix}"
-        raw = w.node(fn, [freqs], [out if scale == 1.0 else f"{n}/{fn.lower()}"], f"{n}/{fn.lower()}")[0]
+        name = f"{fn.lower()}_{out}{suffix}"
+        raw = w.node(fn, [freqs], [name if scale == 1.0 else f"{n}/{fn.lower()}"], f"{n}/{fn.lower()}")[0]
         if scale != 1.0:
-            w.node("Mul", [raw, w.init(f"{n}/scale", np.array(scale, np.float32))], [out], f"{n}/{fn.lower()}_scale")
+            raw = w.node("Mul", [raw, w.init(f"{n}/scale", np.array(scale, np.float32), shared=True)], [name],
+                         f"{n}/{fn.lower()}_scale")[0]
+        made.append(raw)
+    return made
+
+
+def _runtime_rotary(w: _Writer, rotary: Any, spec: RopeSpec, suffix: str) -> None:
+    """The tables of a position-dependent rotary (dynamic NTK, longrope), chosen each forward as
+    transformers' ``dynamic_rope_update`` chooses them: from ``L = max(position_ids) + 1``, longrope's
+    long factors where ``L`` exceeds its threshold (else the short ones), dynamic NTK's base grown for
+    ``max(L, max_position_embeddings)``. Only the rows of this forward's positions are computed (a few
+    per decode step); the rows below them, which GroupQueryAttention does not read, are zeros, and the
+    tables are as long as the attention requires (the sequence, the KV buffer), so any position works."""
+    n = f"rotary{suffix}"
+    i64 = lambda name, v: w.init(f"{n}/{name}", np.array(v, np.int64), shared=True)  # noqa: E731
+    f32 = lambda name, v: w.init(f"{n}/{name}", np.array(v, np.float32), shared=True)  # noqa: E731
+    low = w.node("ReduceMin", ["position_ids"], [f"{n}/low"], f"{n}/low", keepdims=0)[0]
+    top = w.node("ReduceMax", ["position_ids"], [f"{n}/top"], f"{n}/top", keepdims=0)[0]
+    seq_len = w.node("Add", [top, i64("one", 1)], [f"{n}/seq_len"], f"{n}/seq_len")[0]
+    if spec.rope_type == "longrope":
+        short, long, scale = longrope_inv_freqs(rotary)
+        is_long = w.node("Greater", [seq_len, i64("threshold", spec.threshold)], [f"{n}/is_long"], f"{n}/is_long")[0]
+        inv_freq = w.node("Where", [is_long, w.init(f"{n}.long_inv_freq", long.numpy()),
+                                    w.init(f"{n}.short_inv_freq", short.numpy())], [f"{n}/inv_freq"],
+                          f"{n}/inv_freq")[0]
+    else:  # dynamic NTK, in the float32 operations of transformers' _compute_dynamic_ntk_parameters
+        base, factor, max_pos, exponent, steps = dynamic_ntk_constants(rotary)
+        scale = 1.0
+        length = w.node("Max", [seq_len, i64("max_pos", max_pos)], [f"{n}/length"], f"{n}/length")[0]
+        x = w.node("Cast", [length], [f"{n}/length_f"], f"{n}/length_f", to=TensorProto.FLOAT)[0]
+        x = w.node("Mul", [x, f32("factor", factor)], [f"{n}/scaled"], f"{n}/scaled")[0]
+        x = w.node("Div", [x, f32("max_pos_f", max_pos)], [f"{n}/ratio"], f"{n}/ratio")[0]
+        x = w.node("Sub", [x, f32("factor_m1", factor - 1)], [f"{n}/stretch"], f"{n}/stretch")[0]
+        x = w.node("Pow", [x, f32("exponent", exponent)], [f"{n}/growth"], f"{n}/growth")[0]
+        x = w.node("Mul", [f32("theta", base), x], [f"{n}/grown_base"], f"{n}/grown_base")[0]
+        x = w.node("Pow", [x, w.init(f"{n}.steps", steps.numpy())], [f"{n}/wavelength"], f"{n}/wavelength")[0]
+        inv_freq = w.node("Div", [f32("one_f", 1.0), x], [f"{n}/inv_freq"], f"{n}/inv_freq")[0]
+    # this forward's rows: positions low .. L - 1
+    rng = w.node("Range", [low, seq_len, i64("one", 1)], [f"{n}/range"], f"{n}/range")[0]
+    pos = w.node("Cast", [rng], [f"{n}/range_f"], f"{n}/range_f", to=TensorProto.FLOAT)[0]
+    pos = w.node("Unsqueeze", [pos, w.init(f"{n}/col", np.array([1], np.int64))], [f"{n}/positions"],
+                 f"{n}/positions")[0]
+    freqs = w.node("Mul", [pos, inv_freq], [f"{n}/freqs"], f"{n}/freqs")[0]
+    cos, sin = _cos_sin(w, freqs, scale, suffix, out="rows")
+    # rows needed: every position (L), the sequence (total) and the KV buffer (past) GroupQueryAttention checks
+    shape1 = i64("shape1", [1])
+    lens = [w.node("Reshape", [seq_len, shape1], [f"{n}/seq_len1"], f"{n}/seq_len1")[0],
+            w.node("Reshape", ["total_i64", shape1], [f"{n}/total1"], f"{n}/total1")[0],
+            w.node("Shape", ["past_key_values.0.key"], [f"{n}/past1"], f"{n}/past1", start=2, end=3)[0]]
+    lens_all = w.node("Concat", lens, [f"{n}/lens"], f"{n}/lens", axis=0)[0]
+    rows = w.node("ReduceMax", [lens_all], [f"{n}/rows"], f"{n}/rows", keepdims=1)[0]
+    after = w.node("Sub", [rows, lens[0]], [f"{n}/after"], f"{n}/after")[0]
+    low1 = w.node("Reshape", [low, shape1], [f"{n}/low1"], f"{n}/low1")[0]
+    zero1 = i64("zero1", [0])
+    pads = w.node("Concat", [low1, zero1, after, zero1], [f"{n}/pads"], f"{n}/pads", axis=0)[0]
+    for table, fn in ((cos, "cos"), (sin, "sin")):
+        w.node("Pad", [table, pads], [f"{fn}_cache{suffix}"], f"{n}/{fn}_pad", mode="constant")
 
 
 def _embedding_scale(emb: Any, cfg: Any, arch: Arch) -> float:
@@ -469,11 +554,9 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
     rotary = getattr(body, "rotary_emb", None)
     if rotary is None:
         raise BadInputError("the model has no rotary embedding module (model.rotary_emb)")
-    # positions past the trained length still get their rotation (as in the traced graph), up to a floor
-    positions = max(int(cfg.max_position_embeddings), MIN_ROTARY_POSITIONS)
-    _rotary_caches(w, rotary, positions)
+    _rotary_caches(w, rotary)
     if arch.local_rotary and any(_window(cfg, i) for i in range(n_layers)):  # sliding layers: their own base
-        _rotary_caches(w, body.rotary_emb_local, positions, "_local")
+        _rotary_caches(w, body.rotary_emb_local, "_local")
     attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
     final_softcap = getattr(cfg, "final_logit_softcapping", None)
 

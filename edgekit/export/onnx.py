@@ -33,10 +33,11 @@ from edgekit import interrupts
 from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
 from edgekit.export.parity import check_parity, module_device
+from edgekit.export.rope import traceable_rope
 from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
 from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
-from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import load_model
 
@@ -124,7 +125,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
         check_output_dir(out_dir, (model,))  # before loading: a zoo model may be trained on first use
     handle = load_model(model, input_options)
     protect = (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))  # never touched
-    check_output_dir(out_dir, protect)  # before any work
+    check_output_dir(out_dir, protect, expected_bytes=stored_bytes(handle))  # before any work, with room for it
     inputs = _input_records(model, handle)
     t0 = time.perf_counter()
     steps = [dataclasses.asdict(s) for s in handle.steps]
@@ -143,7 +144,8 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
                          "export_seconds": round(time.perf_counter() - t0, 3)}))
         return out_dir
 
-    proto, exporter = _trace(handle, config)
+    with traceable_rope(handle.module):  # dynamic NTK and longrope choose their rotation in the graph
+        proto, exporter = _trace(handle, config)
     proto = _apply_rewrites(proto, handle, rewrites)
     trace_s = time.perf_counter() - t0
     failed = failed_path or Path(f"{out_dir}.failed.onnx")
@@ -258,7 +260,13 @@ def _trace(handle: ModelHandle, config: ExportConfig) -> tuple[Any, str]:
     try:
         return _trace_legacy(module, args, handle, config), "legacy"
     except Exception as e:
-        raise BadInputError(f"cannot export {handle.name!r} to ONNX: {type(e).__name__}: {_first_line(e)}") from None
+        hf_config = handle.extra.get("hf_config") or {}
+        experts = [hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        if any(isinstance(n, int) and n > 1 for n in experts):  # the usual cause, named where it applies
+            why = (f"its mixture-of-experts layers ({hf_config.get('model_type')!r}) route each token through a "
+                   f"data-dependent loop over experts, which neither ONNX exporter traces ({why})")
+        raise BadInputError(f"cannot export {handle.name!r} to ONNX: {why}") from None
 
 
 def _batch_dynamic(handle: ModelHandle) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from edgekit.export.rope import model_rope, reset_rope_state
 from edgekit.runtimes.int8_kernels import describe_semantics, session_for
 from edgekit.sources.handle import ModelHandle
 
@@ -56,6 +57,7 @@ class OutputError:
 class ParityReport:
     errors: list[OutputError] = field(default_factory=list)
     batches: tuple[int, ...] = (1,)
+    notes: list[str] = field(default_factory=list)  # what was checked beyond the sample inputs, or not
     kernels: str = ""  # what ran the graph (``describe_semantics``)
 
     @property
@@ -78,7 +80,8 @@ class ParityReport:
         return {"passed": self.passed, "batches": list(self.batches), "kernels": self.kernels, "outputs": per_output,
                 "worst": worst.name if worst else None,
                 "max_abs_error": max((e.max_abs for e in self.errors), default=0.0),
-                "max_rel_error": max((e.max_rel for e in self.errors), default=0.0)}
+                "max_rel_error": max((e.max_rel for e in self.errors), default=0.0),
+                **({"notes": self.notes} if self.notes else {})}
 
     def message(self) -> str:
         w = self.worst
@@ -162,15 +165,48 @@ def check_parity(onnx_path: str | os.PathLike[str], handle: ModelHandle, atol: f
         batches = (1,)
     names = [s.name for s in handle.inputs]
     report = ParityReport(batches=tuple(batches), kernels=describe_semantics(semantics))
-    for b in batches:
-        feeds = handle.sample_inputs(b)
+    runs = [(b, handle.sample_inputs(b), "") for b in batches]
+    long = _past_rotary_threshold(handle, report)
+    if long is not None:
+        runs.append((1, long, f" at {long['input_ids'].shape[1]} tokens"))
+    for b, feeds, where in runs:
+        reset_rope_state(handle.module)
         ref = run_torch(handle.module, feeds, names)
         out_names, got = run_onnxruntime(Path(onnx_path), feeds, semantics)
         for i, g in enumerate(got):
             name = out_names[i]
             a, r = per_output.get(name, (atol, rtol))
             if i >= len(ref):
-                report.errors.append(OutputError(name, b, float("inf"), float("inf"), a, r, float("inf"), False))
+                report.errors.append(OutputError(name + where, b, float("inf"), float("inf"), a, r, float("inf"),
+                                                 False))
                 continue
-            report.errors.append(compare(name, ref[i], g, a, r, batch=b))
+            report.errors.append(compare(name + where, ref[i], g, a, r, batch=b))
     return report
+
+
+# A causal LM whose rotation changes with the sequence length (dynamic NTK, longrope) is also compared on
+# one sequence crossing that threshold by this many tokens, when its logits (tokens x vocabulary, float32)
+# stay within LONG_CHECK_ELEMENTS; a graph without position inputs cannot place a short prompt there.
+LONG_CHECK_MARGIN = 8
+LONG_CHECK_ELEMENTS = 1 << 26  # 256 MiB of logits per copy
+
+
+def _past_rotary_threshold(handle: ModelHandle, report: ParityReport) -> dict[str, np.ndarray] | None:
+    """Feeds of one sequence past the threshold of a position-dependent rotary causal LM (None for other
+    models, or where it would be too large: then a note in ``report`` says so)."""
+    spec = model_rope(handle.module) if handle.kind == "causal-lm" and handle.module is not None else None
+    if spec is None or spec.threshold is None:
+        return None
+    n = spec.threshold + LONG_CHECK_MARGIN
+    vocab = int(handle.extra.get("vocab_size") or 0)
+    if vocab and n * vocab > LONG_CHECK_ELEMENTS:
+        report.notes.append(f"{spec.rope_type} rotary: not compared past its threshold of {spec.threshold} tokens "
+                            f"({n} x {vocab} logits exceed {LONG_CHECK_ELEMENTS} elements); the KV-cache export "
+                            "checks those positions")
+        return None
+    feeds = handle.sample_inputs(1, sequence=n)
+    if feeds["input_ids"].shape[1] < n:  # sample inputs shorter than asked: repeat them
+        reps = -(-n // feeds["input_ids"].shape[1])
+        feeds = {k: np.tile(v, (1, reps))[:, :n] for k, v in feeds.items()}
+    report.notes.append(f"{spec.rope_type} rotary: compared on {n} tokens, past its threshold of {spec.threshold}")
+    return {k: np.ascontiguousarray(v[:, :n]) for k, v in feeds.items()}

@@ -2,15 +2,17 @@
 ``sweep.py`` write (``results.json``, ``sweep.json``) and what the Markdown, HTML and
 command-line views of them (``run.py``, ``html.py``, ``report.py``, the CLI) show.
 
-Plain data only: this module imports nothing of edgekit's, so every view of a run sits
-above it without importing the code that runs one.
+Plain data only: this module imports nothing of edgekit's but the escapes of
+``edgekit.markup`` (every name in the Markdown and the JUnit is escaped), so every view
+of a run sits above it without importing the code that runs one.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-from xml.sax.saxutils import escape, quoteattr
+
+from edgekit.markup import md, xml_attr, xml_text
 
 
 @dataclass
@@ -124,8 +126,8 @@ def target_measurement(t: dict[str, Any], percentile: str) -> str:
 
 def target_verdict(t: dict[str, Any], markdown: bool = False, percentile: str = "p99") -> str:
     """``frame p99 13.839 ms (measured ...) against 33 ms: PASS, margin +19.161 ms`` for one target's summary;
-    a verdict on a noisy measurement says so."""
-    what = target_measurement(t, percentile)
+    a verdict on a noisy measurement says so. ``markdown``: escaped, the verdict in bold."""
+    what = md(target_measurement(t, percentile)) if markdown else target_measurement(t, percentile)
     if t["budget_ms"] is None:
         return f"{what} (no end-to-end budget)"
     verdict = "PASS" if t["passed"] else "FAIL"
@@ -154,21 +156,22 @@ def sweep_table(rows: list[SweepRow]) -> list[list[str]]:
 
 
 def markdown_summary(result: RunResult) -> str:
-    lines = [f"# edgekit run: {result.recipe['name']}", "",
+    lines = [f"# edgekit run: {md(result.recipe['name'])}", "",
              f"{'PASS' if result.passed else 'FAIL'}; latency at {result.percentile}; seed {result.seed}; "
              f"{result.seconds:.1f} s", ""]
     lines += ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---|" * len(STAGE_COLUMNS)]
     for row in stage_table(result):
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join(md(cell) for cell in row) + " |")
     lines.append("")
     for name, t in result.targets.items():
-        lines.append(f"- **{name}**: {target_verdict(t, markdown=True, percentile=result.percentile)}")
+        lines.append(f"- **{md(name)}**: {target_verdict(t, markdown=True, percentile=result.percentile)}")
     gates = [g for r in result.stages for g in r.gates]
     if gates:
         lines += ["", "| stage | metric | value | threshold | verdict |", "|---|---|---|---|---|"]
         for g in gates:
             thr = f">= {g['min']}" if "min" in g else f"<= {g['max']}"
-            lines.append(f"| {g['stage']} | {g['metric']} | {g['value']:.4f} | {thr} | {'PASS' if g['passed'] else 'FAIL'} |")
+            lines.append(f"| {md(g['stage'])} | {md(g['metric'])} | {g['value']:.4f} | {md(thr)} "
+                         f"| {'PASS' if g['passed'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -192,18 +195,15 @@ def junit_xml(result: RunResult) -> str:
     failures = sum(1 for c in cases if not c[1])
     out = ['<?xml version="1.0" encoding="UTF-8"?>',
            f'<testsuites name="edgekit" tests="{len(cases)}" failures="{failures}">',
-           f'  <testsuite name={quoteattr("edgekit." + str(result.recipe["name"]))} tests="{len(cases)}" '
+           f'  <testsuite name={xml_attr("edgekit." + str(result.recipe["name"]))} tests="{len(cases)}" '
            f'failures="{failures}" time="{result.seconds:.3f}">']
     for name, ok, msg, secs in cases:
-        out.append(f'    <testcase classname="edgekit" name={quoteattr(name)} time="{secs:.6f}">')
+        out.append(f'    <testcase classname="edgekit" name={xml_attr(name)} time="{secs:.6f}">')
         if not ok:
-            out.append(f"      <failure message={quoteattr(msg)}/>")
+            out.append(f"      <failure message={xml_attr(msg)}/>")
         else:
-            out.append(f"      <system-out>{_xml_text(msg)}</system-out>")
+            out.append(f"      <system-out>{xml_text(msg)}</system-out>")
         out.append("    </testcase>")
     out += ["  </testsuite>", "</testsuites>"]
     return "\n".join(out) + "\n"
 
-
-def _xml_text(s: str) -> str:
-    return escape(s)

@@ -29,6 +29,7 @@ import importlib
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,12 @@ from edgekit.artifact import (
     Manifest,
     atomic_write_json,
     atomic_write_text,
+    check_work_folder,
     claim_work_folder,
     file_lock,
     machine_info,
     now_iso,
+    own_hidden_entry,
     package_versions,
     read_manifest,
     sha256_json,
@@ -103,13 +106,48 @@ def set_seed(seed: int) -> None:
         pass
 
 
+# What a run cache holds: one folder per sub-step (``KIND-KEY``, compress checkpoints
+# ``work-KEY``) and the per-entry locks.
+_CACHE_ENTRY = re.compile(r"[a-z]+-[0-9a-f]{16}|\.locks")
+
+
+def check_cache_folder(root: str | os.PathLike[str]) -> Path:
+    """``--cache DIR``: new, empty or a run cache (every entry one the cache writes), so a
+    run never writes its entries beside a user's files; not a link, a file or the working
+    directory. BadInputError otherwise."""
+    given = Path(root)
+    if os.path.islink(given):
+        raise BadInputError(f"cache folder {str(given)!r} is a symbolic link; give the folder it points to")
+    real = Path(os.path.realpath(given))
+    if real == Path(os.path.realpath(os.getcwd())):
+        raise BadInputError(f"cache folder {str(given)!r} is the working directory; choose a new folder")
+    if os.path.lexists(real) and not real.is_dir():
+        raise BadInputError(f"cache folder {str(given)!r} is not a folder; choose a new folder")
+    if real.is_dir():
+        foreign = sorted(e for e in os.listdir(real) if not _CACHE_ENTRY.fullmatch(e) and not own_hidden_entry(e))
+        if foreign:
+            raise BadInputError(f"cache folder {str(given)!r} holds {foreign[0]!r}"
+                                + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+                                + ", which is not a run cache entry; give a new or empty folder, or an edgekit run cache")
+    return real
+
+
+def check_run_folders(recipe: Recipe, run_dir: str | os.PathLike[str],
+                      cache_dir: str | os.PathLike[str] | None = None) -> None:
+    """The folders a run writes, checked as the run checks them: ``edgekit run --dry-run``
+    refuses what the real run would refuse."""
+    check_work_folder(run_dir, "run", protect=(recipe.path,))
+    if cache_dir is not None:
+        check_cache_folder(cache_dir)
+
+
 class _Cache:
     """Content-addressed sub-step folders: ``get(kind, key_parts, build)``."""
 
     MEASUREMENTS = ("profile", "frames")  # what --remeasure redoes (never compress, export, build)
 
     def __init__(self, root: Path, force: bool = False, remeasure: bool = False):
-        self.root = root
+        self.root = check_cache_folder(root)
         self.force = force
         self.remeasure = remeasure
         self.root.mkdir(parents=True, exist_ok=True)
@@ -261,7 +299,9 @@ def run_recipe(recipe: Recipe, run_dir: str | os.PathLike[str], *, cache_dir: st
     True
     """
     recipe = validate_recipe(recipe)  # the dry run's validation, whoever built the Recipe; before any write
-    with claim_work_folder(run_dir, "run", wait=wait, hint=" (edgekit run --wait waits for it)"):
+    check_run_folders(recipe, run_dir, cache_dir)  # as the dry run checks them
+    with claim_work_folder(run_dir, "run", wait=wait, protect=(recipe.path,),
+                           hint=" (edgekit run --wait waits for it)"):
         return _run_locked(recipe, run_dir, cache_dir, force, progress, remeasure)
 
 
@@ -569,6 +609,8 @@ def _try_bundle(onnx_folder: Path, target: Target, cache: _Cache, key: str, stag
             return None, f"the target's runtime {read_manifest(folder).config.get('runtime')!r} writes no build bundle"
         return str(folder), ""
     except (EdgekitError, ImportError) as e:
+        if (stage.build.get("extra") or {}).get("remote"):
+            raise  # a build the recipe sends to a device failed: not a verdict to pass on an estimate
         return None, str(e)
 
 

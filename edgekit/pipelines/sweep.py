@@ -16,8 +16,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from edgekit.artifact import atomic_write_json, atomic_write_text, claim_work_fo
 from edgekit.compress import get_step
 from edgekit.compress.plan import INT8, QUANTIZE_STEPS, WEIGHT_ONLY, quantize_step
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
+from edgekit.limits import format_bytes, require_memory
+from edgekit.markup import md
 from edgekit.pipelines.html import render_sweep_html, sweep_plots
 from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
 from edgekit.pipelines.results import SWEEP_COLUMNS, RunResult, StageResult, SweepRow, sweep_table
@@ -33,6 +37,10 @@ from edgekit.pipelines.run import run_recipe
 from edgekit.progress import progress_bar
 
 EXECUTORS = ("local", "process", "ray")
+# Each point is a whole run (compress, export, build, profile): minutes. A grid beyond this many
+# points is a typo unless --max-points says otherwise (it is validated point by point first).
+DEFAULT_MAX_POINTS = 256
+JOB_MEMORY = 2**30  # what one local sweep process needs at least (torch, ONNX Runtime, a model)
 
 
 def parse_value(text: str) -> Any:
@@ -61,6 +69,11 @@ def parse_grid(specs: list[str]) -> dict[str, list[Any]]:
             raise BadInputError(f"grid {spec!r} needs a key and at least one value")
         grid[key.strip()] = vals
     return grid
+
+
+def grid_size(grid: dict[str, list[Any]]) -> int:
+    """How many points the grid has (its combinations), without making them."""
+    return math.prod(len(v) for v in grid.values()) if grid else 0
 
 
 def combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -226,24 +239,51 @@ def _run_one(args: tuple[dict[str, Any], str, str, str | None, bool]) -> tuple[d
     return data, result.to_dict(), time.perf_counter() - t0
 
 
+def check_jobs(jobs: int) -> None:
+    """``--jobs``: at least 1, at most this machine's cores (more processes only share them, and
+    timings taken on an oversubscribed machine are wrong), and as many as fit in the memory."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise BadInputError(f"--jobs must be >= 1, got {jobs}")
+    cores = os.cpu_count() or 1
+    if jobs > cores:
+        raise BadInputError(f"--jobs {jobs} is more than this machine's {cores} cores; at most {cores} "
+                            "(each job compresses, builds and times models)")
+    if jobs > 1:
+        require_memory(jobs * JOB_MEMORY, f"--jobs {jobs} ({format_bytes(JOB_MEMORY)} per sweep process)",
+                       "lower --jobs", share=1.0)
+
+
 def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, list[Any]], out_dir: str | os.PathLike[str],
               *, combos: list[dict[str, Any]] | None = None, jobs: int = 1, executor: str = "local",
-              address: str | None = None, force: bool = False) -> list[SweepRow]:
+              address: str | None = None, force: bool = False, max_points: int = DEFAULT_MAX_POINTS,
+              announce: Callable[[str], None] | None = None) -> list[SweepRow]:
     """Run every grid combination of a recipe; write sweep.json, sweep.md, plots and HTML.
+
+    The number of points is known (and given to ``announce``) before anything is validated
+    or run; more than ``max_points`` is refused at once.
 
     >>> rows = run_sweep("examples/fmnist-sweep.yaml", ["bits=32,8", "prune.ratio=0,0.5"], "runs/sweep")  # doctest: +SKIP
     """
     if executor not in EXECUTORS:
         raise bad_choice("executor", executor, EXECUTORS)
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise BadInputError(f"--jobs must be >= 1, got {jobs}")
+    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
+        raise BadInputError(f"--max-points must be >= 1, got {max_points}")
+    if executor != "ray":
+        check_jobs(jobs)
+    grid_map = parse_grid(grid) if isinstance(grid, list) else grid
+    points = len(combos) if combos is not None else grid_size(grid_map)
+    shape = " x ".join(f"{len(v)} {k}" for k, v in grid_map.items()) if combos is None else "--list"
+    if announce is not None:
+        announce(f"sweep: {points} point{'s' if points != 1 else ''} ({shape})")
+    if points > max_points:
+        raise BadInputError(f"the sweep has {points} points ({shape}), more than --max-points {max_points}; "
+                            "narrow the grid or raise --max-points")
     path = Path(recipe_path)
     raw = read_recipe_data(path)  # the recipe reader: bounded, no YAML aliases
     try:
         base = parse_recipe(raw, str(path))
     except BadInputError as e:
         raise BadInputError(f"{path}: {e}") from None
-    grid_map = parse_grid(grid) if isinstance(grid, list) else grid
     combos = combos if combos is not None else combinations(grid_map)
     if not combos:
         raise BadInputError("the sweep has no combinations (give --grid)")
@@ -251,7 +291,7 @@ def run_sweep(recipe_path: str | os.PathLike[str], grid: list[str] | dict[str, l
     cache = out / "cache"
     tasks = []
     # Validate every configuration, overrides through the recipe's own schema, before any work starts.
-    for params in combos:
+    for params in progress_bar(combos, "validating the sweep's points"):
         data = apply_overrides(raw, params)
         try:
             parse_recipe(data, str(path))
@@ -287,7 +327,7 @@ def _execute(tasks: list[tuple[Any, ...]], jobs: int, executor: str, address: st
     if executor == "ray":
         return _execute_ray(tasks, address, resources)
     if executor == "process" or jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
             return list(pool.map(_run_one, tasks))
     return [_run_one(t) for t in progress_bar(tasks, "sweep")]
 
@@ -321,10 +361,10 @@ def _execute_ray(tasks: list[tuple[Any, ...]], address: str | None,
 
 def write_sweep_outputs(rows: list[SweepRow], out: Path, grid: dict[str, list[Any]], recipe: str) -> None:
     atomic_write_json(out / "sweep.json", {"recipe": recipe, "grid": grid, "rows": [dataclasses.asdict(r) for r in rows]})
-    lines = [f"# edgekit sweep: {recipe}", "", "Pareto set marked *: not dominated in metric, latency and size together (each plot marks the Pareto "
-             "set of its own two axes).", "",
+    lines = [f"# edgekit sweep: {md(recipe)}", "", "Pareto set marked \\*: not dominated in metric, latency and size "
+             "together (each plot marks the Pareto set of its own two axes).", "",
              "| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in sweep_table(rows)]
+    lines += ["| " + " | ".join(md(cell) for cell in row) + " |" for row in sweep_table(rows)]
     atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n")
     plots = sweep_plots(rows, out, budget_ms=rows[0].budget_ms if rows else None,
                         percentile=rows[0].percentile if rows else "p99")

@@ -11,7 +11,7 @@ and ``TokenDecoder`` declare; nothing outside ``edgekit/runtimes/`` names a runt
 """
 from __future__ import annotations
 
-import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +21,10 @@ import numpy as np
 
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.schema import FieldError, check_fields
+from edgekit.limits import MAX_DIM, check_file_size
+from edgekit.schema import FieldError, check_fields, read_bytes, read_json
 from edgekit.sources.handle import InputSpec, ModelHandle
+from edgekit.ssh import check_data_options, check_destination
 from edgekit.targets import Target
 from edgekit.targets.runtime_registry import BEST_RUNTIME, RUNTIMES
 
@@ -68,8 +70,10 @@ class BuildExtras:
     ("api" | "trtexec" | "bundle"), remote (user@host), engine_cache_dir, and trtexec's
     timing: warmup_ms, duration_s, iterations; check (False skips the offline compatibility
     check), accuracy_samples (images that measure the INT8 Q/DQ conversion's cost).
-    SSH, for remote builds: ssh_port, ssh_identity, ssh_options ("Key=Value"),
-    connect_timeout, remote_timeout, build_timeout, remote_edgekit.
+    SSH, for remote builds: ssh_port, ssh_identity, ssh_options ("Key=Value"; from a recipe
+    only those ``edgekit.ssh.SSH_OPTIONS_FROM_DATA`` allows), connect_timeout, remote_timeout,
+    build_timeout, remote_edgekit.
+    ``trtexec`` and ``remote_edgekit`` name programs: code sets them, a recipe may not.
     PyTorch AOTInductor: device, freezing.
     Set in code only: export (ExportConfig options when ``build_engine`` exports first) and
     feeds (sample inputs, for shapes).
@@ -90,7 +94,7 @@ class BuildExtras:
     max_shapes: str | dict[str, list[int]] | None = None
     dims: dict[str, int] | None = None
     max_batch: int | None = None
-    trtexec: str | None = None
+    trtexec: str | None = field(default=None, metadata={"program": "set $EDGEKIT_TRTEXEC or put trtexec on PATH"})
     trt_path: str | None = None
     remote: str | None = None
     engine_cache_dir: str | None = None
@@ -99,11 +103,12 @@ class BuildExtras:
     iterations: int | None = None
     ssh_port: int | None = None
     ssh_identity: str | None = None
-    ssh_options: list[str] | None = None
+    ssh_options: list[str] | None = field(default=None, metadata={"from_data": check_data_options})
     connect_timeout: int | None = None
     remote_timeout: float | None = None
     build_timeout: float | None = None
-    remote_edgekit: str | None = None
+    remote_edgekit: str | None = field(default=None, metadata={
+        "program": "give --remote-edgekit to `edgekit remote` or set $EDGEKIT_REMOTE_EDGEKIT"})
     device: str | None = None
     freezing: bool | None = None
     check: bool | None = None  # TensorRT: run the offline compatibility check (default on)
@@ -125,13 +130,50 @@ class BuildExtras:
                 raise FieldError(name, "must be > 0 seconds")
         if self.builder_optimization_level is not None and self.builder_optimization_level > 5:
             raise FieldError("builder_optimization_level", f"must be 0 to 5, got {self.builder_optimization_level}")
+        if self.remote is not None:
+            try:
+                check_destination(self.remote)
+            except BadInputError as e:
+                raise FieldError("remote", str(e)) from None
         if self.ssh_port is not None and self.ssh_port > 65535:
             raise FieldError("ssh_port", f"must be a TCP port (1 to 65535), got {self.ssh_port}")
         if self.cudnn_conv_algo_search is not None and self.cudnn_conv_algo_search not in CUDNN_ALGO_SEARCH:
             raise FieldError("cudnn_conv_algo_search", f"unknown search {self.cudnn_conv_algo_search!r} "
                                                        f"(choose from {', '.join(CUDNN_ALGO_SEARCH)})")
-        for name in ("min_shapes", "opt_shapes", "max_shapes", "trt_shapes", "dims"):
-            _check_dims(name, getattr(self, name))
+        for name in ("min_shapes", "opt_shapes", "max_shapes", "trt_shapes", "dims", "max_batch"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # trtexec's text form parses now, not only when the build reads it
+                try:
+                    value = parse_shape_spec(value)
+                except BadInputError as e:
+                    raise FieldError(name, str(e)) from None
+            _check_dims(name, value)
+        if self.trt_path is not None and self.trt_path not in TRT_PATHS:
+            raise FieldError("trt_path", f"unknown TensorRT build path {self.trt_path!r} (choose from "
+                                         f"{', '.join(TRT_PATHS)})")
+        if self.device is not None and not _DEVICE.fullmatch(self.device):
+            raise FieldError("device", f"unknown device {self.device!r} (choose from cpu, cuda, cuda:N)")
+
+
+TRT_PATHS = ("api", "trtexec", "bundle")  # how a TensorRT engine is built (extra["trt_path"])
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")  # PyTorch AOTInductor's extra["device"]
+
+
+def parse_shape_spec(spec: Any) -> dict[str, list[int]]:
+    """trtexec's shape syntax, ``"input:1x3x224x224,mask:1x128"`` (or ``{"input": [1, 3,
+    224, 224]}``) -> ``{name: dims}``; BadInputError naming the bad part."""
+    if isinstance(spec, dict):
+        return {str(k): [int(x) for x in v] for k, v in spec.items()}
+    out = {}
+    for part in str(spec).split(","):
+        name, _, dims = part.strip().rpartition(":")
+        if not name or not dims:
+            raise BadInputError(f"bad shape spec {part!r} (use name:1x3x224x224)")
+        try:
+            out[name.strip("'")] = [int(x) for x in dims.split("x")]
+        except ValueError:
+            raise BadInputError(f"bad shape spec {part!r} (use name:1x3x224x224)") from None
+    return out
 
 
 def _check_dims(name: str, value: Any) -> None:
@@ -140,10 +182,10 @@ def _check_dims(name: str, value: Any) -> None:
         for key, sub in value.items():
             _check_dims(f"{name}.{key}", sub)
     elif isinstance(value, list):
-        if any(d < 1 for d in value):
-            raise FieldError(name, f"dimensions must be >= 1, got {value}")
-    elif isinstance(value, int) and value < 1:
-        raise FieldError(name, f"must be >= 1, got {value}")
+        if any(d < 1 or d > MAX_DIM for d in value):
+            raise FieldError(name, f"dimensions must be 1 to {MAX_DIM}, got {value}")
+    elif isinstance(value, int) and not 1 <= value <= MAX_DIM:
+        raise FieldError(name, f"must be 1 to {MAX_DIM}, got {value}")
 
 
 @dataclass
@@ -166,8 +208,8 @@ class BuildOptions:
             raise bad_choice("runtime", self.runtime, (*RUNTIMES, BEST_RUNTIME))
         if self.threads is not None and not 1 <= self.threads <= 4096:
             raise FieldError("threads", f"must be 1 to 4096, got {self.threads}")
-        if self.batch < 1:
-            raise FieldError("batch", f"must be >= 1, got {self.batch}")
+        if not 1 <= self.batch <= MAX_DIM:
+            raise FieldError("batch", f"must be 1 to {MAX_DIM}, got {self.batch}")
 
 
 class TokenDecoder(Protocol):
@@ -245,14 +287,34 @@ class NoResultsYet(BadInputError):
 RESULTS_MANIFEST = "bundle_manifest.json"
 
 
+# A results folder comes from a machine edgekit does not trust: its files are read as regular
+# files only (a FIFO blocked, a device never ends), within a maximum and the memory parsing
+# them takes (a sparse file costs the device nothing).
+MAX_DEVICE_FILE_BYTES = 256 << 20  # trtexec's exports and log: a large model's per-layer JSON is tens of MB
+MAX_DEVICE_NOTE_BYTES = 1 << 20  # the probe, machine, nvpmodel and jetson_clocks records: a few lines
+DEVICE_FILE_EXPANSION = 12  # memory per byte: the bytes, the str, and the parsed JSON's objects
+
+
+def read_device_file(path: Path, what: str, max_bytes: int = MAX_DEVICE_FILE_BYTES) -> bytes:
+    """The bytes of a file a device wrote, bounded (see above); one line naming the file
+    otherwise."""
+    check_file_size(path, max_bytes, what, expansion=DEVICE_FILE_EXPANSION)
+    return read_bytes(path, what, max_bytes)
+
+
+def read_device_text(path: Path, what: str, max_bytes: int = MAX_DEVICE_FILE_BYTES) -> str:
+    """``read_device_file`` as text (bytes that are not UTF-8 replaced)."""
+    return read_device_file(path, what, max_bytes).decode("utf-8", errors="replace")
+
+
 def read_folder_manifest(folder: Path) -> Manifest:
     """The manifest of an edgekit folder, or of a device results folder (its bundle's copy)."""
     folder = Path(folder)
     copy = folder / RESULTS_MANIFEST
     if not (folder / "manifest.json").is_file() and copy.is_file():
         try:
-            return Manifest.from_dict(json.loads(copy.read_text()))
-        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            return Manifest.from_dict(read_json(copy, "bundle manifest"))
+        except (TypeError, KeyError, AttributeError) as e:
             raise BadInputError(f"{copy} is not an edgekit manifest ({e})") from None
     return read_manifest(folder)
 

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import numpy as np
 from edgekit import interrupts
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
+from edgekit.limits import require_memory
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
 from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
@@ -290,16 +292,19 @@ class OrtEngine:
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         check_feeds(self.inputs, feeds)
-        return list(self.session.run(None, feeds))
+        with allocation_failures():
+            return list(self.session.run(None, feeds))
 
     def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return list(self.session.run(None, feeds))
+        with allocation_failures():
+            return list(self.session.run(None, feeds))
 
     def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
         run = self.session.run
-        t0 = time.perf_counter()
-        run(None, feeds)
-        return (time.perf_counter() - t0) * 1e3
+        with allocation_failures():
+            t0 = time.perf_counter()
+            run(None, feeds)
+            return (time.perf_counter() - t0) * 1e3
 
     def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
         """Per-node times from ORT's profiler (a separate session, so end-to-end timing never
@@ -631,6 +636,18 @@ _UNREGISTERED_OP = re.compile(r"^(?:(?P<domain>[\w.]+):)?(?P<op>\w+)\(-?\d+\) is
 _SOURCE_LOCATION = re.compile(r"[\w/-]+\.(?:cc|h|cpp|hpp|cu):\d+\s+")
 
 
+@contextlib.contextmanager
+def allocation_failures() -> Iterator[None]:
+    """ONNX Runtime's "Failed to allocate memory" (its own exception type) raised as the
+    MemoryError it is, so the command line reports it in one line."""
+    try:
+        yield
+    except Exception as e:
+        if "failed to allocate memory" in str(e).lower() or "bad_alloc" in str(e):
+            raise MemoryError(f"ONNX Runtime: {ort_failure(e)}") from None
+        raise
+
+
 def ort_failure(e: BaseException, path: str | os.PathLike[str] | None = None) -> str:
     """ONNX Runtime's exception as one line: ``node 'x' (QLinearMul): <reason>`` when ORT names
     the node, without its error-code prefix, source locations and C++ signatures. When ORT names
@@ -737,6 +754,12 @@ class KVCacheDecoder:
                 heads, dim = spec.shape[1], spec.shape[3]
                 if not (isinstance(heads, int) and isinstance(dim, int)):
                     raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
+            itemsize = np.dtype(self.dtype).itemsize
+            require_memory(sum(self.batch * s.shape[1] * self.max_length * s.shape[3] * itemsize for s in self.pasts),
+                           f"the KV cache of {self.max_length} tokens at batch {self.batch}",
+                           "lower --contexts, --prompt-lengths or --new-tokens")
+            for spec in self.pasts:
+                heads, dim = spec.shape[1], spec.shape[3]
                 self.cache[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(
                     [self.batch, heads, self.max_length, dim], self.dtype, "cpu", 0)
         self.length = 0  # tokens in the cache

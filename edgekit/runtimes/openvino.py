@@ -53,11 +53,24 @@ _OV_PRECISIONS = {"I8": "int8", "U8": "int8", "I4": "int4", "U4": "int4", "BF16"
 
 
 def _ov() -> Any:
+    _decline_telemetry()
     try:
         import openvino as ov
     except ImportError:
         raise UnavailableError(f"runtime 'openvino' needs the openvino package: {INSTALL}") from None
     return ov
+
+
+def _decline_telemetry() -> None:
+    """``import openvino`` starts OpenVINO's usage telemetry (openvino_telemetry: a client id
+    and a usage count under ~/intel/, events sent to Google Analytics by its converters)
+    unless a consent file in ~/intel says no. edgekit declines it for its own process, before
+    the import; a user's consent file is left as it is."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:
+        return
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
 
 
 @functools.cache
@@ -241,8 +254,8 @@ class OpenVinoRuntime:
 
     def available(self) -> tuple[bool, str]:
         try:
-            import openvino  # noqa: F401
-        except ImportError:
+            _ov()
+        except UnavailableError:
             return False, f"the openvino package is not installed: {INSTALL}"
         if DEVICE not in _core().available_devices:
             return False, "OpenVINO finds no CPU device"

@@ -69,6 +69,7 @@ from typing import Any, cast
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.limits import check_file_size
 from edgekit.sources import detection_data
 from edgekit.sources.arrays import check_arrays, image_input, read_arrays
 from edgekit.sources.assets import resize_center_crop, sample_photos
@@ -89,6 +90,7 @@ DEFAULT_SEQLEN = 512
 DEFAULT_SENTENCE_LEN = 128
 MAX_PREPARED_BYTES = 4 * 2**30  # refuse to build more model-ready image data than this in memory
 MAX_TEXT_BYTES = 2**30  # refuse text files larger than this (read whole, then tokenized)
+TEXT_EXPANSION = 8  # memory per byte of text: the bytes, the decoded str, its lines, their token ids
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -396,10 +398,7 @@ def _read_image(path: Path) -> np.ndarray:
 def _read_text_file(path: Path) -> list[str]:
     """The non-empty lines of a UTF-8 text file (a byte-order mark is dropped)."""
     try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise BadInputError(f"text file {path} is {size / 2**30:.1f} GiB; edgekit reads at most "
-                                f"{MAX_TEXT_BYTES / 2**30:.0f} GiB of text")
+        check_file_size(path, MAX_TEXT_BYTES, "text file", expansion=TEXT_EXPANSION)
         raw = path.read_bytes()
     except OSError as e:
         raise BadInputError(f"cannot read text file {path}: {e.strerror or e}") from None

@@ -10,6 +10,7 @@ export, parity, compression and runtimes never special-case a model family.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError
+from edgekit.limits import require_memory
 
 # Task kinds: decide default data, evaluation and how compression steps find layers.
 KINDS = ("image-classifier", "causal-lm", "text-encoder", "generic")
@@ -115,6 +117,8 @@ class ModelHandle:
         if shapes:
             batch, bound = bind_dims(self.inputs, shapes, batch)
             dims = {**bound, **dims}
+        require_memory(feeds_nbytes(self.inputs, batch, shapes, **dims),
+                       f"a batch of {batch} sample inputs of {self.name}", "lower --batch or --shapes")
         feeds = self.make_inputs(batch, **dims) if self.make_inputs is not None else random_inputs(
             self.inputs, batch, **dims)
         return fit_feeds(feeds, shapes) if shapes else feeds
@@ -123,6 +127,46 @@ class ModelHandle:
         return {"name": self.name, "source": self.source, "kind": self.kind,
                 "inputs": [i.to_dict() for i in self.inputs], "outputs": list(self.outputs),
                 "dynamic_axes": {k: {str(a): n for a, n in v.items()} for k, v in self.dynamic_axes.items()}}
+
+
+def stored_bytes(handle: ModelHandle) -> int:
+    """Bytes the model's weights take (its tensors once each, or its ONNX file with external
+    data): about what an export or a build writes, checked against the free disk first."""
+    if handle.module is not None:
+        seen: set[int] = set()
+        total = 0
+        for t in [*handle.module.parameters(), *handle.module.buffers()]:
+            if t.data_ptr() not in seen:  # tied weights are stored once
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+    if handle.onnx_path is not None:
+        folder = Path(handle.onnx_path).parent
+        try:
+            total = Path(handle.onnx_path).stat().st_size
+            stem = Path(handle.onnx_path).name
+            total += sum(f.stat().st_size for f in folder.iterdir() if f.name.startswith(stem) and f.name != stem
+                         and f.is_file())
+        except OSError:
+            return 0
+        return total
+    return 0
+
+
+def feeds_nbytes(specs: list[InputSpec], batch: int = 1, shapes: dict[str, tuple[int, ...]] | None = None,
+                 **dims: int) -> int:
+    """Bytes the sample inputs of ``specs`` take at ``batch`` (and ``dims``; an input ``shapes``
+    names at exactly that shape): what ``sample_inputs`` checks before it allocates them."""
+    total = 0
+    bound = {k: v for k, v in dims.items() if isinstance(v, int)}  # None: the model's own default size
+    for s in specs:
+        shape = (shapes or {}).get(s.name) or s.concrete_shape(batch, **bound)
+        try:
+            itemsize = np.dtype(s.dtype).itemsize
+        except TypeError:
+            itemsize = 8
+        total += math.prod(shape) * itemsize
+    return total
 
 
 def random_inputs(specs: list[InputSpec], batch: int = 1, seed: int = 0, **dims: int) -> dict[str, np.ndarray]:
@@ -179,6 +223,9 @@ def fit_array(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
 def fit_feeds(feeds: dict[str, np.ndarray], shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Feeds with the inputs ``shapes`` names brought to those shapes (``fit_array``)."""
     out = dict(feeds)
+    require_memory(sum(math.prod(shapes.get(k) or v.shape) * v.itemsize for k, v in feeds.items()),
+                   f"sample inputs of shapes {', '.join(f'{k}:' + 'x'.join(map(str, d)) for k, d in shapes.items())}",
+                   "lower --shapes")
     for name, dims in shapes.items():
         if name in out and tuple(out[name].shape) != tuple(dims):
             if out[name].ndim != len(dims):

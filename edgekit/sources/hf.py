@@ -47,6 +47,7 @@ import numpy as np
 from edgekit import interrupts
 from edgekit.artifact import cache_dir, sha256_json, staged_dir
 from edgekit.errors import BadInputError, UnavailableError
+from edgekit.limits import check_file_size
 from edgekit.sources.assets import cache_lock
 from edgekit.sources.gguf_tokenizer import (
     CHECK_STRINGS,
@@ -80,6 +81,11 @@ GGUF_CONVERSION = 2
 # capped here: longer windows cost CPU time linearly and change perplexity little.
 DEFAULT_WINDOW = 512
 MAX_CONFIG_BYTES = 16 * 2**20  # config.json / tokenizer_config.json / index files larger than this are refused
+# Tokenizer files are read whole and parsed in memory (tokenizer.json into several times its
+# size); the largest real ones are tens of MiB (Gemma 3's tokenizer.json: 33 MiB).
+MAX_TOKENIZER_BYTES = 128 * 2**20
+TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".codes")
+TOKENIZER_EXPANSION = 8  # memory that parsing a tokenizer file takes, per byte of it
 MAX_LAYERS = 1024  # a config declaring more layers (or experts) than this is refused before anything is built
 MODULE_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                      "num_local_experts", "num_experts", "n_routed_experts")
@@ -223,6 +229,16 @@ def _no_remote_code() -> Iterator[None]:
             os.environ.pop("TRUST_REMOTE_CODE", None)
         else:
             os.environ["TRUST_REMOTE_CODE"] = old
+
+
+def check_tokenizer_sizes(folder: Path) -> None:
+    """The files a tokenizer may read whole (vocabularies, merges, sentencepiece models,
+    ``tokenizer.json``), each within ``MAX_TOKENIZER_BYTES`` and the memory parsing it takes,
+    before transformers reads any of them."""
+    with contextlib.suppress(OSError):
+        for f in sorted(folder.iterdir()):
+            if f.suffix in TOKENIZER_SUFFIXES and not f.name.endswith(".index.json") and f.is_file():
+                check_file_size(f, MAX_TOKENIZER_BYTES, "tokenizer file", expansion=TOKENIZER_EXPANSION)
 
 
 def read_json_file(path: Path) -> Any:
@@ -459,6 +475,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, wei
             raise BadInputError(f"unsupported Hugging Face architecture {archs[0]!r} in {folder} (edgekit loads causal "
                                 "LMs (*ForCausalLM, GPT2LMHeadModel, ...) and BERT-style sentence encoders)")
         params = check_parameter_budget(auto_class, config, files.elements, str(hf_folder))
+        check_tokenizer_sizes(hf_folder)
         try:
             tokenizer = tf.AutoTokenizer.from_pretrained(str(hf_folder), trust_remote_code=False)
         except Exception as e:  # OSError, ValueError, TypeError, tokenizers' Exception: the tokenizer files are bad

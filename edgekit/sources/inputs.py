@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.limits import MAX_DIM
 from edgekit.schema import FieldError, check_fields, show
 from edgekit.sources.arrays import image_input, read_arrays
 from edgekit.sources.assets import resize_center_crop
@@ -46,7 +47,6 @@ PREPROCESS_FORM = ("KEY=VALUE[,KEY=VALUE...] with keys layout=nchw|nhwc, order=r
                    "(e.g. layout=nhwc,order=bgr,scale=255,mean=104/117/123)")
 LAYOUTS = ("nchw", "nhwc")
 ORDERS = ("rgb", "bgr")
-MAX_DIM = 1 << 20
 MAX_ELEMENTS = 1 << 31  # one sample input of more elements than this is a typo
 
 

@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
 from edgekit.errors import BadInputError
+from edgekit.limits import require_memory
 from edgekit.sources.handle import InputSpec
 
 # One sample of one input, its symbolic dims taken as 1: edgekit makes such arrays for
@@ -186,6 +187,32 @@ def check_input_sizes(model: onnx.ModelProto, path: Path) -> None:
 
 
 # --- normalizing ------------------------------------------------------------------------------
+
+
+def sparse_to_initializers(model: onnx.ModelProto, path: Path | str = "model") -> int:
+    """The graph's ``sparse_initializer`` tensors as dense initializers of the same name (what
+    ONNX Runtime does when it loads them), so tools that know only initializers (shape
+    inference, the estimator) see them; each dense tensor is sized against the memory
+    first. Returns how many were converted."""
+    graph = model.graph
+    for sp in graph.sparse_initializer:
+        values, dims = sp.values, list(sp.dims)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(values.data_type)
+        require_memory(math.prod(dims) * np.dtype(dtype).itemsize,
+                       f"{path}: the sparse initializer {values.name!r} of shape {tuple(dims)} as a dense tensor")
+        dense = np.zeros(math.prod(dims), dtype=dtype)
+        vals = numpy_helper.to_array(values).reshape(-1)
+        idx = numpy_helper.to_array(sp.indices).astype(np.int64)
+        if idx.ndim == 2:  # (NNZ, rank) coordinates
+            idx = np.ravel_multi_index(tuple(idx.T), dims) if idx.size else idx.reshape(-1)
+        if idx.size != vals.size or (idx.size and (idx.min() < 0 or idx.max() >= dense.size)):
+            raise BadInputError(f"{path}: the sparse initializer {values.name!r} has indices that do not fit its "
+                                f"shape {tuple(dims)}")
+        dense[idx.reshape(-1)] = vals
+        graph.initializer.append(numpy_helper.from_array(dense.reshape(dims), values.name))
+    converted = len(graph.sparse_initializer)
+    del graph.sparse_initializer[:]
+    return converted
 
 
 def constant_value(node: onnx.NodeProto) -> onnx.TensorProto | None:

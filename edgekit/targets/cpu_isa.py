@@ -11,7 +11,8 @@ The numerical model of that kernel is ``edgekit.runtimes.int8_kernels``. Arm64 k
 
 ``cpu_features`` reads this machine (x86 flags from ``/proc/cpuinfo``; arm64 features from
 its ``Features`` line, named as the Arm architecture names them); ``int8_kernel`` names the
-integer kernel family a CPU runs and whether it saturates.
+integer kernel family a CPU runs and whether it saturates; ``cpu_caches`` the sizes of one
+core's caches (sysfs, else ``lscpu``).
 
 >>> int8_kernel("x86_64", ("avx2", "fma")).saturates
 True
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import platform
+import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +112,46 @@ def cpu_features() -> tuple[str, tuple[str, ...], str]:
 def host_int8_kernel() -> Int8Kernel:
     arch, isa, _ = cpu_features()
     return int8_kernel(arch, isa)
+
+
+CACHE_LEVELS = ("L1d", "L2", "L3")
+
+
+@functools.cache
+def cpu_caches() -> dict[str, int]:
+    """Bytes of each data cache level one core uses (``CACHE_LEVELS``; a level shared by several
+    cores counts whole), from ``/sys/devices/system/cpu/cpu0/cache``, else ``lscpu``'s per-instance
+    sizes; empty where neither says."""
+    found: dict[str, int] = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = size_bytes((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        name = "L1d" if level == "1" and kind == "Data" else f"L{level}" if kind == "Unified" else ""
+        if name in CACHE_LEVELS and size:
+            found[name] = size
+    if found:
+        return found
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    for line in text.splitlines():  # "L2 cache:  1 MiB (2 instances)"
+        m = re.match(r"\s*(L1d|L2|L3) cache:\s*([\d.]+\s*[KMG]i?B)(?:\s*\((\d+) instances?\))?", line)
+        if m:
+            try:
+                found[m.group(1)] = size_bytes(m.group(2)) // max(int(m.group(3) or 1), 1)
+            except ValueError:
+                continue
+    return found
+
+
+def size_bytes(text: str) -> int:
+    """"512K" (sysfs), "1 MiB" or "32 MB" (lscpu) -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMG]?)(?:i?B)?\s*", text)
+    if not m:
+        raise ValueError(f"not a cache size: {text!r}")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])

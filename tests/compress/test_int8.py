@@ -259,6 +259,47 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
     assert np.abs(y_raw - ref).max() <= 0.005 * np.abs(ref).max() + 1e-4
 
 
+_OV_AT_ISA = """
+import sys, numpy as np, openvino as ov
+x = np.load(sys.argv[2])
+c = ov.Core().compile_model(sys.argv[1], "CPU", {"INFERENCE_NUM_THREADS": 1})
+np.save(sys.argv[3], c({"input": x})[0])
+kinds = [n.get_rt_info()["primitiveType"].astype(str) for n in c.get_runtime_model().get_ops()]
+print(" ".join(sorted({k for k in kinds if "I8" in k})))
+"""
+
+
+@pytest.mark.slow
+def test_openvino_limited_to_avx2_computes_what_the_scheme_assumes(tiny_cnn, tmp_path):
+    """OpenVINO's CPU plugin limited to AVX2 (oneDNN's ONEDNN_MAX_CPU_ISA), whatever CPU runs the test:
+    the AVX2 target's 7-bit graph stays at its fake-quant model; the VNNI target's 8-bit graph, run on
+    the same int8 kernels without VNNI, moves far from it (int16 pair sums overflow)."""
+    import os
+    import subprocess
+    import sys
+
+    from edgekit.targets import load_target
+
+    pytest.importorskip("openvino")
+    x = _images(32, (3, 32, 32), 5).inputs["input"]
+    np.save(tmp_path / "x.npy", x)
+    errors = {}
+    for scheme, target in (("u8s7", "cpu-avx2"), ("u8s8", "cpu-avx512-vnni")):
+        q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=load_target(target)))
+        path = _export(q, tmp_path / scheme)
+        run = subprocess.run([sys.executable, "-c", _OV_AT_ISA, str(path), str(tmp_path / "x.npy"),
+                              str(tmp_path / f"{scheme}.npy")], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "avx512" not in run.stdout and "amx" not in run.stdout, run.stdout  # the limit held
+        with torch.no_grad():
+            ref = q.module(torch.from_numpy(x)).numpy()
+        y = np.load(tmp_path / f"{scheme}.npy")
+        errors[scheme] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    assert errors["u8s7"] < 0.02, errors  # requantization steps only
+    assert errors["u8s8"] > 5 * errors["u8s7"], errors
+
+
 def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
     """The VNNI scheme (8-bit weights) on the int16-pair kernels of x86 without VNNI, through their
     numerical model: far outside the parity tolerance on any machine that runs the test; the 7-bit

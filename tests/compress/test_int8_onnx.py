@@ -54,3 +54,35 @@ def test_decomposed_batch_norm_folds_into_the_conv():
 def test_a_conv_output_read_twice_is_left_alone():
     m = _graph(residual_reads_conv=True)
     assert fold_conv_affine(m) == 0 and len(m.graph.node) == 7
+
+
+def test_stored_weights_sharing_one_zero_point_each_get_their_own_uint8_zero_point():
+    """Two stored 8-bit weights read through one shared zero-point tensor (as a dynamo export writes
+    it): both are kept as the same integers in uint8 around 128, each with a zero point of its own,
+    and the graph computes what it computed."""
+    from edgekit.compress.int8_onnx import fit_weights_to_kernels
+
+    rng = np.random.default_rng(0)
+    nodes, inits = [], [numpy_helper.from_array(np.zeros(4, np.int8), "zp")]
+    for k in ("a", "b"):
+        q = rng.integers(-127, 128, size=(4, 4)).astype(np.int8)
+        q[0, 0] = 127  # beyond the 7-bit grid: the kernels without VNNI would overflow
+        inits += [numpy_helper.from_array(q, f"W{k}"), numpy_helper.from_array(np.full(4, 0.01, np.float32), f"s{k}")]
+        nodes.append(helper.make_node("DequantizeLinear", [f"W{k}", f"s{k}", "zp"], [f"W{k}_f"], axis=1))
+    nodes += [helper.make_node("MatMul", ["x", "Wa_f"], ["h"]), helper.make_node("MatMul", ["h", "Wb_f"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], inits,
+                          # the int8 types an exporter records: stale once the weights are uint8
+                          value_info=[helper.make_tensor_value_info("Wa", TensorProto.INT8, [4, 4]),
+                                      helper.make_tensor_value_info("zp", TensorProto.INT8, [4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    before = _run(m, x)[0]
+    counts = fit_weights_to_kernels(m, "u8s7", {"Wa", "Wb"})
+    onnx.checker.check_model(m, full_check=True)  # names unique, types consistent
+    assert counts == {"to_7bit": 0, "stored_as_uint8": 2}
+    got = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    zps = [n.input[2] for n in m.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(set(zps)) == 2 and all(got[z].dtype == np.uint8 and got[z].tolist() == [128] * 4 for z in zps)
+    assert got["Wa"].dtype == got["Wb"].dtype == np.uint8
+    np.testing.assert_allclose(_run(m, x)[0], before, rtol=1e-6, atol=1e-6)

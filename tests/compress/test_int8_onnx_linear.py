@@ -255,3 +255,64 @@ def test_minilm_linear_int8_keeps_sentence_embeddings(tmp_path):
     assert q.module is None and m["placement"] == "linear" and m["calib_method"] == "mse"
     assert m["quantized_nodes"] == 36
     assert m["int8"]["mean_cosine"] > 0.98 and m["int8"]["min_cosine"] > 0.97  # measured 0.994 / 0.987
+
+
+# --- a causal LM: compared with its float graph token by token, on a bounded number of windows -------------
+
+
+def _tiny_bigram_lm(path: Path, vocab: int = 260, hidden: int = 32) -> Path:
+    """A bigram causal LM over the byte vocabulary: embedding, a ReLU MLP, the LM head (logits (b, t, vocab))."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) * s).astype(np.float32), name)
+             for name, shape, s in (("embed", (vocab, hidden), 1.0), ("W1", (hidden, 4 * hidden), 0.3),
+                                    ("W2", (4 * hidden, hidden), 0.3), ("head", (hidden, vocab), 0.05))]
+    n = helper.make_node
+    nodes = [n("Gather", ["embed", "input_ids"], ["e"], name="embed", axis=0),
+             n("MatMul", ["e", "W1"], ["h0"], name="up"), n("Relu", ["h0"], ["h1"], name="relu"),
+             n("MatMul", ["h1", "W2"], ["h2"], name="down"), n("Add", ["e", "h2"], ["h"], name="residual"),
+             n("MatMul", ["h", "head"], ["logits"], name="lm_head")]
+    ids = [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
+           for name in ("input_ids", "attention_mask")]
+    graph = helper.make_graph(nodes, "bigram-lm", ids, [helper.make_tensor_value_info(
+        "logits", TensorProto.FLOAT, ["batch", "sequence", vocab])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("eval_samples,windows", [(None, 8), (3, 3)])
+def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(tmp_path, eval_samples, windows):
+    """The eval split holds thousands of 32-token Wikipedia windows: by default the first 8 (the compress
+    gate's) are compared, one at a time, with per-token metrics (not one argmax over a whole window)."""
+    import json
+    import sys
+
+    from edgekit.compress import StepContext, compress, make_config
+    from edgekit.compress.quality import EVAL_WINDOWS
+    from edgekit.sources.handle import InputSpec, ModelHandle
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import byte_tokenizer
+
+    path = _tiny_bigram_lm(tmp_path / "lm.onnx")
+    seq = ("batch", "sequence")
+    handle = ModelHandle("bigram-lm", str(path), kind="causal-lm", onnx_path=path, outputs=["logits"],
+                         inputs=[InputSpec("input_ids", seq, "int64"), InputSpec("attention_mask", seq, "int64")],
+                         tokenizer=byte_tokenizer(), evaluator="perplexity", extra={"seqlen": 32})
+    cfg = make_config("int8", {"calib_samples": 16, **({} if eval_samples is None else {"eval_samples": eval_samples})})
+    out = compress(handle, [("int8", cfg)], tmp_path / "int8", StepContext(calib="lee-news", eval="wikipedia",
+                                                                             progress=False))
+    metrics = json.loads((out / "manifest.json").read_text())["metrics"]["int8"]
+    assert EVAL_WINDOWS == 8 and metrics["compared_on"]["data"] == "eval data"
+    assert metrics["compared_on"]["samples"] == windows and "integer kernels" in metrics["compared_on"]["kernels"]
+    int8 = metrics["int8"]
+    assert int8["windows"] == windows and int8["tokens"] == windows * 32
+    assert 0.5 < int8["top1_agreement"] <= int8["top5_agreement"] <= 1.0 and 0 <= int8["mean_kl"] < 0.1
+    assert int8["perplexity_reference"] > 1 and 0.9 < int8["perplexity_ratio"] < 1.1
+    drift = metrics["outputs"]["logits"]
+    assert 0.95 < drift["min_cosine"] <= drift["mean_cosine"] <= 1.0 and drift["max_abs_diff"] == int8["max_abs_diff"]

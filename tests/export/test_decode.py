@@ -234,10 +234,23 @@ def test_profile_json_without_generation_still_loads(tmp_path):
     ({"new_tokens": 0}, "new tokens must be >= 1, got 0"),
     ({"contexts": ()}, r"contexts must be whole numbers >= 1, got \(\)"),
     ({"prompt_lengths": (0,)}, r"prompt lengths must be whole numbers >= 1, got \(0,\)"),
+    ({"new_tokens": 10**9}, "new tokens must be at most 1048576, got 1000000000"),  # hours of decode steps
+    ({"contexts": (128, 2**21)}, "contexts must be at most 1048576 tokens, got 2097152"),
 ])
 def test_generation_config_rejects_bad_values(values, match):
     with pytest.raises(BadInputError, match=match):
         GenerationConfig(**values)
+
+
+def test_the_kv_cache_is_sized_against_the_memory_before_it_is_allocated(fused_session, monkeypatch):
+    from edgekit import limits
+
+    monkeypatch.setattr(limits, "available_memory", lambda: 64 * 2**20)
+    assert KVCacheDecoder(fused_session, 32).shared  # a few KiB
+    with pytest.raises(BadInputError, match=r"^the KV cache of 1048576 tokens at batch 1 needs .*; edgekit lets it "
+                                            r"take at most a quarter of the 64 MiB of memory available here; lower "
+                                            r"--contexts, --prompt-lengths or --new-tokens$"):
+        KVCacheDecoder(fused_session, 2**20)
 
 
 def test_cli_profile_reports_generation_metrics_of_a_causal_lm_engine(tmp_path, monkeypatch):
@@ -256,3 +269,49 @@ def test_cli_profile_reports_generation_metrics_of_a_causal_lm_engine(tmp_path, 
     assert "time to first token, 16 prompt tokens" in r.output
     r = run("profile", "eng", "--prompt-lengths", "8,x")
     assert r.exit_code == 2 and "error: --prompt-lengths takes comma-separated whole numbers, got '8,x'" in r.output
+    # the model declares 128 positions (recorded at export): lengths beyond are refused before any timing,
+    # the defaults are cut to them
+    assert json.loads((tmp_path / "onnx" / "manifest.json").read_text())["model"]["context"] == {
+        "max_position_embeddings": 128, "tokens": 128, "rope_type": "default", "original": 128, "thresholds": []}
+    r = run("profile", "eng", "--contexts", "8,1024", "--json", "x.json")
+    assert r.exit_code == 2 and r.output.strip() == (
+        "error: --contexts 8,1024 with 32 new tokens runs 1056 tokens, beyond the 128 positions eng's model declares; "
+        "choose contexts up to 96 (or fewer new tokens)")
+    assert not (tmp_path / "x.json").exists()
+    r = run("profile", "eng", "--duration-s", 0, "--warmup-ms", 0, "--iterations", 2, "--no-nodes", "--json", "d.json")
+    assert r.exit_code == 0, r.output
+    prof = json.loads((tmp_path / "d.json").read_text())
+    settings = prof["generation"]["settings"]
+    assert (settings["prompt_lengths"], settings["contexts"], settings["new_tokens"]) == ([128], [96], 32)
+    assert set(prof["generation"]["decode"]) == {"96"} and set(prof["generation"]["time_to_first_token_ms"]) == {"128"}
+    assert ("the default lengths are cut to the 128 positions eng's model declares: prompts 128, contexts 96, 32 new "
+            "tokens") in prof["warnings"]
+    assert ("latency_ms times a decode step after a 128-token past, beyond the 128 positions the model declares"
+            in prof["warnings"])
+
+
+@pytest.mark.parametrize("given,tokens,want", [
+    ({}, None, ((128, 512), (128, 1024), 128, [])),
+    ({}, 4096, ((128, 512), (128, 1024), 128, [])),
+    ({}, 64, ((64,), (48,), 16, ["the default lengths are cut to the 64 positions m declares: prompts 64, "
+                                 "contexts 48, 16 new tokens"])),
+    ({"contexts": (8, 16), "new_tokens": 4}, 64, ((64,), (8, 16), 4, [
+        "the default lengths are cut to the 64 positions m declares: prompts 64, contexts 8,16, 4 new tokens"])),
+    ({"prompt_lengths": (64,), "contexts": (32,), "new_tokens": 32}, 64, ((64,), (32,), 32, [])),
+])
+def test_generation_lengths_fit_the_declared_context(given, tokens, want):
+    cfg, warnings = GenerationConfig(**given).within_context(tokens, "m")
+    assert (cfg.prompt_lengths, cfg.contexts, cfg.new_tokens, warnings) == want
+    assert cfg.max_length <= (tokens or 1 << 30)
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"prompt_lengths": (65,)}, "--prompt-lengths 65 exceeds the 64 positions m declares; choose prompt lengths up "
+                                "to 64"),
+    ({"contexts": (60,)}, r"--contexts 60 with 16 new tokens runs 76 tokens, beyond the 64 positions m declares; "
+                          r"choose contexts up to 48 \(or fewer new tokens\)"),
+    ({"new_tokens": 64}, "--new-tokens 64 leaves no context within the 64 positions m declares; choose fewer than 64"),
+])
+def test_generation_lengths_beyond_the_declared_context_are_refused(given, match):
+    with pytest.raises(BadInputError, match=match):
+        GenerationConfig(**given).within_context(64, "m")

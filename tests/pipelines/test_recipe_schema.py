@@ -188,7 +188,7 @@ def test_int8_then_prune_and_distill_is_rejected_with_the_reason():
     (lambda d: d["stages"][1].update(build={"extra": {"feeds": {}}}),
      "stage 'mlp' build.extra.feeds: unknown option"),  # set in code only
     (lambda d: d["stages"][1].update(build={"extra": {"max_shapes": {"x": [1, 0]}}}),
-     "stage 'mlp' build.extra.max_shapes.x: dimensions must be >= 1, got [1, 0]"),
+     "stage 'mlp' build.extra.max_shapes.x: dimensions must be 1 to 1048576, got [1, 0]"),
     # evaluate: EvaluateSpec
     (lambda d: d["stages"][1].update(evaluate={"min": 0.9, "max": 0.5}),
      "stage 'mlp' evaluate: min 0.9 is above max 0.5: no value could pass"),

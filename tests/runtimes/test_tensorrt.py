@@ -53,11 +53,14 @@ def _onnx(path: Path, op: str = "Relu", qdq: bool = False, seq: bool = False) ->
         nodes += [helper.make_node("QuantizeLinear", [x, "s", "z"], ["q"], name="q0"),
                   helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="dq0")]
         x = "dq"
-    nodes += [helper.make_node("MatMul", [x, "w"], ["m"], name="mm"), helper.make_node(op, ["m"], ["out"], name="act")]
+    custom = "" if onnx.defs.has(op) else "com.example"  # a plugin's op: valid ONNX in its own domain
+    nodes += [helper.make_node("MatMul", [x, "w"], ["m"], name="mm"),
+              helper.make_node(op, ["m"], ["out"], name="act", domain=custom)]
     dims = ["batch", "sequence", 4] if seq else ["batch", 4]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, dims)],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, dims)], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                          + ([helper.make_opsetid(custom, 1)] if custom else []))
     m.ir_version = 8
     onnx.save_model(m, str(path))
     return path
@@ -269,6 +272,40 @@ def test_bundle_script_refuses_other_gpu(tmp_path, cache_env, monkeypatch):
     assert proc.returncode == 2 and "this GPU is sm_90 but the bundle is for jetson-orin-nx-16 (sm_87)" in proc.stderr
 
 
+def _user_target(tmp_path: Path, **fields: str) -> Path:
+    """A user's target file: the AGX Orin 64's with ``fields`` replaced."""
+    import yaml
+
+    data = yaml.safe_load((Path(trtrt.__file__).parents[2] / "targets" / "jetson-agx-orin-64.yaml").read_text())
+    path = tmp_path / "my-orin.yaml"
+    path.write_text(yaml.safe_dump({**data, "name": "my-orin", **fields}))
+    return path
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tensorrt_versions", '>=10.3,<10.4"; touch PWNED; "'),  # the first clause decided before: the rest went unread
+    ("tensorrt_versions", ">=10.3$(touch PWNED)"),
+    ("description", "Orin\ntouch PWNED"),  # a second line of build.sh's opening comment
+])
+def test_a_target_file_cannot_write_a_command_into_build_sh(tmp_path, field, value):
+    with pytest.raises(BadInputError, match=f"{field}: .*(bad version range|must be one line)"):
+        load_target(str(_user_target(tmp_path, **{field: value})))
+
+
+def test_build_sh_runs_shell_characters_of_a_target_as_text(tmp_path, cache_env, monkeypatch):
+    from edgekit.build import build_engine
+
+    monkeypatch.setattr(trtdev, "probe_local", lambda trtexec=None: DeviceInfo())
+    monkeypatch.setattr(trtdev, "import_tensorrt", lambda: None)
+    target = _user_target(tmp_path, description="Orin `touch PWNED` $(touch PWNED) ' \" ;|&")
+    out = build_engine(_onnx(tmp_path / "m.onnx"), str(target), tmp_path / "b", BuildOptions("fp16"))
+    proc = subprocess.run(["bash", str(out / "build.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "TRTEXEC": str(_fake_trtexec(tmp_path))})
+    assert proc.returncode == 0, proc.stderr
+    assert "(target expects TensorRT >=10.3,<10.4)" in proc.stdout
+    assert not list(tmp_path.rglob("PWNED"))
+
+
 # --- the trtexec path (fake trtexec) --------------------------------------------------------
 
 FAKE_TRTEXEC = r'''#!{python}
@@ -353,8 +390,9 @@ def test_trtexec_names_unsupported_op(tmp_path, cache_env, monkeypatch):
     out = tmp_path / "o"
     out.mkdir()
     # the offline check refuses it before trtexec runs (exit 1: it would fail on the device) ...
-    with pytest.raises(CheckFailedError, match=r"bad.onnx would fail on h100-sxm's TensorRT 10.3: FancyCustomOp 'act': "
-                                               r"FancyCustomOp is not in onnx-tensorrt's 10.1 table") as e:
+    with pytest.raises(CheckFailedError, match=r"bad.onnx would fail on h100-sxm's TensorRT 10.3: "
+                                               r"com.example::FancyCustomOp 'act': a com.example op, not standard "
+                                               r"ONNX: TensorRT has no importer for it") as e:
         trtrt.RUNTIME.build(onnx_path, load_target("h100-sxm"), out, BuildOptions("fp16", extra={"trtexec": str(fake)}))
     assert e.value.exit_code == 1
     # ... and with the check off (a plugin the table cannot know), trtexec's parser error is named

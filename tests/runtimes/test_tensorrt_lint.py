@@ -193,12 +193,16 @@ def test_cli_lint_exit_codes_table_and_json(tmp_path):
     assert same.exit_code == 1 and same.output.strip().endswith("would fail on the device: 1 errors, 0 warnings")
     (tmp_path / "garbage.onnx").write_text("not a model")
     for args, message in ((["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64"],
-                           "garbage.onnx is not an ONNX model"),
+                           "garbage.onnx is not a valid ONNX model"),
+                          # with --dim the profile was read first, by a loader of its own: a traceback
+                          (["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64", "--dim",
+                            "batch=1"], "garbage.onnx is not a valid ONNX model"),
                           (["lint", str(tmp_path / "nope.onnx"), "--target", "jetson-agx-orin-64"],
                            "is neither an ONNX file nor an edgekit folder"),
                           (["lint", str(path), "--target", "cpu"], "unknown target for a TensorRT check")):
         res = runner.invoke(cli, args)
-        assert res.exit_code == 2 and res.output.startswith("error: ") and message in res.output
+        assert res.exit_code == 2 and res.output.startswith("error: ") and message in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1
 
 
 # --- every sentence of the tables is a rule ----------------------------------------------------------

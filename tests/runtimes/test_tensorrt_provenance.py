@@ -154,6 +154,23 @@ def test_files_of_different_engines_or_machines_are_refused(tmp_path, no_tensorr
                                    "resnet-qat.onnx.engine.profile.metadata.json says sm_86") in res.output
 
 
+def test_a_sparse_device_record_is_one_line(tmp_path, no_tensorrt):
+    """A device's results as they came back, with a 2 GiB sparse device.txt (it costs the
+    device nothing; it was read whole): one line, exit 2, nothing written."""
+    onnx_path = _rtx_onnx(tmp_path / "resnet50.onnx")
+    target = tmp_path / "rtx-3090.yaml"
+    target.write_text(RTX_TARGET)
+    results = tmp_path / "results"
+    shutil.copytree(RTX_QAT, results)
+    with open(results / "device.txt", "wb") as f:
+        f.truncate(2 << 30)
+    res = CliRunner().invoke(cli, ["profile", "--trtexec", str(results), "--onnx", str(onnx_path), "--target",
+                                   str(target), "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert f"device record {results / 'device.txt'} is 2 GiB; edgekit reads at most 1 MiB" in res.output
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_trtexec_exports_made_by_hand(tmp_path, no_tensorrt):
     """Engine Explorer's RTX 3090 QAT set as a user would have it (its own file names, no layer info,
     no TensorRT version recorded): a device profile, unverified, with unknown precision."""

@@ -10,6 +10,8 @@ engine with a GPU fallback, for which no real export is public).
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +144,57 @@ def test_bad_files(tmp_path):
         tp.read_layer_info(bad)
     with pytest.raises(BadInputError, match="does not exist"):
         tp.read_profile(tmp_path / "missing.json")
+
+
+def _results(tmp_path: Path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for src, name in (("int8_times.json", tp.TIMES_JSON), ("int8_profile.json", tp.PROFILE_JSON),
+                      ("int8_layers.json", tp.LAYERS_JSON)):
+        (folder / name).write_bytes((FIX / src).read_bytes())
+    return folder
+
+
+@pytest.mark.parametrize("name, size, message", [
+    (tp.TIMES_JSON, 300 << 20, "trtexec --exportTimes file .*times.json is 300 MiB; edgekit reads at most 256 MiB"),
+    (tp.LOG_FILE, 300 << 20, "trtexec log .*trtexec.log is 300 MiB; edgekit reads at most 256 MiB"),
+    ("device.txt", 2 << 20, "device record .*device.txt is 2 MiB; edgekit reads at most 1 MiB"),
+    ("machine.txt", 2 << 20, "machine record .*machine.txt is 2 MiB; edgekit reads at most 1 MiB"),
+])
+def test_a_devices_results_are_read_within_bounds(tmp_path, name, size, message):
+    """A results folder comes from a device: a sparse file there costs it nothing, and was read
+    whole. Each file is refused past its maximum before it is read (the command line's one
+    line: test_tensorrt_provenance)."""
+    from edgekit.runtimes.tensorrt.provenance import exports_of, read_record
+    from edgekit.runtimes.tensorrt.results import read_machine_state
+
+    folder = _results(tmp_path)
+    with open(folder / name, "wb") as f:
+        f.truncate(size)  # sparse: nothing on disk
+    readers = {tp.TIMES_JSON: lambda: tp.recorded_run_from_folder(folder),
+               tp.LOG_FILE: lambda: tp.recorded_run_from_folder(folder),
+               "device.txt": lambda: read_machine_state(folder), "machine.txt": lambda: read_machine_state(folder)}
+    with pytest.raises(BadInputError, match=message):
+        readers[name]()
+    if name.endswith(".txt"):
+        with pytest.raises(BadInputError, match=message):
+            read_record(exports_of(folder))
+
+
+def test_special_files_in_a_results_folder_are_never_opened(tmp_path):
+    """FIFOs under the names of trtexec's log and the device records, and one a sniffed role
+    would open (``*.log``): profile reads the regular files and never blocks."""
+    from edgekit.runtimes.tensorrt.provenance import exports_of, read_record
+    from edgekit.runtimes.tensorrt.results import read_machine_state
+
+    folder = _results(tmp_path)
+    for name in (tp.LOG_FILE, "device.txt", "machine.txt", "other.log", "t.json"):
+        os.mkfifo(folder / name)
+    found = exports_of(folder)
+    assert set(found) == {"times", "profile", "layers"}
+    r = profile_from_recorded(tp.recorded_run_from_folder(folder, found=found))
+    assert r.latency_ms.count == 60
+    assert read_machine_state(folder)[0] == {"measured_on": "device"} and not read_record(found).gpu
 
 
 # --- real trtexec exports (NVIDIA's TensorRT Engine Explorer; see fixtures/trtexec/README.md) ---

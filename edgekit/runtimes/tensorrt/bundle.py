@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from edgekit.markup import md, md_code
 from edgekit.runtimes.base import RESULTS_MANIFEST
 from edgekit.runtimes.tensorrt.device import JETSON_TRTEXEC, PROBE_SH
 from edgekit.runtimes.tensorrt.parsers import LAYERS_JSON, PROFILE_JSON, TIMES_JSON
@@ -79,7 +80,7 @@ if command -v jetson_clocks >/dev/null 2>&1; then
   jetson_clocks --show > {RESULTS_DIR}/jetson_clocks.txt 2>&1 || sudo -n jetson_clocks --show > {RESULTS_DIR}/jetson_clocks.txt 2>&1 || true
 fi
 cp manifest.json {RESULTS_DIR}/{RESULTS_MANIFEST}
-echo "build.sh: $(sed -n 's/^trtexec_banner=//p' {RESULTS_DIR}/{DEVICE_FILE}) (target expects TensorRT {rng or 'any'})"
+echo "build.sh: $(sed -n 's/^trtexec_banner=//p' {RESULTS_DIR}/{DEVICE_FILE})" {shlex.quote(f"(target expects TensorRT {rng or 'any'})")}
 {cmd} 2>&1 | tee {RESULTS_DIR}/trtexec.log
 test -s {ENGINE_FILE} || {{ echo "build.sh: trtexec wrote no {ENGINE_FILE}; see {RESULTS_DIR}/trtexec.log" >&2; exit 1; }}
 echo "build.sh: wrote {ENGINE_FILE} and {RESULTS_DIR}/ ({LAYERS_JSON}, {PROFILE_JSON}, {TIMES_JSON}, machine state)"
@@ -89,12 +90,12 @@ echo "build.sh: wrote {ENGINE_FILE} and {RESULTS_DIR}/ ({LAYERS_JSON}, {PROFILE_
 def bundle_readme(argv: list[str], target: Target, settings: TrtSettings, rel_onnx: str, warnings: list[str],
                   status: dict[str, object], notes: list[str]) -> str:
     lines = [
-        f"# TensorRT build bundle for {target.name}",
+        f"# TensorRT build bundle for {md(target.name)}",
         "",
-        f"**Status: nothing here was built or measured.** {status['summary']}.",
+        f"**Status: nothing here was built or measured.** {md(status['summary'])}.",
         "No engine exists until `build.sh` runs on the device, and nothing in this folder was checked",
         "by TensorRT. TensorRT engines only run on the GPU architecture and TensorRT version they were",
-        f"built with, so the engine is built on the device itself (why here: {status['reason']}).",
+        f"built with, so the engine is built on the device itself (why here: {md(status['reason'])}).",
         "",
         "## On the device",
         "```bash",
@@ -102,9 +103,7 @@ def bundle_readme(argv: list[str], target: Target, settings: TrtSettings, rel_on
         "```",
         f"It checks the GPU (expects {target.sm or '?'}), records the device, JetPack, TensorRT, power mode",
         f"(`nvpmodel -q`) and clocks (`jetson_clocks --show`) in `{RESULTS_DIR}/`, then runs exactly:",
-        "```bash",
-        shlex.join(argv),
-        "```",
+        *md_code(shlex.join(argv), "bash"),
         f"Target TensorRT versions: {target.tensorrt_versions or 'any'}"
         + (f" (JetPack {target.jetpack})" if target.jetpack else ""),
         "For stable numbers, set the power mode and lock the clocks first (`sudo nvpmodel -m 0`,",
@@ -121,15 +120,15 @@ def bundle_readme(argv: list[str], target: Target, settings: TrtSettings, rel_on
         "results of another device or model are refused, and facts the device did not record leave them unverified.",
         "",
         "## Settings",
-        f"- ONNX: `{rel_onnx}`",
+        f"- ONNX: {md(rel_onnx)}",
         f"- precision: {settings.precision}; strongly typed: {settings.strongly_typed}; Q/DQ in graph: {settings.has_qdq}",
-        f"- optimization profile: {json.dumps(settings.shapes) if settings.shapes else 'static shapes'}",
+        f"- optimization profile: {md(json.dumps(settings.shapes)) if settings.shapes else 'static shapes'}",
         f"- workspace: {settings.workspace_mb or 'TensorRT default'} MB; DLA core: {settings.dla_core}"
         + (" with GPU fallback" if settings.gpu_fallback else ""),
         f"- timing cache: `{TIMING_CACHE_FILE}` (created on the first build, reused afterwards)",
     ]
     if notes:
-        lines += ["", "## What edgekit did to the graph"] + [f"- {n}" for n in notes]
+        lines += ["", "## What edgekit did to the graph"] + [f"- {md(n)}" for n in notes]
     if warnings:
-        lines += ["", "## Warnings"] + [f"- {w}" for w in warnings]
+        lines += ["", "## Warnings"] + [f"- {md(w)}" for w in warnings]
     return "\n".join(lines) + "\n"

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from edgekit.artifact import is_artifact, read_manifest
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.runtimes.tensorrt.lint_rules import TOPK_K_UNKNOWN, GraphView, Rule, attr, rule_for, sentences
+from edgekit.sources.onnx_file import read_onnx
 from edgekit.targets import Target, list_targets, load_target
 
 TABLE_FILE = Path(__file__).parent / "data" / "onnx_tensorrt_operators.json"
@@ -197,10 +197,7 @@ def lint_onnx(onnx_path: str | Path, target: Target | str, *, tensorrt_version: 
     path = Path(onnx_path)
     if not path.is_file():
         raise BadInputError(f"ONNX file {str(path)!r} does not exist")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, OSError, ValueError) as e:
-        raise BadInputError(f"{path} is not an ONNX model ({e})") from None
+    model = read_onnx(path)  # the loader build uses: validated, external data inside the folder, input sizes bounded
     if dla_core is not None:
         cores = int(target.dla_cores or 0)
         if not 0 <= dla_core < max(cores, 1) or cores == 0:
@@ -653,7 +650,7 @@ def lint_profile(onnx_path: Path, shapes: dict[str, tuple[int, ...]] | None = No
     (opt = max; an axis the exporter named as a sum of others, such as ``past_sequence_length +
     sequence_length``, adds their ranges). Inputs with a dynamic axis neither gives stay out
     (lint reports them)."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = read_onnx(onnx_path)  # the loader build uses (a file that is not ONNX is one line)
     inits = {i.name for i in model.graph.initializer}
     inputs = [vi for vi in model.graph.input if vi.name not in inits]
     dims = dict(dims or {})

@@ -34,7 +34,7 @@ import numpy as np
 
 from edgekit.artifact import Manifest, is_artifact, read_manifest
 from edgekit.errors import BadInputError
-from edgekit.runtimes.base import NodeTiming, RecordedRun
+from edgekit.runtimes.base import NodeTiming, RecordedRun, read_device_file, read_device_text
 
 # The file names edgekit asks trtexec to write (build bundles and the trtexec path).
 TIMES_JSON = "trtexec_times.json"
@@ -78,7 +78,9 @@ def load_export_json(path: str | Path, what: str) -> Any:
     if not p.is_file():
         raise BadInputError(f"trtexec {what} file {str(p)!r} does not exist")
     try:
-        return json.loads(p.read_text())
+        return json.loads(read_device_file(p, f"trtexec {what} file"))
+    except RecursionError:
+        raise BadInputError(f"{p} is nested too deeply; expected trtexec's {what} output") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInputError(f"{p} is not valid JSON ({e}); expected trtexec's {what} output") from None
 
@@ -283,7 +285,7 @@ def read_trtexec_log(path: str | Path) -> dict[str, dict[str, Any]]:
         raise BadInputError(f"trtexec log {str(p)!r} does not exist")
     out: dict[str, dict[str, Any]] = {}
     section: dict[str, Any] | None = None
-    for raw in p.read_text(errors="replace").splitlines():
+    for raw in read_device_text(p, "trtexec log").splitlines():
         m = _LOG_LINE.match(raw.strip())
         text = m.group(1).strip() if m else ""
         header = re.fullmatch(r"=== (.+) ===", text)

@@ -30,7 +30,7 @@ import onnx
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError
-from edgekit.runtimes.base import Provenance
+from edgekit.runtimes.base import MAX_DEVICE_NOTE_BYTES, Provenance, read_device_text
 from edgekit.runtimes.tensorrt.device import parse_probe, trt_version_from_int
 from edgekit.runtimes.tensorrt.parsers import (
     LAYERS_JSON,
@@ -95,7 +95,8 @@ def exports_of(folder: Path) -> dict[str, Path]:
 
 def _role_of(path: Path) -> str | None:
     if path.suffix in (".log", ".txt"):
-        head = path.read_text(errors="replace")[:20000]
+        with open(path, "rb") as f:  # a regular file (find_exports): its head only, however large
+            head = f.read(20000).decode("utf-8", errors="replace")
         return "log" if ("TensorRT.trtexec" in head or "=== Performance summary ===" in head) else None
     if path.suffix != ".json" or path.stat().st_size > 64 << 20:
         return None
@@ -144,7 +145,7 @@ def _sm_of(cc: Any) -> str | None:
 def read_record(found: dict[str, Path], manifest: Manifest | None = None) -> EngineRecord:
     rec = EngineRecord()
     if "device" in found:
-        info = parse_probe(found["device"].read_text(errors="replace"))
+        info = parse_probe(read_device_text(found["device"], f"{found['device'].stem} record", MAX_DEVICE_NOTE_BYTES))
         name = found["device"].name
         if info.sm:
             rec.sm.append((info.sm, name))
@@ -153,7 +154,7 @@ def read_record(found: dict[str, Path], manifest: Manifest | None = None) -> Eng
         if info.tensorrt_version:
             rec.tensorrt.append((info.tensorrt_version, name))
     if "machine" in found:
-        m = re.search(r"^tensorrt_package=(\d+\.\d+(?:\.\d+)?)", found["machine"].read_text(errors="replace"), re.M)
+        m = re.search(r"^tensorrt_package=(\d+\.\d+(?:\.\d+)?)", read_device_text(found["machine"], f"{found['machine'].stem} record", MAX_DEVICE_NOTE_BYTES), re.M)
         if m:
             rec.tensorrt.append((m.group(1), found["machine"].name))
     if "log" in found:
@@ -180,7 +181,7 @@ def read_record(found: dict[str, Path], manifest: Manifest | None = None) -> Eng
 
 
 def _read_log(path: Path, rec: EngineRecord) -> None:
-    text = path.read_text(errors="replace")
+    text = read_device_text(path, "trtexec log")
     banner = _BANNER.search(text)
     if banner:
         rec.tensorrt.append((trt_version_from_int(int(banner.group(1))), path.name))

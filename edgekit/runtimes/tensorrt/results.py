@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from edgekit.runtimes.base import RESULTS_MANIFEST
+from edgekit.runtimes.base import MAX_DEVICE_NOTE_BYTES, RESULTS_MANIFEST, read_device_text
 from edgekit.runtimes.tensorrt.device import parse_probe
 from edgekit.runtimes.tensorrt.settings import DEVICE_FILE, MACHINE_FILE, RESULTS_DIR
 
@@ -72,17 +72,21 @@ def parse_jetson_clocks(text: str) -> dict[str, Any]:
     return clocks
 
 
+def _note(path: Path) -> str:
+    return read_device_text(path, f"{path.stem} record", MAX_DEVICE_NOTE_BYTES)
+
+
 def read_machine_state(results: Path) -> tuple[dict[str, Any], list[str]]:
     """(the machine record of a device measurement, warnings about its state)."""
     state: dict[str, Any] = {"measured_on": "device"}
     warnings: list[str] = []
     if (results / DEVICE_FILE).is_file():
-        info = parse_probe((results / DEVICE_FILE).read_text())
+        info = parse_probe(_note(results / DEVICE_FILE))
         state.update({k: v for k, v in info.to_dict().items() if v and k != "trtexec"})
     if (results / MACHINE_FILE).is_file():
-        state.update(_key_values((results / MACHINE_FILE).read_text()))
+        state.update(_key_values(_note(results / MACHINE_FILE)))
     if (results / NVPMODEL_FILE).is_file():
-        text = (results / NVPMODEL_FILE).read_text()
+        text = _note(results / NVPMODEL_FILE)
         m = re.search(r"NV Power Mode:\s*(\S+)", text)
         if m:
             state["power_mode"] = m.group(1)
@@ -90,7 +94,7 @@ def read_machine_state(results: Path) -> tuple[dict[str, Any], list[str]]:
             if mode_id:
                 state["power_mode_id"] = int(mode_id[0])
     if (results / CLOCKS_FILE).is_file():
-        clocks = parse_jetson_clocks((results / CLOCKS_FILE).read_text())
+        clocks = parse_jetson_clocks(_note(results / CLOCKS_FILE))
         if clocks:
             state["clocks"] = clocks
             gpu = clocks.get("gpu", {})

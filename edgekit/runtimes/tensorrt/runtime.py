@@ -39,7 +39,16 @@ import onnx
 
 from edgekit.artifact import Manifest, atomic_write_bytes, atomic_write_text, sha256_file
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NoResultsYet, Provenance, RecordedRun, resolve_onnx
+from edgekit.runtimes.base import (
+    MAX_DEVICE_NOTE_BYTES,
+    BuildOptions,
+    NoResultsYet,
+    Provenance,
+    RecordedRun,
+    read_device_file,
+    read_device_text,
+    resolve_onnx,
+)
 from edgekit.runtimes.tensorrt import device
 from edgekit.runtimes.tensorrt.api import UNSUPPORTED_OP, TensorRTEngine, build_with_api
 from edgekit.runtimes.tensorrt.bundle import bundle_readme, bundle_script
@@ -333,7 +342,8 @@ class TensorRTRuntime:
             tc = host.get(wd, [TIMING_CACHE_FILE], out_dir / RESULTS_DIR, optional=[TIMING_CACHE_FILE])
         _check_trtexec(0, proc.stdout + proc.stderr, out_dir / ENGINE_FILE)
         if tc:
-            atomic_write_bytes(timing_cache, (out_dir / RESULTS_DIR / TIMING_CACHE_FILE).read_bytes())
+            atomic_write_bytes(timing_cache, read_device_file(out_dir / RESULTS_DIR / TIMING_CACHE_FILE,
+                                                              "timing cache from the device"))
             (out_dir / RESULTS_DIR / TIMING_CACHE_FILE).unlink()
         return {"build_seconds": round(time.perf_counter() - t0, 3), "remote": host.spec,
                 "fetched": sorted(got), "verified_sha256": True}
@@ -365,7 +375,7 @@ class TensorRTRuntime:
         recorded = dict(manifest.config.get("device") or {})
         device_txt = engine_dir / RESULTS_DIR / DEVICE_FILE
         if not recorded and device_txt.is_file():
-            d = parse_probe(device_txt.read_text())
+            d = parse_probe(read_device_text(device_txt, "device record", MAX_DEVICE_NOTE_BYTES))
             recorded = {"gpu": d.gpu, "sm": d.sm, "tensorrt_version": d.tensorrt_version}
         local = device.probe_local()
         check_compatible(recorded, {"gpu": local.gpu, "sm": local.sm, "tensorrt_version": local.tensorrt_version},

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.runtimes.base import BuildOptions
+from edgekit.runtimes.base import TRT_PATHS, BuildOptions, parse_shape_spec
 from edgekit.runtimes.tensorrt.parsers import LAYERS_JSON, PROFILE_JSON, TIMES_JSON
 from edgekit.targets import Target
 
@@ -24,7 +24,7 @@ BUILD_SCRIPT = "build.sh"
 README = "README.md"
 DEVICE_FILE = "device.txt"  # what build.sh / the probe saw on the building machine
 MACHINE_FILE = "machine.txt"  # JetPack, TensorRT package, power mode, ... as build.sh saw them
-PATHS = ("api", "trtexec", "bundle")
+PATHS = TRT_PATHS  # declared with the build options, which check a recipe's trt_path against them
 # trtexec's own measurement defaults (trtexec's documentation): warm-up 200 ms, >= 3 s, >= 100 iterations.
 WARMUP_MS = 200
 DURATION_S = 3
@@ -141,22 +141,6 @@ def onnx_facts(onnx_path: Path) -> tuple[list[tuple[str, list[int | str], str]],
     return inputs, bool(ops & QDQ_OPS)
 
 
-def _parse_shape_spec(spec: Any) -> dict[str, list[int]]:
-    """``"input:1x3x224x224,mask:1x128"`` or ``{"input": [1, 3, 224, 224]}`` -> dict."""
-    if isinstance(spec, dict):
-        return {str(k): [int(x) for x in v] for k, v in spec.items()}
-    out = {}
-    for part in str(spec).split(","):
-        name, _, dims = part.strip().rpartition(":")
-        if not name or not dims:
-            raise BadInputError(f"bad shape spec {part!r} (use name:1x3x224x224)")
-        try:
-            out[name.strip("'")] = [int(x) for x in dims.split("x")]
-        except ValueError:
-            raise BadInputError(f"bad shape spec {part!r} (use name:1x3x224x224)") from None
-    return out
-
-
 def optimization_shapes(inputs: list[tuple[str, list[int | str], str]], options: BuildOptions) -> dict[str, dict[str, list[int]]]:
     """min/opt/max for every input with a dynamic axis.
 
@@ -166,7 +150,7 @@ def optimization_shapes(inputs: list[tuple[str, list[int | str], str]], options:
     or the size in the sample feeds, as min = opt = max.
     """
     extra = options.extra
-    explicit = {w: _parse_shape_spec(extra[f"{w}_shapes"]) for w in ("min", "opt", "max") if extra.get(f"{w}_shapes")}
+    explicit = {w: parse_shape_spec(extra[f"{w}_shapes"]) for w in ("min", "opt", "max") if extra.get(f"{w}_shapes")}
     feeds = extra.get("feeds") or {}
     dims_given = {str(k): int(v) for k, v in (extra.get("dims") or {}).items()}
     max_batch = int(extra.get("max_batch") or options.batch)
