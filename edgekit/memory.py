@@ -7,6 +7,11 @@
   file resident while any of its tensors still points into it: after a compression step replaced
   the large weights, the few float tensors left (norms, biases) hold the float model's file in
   memory. This copies those tensors out (Linux: read from ``/proc/self/maps``), so the mapping goes.
+* ``float32_compute(module)``: a model whose weights are stored in bfloat16 or float16 (to hold
+  half the memory) runs in float32 all the same, one layer at a time: each module holding
+  half-precision tensors of its own is cast to float32 right before its forward and back right
+  after (half -> float32 -> half is exact), so at most one layer's float32 copy exists at a time
+  (embedding tables and LM heads not even that: rows are looked up or multiplied a block at a time).
 
 >>> release_memory()  # doctest: +SKIP
 """
@@ -16,7 +21,9 @@ import ctypes
 import ctypes.util
 import gc
 import sys
-from functools import cache
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache, partial
 from typing import Any
 
 
@@ -89,4 +96,79 @@ def own_memory(module: Any) -> int:
     return copied
 
 
-__all__ = ["own_memory", "release_memory"]
+def _own_tensors(module: Any) -> list[tuple[str, Any, str]]:
+    """(kind, tensor, name) of the parameters and buffers ``module`` holds itself."""
+    return ([("param", p, n) for n, p in module.named_parameters(recurse=False)]
+            + [("buffer", b, n) for n, b in module.named_buffers(recurse=False) if b is not None])
+
+
+def _cast_own(module: Any, dtypes: dict[str, Any], to: Any | None) -> None:
+    """Cast the tensors of ``module`` named in ``dtypes``: to ``to``, or back to their dtype (None)."""
+    for kind, t, name in _own_tensors(module):
+        if name not in dtypes:
+            continue
+        target = to if to is not None else dtypes[name]
+        if t.dtype == target:
+            continue
+        if kind == "param":
+            t.data = t.data.to(target)
+        else:
+            module._buffers[name] = t.to(target)
+
+
+LARGE = 2**24  # elements: a table this large computes in float32 a block of rows at a time
+
+
+@contextmanager
+def float32_compute(module: Any) -> Iterator[None]:
+    """Within the block, every submodule of ``module`` holding bfloat16/float16 tensors of its own
+    computes in float32: cast up right before its forward, back right after (exact both ways). An
+    embedding table looks its rows up as stored and casts them (exact); a linear layer larger than
+    ``LARGE`` elements (an LM head) multiplies a block of output rows at a time, so neither is ever
+    copied whole. A module stored in float32 throughout runs unchanged (no hook is installed)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    half = (torch.bfloat16, torch.float16)
+    hooks, patched = [], []
+    for m in module.modules():
+        dtypes = {name: t.dtype for _k, t, name in _own_tensors(m) if t.dtype in half}
+        if not dtypes:
+            continue
+        if type(m) is nn.Embedding:
+            hooks.append(m.register_forward_hook(lambda _m, _a, out: out.float()))
+        elif type(m) is nn.Linear and m.weight.numel() > LARGE:
+            setattr(m, "forward", partial(_blocked_linear, F, weight=m.weight, bias=m.bias))  # noqa: B010 (an instance attribute)
+            patched.append(m)
+        else:
+            hooks.append(m.register_forward_pre_hook(lambda mod, _a, d=dtypes: _cast_own(mod, d, torch.float32)))
+            hooks.append(m.register_forward_hook(lambda mod, _a, _o, d=dtypes: _cast_own(mod, d, None)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in patched:
+            del m.forward
+
+
+def _blocked_linear(F: Any, x: Any, *, weight: Any, bias: Any) -> Any:
+    """``x @ weight.T + bias`` in float32, ``weight`` (stored in half precision) cast a block of rows at a time."""
+    x = x.float()
+    rows = max(1, LARGE // max(weight.shape[1], 1))
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for lo in range(0, weight.shape[0], rows):
+        hi = min(lo + rows, weight.shape[0])
+        out[..., lo:hi] = F.linear(x, weight[lo:hi].float(), None if bias is None else bias[lo:hi].float())
+    return out
+
+
+def half_stored(module: Any) -> bool:
+    """Whether ``module`` holds bfloat16 or float16 parameters (storage for ``float32_compute``)."""
+    import torch
+
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+
+
+__all__ = ["float32_compute", "half_stored", "own_memory", "release_memory"]

@@ -125,6 +125,9 @@ class Step:
         LoRA): a chain with one is measured and reported, not gated.
     target_aware: the step's result depends on ``StepContext.target`` (INT8's Q/DQ scheme and
         placement): a pipeline keys its cached result on the target.
+    half_storage: the step takes a model whose float weights stay stored in bfloat16/float16 (it
+        computes in float32 a layer at a time): a chain of such steps loads a Hugging Face model
+        stored so without a float32 copy (half the memory).
     """
 
     name: str
@@ -138,6 +141,7 @@ class Step:
     bounds: Callable[[Any], QualityBounds] | None = None
     deliberate: bool = False
     target_aware: bool = False
+    half_storage: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted({s for pair in self.transitions.items() for s in pair} - set(WEIGHT_STATES))
@@ -289,7 +293,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
-    handle = load_model(model, ctx.inputs)
+    handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs))
     protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
                getattr(ctx.reference, "source", None), getattr(ctx.inputs, "inputs", None))
     # Before hours of work: the folder, and room for the smallest compressed model (4-bit: an eighth).

@@ -19,14 +19,15 @@ layers; ``awq_visit`` is the ``BlockWalker`` callback.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, find_blocks, linear_at
 from edgekit.compress.families import Family, family_of, norm_offset, require_known
-from edgekit.compress.gptq import GPTQOptions, HessianAccumulator, solve_group
+from edgekit.compress.gptq import GPTQOptions, HessianAccumulator, solve_group, with_bits
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError
 from edgekit.export.packing import group_width, num_groups
@@ -130,16 +131,19 @@ def _has(block: nn.Module, path: str) -> bool:
     return True
 
 
-def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized) -> GroupVisit:
+def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
+              bits: Mapping[str, int] | None = None) -> GroupVisit:
     """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN); with
     ``config.method == "awq-gptq"`` GPTQ replaces clip search + RTN on the scaled weights
-    (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``)."""
+    (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``). ``bits``: a bit width per linear,
+    where it differs from ``config.bits`` (mixed precision)."""
     prefix, blocks = find_blocks(module)
     family = family_of(module)
     require_known(family, "AWQ")
     then_gptq = config.method == "awq-gptq"
 
     def visit(block_index: int, names: list[str], inputs: GroupInputs) -> None:
+        cfg = cast(AWQOptions, with_bits(config, bits, names))
         linears = [linear_at(module, n) for n in names]
         cols = linears[0].in_features
         total = torch.zeros(cols, dtype=torch.float64)
@@ -163,7 +167,7 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized) -> Grou
         prod = _producer(family, blocks[block_index], rel)
         scale = torch.ones(cols, device=W.device)  # the inputs' divisor: 1 without a producer to fold into
         if prod is not None:
-            s, _, _ = search_scale(W, X, x_mean, config.bits, config.group_size, config.sym, config.awq_grid)
+            s, _, _ = search_scale(W, X, x_mean, cfg.bits, cfg.group_size, cfg.sym, cfg.awq_grid)
             scale = s
             _fold(prod[1], s, prod[2])
             if isinstance(prod[1], nn.Linear):  # an already-quantized linear: its row scales absorb 1/s
@@ -184,17 +188,17 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized) -> Grou
             results.update(solve_group(module, names, weights, H, inputs, config, col_scale=scale))
             for name, lin in zip(names, linears):
                 q, sc, z = results[name]
-                lin.weight.data.copy_(dequantize_groups(q, sc, z, config.group_size).to(lin.weight.device, lin.weight.dtype))
+                lin.weight.data.copy_(dequantize_groups(q, sc, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))
             return
         clip: torch.Tensor | None = None
-        if config.awq_clip and not any(n.endswith(("q_proj", "k_proj")) for n in names):
-            clip = search_clip(W, X, config.bits, config.group_size, config.sym, grid=config.awq_grid)
+        if cfg.awq_clip and not any(n.endswith(("q_proj", "k_proj")) for n in names):
+            clip = search_clip(W, X, cfg.bits, cfg.group_size, cfg.sym, grid=cfg.awq_grid)
         row = 0
         for name, lin in zip(names, linears):
             r = slice(row, row + lin.out_features)
             row += lin.out_features
-            q, sc, z = rtn_quantize(W[r], config.bits, config.group_size, config.sym, None if clip is None else clip[r])
-            lin.weight.data.copy_(dequantize_groups(q, sc, z, config.group_size).to(lin.weight.dtype))
+            q, sc, z = rtn_quantize(W[r], cfg.bits, cfg.group_size, cfg.sym, None if clip is None else clip[r])
+            lin.weight.data.copy_(dequantize_groups(q, sc, z, cfg.group_size).to(lin.weight.dtype))
             results[name] = (q.cpu(), sc.cpu(), z.cpu())
 
     return visit

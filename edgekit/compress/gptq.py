@@ -33,8 +33,8 @@ already-quantized layers before it, lives in ``blocks.py`` (shared with AWQ);
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -68,6 +68,24 @@ class GPTQOptions(Protocol):
     def gptaq_alpha(self) -> float: ...
     @property
     def value_hessian(self) -> str: ...
+    @property
+    def value_query_stride(self) -> int: ...
+
+
+def add_gram_(H: torch.Tensor, x: torch.Tensor, blocks: int = 4) -> None:
+    """``H += xᵀ x`` for ``x`` (rows, n), computing only the blocks on and above the diagonal (a
+    ``blocks`` x ``blocks`` tiling of ``H``) and mirroring the rest: 5/8 of the full product's work
+    at 4 blocks. ``H`` must be symmetric before the call."""
+    n = H.shape[-1]
+    width = -(-n // blocks)
+    width = -(-width // 64) * 64  # whole kernel tiles
+    if n <= width:
+        H.addmm_(x.t(), x)
+        return
+    for i0 in range(0, n, width):
+        i1 = min(n, i0 + width)
+        H[i0:i1, i0:].addmm_(x[:, i0:i1].t(), x[:, i0:])
+        H[i1:, i0:i1] = H[i0:i1, i1:].t()
 
 
 class HessianAccumulator:
@@ -76,12 +94,16 @@ class HessianAccumulator:
     With ``groups``, one Hessian per group, ``H`` (groups, columns, columns), from inputs
     (groups, rows, columns): a depthwise convolution's channels each see their own inputs.
     Inputs may be transposed views (an im2col matrix (columns, rows) passed as ``.t()``): the
-    product then runs on the original memory without a copy."""
+    product then runs on the original memory without a copy. ``symmetric``: each product is
+    computed on and above the diagonal only (``add_gram_``), 5/8 of the work; the sums then run
+    in another order than the full product's, so the last bits differ."""
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu", groups: int | None = None) -> None:
+    def __init__(self, columns: int, device: torch.device | str = "cpu", groups: int | None = None,
+                 symmetric: bool = False) -> None:
         shape = (columns, columns) if groups is None else (groups, columns, columns)
         self.H = torch.zeros(shape, dtype=torch.float32, device=device)
         self.groups = groups
+        self.symmetric = symmetric and groups is None
         self.nsamples = 0
 
     def add_batch(self, x: torch.Tensor) -> None:
@@ -93,7 +115,10 @@ class HessianAccumulator:
         self.nsamples += n
         if self.groups is None:
             x = x * (2.0 / self.nsamples) ** 0.5
-            self.H.addmm_(x.t(), x)
+            if self.symmetric:
+                add_gram_(self.H, x)
+            else:
+                self.H.addmm_(x.t(), x)
         else:  # a few columns per group: scaling H costs less than scaling x
             self.H.baddbmm_(x.transpose(1, 2), x, alpha=2.0 / self.nsamples)
 
@@ -102,17 +127,47 @@ class AsymmetricAccumulator(HessianAccumulator):
     """``H`` plus GPTAQ's (Li et al., 2025) ``dXXT = 2/n Σ (x_fp - x) xᵀ``: ``x`` the layer's input in
     the partly quantized model, ``x_fp`` the same token's input in the float model."""
 
-    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(columns, device)
+    def __init__(self, columns: int, device: torch.device | str = "cpu", symmetric: bool = False) -> None:
+        super().__init__(columns, device, symmetric=symmetric)
         self.dXXT = torch.zeros_like(self.H)
+        self.npairs = 0  # rows behind dXXT (``add_batch`` adds rows to H only)
 
     def add_pair(self, x: torch.Tensor, x_fp: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
         dx = x_fp.detach().reshape(-1, x_fp.shape[-1]).to(self.H.device, torch.float32) - x
         n = x.shape[0]
-        self.dXXT *= self.nsamples / (self.nsamples + n)
-        self.dXXT.addmm_(dx.t(), x, alpha=2.0 / (self.nsamples + n))
+        self.dXXT *= self.npairs / (self.npairs + n)
+        self.dXXT.addmm_(dx.t(), x, alpha=2.0 / (self.npairs + n))
+        self.npairs += n
         self.add_batch(x)
+
+
+def add_attention_mixed(accumulators: list[HessianAccumulator], P: torch.Tensor, X: torch.Tensor, rep: int,
+                        query_blocks: int = 4, query_stride: int = 1) -> None:
+    """Add to ``accumulators[g]`` the attention-mixed inputs ``P_h X`` of the ``rep`` query heads ``h``
+    that read key/value head ``g``: ``P`` (batch, heads, queries, keys), ``X`` (batch, keys, features).
+    A causal ``P`` (nothing above its diagonal) is multiplied ``query_blocks`` blocks of queries at a
+    time against the keys they can see only (5/8 of the product at 4 blocks). ``query_stride``: every
+    n-th query only (a sample of the rows; 1: all)."""
+    X = X.float()
+    nq, nk = P.shape[-2], P.shape[-1]
+    causal = nq == nk and not bool(P.triu(1).any())
+    queries = torch.arange(0, nq, query_stride, device=P.device)
+    if query_stride > 1:
+        P = P[:, :, queries]
+    rows = P.shape[-2]
+    step = -(-rows // query_blocks)
+    for g, acc in enumerate(accumulators):
+        Pg = P[:, g * rep:(g + 1) * rep].float()  # (batch, rep, queries, keys)
+        if causal:
+            Y = torch.empty(*Pg.shape[:-1], X.shape[-1], dtype=X.dtype, device=X.device)
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                keys = int(queries[r1 - 1]) + 1  # the last query of the block sees keys up to itself
+                Y[:, :, r0:r1] = torch.matmul(Pg[:, :, r0:r1, :keys], X[:, None, :keys])
+        else:
+            Y = torch.matmul(Pg, X[:, None])
+        acc.add_batch(Y)
 
 
 def asymmetric_target(W: torch.Tensor, H: torch.Tensor, dXXT: torch.Tensor, alpha: float,
@@ -154,20 +209,9 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size
     >>> bool((Q * 4 == torch.round(Q * 4)).all())
     True
     """
-    W = W.detach().clone()
-    H = H.detach().to(W.device, W.dtype).clone()
+    W, Hinv, perm = _prepare(W, H, damp, act_order)
     rows, cols = W.shape
-    batched = H.dim() == 3
-    if batched and act_order:
-        raise ValueError("act_order needs one Hessian shared by all rows")
-    diag = H.diagonal(dim1=-2, dim2=-1)
-    diag.masked_fill_(diag <= 0, 1.0)  # dead inputs: the column is still quantized, its error spreads nowhere
-    perm: torch.Tensor | None = None
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    H.diagonal(dim1=-2, dim2=-1).add_(damp * H.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
-    Hinv = _inverse_cholesky(H)
+    batched = Hinv.dim() == 3
     order = perm.tolist() if perm is not None else None
 
     Q = torch.zeros_like(W)
@@ -202,6 +246,67 @@ def gptq_solve(W: torch.Tensor, H: torch.Tensor, grid: ColumnGrid, *, block_size
     return Q, float(loss)
 
 
+def _prepare(W: torch.Tensor, H: torch.Tensor, damp: float,
+             act_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What every GPTQ solve starts from: a copy of ``W``, the upper Cholesky factor of the dampened
+    ``H⁻¹``, both in solve order, and that order (None: the columns' own). Dead inputs (zero
+    diagonal) get a unit diagonal first: the column is still quantized, its error spreads nowhere."""
+    W = W.detach().clone()
+    H = H.detach().to(W.device, W.dtype).clone()
+    if H.dim() == 3 and act_order:
+        raise ValueError("act_order needs one Hessian shared by all rows")
+    diag = H.diagonal(dim1=-2, dim2=-1)
+    diag.masked_fill_(diag <= 0, 1.0)
+    perm: torch.Tensor | None = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal(dim1=-2, dim2=-1).add_(damp * H.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True))
+    return W, _inverse_cholesky(H), perm
+
+
+@torch.no_grad()
+def gptq_solve_fixed(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int, *,
+                     block_size: int = 128, damp: float = 0.01, act_order: bool = False) -> torch.Tensor:
+    """``gptq_solve`` onto a grid fixed before the solve: column ``c`` rounds to
+    ``clamp(round(w / scale[:, c]) + zero[:, c], 0, maxq)`` (``scale``, ``zero``: (rows, cols), one
+    entry per column, e.g. a static group grid repeated over its columns). Returns the integer codes
+    (rows, cols, float) in the original column order. The same algorithm as ``gptq_solve`` with the
+    grid inlined: it works on the transposed weight, so each column is contiguous memory, in place,
+    a few tensor operations per column; the sums run in another order, so the last bits can differ.
+
+    >>> W, X = torch.randn(4, 8), torch.randn(64, 8)
+    >>> codes = gptq_solve_fixed(W, X.t() @ X, torch.full((4, 8), 0.25), torch.full((4, 8), 8.0), 15)
+    >>> bool(((codes >= 0) & (codes <= 15) & (codes == codes.round())).all())
+    True
+    """
+    W, Hinv, perm = _prepare(W, H, damp, act_order)
+    if perm is not None:
+        scale, zero = scale[:, perm], zero[:, perm]
+    Wt = W.t().contiguous()  # (cols, rows): column i is the row Wt[i]
+    St, Zt = scale.to(W.dtype).t().contiguous(), zero.to(W.dtype).t().contiguous()
+    cols, rows = Wt.shape
+    codes = torch.empty_like(Wt)
+    deq = torch.empty(rows, dtype=W.dtype, device=W.device)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = Wt[i1:i2]  # a view: updated in place
+        Err1 = torch.empty_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            c = i1 + i
+            q = codes[c]
+            torch.div(W1[i], St[c], out=q)
+            q.round_().add_(Zt[c]).clamp_(0, maxq)
+            torch.sub(q, Zt[c], out=deq).mul_(St[c])
+            err = Err1[i]
+            torch.sub(W1[i], deq, out=err).div_(Hinv1[i, i])
+            W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1)
+        Wt[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1)
+    out = codes.t()
+    return out[:, torch.argsort(perm)] if perm is not None else out.contiguous()
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, damp: float = 0.01,
                   block_size: int = 128, mse_grid: bool = False,
@@ -233,21 +338,28 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
 
     scales = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
     zeros = torch.zeros(rows, ng, dtype=torch.float32, device=W.device)
-    if group_size == -1 or static:
-        for j in range(ng):
-            scales[:, j], zeros[:, j] = fit(W[:, j * g:(j + 1) * g])
-    codes = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
+    if group_size == -1 or static:  # the grid is known before the solve
+        full = cols // g  # whole groups, fitted in one call: each row of each group is its own problem
+        if full:
+            s_full, z_full = fit(W[:, :full * g].reshape(rows * full, g))
+            scales[:, :full], zeros[:, :full] = s_full.reshape(rows, full), z_full.reshape(rows, full)
+        if full < ng:  # a last, shorter group
+            scales[:, full], zeros[:, full] = fit(W[:, full * g:])
+        per_column = (scales.repeat_interleave(g, dim=1)[:, :cols], zeros.repeat_interleave(g, dim=1)[:, :cols])
+        codes = gptq_solve_fixed(W, H, *per_column, maxq, block_size=block_size, damp=damp, act_order=act_order)
+    else:
+        codes = torch.zeros(rows, cols, dtype=torch.float32, device=W.device)
 
-    def grid(col: int, w: torch.Tensor, ahead: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        j = col // g
-        if not static and group_size != -1 and col % g == 0:
-            scales[:, j], zeros[:, j] = fit(ahead(g))  # this group's grid on the error-updated weights
-        s, z = scales[:, j], zeros[:, j]
-        q = quantize_int(w, s, z, bits)
-        codes[:, col] = q
-        return (q - z) * s
+        def grid(col: int, w: torch.Tensor, ahead: Callable[[int], torch.Tensor]) -> torch.Tensor:
+            j = col // g
+            if col % g == 0:
+                scales[:, j], zeros[:, j] = fit(ahead(g))  # this group's grid on the error-updated weights
+            s, z = scales[:, j], zeros[:, j]
+            q = quantize_int(w, s, z, bits)
+            codes[:, col] = q
+            return (q - z) * s
 
-    gptq_solve(W, H, grid, block_size=block_size, damp=damp, act_order=act_order)
+        gptq_solve(W, H, grid, block_size=block_size, damp=damp, act_order=act_order)
     Q = codes.clamp(0, maxq)
     if originals is not None:
         scales = refit_scales(*originals, Q, scales, zeros, group_size, damp)
@@ -349,13 +461,11 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     if value is not None:
         v_name, attn, rep, head_dim = value
         v_lin = linear_at(module, v_name)
-        v_hessians = [HessianAccumulator(v_lin.in_features, device=H.device)
+        v_hessians = [HessianAccumulator(v_lin.in_features, device=H.device, symmetric=True)
                       for _ in range(v_lin.out_features // head_dim)]
         for P, X in inputs.attention_mixed(attn, v_lin):
             X = X.float() if col_scale is None else X.float() / col_scale.to(X.device)
-            for g, acc_g in enumerate(v_hessians):
-                for h in range(g * rep, (g + 1) * rep):
-                    acc_g.add_batch(torch.matmul(P[:, h].float(), X))
+            add_attention_mixed(v_hessians, P, X, rep, query_stride=config.value_query_stride)
     results: Quantized = {}
     plain = [n for n in names if not (value is not None and v_hessians and n == value.name)]
     if plain:
@@ -374,10 +484,28 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     return results
 
 
+class _OtherBits:
+    """``config`` read as it is but for its bit width."""
+
+    def __init__(self, config: Any, bits: int) -> None:
+        self._config, self.bits = config, bits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def with_bits(config: GPTQOptions, bits: Mapping[str, int] | None, names: list[str]) -> GPTQOptions:
+    """``config`` with the bit width ``bits`` gives the group of ``names`` (mixed precision), else as is."""
+    if bits is None or bits.get(names[0], config.bits) == config.bits:
+        return config
+    return cast(GPTQOptions, _OtherBits(config, bits[names[0]]))
+
+
 def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
-               experts: dict[str, Any] | None = None) -> GroupVisit:
+               bits: Mapping[str, int] | None = None, experts: dict[str, Any] | None = None) -> GroupVisit:
     """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
     then the weights onto the grid (only after every Hessian of the group saw float layers).
+    ``bits``: a bit width per linear, where it differs from ``config.bits`` (mixed precision).
 
     A group that saw no calibration token (a mixture-of-experts expert the router never chose)
     has no Hessian: its layers are rounded to the nearest grid point (RTN) and their names listed
@@ -386,32 +514,37 @@ def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
     ``experts["routed_rows_paired"]`` those the float model also sent to that expert."""
     report = experts if experts is not None else {}
     def visit(_block: int, names: list[str], inputs: GroupInputs) -> None:
+        cfg = with_bits(config, bits, names)
         linears = [linear_at(module, n) for n in names]
         weights = {n: lin.weight.detach().float() for n, lin in zip(names, linears)}
         acc: HessianAccumulator
-        if config.gptaq_alpha > 0:
-            pairs = acc = AsymmetricAccumulator(linears[0].in_features, device=linears[0].weight.device)
+        if cfg.gptaq_alpha > 0:
+            pairs = acc = AsymmetricAccumulator(linears[0].in_features, device=linears[0].weight.device,
+                                                symmetric=True)
             for x, x_fp in inputs.paired():
-                pairs.add_pair(x, x_fp)
+                if x_fp is None:  # beyond the windows the float model runs for (gptaq_windows)
+                    pairs.add_batch(x)
+                else:
+                    pairs.add_pair(x, x_fp)
             if inputs.paired_rows:
                 report["routed_rows"] = report.get("routed_rows", 0) + inputs.paired_rows
                 report["routed_rows_paired"] = report.get("routed_rows_paired", 0) + inputs.float_rows
             if pairs.nsamples:
-                weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, config.gptaq_alpha, config.damp)
+                weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, cfg.gptaq_alpha, cfg.damp)
                            for n, w in weights.items()}
         else:
-            acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device)
+            acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device, symmetric=True)
             for x in inputs():
                 acc.add_batch(x)
         if acc.nsamples:
-            results.update(solve_group(module, names, weights, acc.H, inputs, config))
+            results.update(solve_group(module, names, weights, acc.H, inputs, cfg))
         else:  # no token reached the group: nothing to weigh the columns by
             for name, w in weights.items():
-                q, s, z = rtn_quantize(w, config.bits, config.group_size, config.sym)
+                q, s, z = rtn_quantize(w, cfg.bits, cfg.group_size, cfg.sym)
                 results[name] = (q.cpu(), s.cpu(), z.cpu())
             report.setdefault("without_calibration_tokens", []).extend(names)
         for name, lin in zip(names, linears):
             q, s, z = results[name]
-            lin.weight.data.copy_(dequantize_groups(q, s, z, config.group_size).to(lin.weight.device, lin.weight.dtype))
+            lin.weight.data.copy_(dequantize_groups(q, s, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))
 
     return visit

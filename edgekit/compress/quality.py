@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
-from edgekit.memory import own_memory, release_memory
+from edgekit.memory import float32_compute, own_memory, release_memory
 from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, data_view
@@ -151,7 +152,8 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     per_feed = max(1, COSINE_ROWS // len(feeds))
     run = _runner(handle)
     for f in feeds:
-        out = run(f)
+        with float32_compute(handle.module) if handle.module is not None else nullcontext():
+            out = run(f)  # weights stored in half precision: float32 a layer at a time
         if nll is not None:
             nll.append(_token_nll(out, f["input_ids"]))
         flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)

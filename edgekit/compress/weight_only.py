@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,10 +41,12 @@ from edgekit.compress.blocks import (
     quantizable_linears,
     replace_module,
     submodule,
+    upcast_half,
     value_projection,
 )
 from edgekit.compress.families import embedding_scale, linearize
 from edgekit.compress.gptq import gptq_visit
+from edgekit.compress.mixed import HIGH_BITS, allocate, layer_bytes, make_units, sensitivities
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
 from edgekit.compress.quality import BOUNDS_4BIT, BOUNDS_8BIT
@@ -51,6 +54,7 @@ from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.evaluate import perplexity
 from edgekit.export.lm import rewrite_packed_graph
+from edgekit.memory import float32_compute
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -126,6 +130,8 @@ class WeightOnlyConfig:
         "own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ)."))
     true_sequential: bool = True
     value_hessian: str = "attention"
+    value_query_stride: int = 1
+    gptaq_windows: int | None = None
     calib_samples: int = field(default=128, metadata=option("--calib-samples"))
     seqlen: int | None = field(default=512, metadata=option(
         "--seqlen", help="Token window for language models: calibration (GPTQ/AWQ) and distillation."))
@@ -134,6 +140,13 @@ class WeightOnlyConfig:
     head: str = "int8"
     device: str = field(default="cpu", metadata=option("--device", help="cpu | cuda (GPTQ/AWQ)."))
     eval_windows: int = 8
+    max_size_mb: float | None = field(default=None, metadata=option(
+        "--max-size-mb", help="Weight-only: mixed precision within this model size (MB, packed): the groups of "
+        "linears whose rounding costs the loss most keep 8 bits."))
+    avg_bits: float | None = field(default=None, metadata=option(
+        "--avg-bits", help="Weight-only: mixed precision at this average of stored bits per weight over the "
+        "block linears (scales and zero points included; 4-bit g128 is about 4.3)."))
+    sensitivity_windows: int = 8
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -165,6 +178,27 @@ class WeightOnlyConfig:
             raise bad_choice("device", self.device, DEVICES)
         if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
             raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
+        if self.max_size_mb is not None and self.avg_bits is not None:
+            raise BadInputError("give one size budget: --max-size-mb or --avg-bits, not both")
+        if self.max_size_mb is not None and not self.max_size_mb > 0:
+            raise BadInputError(f"max_size_mb must be positive, got {self.max_size_mb!r}")
+        if self.avg_bits is not None and not self.bits < self.avg_bits <= 2 * HIGH_BITS:
+            raise BadInputError(f"avg_bits must be above the low bit width ({self.bits}) and at most {2 * HIGH_BITS}, "
+                                f"got {self.avg_bits!r}")
+        if self.mixed and self.bits >= HIGH_BITS:
+            raise BadInputError(f"mixed precision keeps some layers at {HIGH_BITS} bits; --bits must be lower, "
+                                f"got {self.bits}")
+        if self.value_query_stride < 1:
+            raise BadInputError(f"value_query_stride must be at least 1, got {self.value_query_stride!r}")
+        if self.gptaq_windows is not None and self.gptaq_windows < 1:
+            raise BadInputError(f"gptaq_windows must be at least 1, got {self.gptaq_windows!r}")
+        if self.sensitivity_windows < 1:
+            raise BadInputError(f"sensitivity_windows must be at least 1, got {self.sensitivity_windows!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a size budget asks for mixed precision."""
+        return self.max_size_mb is not None or self.avg_bits is not None
 
     @property
     def grid_search(self) -> bool:
@@ -209,11 +243,64 @@ def _check_layers(linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> No
                                 "input features (choose a smaller group size or -1 for per-channel)")
 
 
+def mixed_bits(module: nn.Module, linears: dict[str, nn.Linear], config: WeightOnlyConfig,
+               calib: list[torch.Tensor]) -> tuple[dict[str, int], dict[str, Any]]:
+    """Mixed precision (``mixed.py``): the bit width of each block linear within the config's size
+    budget, and the choice as step metadata. ``module`` is a causal LM; ``calib[0]`` its token windows."""
+    groups = BlockWalker(module, [t[:1] for t in calib], progress=False).groups(linears)
+    units = make_units(module, groups, config.bits, config.group_size)
+    units = sensitivities(module, units, calib[0][:config.sensitivity_windows], config.bits, config.group_size,
+                          config.sym)
+    weights = sum(u.weights for u in units)
+    if config.avg_bits is not None:
+        budget, fixed, what = config.avg_bits * weights / 8, 0.0, f"{config.avg_bits:g} bits per weight"
+    else:
+        budget, fixed = float(config.max_size_mb or 0) * 1e6, float(_other_bytes(module, linears, config))
+        what = f"{config.max_size_mb:g} MB"
+    try:
+        high = allocate(units, budget, fixed)
+    except BadInputError as e:
+        low = sum(u.low_bytes for u in units)
+        raise BadInputError(f"{e}: {what} is below the smallest {config.bits}-bit model ("
+                            f"{8 * low / weights:.2f} bits per weight, {(fixed + low) / 1e6:.2f} MB in all)") from None
+    bits = {n: (HIGH_BITS if h else config.bits) for u, h in zip(units, high, strict=True) for n in u.names}
+    unit_bytes = sum(u.high_bytes if h else u.low_bytes for u, h in zip(units, high, strict=True))
+    meta = {"budget": what, "sensitivity_windows": int(min(config.sensitivity_windows, calib[0].shape[0])),
+            "high_bits": HIGH_BITS, "high_units": int(sum(high)), "units_total": len(units),
+            "avg_bits": round(8 * unit_bytes / weights, 4), "predicted_bytes": int(fixed + unit_bytes),
+            "units": [{"names": list(u.names), "bits": HIGH_BITS if h else config.bits,
+                       "sensitivity": u.sensitivity, "low_bytes": u.low_bytes, "high_bytes": u.high_bytes}
+                      for u, h in zip(units, high, strict=True)]}
+    return bits, meta
+
+
+def _other_bytes(module: nn.Module, linears: dict[str, nn.Linear], config: WeightOnlyConfig) -> int:
+    """Bytes of everything but the block linears once packed: the head and its tied or own embedding
+    table at the head's bit width (``config.head``), the rest (norms, ...) as it is."""
+    total = packed_bytes(module) - sum(packed_bytes(lin) for lin in linears.values())
+    head, emb = head_layers(module)
+    if head is None or config.head == "none":
+        return total
+    hbits = 8 if config.head == "int8" else 4
+    lin = linear_at(module, head)
+    total += layer_bytes(lin.out_features, lin.in_features, hbits, config.group_size, lin.bias is not None) - \
+        packed_bytes(lin)
+    if emb is not None:
+        e = _embedding_at(module, emb)
+        if e.weight.data_ptr() != lin.weight.data_ptr():  # untied: its own packed table
+            total += layer_bytes(e.num_embeddings, e.embedding_dim, hbits, config.group_size) - packed_bytes(e)
+    return total
+
+
 def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[torch.Tensor] | None = None,
-                    progress: bool = False) -> tuple[Quantized, dict[str, Any]]:
+                    progress: bool = False, bits: dict[str, int] | None = None,
+                    after_block: Callable[[Quantized], None] | None = None) -> tuple[Quantized, dict[str, Any]]:
     """Quantize the block linears of ``module`` in place (weights set to their dequantized
     values) and return their codes. ``calib`` is needed by GPTQ and AWQ. transformers' ``Conv1D``
-    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``)."""
+    layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``).
+    ``bits``: a bit width per linear where it is not ``config.bits`` (``mixed_bits``).
+    ``after_block(codes)``: called with a block's codes once its linears are final (``apply`` packs
+    them there, so a model stored in half precision holds one block in float32 at a time)."""
     converted = linearize(module)
     prefix, blocks, linears = quantizable_linears(module)
     check_blocks(module, prefix, blocks)
@@ -243,20 +330,31 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         info["conv1d_as_linear"] = len(converted)
     t0, c0 = time.perf_counter(), time.process_time()
     if config.method == "rtn":
-        for name, lin in linears.items():
-            q, s, z = rtn_quantize(lin.weight.detach().to(device), config.bits, config.group_size, config.sym)
-            results[name] = (q.cpu(), s.cpu(), z.cpu())
-            _set_weight(lin, q, s, z, config.group_size)
+        for block in blocks:
+            upcast_half(block)
+            names = [n for n, lin in linears.items() if any(lin is m for m in block.modules())]
+            for name in names:
+                lin = linears[name]
+                b = bits.get(name, config.bits) if bits else config.bits
+                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, config.group_size, config.sym)
+                results[name] = (q.cpu(), s.cpu(), z.cpu())
+                _set_weight(lin, q, s, z, config.group_size)
+            if after_block is not None:
+                after_block({n: results[n] for n in names})
     else:
         if calib is None:
             raise BadInputError(f"method {config.method!r} needs calibration data")
         module.to(device)
+        # AWQ folds its scales into the layer before each group, which a replayed pass would not see
         walker = BlockWalker(module, calib, device=device, progress=progress,
-                             track_float=config.method == "gptq" and config.gptaq_alpha > 0)
+                             track_float=config.method == "gptq" and config.gptaq_alpha > 0,
+                             reuse_factor=0.0 if config.method.startswith("awq") else 4.0,
+                             float_samples=config.gptaq_windows)
         experts: dict[str, Any] = {}  # mixture of experts: routed rows, experts no calibration token reached
-        visit = gptq_visit(module, config, results, experts) if config.method == "gptq" else \
-            awq_visit(module, config, results)
-        walker.walk(linears, visit)
+        visit = gptq_visit(module, config, results, bits, experts) if config.method == "gptq" else \
+            awq_visit(module, config, results, bits)
+        walker.walk(linears, visit, None if after_block is None else lambda names: after_block(
+            {n: results[n] for n in names}))
         if experts:
             info["experts"] = experts
         unseen = experts.get("without_calibration_tokens", [])
@@ -275,20 +373,36 @@ def _set_weight(lin: nn.Linear, q: torch.Tensor, s: torch.Tensor, z: torch.Tenso
     lin.weight.data.copy_(dequantize_groups(q, s, z, group_size).to(lin.weight.device, lin.weight.dtype))
 
 
-def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig) -> dict[str, Any]:
-    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` and quantize the head.
+def pack_layers(module: nn.Module, results: Quantized, config: WeightOnlyConfig,
+                bits: dict[str, int] | None = None) -> dict[str, Any]:
+    """Replace the quantized ``nn.Linear`` layers named in ``results`` by ``QuantLinear``; returns
+    their records (``meta.layers``). ``bits``: a bit width per linear where it is not ``config.bits``.
+    Every replacement is checked on the spot (``check_replacement``)."""
+    layers: dict[str, Any] = {}
+    for name, (q, s, z) in results.items():
+        lin = linear_at(module, name)
+        b = bits.get(name, config.bits) if bits else config.bits
+        qlin = QuantLinear.from_quantized(q, s, z, b, config.group_size, lin.bias)
+        check_replacement(name, lin, qlin)
+        replace_module(module, name, qlin)
+        layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": b,
+                        "group_size": config.group_size, "bias": lin.bias is not None}
+    return layers
+
+
+def pack_module(module: nn.Module, results: Quantized, config: WeightOnlyConfig,
+                bits: dict[str, int] | None = None) -> dict[str, Any]:
+    """Replace quantized ``nn.Linear`` layers by ``QuantLinear`` (``pack_layers``) and quantize the head.
 
     Every replacement is checked on the spot (``check_replacement``): on a small probe it must
     compute what the original module computes with the dequantized weight (its own forward:
     a scaled embedding's factor, a bias, a custom forward), else ``CheckFailedError``."""
-    layers: dict[str, Any] = {}
-    for name, (q, s, z) in results.items():
-        lin = linear_at(module, name)
-        qlin = QuantLinear.from_quantized(q, s, z, config.bits, config.group_size, lin.bias)
-        check_replacement(name, lin, qlin)
-        replace_module(module, name, qlin)
-        layers[name] = {"in": lin.in_features, "out": lin.out_features, "bits": config.bits,
-                        "group_size": config.group_size, "bias": lin.bias is not None}
+    return pack_head(module, config, pack_layers(module, results, config, bits))
+
+
+def pack_head(module: nn.Module, config: WeightOnlyConfig, layers: dict[str, Any]) -> dict[str, Any]:
+    """Quantize the LM head and its tied or own embedding table (``config.head``); the step meta
+    with the packed ``layers``."""
     meta: dict[str, Any] = {"layers": layers, "head": None, "embedding": None, "tied": False}
     head, emb = head_layers(module)
     if head is not None and config.head != "none":
@@ -344,7 +458,7 @@ def check_replacement(name: str, original: nn.Module, packed: QuantLinear | Quan
     if isinstance(packed, QuantEmbedding):
         rows = min(PROBE_ROWS, packed.num_embeddings)
         ids = torch.linspace(0, packed.num_embeddings - 1, rows).long()
-        table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).to(w.dtype)
+        table = torch.cat([packed.dequantize_rows(int(i), int(i) + 1) for i in ids]).float()
         probe: Any = copy.copy(original)  # a shallow copy of the original module; padding_idx changes gradients only, and may lie beyond the probe's rows
         if getattr(probe, "padding_idx", None) is not None:
             probe.padding_idx = None
@@ -356,11 +470,12 @@ def check_replacement(name: str, original: nn.Module, packed: QuantLinear | Quan
         got = packed(ids[None])
     else:
         rows = min(PROBE_ROWS, packed.out_features)
-        x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        params = {"weight": packed.dequantize_rows(0, rows).to(w.dtype)}
+        # in float32 (what the packed layer computes in), also for an original stored in half precision
+        x = torch.randn(2, packed.in_features, generator=torch.Generator().manual_seed(0))
+        params = {"weight": packed.dequantize_rows(0, rows).float()}
         bias = getattr(original, "bias", None)
         if isinstance(bias, torch.Tensor):
-            params["bias"] = bias[:rows]
+            params["bias"] = bias[:rows].float()
         try:
             want = functional_call(original, params, (x,))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -394,18 +509,42 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
         device = "cpu" if config.device == "cpu" else device
     if device != config.device:
         config = replace(config, device=device)
-    calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" else None
+    if config.mixed and (handle.kind != "causal-lm" or [i.name for i in handle.inputs][:1] != ["input_ids"]):
+        raise BadInputError(f"mixed precision (--max-size-mb, --avg-bits) measures each layer's cost on the "
+                            f"language-model loss; {handle.name} is a {handle.kind} model, not a causal LM")
+    calib = calibration_inputs(handle, config, ctx) if config.method != "rtn" or config.mixed else None
     windows = _eval_windows(handle, config, ctx)
     float_bytes = packed_bytes(module)
-    ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
-    results, info = quantize_module(module, config, calib, progress=ctx.progress)
-    meta = pack_module(module, results, config)
+    with float32_compute(module):
+        ppl_float = _perplexity(handle, windows, ctx) if windows is not None else None
+    bits: dict[str, int] | None = None
+    mixed: dict[str, Any] | None = None
+    if config.mixed and calib is not None:
+        upcast_half(module)  # its backward pass needs the float32 model (mixed.sensitivities)
+        linearize(module)
+        bits, mixed = mixed_bits(module, quantizable_linears(module)[2], config, calib)
+    layers: dict[str, Any] = {}
+
+    def pack_block(codes: Quantized) -> None:  # as each block is final: a half-stored model stays so
+        layers.update(pack_layers(module, codes, config, bits))
+
+    results, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
+    meta = pack_head(module, config, layers)
+    upcast_half(module)  # what is left in half precision (norms, an unquantized head) computes in float32
     meta.update(info)
     meta["packed_bytes"] = packed_bytes(module)
+    if mixed is not None:
+        meta["mixed"] = mixed
+        if config.max_size_mb is not None and meta["packed_bytes"] > config.max_size_mb * 1e6:
+            raise CheckFailedError(f"mixed precision planned {mixed['predicted_bytes'] / 1e6:.2f} MB within "
+                                   f"{config.max_size_mb:g} MB, but the packed model is "
+                                   f"{meta['packed_bytes'] / 1e6:.2f} MB")
     meta["parity"] = dict(zip(("atol", "rtol"), PARITY_TOLERANCE))
     ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
                            "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
                            "float_bytes": float_bytes,
+                           **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
+                              if mixed is not None else {}),
                            **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {}),
                            # what stayed in float and which experts calibration missed: in the report, not silent
                            **{k: info[k] for k in ("routers_in_float", "float_matrices", "experts") if k in info}}
@@ -489,7 +628,9 @@ STEP = Step(
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "packed"},
     bounds=lambda config: BOUNDS_4BIT if config.bits <= 4 else BOUNDS_8BIT,
+    half_storage=True,
 )
 
 __all__ = ["STEP", "WeightOnlyConfig", "apply", "rebuild", "rewrite_onnx", "quantize_module", "pack_module",
+           "pack_layers", "pack_head", "mixed_bits",
            "find_blocks", "BlockWalker", "quantizable_linears", "value_projection", "check_blocks", "head_layers"]

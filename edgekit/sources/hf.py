@@ -386,10 +386,14 @@ def check_parameter_budget(auto_class: Any, config: Any, available: int, where: 
     return int(declared)
 
 
-def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, optional: tuple[str, ...] = ()) -> Any:
-    """``auto_class.from_pretrained`` with nothing trusted; every weight must come from the files."""
+def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, optional: tuple[str, ...] = (),
+                     half_storage: bool = False) -> Any:
+    """``auto_class.from_pretrained`` with nothing trusted; every weight must come from the files.
+    Float32 weights, or with ``half_storage`` the files' own bfloat16/float16 kept as they are (half
+    the memory; ``edgekit.memory.float32_compute`` runs such a model in float32)."""
     try:
-        model, info = auto_class.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False,
+        model, info = auto_class.from_pretrained(str(folder), dtype="auto" if half_storage else torch.float32,
+                                                 trust_remote_code=False,
                                                  use_safetensors=weights.safetensors, weights_only=True,
                                                  output_loading_info=True)
     except Exception as e:  # OSError, ValueError, RuntimeError, SafetensorError, ...: all mean "cannot load"
@@ -397,6 +401,10 @@ def _from_pretrained(auto_class: Any, folder: Path, weights: FolderWeights, opti
         raise BadInputError(f"{folder}: transformers cannot load the weights "
                             f"({', '.join(f.name for f in weights.files)}): {first_line(e)}") from None
     _require_all_weights(info, ", ".join(f.name for f in weights.files), str(folder), optional)
+    if half_storage:  # only half-precision floats stay as they are; anything else becomes float32
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                p.data = p.data.float()
     check_finite_parameters(model, str(folder))
     return model
 
@@ -427,7 +435,8 @@ def _is_encoder(config: Any) -> bool:
         a.endswith(("BertModel", "RobertaModel", "MPNetModel")) for a in archs)
 
 
-def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, weights: bool = True) -> ModelHandle:
+def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, weights: bool = True,
+            half_storage: bool = False) -> ModelHandle:
     """A local Hugging Face folder (``config.json``) or a GGUF file in ``folder``, offline;
     nothing from the folder or file is executed (see the module docstring).
 
@@ -435,7 +444,9 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, wei
     (None) but the model's inputs, sample inputs, data preparation, default data, evaluator
     and ``extra`` (parameter count from the architecture on the meta device), which is what
     an ONNX graph of the model borrows (``models.borrow_io``); no weight is read or allocated.
-    (A GGUF file is still converted to its cached float folder once, where the tokenizer lives.)"""
+    (A GGUF file is still converted to its cached float folder once, where the tokenizer lives.)
+    ``half_storage``: a causal LM whose files hold bfloat16/float16 weights keeps them so (half the
+    memory of float32); the weight-only compression step computes in float32 a layer at a time."""
     folder = Path(folder)
     source = str(folder / gguf_file) if gguf_file else str(folder)
     t0 = time.perf_counter()
@@ -479,7 +490,7 @@ def load_hf(folder: str | os.PathLike[str], gguf_file: str | None = None, *, wei
         else:  # tokenizer.json must tokenize as the folder's tokenizer.model, where it has both
             check_tokenizer_files(tokenizer, hf_folder)
         if auto_class is tf.AutoModelForCausalLM:
-            model = _from_pretrained(auto_class, hf_folder, files) if weights else None
+            model = _from_pretrained(auto_class, hf_folder, files, half_storage=half_storage) if weights else None
             handle = _causal_lm_handle(model, params, config, tokenizer, name, source)
         else:
             model = _from_pretrained(auto_class, hf_folder, files, optional=("pooler.",)) if weights else None

@@ -51,19 +51,21 @@ _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib")  # torch.save / pickle files
 
 
-def load_model(spec: str | os.PathLike[str] | ModelHandle, input_options: InputOptions | None = None) -> ModelHandle:
+def load_model(spec: str | os.PathLike[str] | ModelHandle, input_options: InputOptions | None = None, *,
+               half_storage: bool = False) -> ModelHandle:
     """Load a model from any supported source; ``input_options`` (shapes, a .npz of real
     sample inputs, image preprocessing: ``sources.inputs``) are checked against its inputs
-    and followed by its ``sample_inputs`` and ``prepare``.
+    and followed by its ``sample_inputs`` and ``prepare``. ``half_storage``: a Hugging Face causal
+    LM stored in bfloat16/float16 keeps that storage (``hf.load_hf``); other sources load as always.
 
     >>> handle = load_model("efficientnet-lite0")  # doctest: +SKIP
     >>> handle.inputs[0].shape  # doctest: +SKIP
     ('batch', 3, 224, 224)
     """
-    return apply_input_options(_load(spec), input_options)
+    return apply_input_options(_load(spec, half_storage), input_options)
 
 
-def _load(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
+def _load(spec: str | os.PathLike[str] | ModelHandle, half_storage: bool = False) -> ModelHandle:
     if isinstance(spec, ModelHandle):
         return spec
     text = str(spec)
@@ -83,7 +85,7 @@ def _load(spec: str | os.PathLike[str] | ModelHandle) -> ModelHandle:
         if (path / "config.json").is_file():
             from edgekit.sources import hf
 
-            return hf.load_hf(path)
+            return hf.load_hf(path, half_storage=half_storage)
         raise BadInputError(f"{text} is a folder but neither an edgekit output (manifest.json) "
                             "nor a Hugging Face model (config.json)")
     if _ENTRY_POINT.match(text):

@@ -172,3 +172,66 @@ def test_grouped_hessians_match_per_group_closed_forms():
     for g in range(3):
         torch.testing.assert_close(acc.H[g], 2 * x[:, g].t() @ x[:, g] / 300, rtol=1e-4, atol=1e-4)
     assert acc.nsamples == 300
+
+
+@pytest.mark.parametrize("cols", [48, 200, 576])
+def test_symmetric_products_give_the_full_product(cols):
+    """``add_gram_`` computes the blocks on and above the diagonal and mirrors the rest; the
+    symmetric accumulator equals the plain one to float rounding."""
+    from edgekit.compress.gptq import add_gram_
+
+    x = _correlated_inputs(400, cols).double()
+    H = torch.zeros(cols, cols, dtype=torch.float64)
+    add_gram_(H, x[:300])
+    add_gram_(H, x[300:])
+    torch.testing.assert_close(H, x.t() @ x, rtol=1e-12, atol=1e-9)
+    plain, sym = HessianAccumulator(cols), HessianAccumulator(cols, symmetric=True)
+    for chunk in x.float().split(130):
+        plain.add_batch(chunk)
+        sym.add_batch(chunk)
+    assert torch.equal(sym.H, sym.H.t()) and sym.nsamples == 400
+    torch.testing.assert_close(sym.H, plain.H, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_mixed_hessians_per_key_value_head(causal):
+    """Each key/value head's Hessian sums ``(P_h X)ᵀ(P_h X)`` over the query heads reading it; a
+    causal ``P`` is multiplied a block of queries at a time, with the same result."""
+    from edgekit.compress.gptq import add_attention_mixed
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 6, 40, 40, generator=g)
+    if causal:
+        scores = scores.masked_fill(torch.ones(40, 40).triu(1).bool(), float("-inf"))
+    P, X = scores.softmax(-1), torch.randn(2, 40, 32, generator=g)
+    accs = [HessianAccumulator(32, symmetric=True) for _ in range(3)]
+    add_attention_mixed(accs, P, X, rep=2, query_blocks=3)
+    for kv, acc in enumerate(accs):
+        Y = torch.cat([(P[:, h] @ X).reshape(-1, 32) for h in (2 * kv, 2 * kv + 1)])
+        torch.testing.assert_close(acc.H, 2 * Y.t() @ Y / Y.shape[0], rtol=1e-5, atol=1e-5)
+        assert acc.nsamples == 2 * 2 * 40
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fixed_grid_solve_gives_the_callback_solve_codes(act_order):
+    """``gptq_solve_fixed`` is ``gptq_solve`` with the grid inlined: the same codes (float64, where
+    the order of the sums cannot flip a rounding) and what ``gptq_quantize`` returns with static groups."""
+    from edgekit.compress.gptq import gptq_solve, gptq_solve_fixed
+    from edgekit.compress.rtn import quantize_int
+
+    torch.manual_seed(0)
+    W = torch.randn(12, 96, dtype=torch.float64)
+    X = _correlated_inputs(512, 96).double()
+    H = 2 * X.t() @ X / X.shape[0]
+    S = torch.rand(12, 96, dtype=torch.float64) * 0.1 + 0.2
+    Z = torch.randint(0, 16, (12, 96)).double()
+    want = torch.zeros(12, 96, dtype=torch.float64)
+
+    def grid(col, w, ahead):
+        q = quantize_int(w, S[:, col], Z[:, col], 4)
+        want[:, col] = q
+        return (q - Z[:, col]) * S[:, col]
+
+    gptq_solve(W, H, grid, block_size=32, act_order=act_order)
+    got = gptq_solve_fixed(W, H, S, Z, 15, block_size=32, act_order=act_order)
+    assert torch.equal(got, want)

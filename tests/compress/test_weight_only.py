@@ -460,3 +460,84 @@ def test_conv1d_becomes_the_linear_it_computes_checked_against_its_own_forward()
     odd.forward = lambda t: 2 * plain(t)
     with pytest.raises(CheckFailedError, match="does not compute x @ weight"):
         conv1d_as_linear("odd", odd)
+
+
+def _count_calls(module: torch.nn.Module, suffix: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name, m in module.named_modules():
+        if name.endswith(suffix):
+            m.register_forward_hook(lambda _m, _a, _o, name=name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    return counts
+
+
+@pytest.mark.parametrize("reuse", [4.0, 0.0])
+def test_walker_replays_what_is_final_instead_of_recomputing(reuse):
+    """A decoder layer's attention returns ``o_proj``'s output and its MLP ``down_proj``'s: once the
+    pass to a group recorded those inputs, later passes replay the attention as ``o_proj`` on them.
+    Per block and batch, q_proj then runs once in each model (the pass to ``o_proj``), against 4
+    times each without replay (the passes to o, gate/up, down and the block's output); once more in
+    the walker's probe of the block (one sample)."""
+    h = tiny_llama()
+    _, _, linears = quantizable_linears(h.module)
+    ids = h.make_inputs(4, sequence=16)
+    walker = BlockWalker(h.module, [torch.from_numpy(ids["input_ids"]), torch.from_numpy(ids["attention_mask"])],
+                         batch_size=2, progress=False, track_float=True, reuse_factor=reuse)
+    q_calls = _count_calls(h.module, "self_attn.q_proj")
+    walker.walk(linears, lambda _b, _n, inputs: [None for _ in inputs.paired()])
+    per_block = 2 if reuse else 8  # (quantized + float model) x passes that run q_proj
+    assert q_calls == {f"model.model.layers.{i}.self_attn.q_proj": 2 * per_block + 1 for i in range(2)}  # 2 batches
+    plan = walker._plan(walker.blocks[0], walker._capture_block0()[0])
+    assert plan.groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    assert plan.tails["self_attn"] == ("self_attn.o_proj", 1, 2) and plan.tails["mlp"] == ("mlp.down_proj", 3, 0)
+
+
+def test_replayed_passes_give_the_same_codes():
+    """Replay is a cache: GPTQ's codes are those of a walk that recomputes every pass, bit for bit,
+    also when the records do not fit (a budget of one copy of the block inputs holds no MLP input).
+    (AWQ folds its scales into the layer before each group, so its walk never replays.)"""
+    from edgekit.compress.gptq import gptq_visit
+
+    cfg = WeightOnlyConfig(bits=3, group_size=32, seqlen=32, head="none")
+    ids = torch.from_numpy(_windows(6, 3))
+    codes = {}
+    for reuse in (4.0, 1.0, 0.0):
+        h = tiny_llama()
+        _, _, linears = quantizable_linears(h.module)
+        results: dict = {}
+        BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=4, progress=False, track_float=True,
+                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg, results))
+        codes[reuse] = results
+    for reuse in (1.0, 0.0):
+        for name, (q, s, z) in codes[4.0].items():
+            q0, s0, z0 = codes[reuse][name]
+            assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), (reuse, name)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_path):
+    """A checkpoint stored in bfloat16 is compressed without a float32 copy of the model: loaded as
+    bfloat16, each block cast up as the walk reaches it and packed once final, the layers before the
+    first block computed in float32 one at a time. The codes are those of the float32 load of the
+    same file, bit for bit, and so is the quality gate's float reference."""
+    import json
+
+    from edgekit.sources.models import load_model
+    from tests.tiny_models import build, byte_tokenizer
+
+    folder = tmp_path / "llama-bf16"
+    build("llama").to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+    assert load_model(folder, half_storage=True).module.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    cfg = WeightOnlyConfig(method=method, bits=4, group_size=32, seqlen=32)
+    runs = {}
+    for name, model in (("half", folder), ("float32", load_model(folder))):
+        out = compress(model, [("int4", cfg)], tmp_path / name, StepContext(calib=calib, eval=calib, progress=False))
+        runs[name] = (load_compressed(out), json.loads((out / "manifest.json").read_text())["metrics"]["quality"])
+    (half, q_half), (full, q_full) = runs["half"], runs["float32"]
+    assert q_half["perplexity_float"] == q_full["perplexity_float"] and q_half["perplexity"] == q_full["perplexity"]
+    packed = {n: m for n, m in full.module.named_modules() if isinstance(m, QuantLinear)}
+    assert len(packed) == 15  # 14 block linears and the head
+    for n, m in half.module.named_modules():
+        if isinstance(m, QuantLinear):
+            assert torch.equal(m.qweight, packed[n].qweight) and torch.equal(m.scales, packed[n].scales), n
