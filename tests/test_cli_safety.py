@@ -10,6 +10,7 @@ import json
 import os
 import re
 import resource
+import signal
 import stat
 import subprocess
 import sys
@@ -559,7 +560,10 @@ def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does(tmp_path: Path, interr
                         "export", str(tiny_onnx), "-o", "out/onnx"],
                        cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(interrupt_setup), EDGEKIT_TEST_SIGNAL=signame,
                                                         EDGEKIT_CACHE=str(tmp_path.parent / "cache")),
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       # a suite started under nohup ignores SIGHUP, the command inherits that and rightly
+                       # keeps it ignored: the command under test starts with the default dispositions
+                       preexec_fn=lambda: signal.signal(getattr(signal, signame), signal.SIG_DFL))
     assert r.returncode == code, r.stdout + r.stderr
     assert one_line_error(r.stderr) == f"error: {word}; outputs were left as they were before this command"
     assert debris(tmp_path) == [] and tree_hash(tmp_path) == before

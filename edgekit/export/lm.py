@@ -580,6 +580,8 @@ def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
             with torch.no_grad(), float_placeholders(handle.module), traceable_rope(hf):
                 onnx_export_from_model(hf, output=tmp, task=task, opset=opset, do_validation=False,
                                        no_post_process=True)
+        except BadInputError:  # edgekit's own refusal (an unknown rope type): already one line with its reason
+            raise
         except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise traced_export_failure(hf.config, e) from None
         finally:
@@ -606,8 +608,9 @@ def traced_export_failure(config: Any, error: Exception) -> BadInputError:
 
 def supports_fused_graph_for(config: Any) -> tuple[bool, str]:
     """``supports_fused_graph`` from a config alone."""
-    class _Holder:
-        pass
+    class _Holder:  # a model with a config and no modules (the rotary checks find none)
+        def named_modules(self) -> Iterator[tuple[str, Any]]:
+            return iter(())
 
     holder = _Holder()
     holder.config = config  # type: ignore[attr-defined]

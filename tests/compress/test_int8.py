@@ -312,8 +312,10 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
 
     errors = {}
     made_for = {"u8s8": load_target("cpu-avx512-vnni"), "u8s7": load_target("cpu-avx2")}
+    compressed = {}
     for scheme in ("u8s8", "u8s7"):
-        q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for[scheme]))
+        q = compressed[scheme] = apply(tiny_cnn, Int8Config(calib_method="minmax"),
+                                       _ctx((3, 32, 32), target=made_for[scheme]))
         assert q.steps[-1].meta["scheme"] == scheme
         path = _export(q, tmp_path / scheme)
         x = _images(32, (3, 32, 32), 5).inputs["input"]
@@ -330,13 +332,12 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
     # export parity judged on those kernels (at a tolerance this small model's logits resolve) refuses the
     # 8-bit graph, naming the cause, and keeps it where it says; the 7-bit graph passes the same check
     strict = {"logits": (2e-3, 0.0)}
-    q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for["u8s8"]))
     with pytest.raises(CheckFailedError, match="overflow the int16 pair sums") as err:
-        export_onnx(q, tmp_path / "refused", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
+        export_onnx(compressed["u8s8"], tmp_path / "refused", ExportConfig(int8_kernels="int16-pairs",
+                                                                           tolerances=strict))
     assert str(tmp_path / "refused.failed.onnx") in str(err.value)
     assert (tmp_path / "refused.failed.onnx").is_file() and not (tmp_path / "refused").exists()
-    q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=made_for["u8s7"]))
-    export_onnx(q, tmp_path / "kept", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
+    export_onnx(compressed["u8s7"], tmp_path / "kept", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
 
 
 def test_the_int8_step_stops_when_the_targets_kernels_compute_something_else(tiny_cnn):
