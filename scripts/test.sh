@@ -11,7 +11,7 @@ else
   # then the type checker (pyproject's [tool.mypy]).
   lint-imports --no-cache
   mypy
-  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests.
+  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests (the whole generated decoder matrix, `-m matrix`, is run apart).
   python -m pytest -q
-  python -m pytest -q -m slow
+  python -m pytest -q -m "slow and not matrix"
 fi

@@ -5,7 +5,9 @@ naming what is missing); never a traceback, never past its time limit.
 
 The cell logic is the benchmark's (``benchmarks/bench_decoder_matrix.py``, whose table is in
 benchmarks/RESULTS.md). The default suite runs a fixed, generated sample of the types (every
-``SAMPLE_STEP``-th of the sorted list) through float and RTN; the whole matrix is ``slow``.
+``SAMPLE_STEP``-th of the sorted list) through float and RTN; the rest of the matrix is marked
+``matrix`` (about 300 cells, tens of minutes on 2 cores: ``pytest -m matrix``), outside both suites
+that CI runs.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ KNOWN: dict[tuple[str, str], str] = {
 
 def _params(steps: tuple[str, ...]) -> list:
     def marks(t: str, s: str) -> list:
-        speed = [] if t in FAST and s in ("float", "rtn-4") else [pytest.mark.slow]
+        speed = [] if t in FAST and s in ("float", "rtn-4") else [pytest.mark.slow, pytest.mark.matrix]
         known = [pytest.mark.xfail(strict=True, reason=KNOWN[(t, s)])] if (t, s) in KNOWN else []
         return speed + known
 
