@@ -12,6 +12,7 @@ else
   lint-imports --no-cache
   mypy
   # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests (the whole generated decoder matrix, `-m matrix`, is run apart).
-  python -m pytest -q
-  python -m pytest -q -m "slow and not matrix"
+  # Two workers (pytest-xdist; one compute thread each, tests/conftest.py): CI's 2 cores.
+  python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}"
+  python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}" -m "slow and not matrix"
 fi

@@ -11,6 +11,19 @@ from edgekit import interrupts
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n 2``, what scripts/test.sh runs) every worker computes on one thread,
+    and so do the commands its tests start: two workers with two spinning threads each on a 2-core
+    machine cost more than they give."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_state_restored():
     """A CLI test routes SIGINT through edgekit (interrupts.install): give the next test the
