@@ -42,6 +42,9 @@ os.environ.setdefault("EDGEKIT_PROGRESS", "0")
 
 from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions, read_manifest  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_int8 import peer_quantize  # noqa: E402  (the INT8 benchmark's quantize_static call)
+
 MODELS = ("efficientnet-lite0", "open_nsfw")
 CALIB_DATA = {"efficientnet-lite0": None, "open_nsfw": "photos"}  # None: the model's default data
 PEERS = ("ort-minmax", "ort-minmax-reduce-range", "nncf")
@@ -106,29 +109,8 @@ def child(kind: str, model: str, fp32: Path, dst: Path, calib_n: int) -> None:
     if kind == "nncf":
         nncf_quantize(fp32, dst, calib)
     else:
-        ort_quantize(fp32, dst, calib, reduce_range=kind.endswith("reduce-range"))
-
-
-def ort_quantize(fp32: Path, dst: Path, calib: Any, reduce_range: bool) -> None:
-    """``quantize_static`` MinMax, per-channel, QDQ u8 activations / s8 weights (its defaults)."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(calib.batches(1))
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self.it, None)
-
-    quantize_static(str(fp32), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                    calibrate_method=CalibrationMethod.MinMax)
+        # quantize_static MinMax, per-channel, QDQ u8 activations / s8 weights (its defaults)
+        peer_quantize(fp32, dst, calib, "minmax", reduce_range=kind.endswith("reduce-range"))
 
 
 def nncf_quantize(fp32: Path, dst: Path, calib: Any) -> None:
