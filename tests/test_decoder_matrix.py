@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "tests", ROOT / "benchmarks"):
@@ -52,12 +51,7 @@ def _params(steps: tuple[str, ...]) -> list:
     return [pytest.param(t, s, id=f"{t}-{s}", marks=marks(t, s)) for t in TYPES for s in steps]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 def test_the_matrix_is_generated_from_transformers():

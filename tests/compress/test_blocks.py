@@ -19,13 +19,7 @@ if str(TESTS) not in sys.path:
 
 from tiny_models import build  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

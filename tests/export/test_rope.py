@@ -36,13 +36,7 @@ if str(TESTS) not in sys.path:
 
 from tiny_models import ROPE_SCALING, build, save_tiny  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 # (threshold, original, context) of each tiny config: pretrained for 64 positions, scaled 4x
