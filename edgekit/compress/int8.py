@@ -457,12 +457,13 @@ def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
                        kernels: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
-    work = Path(ctx.work_dir) if ctx.work_dir is not None else Path(tempfile.mkdtemp(prefix="edgekit-int8-"))
-    folder = export_onnx(handle, work / "fp32-onnx", ExportConfig(skip_parity=True))
-    onnx_handle = copy.copy(handle)
-    onnx_handle.onnx_path = Path(folder) / "model.onnx"
-    onnx_handle.module = None
-    out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
+    # The float graph is needed only while quantizing: the result lives in its own folder.
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
+        folder = export_onnx(handle, Path(work) / "fp32-onnx", ExportConfig(skip_parity=True))
+        onnx_handle = copy.copy(handle)
+        onnx_handle.onnx_path = Path(folder) / "model.onnx"
+        onnx_handle.module = None
+        out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
     return out
 
