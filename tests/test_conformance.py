@@ -180,9 +180,28 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it(family, spec):
         assert (ids[:, 0] == h.tokenizer.bos_token_id).all(), split
 
 
-@pytest.mark.parametrize("bits,bound", [(8, W8_REL), (4, W4_REL)])
-@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
-@pytest.mark.parametrize("family", FAMILIES)
+# CI runs a covering part of each cross product (every family, every method and bit width, each
+# pair of them on several families); the rest is marked ``matrix`` and runs with ``pytest -m matrix``.
+MATRIX = (pytest.mark.slow, pytest.mark.matrix)
+WEIGHT_ONLY = [(m, b, bound) for b, bound in ((8, W8_REL), (4, W4_REL)) for m in ("rtn", "gptq", "awq")]
+
+
+def _weight_only_cells() -> list:
+    cells = []
+    for i, family in enumerate(FAMILIES):
+        in_ci = {i % len(WEIGHT_ONLY), (i + len(WEIGHT_ONLY) // 2 + i // len(WEIGHT_ONLY)) % len(WEIGHT_ONLY)}
+        for j, (method, bits, bound) in enumerate(WEIGHT_ONLY):
+            cells.append(pytest.param(family, method, bits, bound, id=f"{family}-{method}-{bits}-{bound}",
+                                      marks=() if j in in_ci else MATRIX))
+    return cells
+
+
+def _every_other(families, name: str) -> list:
+    """One cell per family; every other one in CI, the rest in the matrix run."""
+    return [cell(f, name, *(() if i % 2 == 0 else MATRIX)) for i, f in enumerate(families)]
+
+
+@pytest.mark.parametrize("family,method,bits,bound", _weight_only_cells())
 def test_weight_only(family, method, bits, bound, spec, reference, tmp_path, request):
     """Compress, save, reload (what a user gets): within the bound of the float model."""
     reason = KNOWN.get((family, f"{method}-{bits}"))
@@ -281,7 +300,7 @@ def test_export_with_kv_cache_matches_the_float_model(family, spec, reference, t
     assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < ONNX_REL
 
 
-@pytest.mark.parametrize("family", [cell(f, "export-w4") for f in DECODER_FAMILIES])
+@pytest.mark.parametrize("family", _every_other(DECODER_FAMILIES, "export-w4"))
 def test_4bit_export_with_kv_cache_stays_near_the_float_model(family, spec, reference, tmp_path):
     """The exported 4-bit graph against the float model (not against the packed PyTorch model,
     which may already be wrong)."""
@@ -292,7 +311,7 @@ def test_4bit_export_with_kv_cache_stays_near_the_float_model(family, spec, refe
     assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < W4_REL
 
 
-@pytest.mark.parametrize("family", [cell(f, "tied-once") for f in TIED])
+@pytest.mark.parametrize("family", _every_other(TIED, "tied-once"))
 def test_tied_embedding_and_head_stored_once_in_the_4bit_onnx(family, spec, tmp_path):
     """A tied (vocab x hidden) table appears once among the exported graph's initializers."""
     import onnx
