@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgekit.artifact import check_output_dir, sha256_json, work_folder
-from edgekit.compress import ARTIFACT_LOADERS, Step, StepContext, compress, config_to_dict
+from edgekit.compress import ARTIFACT_LOADERS, Step, StepContext, compress, config_to_dict, step_rewrite
 from edgekit.compress.options import option
 from edgekit.compress.prune import find_output_layers
 from edgekit.errors import BadInputError
@@ -383,6 +383,7 @@ def apply(handle: ModelHandle, config: DistillConfig, ctx: StepContext) -> Model
     metrics["teacher"] = teacher.name
     metrics["data"] = getattr(train, "source", None)
     handle.steps.append(StepRecord("distill", config_to_dict(config), metrics))
+    handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     ctx.metrics["distill"] = {k: v for k, v in metrics.items() if k != "fit"}
     return handle
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.options import option
 from edgekit.compress.quality import BOUNDS_HALF
 from edgekit.errors import BadInputError, bad_choice
@@ -102,6 +102,7 @@ def apply(handle: ModelHandle, config: HalfConfig, ctx: StepContext | None = Non
     summary = {"dtype": config.dtype, "layers": len(names), "weight_bytes_before": before, "weight_bytes_after": after,
                "max_weight_rel_error": worst}
     handle.steps.append(StepRecord("half", config_to_dict(config), {"layers": names}))
+    handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     if ctx is not None:
         ctx.metrics["half"] = summary
     return handle

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from edgekit import interrupts
-from edgekit.compress import Step, StepContext, config_to_dict, qdq
+from edgekit.compress import Step, StepContext, config_to_dict, qdq, step_rewrite
 from edgekit.compress.calibration import (
     METHODS,
     MIN_CALIB_SAMPLES,
@@ -405,6 +405,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     new = copy.copy(handle)
     new.module = gm
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config), meta)]
+    new.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     new.extra = {**handle.extra, "int8_scheme": scheme, "parity_tolerance": PARITY_TOLERANCE}
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
     if ev is not None and ref_out is not None and "int8_fake_quant" in metrics:

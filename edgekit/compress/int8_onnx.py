@@ -57,7 +57,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress import StepContext, config_to_dict, qdq
+from edgekit.compress import StepContext, config_to_dict, qdq, step_rewrite
 from edgekit.compress.calibration import (
     MIN_CALIB_SAMPLES,
     HistogramObserver,
@@ -810,6 +810,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
                                            {"scheme": scheme, "kernels": kernels or host_semantics(),
                                             "from": "onnx", "float_layers": [],
                                             "placement": info["placement"], "calib_method": info["calib_method"]})]
+    new.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     ctx.metrics["int8"] = metrics
     return new
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.options import option
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.schema import check_fields
@@ -587,6 +587,7 @@ def apply(handle: ModelHandle, config: PruneConfig, ctx: StepContext | None) -> 
             "attrs": _diff_attrs(attrs0, attrs1),
             "hf_config": {k: v for k, v in hf1.items() if hf0.get(k) != v}}
     handle.steps.append(StepRecord("prune", config_to_dict(config), meta))
+    handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     if ctx is not None:
         ctx.metrics["prune"] = summary
     handle.extra["params"] = macs_after["params"]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.awq import awq_visit
 from edgekit.compress.blocks import (
     BlockWalker,
@@ -555,6 +555,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                                     "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
         meta["perplexity"] = {"float": ppl_float, "quantized": ppl, "windows": len(windows)}
     handle.steps.append(StepRecord("int4", config_to_dict(config), meta))
+    handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     return handle
 
 

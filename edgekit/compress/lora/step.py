@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from edgekit.artifact import sha256_json
-from edgekit.compress import Step, StepContext, config_to_dict
+from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.adapters import adapter_state, inject, merge_adapters, trainable_parameters
 from edgekit.compress.lora.config import LoraConfig
@@ -80,6 +80,7 @@ def apply(handle: ModelHandle, config: LoraConfig, ctx: StepContext) -> ModelHan
     handle.steps.append(StepRecord("lora", config_to_dict(config), {
         "modules": names, "merged": bool(merge), "base": base, "r": config.r, "alpha": config.alpha,
         "trainable_params": trainable}))
+    handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     return handle
 
 
