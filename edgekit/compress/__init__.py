@@ -32,8 +32,8 @@ from edgekit.compress.quality import QualityBounds, check_quality, compare, loos
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error_from
 from edgekit.export.onnx import register_rewrite_lookup
 from edgekit.export.packing import validate_packed
+from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.progress import StepProgress
-from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.inputs import InputOptions

@@ -35,7 +35,7 @@ import torch
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
 from edgekit.memory import float32_compute, own_memory, release_memory
-from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
+from edgekit.onnx_checks import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, data_view
 

@@ -48,8 +48,9 @@ from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, ba
 from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
+from edgekit.kv_cache import KVCacheDecoder
 from edgekit.memory import release_memory
-from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
+from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
 

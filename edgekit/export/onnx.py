@@ -34,8 +34,8 @@ from edgekit.artifact import Manifest, check_output_dir, input_record, staged_di
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
 from edgekit.export.parity import check_parity, module_device
 from edgekit.export.rope import traceable_rope
+from edgekit.onnx_checks import ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
-from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions

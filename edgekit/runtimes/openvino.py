@@ -31,8 +31,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
-from edgekit.runtimes.onnxruntime import cpu_isa_flags, verify_onnx_runs
+from edgekit.runtimes.onnxruntime import cpu_isa_flags
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
 
