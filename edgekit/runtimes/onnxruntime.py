@@ -33,7 +33,7 @@ from edgekit.errors import BadInputError, UnavailableError
 from edgekit.kv_cache import KVCacheDecoder, is_causal_lm_session
 from edgekit.onnx_checks import allocation_failures, optimization_level, ort_failure, ort_module
 from edgekit.onnx_checks import session_options as base_session_options
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
+from edgekit.runtimes.base import BuildOptions, CheckedEngine, NodeTiming, RecordedRun, Runtime, resolve_onnx
 from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.sources.onnx_file import read_graph_outline
@@ -246,7 +246,7 @@ class OnnxRuntime:
         return OrtEngine(path, providers, level, threads, provider_arg)
 
 
-class OrtEngine:
+class OrtEngine(CheckedEngine):
     """One ONNX Runtime session with edgekit's engine interface."""
 
     runtime = "onnxruntime"
@@ -267,11 +267,6 @@ class OrtEngine:
         return {"runtime": self.runtime, "providers": self.providers, "optimization_level": self.level,
                 "intra_op_num_threads": self.threads or 0, "model": self.path.name}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        check_feeds(self.inputs, feeds)
-        with allocation_failures():
-            return list(self.session.run(None, feeds))
-
     def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         with allocation_failures():
             return list(self.session.run(None, feeds))
@@ -283,10 +278,9 @@ class OrtEngine:
             run(None, feeds)
             return (time.perf_counter() - t0) * 1e3
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         """Per-node times from ORT's profiler (a separate session, so end-to-end timing never
         pays for profiling), averaged over ``iterations`` runs after two warm-up runs."""
-        check_feeds(self.inputs, feeds)
         tmp = tempfile.mkdtemp(prefix="edgekit-ortprof-")
         try:
             so = session_options(self.level, self.threads, profile_prefix=str(Path(tmp) / "ort"))
