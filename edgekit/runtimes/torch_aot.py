@@ -145,8 +145,7 @@ class TorchAotRuntime:
         # Freezing folds weights into the package (oneDNN prepacking on CPU: EfficientNet-Lite0
         # ran ~1.3x faster here). Not for packed integer weights: it would fold the unpacking
         # and store float weights, undoing the 4-bit size.
-        quantized = options.precision in QUANTIZED_PRECISIONS or any(
-            r.name in ("int4", "int8") for r in handle.steps)
+        quantized = options.precision in QUANTIZED_PRECISIONS or handle.quantized is not None
         freeze = bool(options.extra.get("freezing", device == "cpu" and not quantized))
         t0 = time.perf_counter()
         ep, dynamic = _export(torch, module, args, handle, dynamic, notes)

@@ -87,6 +87,9 @@ class ModelHandle:
         dynamic_axes: input/output name -> {axis index: axis name}, for export.
         steps: compression steps applied so far (the chain the artifact records).
         extra: free-form facts (e.g. "num_classes", "labels", "hf_config").
+        quantized: the integer precision ("int8", "int4") the last quantizing step of ``steps``
+            left the model in, None for float weights; compress sets it from its registry as it
+            applies or reloads steps, so the layers below it need no step names.
     """
 
     name: str
@@ -106,6 +109,7 @@ class ModelHandle:
     dynamic_axes: dict[str, dict[int, str]] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    quantized: str | None = None
 
     def sample_inputs(self, batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
         """Inputs for tracing, parity and timing: the model's own realistic ones when it
