@@ -29,6 +29,10 @@ KNOWN_STEP_NAMES = {("edgekit.cli", "int4"), ("edgekit.cli", "int8")}
 # Step names that are also precisions: compared with a precision they are not about steps.
 PRECISION_NAMES = {"int8", "int4"}
 
+# Modules whose in-function imports of edgekit's own modules still need a reason or the top of
+# the file (the command line's options are being regenerated from the configs); then delete.
+KNOWN_UNEXPLAINED_IMPORTS = {"edgekit.cli"}
+
 # Module cycles still to be cut (each set is one strongly connected group of modules).
 KNOWN_CYCLES: list[set[str]] = []
 
@@ -135,6 +139,27 @@ def test_only_compress_branches_on_a_step_name():
                             and (on_a_name or const.value not in PRECISION_NAMES or module == "edgekit.cli")):
                         found.add((module, const.value))
     assert found - KNOWN_STEP_NAMES == set()
+
+
+def test_in_function_imports_of_edgekit_say_why():
+    """edgekit's own modules are imported at the top of a file; one imported inside a function
+    (it brings torch or transformers that a light command must not pay for) says so in a
+    comment on its line or the line above."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        lines = path.read_text().split("\n")
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if any(n == "edgekit" or n.startswith("edgekit.") for n in names):
+                    said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+                    if not said and module not in KNOWN_UNEXPLAINED_IMPORTS:
+                        found.append(f"{module}:{node.lineno}")
+    assert found == []
 
 
 def test_tests_mirror_the_package():

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edgekit.artifact import Manifest, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
@@ -474,8 +475,6 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     >>> export_causal_lm(load_model("out/w4"), "out/w4-onnx")  # doctest: +SKIP
     """
     import onnx
-
-    from edgekit.artifact import Manifest, staged_dir, write_manifest
 
     graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"

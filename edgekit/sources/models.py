@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.artifact import read_manifest
+from edgekit.errors import BadInputError, EdgekitError, bad_choice
 from edgekit.memory import own_memory, release_memory
 from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
@@ -77,20 +78,20 @@ def _load(spec: str | os.PathLike[str] | ModelHandle, half_storage: bool = False
     if text.endswith(".pt2"):
         return _load_pt2(path)
     if text.endswith(".gguf"):
-        from edgekit.sources import hf
+        from edgekit.sources import hf  # brings torch and transformers: only for a GGUF file
 
         _require_file(path)
         return hf.load_hf(path.parent, gguf_file=path.name)
     if path.is_dir():
         if (path / "config.json").is_file():
-            from edgekit.sources import hf
+            from edgekit.sources import hf  # brings torch and transformers: only for a Hugging Face folder
 
             return hf.load_hf(path, half_storage=half_storage)
         raise BadInputError(f"{text} is a folder but neither an edgekit output (manifest.json) "
                             "nor a Hugging Face model (config.json)")
     if _ENTRY_POINT.match(text):
         return _load_entry_point(text)
-    from edgekit.sources.zoo import ZOO, load_zoo_model
+    from edgekit.sources.zoo import ZOO, load_zoo_model  # brings torch: only for a zoo name
 
     if text in ZOO:
         return load_zoo_model(text)
@@ -236,7 +237,6 @@ def borrow_io(handle: ModelHandle, source: str | None) -> None:
     if any(s.name.startswith("past_key_values.") for s in handle.inputs):
         return  # a graph with the KV cache keeps its consistent decode-step inputs (decode_step_inputs)
     # imported only here: the zoo brings torch and transformers, which an ONNX graph does not need otherwise
-    from edgekit.errors import EdgekitError
     from edgekit.sources.zoo import ZOO, load_zoo_model
 
     if source not in ZOO:
@@ -356,8 +356,6 @@ def register_artifact_loader(kind: str, loader: Callable[[Path], ModelHandle]) -
 
 
 def _load_artifact(folder: Path) -> ModelHandle:
-    from edgekit.artifact import read_manifest
-
     manifest = read_manifest(folder)
     if manifest.kind in ARTIFACT_LOADERS:
         handle = ARTIFACT_LOADERS[manifest.kind](folder)
