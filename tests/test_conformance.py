@@ -41,8 +41,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.errors import BadInputError
 from edgekit.export.lm import export_causal_lm
+from edgekit.loading import load_model
 from edgekit.sources.data import load_samples
-from edgekit.sources.models import load_model
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # tiny_models.py and the "tiny_models:tiny_effnet" entry point

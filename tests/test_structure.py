@@ -118,6 +118,20 @@ def test_only_the_runtimes_branch_on_a_runtime_name():
     assert found - KNOWN_RUNTIME_BRANCHES - NOT_RUNTIME_NAMES == set()
 
 
+def test_every_module_outside_runtimes_is_kept_from_the_runtime_modules():
+    """The forbidden contract of pyproject.toml names its source modules one by one: a new
+    top-level module or package must join it."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["name"] == "Only runtimes import a runtime"]
+    top = {f"edgekit.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    top |= {f"edgekit.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(contract["source_modules"]) == sorted(top - {"edgekit.runtimes"})
+    runtime_modules = {spec.split(":")[0] for spec in RUNTIMES.values()}
+    assert all(any(f == m or f.startswith(m + ".") for m in runtime_modules) for f in contract["forbidden_modules"])
+
+
 def test_only_compress_branches_on_a_step_name():
     """Nothing outside edgekit/compress/ compares a value with a step's registry name: what a
     step does for the layers around it is data of its registry entry (``Step.quantizes_to``,
