@@ -130,7 +130,7 @@ class OrtVariant:
 
     def __init__(self, name: str, folder: Path, threads: int, max_length: int) -> None:
         from edgekit.export.lm import lm_session
-        from edgekit.runtimes.onnxruntime import KVCacheDecoder
+        from edgekit.kv_cache import KVCacheDecoder
 
         self.name, self.folder, self.threads = name, folder, threads
         self.session = lm_session(folder / "model.onnx", threads=threads)

@@ -399,11 +399,8 @@ def _fit_feeds(feeds: dict[str, np.ndarray], onnx_path: Path) -> dict[str, np.nd
 def _precision(handle: ModelHandle, options: BuildOptions, onnx_path: Path | None = None) -> str:
     """What the engine computes in: the quantization step's bits, else what the ONNX graph
     holds (Q/DQ or integer ops: an external quantized model), else the requested precision."""
-    for rec in reversed(handle.steps):
-        if rec.name == "int8":
-            return "int8"
-        if rec.name == "int4":  # the weight-only step; its bits give the width (8-bit packed is int8)
-            return "int8" if int((rec.config or {}).get("bits", 4)) == 8 else "int4"
+    if handle.quantized is not None:  # what compress's steps left (8-bit packed weights are int8)
+        return handle.quantized
     if options.precision == "fp32" and onnx_path is not None:
         try:
             nodes = list(read_graph_outline(onnx_path).graph.node)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgekit.artifact import atomic_write_json, check_output_file, machine_info, now_iso
+from edgekit.artifact import Manifest, atomic_write_json, check_output_file, machine_info, now_iso
 from edgekit.build import load_engine, load_engine_inputs
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.limits import MAX_DIM
@@ -401,9 +401,6 @@ def profile_exports(folder: str | os.PathLike[str], onnx_path: str | os.PathLike
 
     >>> profile_exports("exports/", "model.onnx", "jetson-agx-orin-64")  # doctest: +SKIP
     """
-    from edgekit.artifact import Manifest
-    from edgekit.targets import load_target
-
     folder, onnx_file = Path(folder), Path(onnx_path)
     if not folder.is_dir():
         raise BadInputError(f"trtexec exports folder {str(folder)!r} does not exist")

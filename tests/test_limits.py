@@ -149,7 +149,7 @@ def test_profile_batch_is_bounded_by_the_memory(tmp_path: Path, tiny_onnx: Path,
 def test_an_unforeseen_memory_error_is_one_line(tmp_path: Path, tiny_onnx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """numpy's "Unable to allocate 5.70 TiB ..." and ONNX Runtime's allocation failure were
     tracebacks; whatever allocation no limit foresaw fails in one line, exit 2."""
-    from edgekit.runtimes.onnxruntime import allocation_failures
+    from edgekit.onnx_checks import allocation_failures
 
     with pytest.raises(MemoryError, match=r"^ONNX Runtime: .*Failed to allocate memory for requested buffer"):
         with allocation_failures():

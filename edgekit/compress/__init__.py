@@ -28,16 +28,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgekit.artifact import (
+    MANIFEST,
+    Manifest,
+    check_output_dir,
+    input_record,
+    read_manifest,
+    staged_dir,
+    work_folder,
+    write_manifest,
+)
 from edgekit.compress.quality import QualityBounds, check_quality, compare, loosest, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error_from
 from edgekit.export.onnx import Rewrite
 from edgekit.export.packing import validate_packed
+from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.progress import StepProgress
-from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
-from edgekit.sources.handle import ModelHandle, StepRecord
+from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
-from edgekit.sources.models import ArtifactLoader
+from edgekit.sources.models import ArtifactLoader, borrow_io, load_model, load_onnx_file
 from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -142,6 +152,7 @@ class Step:
     deliberate: bool = False
     target_aware: bool = False
     half_storage: bool = False
+    unchanged_at: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = sorted({s for pair in self.transitions.items() for s in pair} - set(WEIGHT_STATES))
@@ -154,6 +165,26 @@ class Step:
             return self.transitions, ""
         moves, why = self.narrow(config)
         return {k: v for k, v in moves.items() if self.transitions.get(k) == v}, why
+
+    def quantizes_to(self, config: Mapping[str, Any]) -> str | None:
+        """The integer precision the step leaves float weights in, for its recorded ``config``:
+        Q/DQ fake quantization computes in int8, packed codes in their ``bits`` (8: int8, else
+        int4); None for a step that keeps float weights."""
+        made = self.transitions.get("float")
+        if made == "fake-quant":
+            return "int8"
+        if made == "packed":
+            return "int8" if int(config.get("bits", 4)) == 8 else "int4"
+        return None
+
+
+def quantized_precision(records: list[StepRecord]) -> str | None:
+    """What the last quantizing step of ``records`` left the model in (``Step.quantizes_to``)."""
+    for record in reversed(records):
+        precision = get_step(record.name).quantizes_to(record.config or {})
+        if precision is not None:
+            return precision
+    return None
 
 
 def get_step(name: str) -> Step:
@@ -253,8 +284,6 @@ def initial_state(model: str | os.PathLike[str] | ModelHandle) -> str:
     """The weight state a model source loads in, without loading it: an ONNX file or
     ONNX artifact is "onnx"; a compressed-model folder is where its recorded chain left
     it; anything else (zoo name, checkpoint, Hugging Face folder, entry point) is "float"."""
-    from edgekit.artifact import MANIFEST, read_manifest
-
     if isinstance(model, ModelHandle):
         if model.module is None:
             return "onnx"
@@ -284,10 +313,6 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
 
     >>> compress("efficientnet-lite0", [("int8", {"method": "ptq"})], "out/int8")  # doctest: +SKIP
     """
-    from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, work_folder, write_manifest
-    from edgekit.sources.handle import stored_bytes
-    from edgekit.sources.models import load_model
-
     if not steps:
         raise BadInputError("no compression step given (use --bits, --prune, --distill or a recipe)")
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
@@ -313,6 +338,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             t0 = time.perf_counter()
             handle = get_step(name).apply(handle, config, ctx)
             handle.step_rewrites = step_rewrite
+            handle.quantized = quantized_precision(handle.steps)
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
             progress.update(i + 1)
     metrics.update(ctx.metrics)
@@ -370,9 +396,6 @@ def save_model_files(handle: ModelHandle, folder: Path) -> dict[str, str]:
 
 def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     """Rebuild a compressed model from its artifact folder (base model + step chain + weights)."""
-    from edgekit.artifact import read_manifest
-    from edgekit.sources.models import load_model, load_onnx_file
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.kind != "model":
@@ -383,9 +406,8 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         handle.steps = [StepRecord(**s) for s in manifest.steps]
         handle.step_rewrites = step_rewrite
         handle.kind = manifest.model.get("kind", handle.kind)
-        from edgekit.sources.models import borrow_io
-
         borrow_io(handle, manifest.source)
+        handle.quantized = quantized_precision(handle.steps)
         return handle
     if not manifest.source:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
@@ -399,6 +421,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         if step.rebuild is not None:
             handle = step.rebuild(handle, make_config(record.name, record.config), record)
         handle.steps.append(record)
+    handle.quantized = quantized_precision(handle.steps)
     try:
         from safetensors.torch import load_model as load_st
 

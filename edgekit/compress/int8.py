@@ -63,7 +63,7 @@ from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import get_runtime
-from edgekit.runtimes.int8_kernels import semantics_for_target
+from edgekit.runtimes.int8_kernels import describe_semantics, semantics_for_target, session_for
 from edgekit.schema import check_fields
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -429,8 +429,6 @@ def _engine_check(handle: ModelHandle, ev: Samples, ref_out: Any, fake: dict[str
     evaluation data, beside the fake-quant model's figures. Beyond ``ENGINE_DROP`` below the fake-quant
     model: ``CheckFailedError`` (exit 1) now, before anything is written, unless the loss is accepted."""
     import numpy as np
-
-    from edgekit.runtimes.int8_kernels import describe_semantics, session_for
 
     kernels = next(str(r.meta.get("kernels")) for r in reversed(handle.steps) if r.name == "int8")
     names = [s.name for s in handle.inputs]

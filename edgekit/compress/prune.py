@@ -598,7 +598,8 @@ def _make_step() -> Any:
 
     return Step("prune", PruneConfig, apply,
                 "structured channel/head pruning with Torch-Pruning's dependency graph",
-                rebuild=rebuild, transitions={"float": "float"}, deliberate=True)
+                rebuild=rebuild, transitions={"float": "float"}, deliberate=True,
+                unchanged_at={"ratio": 0})  # ratio 0 prunes nothing: a sweep's unpruned baseline
 
 
 STEP = _make_step()

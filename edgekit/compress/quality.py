@@ -35,8 +35,9 @@ import torch
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
 from edgekit.memory import float32_compute, own_memory, release_memory
-from edgekit.runtimes.onnxruntime import ort_errors, ort_failure
+from edgekit.onnx_checks import ort_errors, ort_failure
 from edgekit.schema import check_fields
+from edgekit.sources.data import resolve_samples
 from edgekit.sources.handle import ModelHandle, data_view
 
 EVAL_WINDOWS = 8  # causal LM: eval-split windows (the int4 step's measurement used as many)
@@ -98,8 +99,6 @@ class Reference:
 
 
 def _held_out(handle: ModelHandle, ctx: Any) -> tuple[str, list[dict[str, np.ndarray]]]:
-    from edgekit.sources.data import resolve_samples
-
     # the evaluation data, else the eval split of the calibration source (disjoint from what it calibrates on)
     spec = ctx.eval or handle.default_eval or ctx.calib
     names = [s.name for s in handle.inputs]

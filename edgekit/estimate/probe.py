@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from edgekit.artifact import atomic_write_json, file_lock, now_iso
-from edgekit.errors import CheckFailedError
+from edgekit.errors import CheckFailedError, UnavailableError
+from edgekit.runtimes import ort_rates
 from edgekit.schema import FieldError
 from edgekit.targets import HOST_TARGET, TARGETS_DIR, Target, apply_probe
 from edgekit.targets.cpu_isa import cpu_caches, cpu_features, int8_kernel
@@ -101,13 +102,12 @@ def cache_roof(caches: dict[str, int], memory_gbs: float) -> tuple[int, float]:
 def measure_probe(measure_s: float | None = None) -> HostProbe:
     """Measure this machine now (``targets.host_probe.HostProbe``); a figure beyond its sanity
     bound is a ``CheckFailedError`` naming it."""
-    from edgekit.runtimes.ort_rates import MEASURE_S, measure_kernel_rates, node_overhead_us
-
     wall0, cpu0 = time.perf_counter(), time.process_time()
     arch, isa, model = cpu_features()
     kernel = int8_kernel(arch, isa)
-    rates = measure_kernel_rates(seven_bit=kernel.saturates, measure_s=MEASURE_S if measure_s is None else measure_s)
-    overhead = node_overhead_us()
+    rates = ort_rates.measure_kernel_rates(seven_bit=kernel.saturates,
+                                           measure_s=ort_rates.MEASURE_S if measure_s is None else measure_s)
+    overhead = ort_rates.node_overhead_us()
     caches = cpu_caches()
     memory = read_bandwidth_gbs()
     cache_bytes, cache = cache_roof(caches, memory)
@@ -161,8 +161,6 @@ def probed_target(target: Target) -> tuple[Target, str | None]:
     not be probed and the YAML's generic figures stand)."""
     if not is_host_target(target) or target.probe is not None:
         return target, None
-    from edgekit.errors import UnavailableError
-
     try:
         probed = probe_machine()
     except UnavailableError as e:

@@ -44,12 +44,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edgekit.artifact import Manifest, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
+from edgekit.kv_cache import KVCacheDecoder
 from edgekit.memory import release_memory
-from edgekit.runtimes.onnxruntime import KVCacheDecoder, verify_onnx_runs
+from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
 
@@ -473,8 +475,6 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     >>> export_causal_lm(load_model("out/w4"), "out/w4-onnx")  # doctest: +SKIP
     """
     import onnx
-
-    from edgekit.artifact import Manifest, staged_dir, write_manifest
 
     graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"

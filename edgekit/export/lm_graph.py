@@ -62,7 +62,7 @@ from edgekit.export.rope import (
     longrope_inv_freqs,
     module_spec,
 )
-from edgekit.runtimes.onnxruntime import KV_CACHE_METADATA, KV_SHARED_BUFFER
+from edgekit.kv_cache import KV_CACHE_METADATA, KV_SHARED_BUFFER
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from edgekit.artifact import Manifest, check_output_dir, input_record, staged_di
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
 from edgekit.export.parity import check_parity, module_device
 from edgekit.export.rope import traceable_rope
+from edgekit.onnx_checks import ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
-from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
@@ -203,7 +203,8 @@ def parity_semantics(config: ExportConfig, handle: ModelHandle) -> str | None:
 
 def _scheme_hint(handle: ModelHandle, semantics: str) -> str:
     """Why an INT8 graph with 8-bit weights fails where the integer kernels sum in int16 pairs."""
-    scheme = next((str((r.meta or {}).get("scheme")) for r in reversed(handle.steps) if r.name == "int8"), None)
+    # the INT8 step records its Q/DQ scheme (u8s8, s8s8, u8s7) in its meta
+    scheme = next((str(r.meta["scheme"]) for r in reversed(handle.steps) if "scheme" in (r.meta or {})), None)
     if scheme in ("u8s8", "s8s8") and semantics == "int16-pairs":
         return (" (its 8-bit weights overflow the int16 pair sums of x86 integer kernels without VNNI: compress "
                 "for this target, whose INT8 scheme u8s7 keeps such weights on 7 bits)")

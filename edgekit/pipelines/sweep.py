@@ -157,8 +157,9 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             for st in steps:
                 name = next(iter(st))
                 if name == step_name:
-                    if name == "prune" and fld == "ratio" and value in (0, 0.0):
-                        continue  # ratio 0: the unpruned baseline
+                    unchanged = get_step(name).unchanged_at
+                    if fld in unchanged and value == unchanged[fld]:
+                        continue  # the step would leave the model as it is (prune ratio 0: the baseline)
                     st[name][fld] = value
                 new_steps.append(st)
             s["steps"] = new_steps

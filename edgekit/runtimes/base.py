@@ -11,6 +11,7 @@ and ``TokenDecoder`` declare; nothing outside ``edgekit/runtimes/`` names a runt
 """
 from __future__ import annotations
 
+import abc
 import re
 import time
 from dataclasses import dataclass, field
@@ -275,6 +276,42 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CheckedEngine(abc.ABC):
+    """What every engine shares, as in Polygraphy's ``BaseRunner``: the feeds a caller gives
+    ``run`` and ``node_profile`` are checked against ``inputs`` here, once, with one message
+    style (``check_feeds``: names, dtypes, static dims, expected versus got), before the
+    runtime's own code sees them. A runtime implements ``run_unchecked``, ``profile_nodes``
+    and ``timed_run`` (one timed inference: callers check the feeds once before a timed loop,
+    as ``profiling`` does, so the loop times only the inference).
+    """
+
+    runtime: str
+    inputs: list[InputSpec]
+    outputs: list[str]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The outputs for ``feeds``, checked against ``inputs`` first."""
+        check_feeds(self.inputs, feeds)
+        return self.run_unchecked(feeds)
+
+    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+        """Per-node times for ``feeds`` (checked against ``inputs`` first), averaged over ``iterations``."""
+        check_feeds(self.inputs, feeds)
+        return self.profile_nodes(feeds, iterations)
+
+    @abc.abstractmethod
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """``run`` without the check, for feeds already checked."""
+
+    @abc.abstractmethod
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
+        """``node_profile`` without the check."""
+
+    @abc.abstractmethod
+    def timed_run(self, feeds: dict[str, np.ndarray]) -> float:
+        """Latency of one inference in milliseconds (device time where it applies)."""
 
 
 class NoResultsYet(BadInputError):

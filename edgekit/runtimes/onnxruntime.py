@@ -19,12 +19,9 @@ import contextlib
 import functools
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +29,11 @@ import numpy as np
 
 from edgekit import interrupts
 from edgekit.artifact import Manifest
-from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError, bad_choice
-from edgekit.limits import require_memory
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
+from edgekit.errors import BadInputError, UnavailableError
+from edgekit.kv_cache import KVCacheDecoder, is_causal_lm_session
+from edgekit.onnx_checks import allocation_failures, optimization_level, ort_failure, ort_module
+from edgekit.onnx_checks import session_options as base_session_options
+from edgekit.runtimes.base import BuildOptions, CheckedEngine, NodeTiming, RecordedRun, Runtime, resolve_onnx
 from edgekit.runtimes.ort_providers import build_providers, load_providers, warm_ep_cache
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.sources.onnx_file import read_graph_outline
@@ -42,7 +41,6 @@ from edgekit.targets import Target
 
 OPT_FILE = "model.opt.onnx"
 OPT_DATA_FILE = "model.opt.onnx.data"
-LEVELS = ("disable", "basic", "extended", "layout", "all")
 
 # Ops that compute in integer arithmetic or read packed integer weights.
 INTEGER_OPS = {
@@ -65,26 +63,9 @@ _ORT_TYPES = {"float": "float32", "double": "float64", "int8_t": "int8", "uint8_
               "int32_t": "int32", "int64_t": "int64", "Int4x2": "int4", "UInt4x2": "uint4", "bool": "bool"}
 
 
-def _ort() -> Any:
-    try:
-        import onnxruntime as ort
-    except ImportError as e:  # pragma: no cover - a hard dependency
-        raise UnavailableError(f"onnxruntime is not installed: {e}") from None
-    return ort
-
-
-def _level(name: str) -> Any:
-    ort = _ort()
-    if name not in LEVELS:
-        raise bad_choice("optimization level", name, LEVELS)
-    attr = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
-            "layout": "ORT_ENABLE_LAYOUT", "all": "ORT_ENABLE_ALL"}[name]
-    return getattr(ort.GraphOptimizationLevel, attr, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-
-
 def select_providers(requested: tuple[str, ...] | list[str], target_name: str = "target") -> list[str]:
     """The target's execution providers that exist here; a missing GPU provider is an error."""
-    available = list(_ort().get_available_providers())
+    available = list(ort_module().get_available_providers())
     requested = list(requested) or ["CPUExecutionProvider"]
     missing = [p for p in requested if p not in available and p != "CPUExecutionProvider"]
     if missing:
@@ -98,13 +79,9 @@ def select_providers(requested: tuple[str, ...] | list[str], target_name: str = 
 
 def session_options(level: str, threads: int | None, profile_prefix: str | None = None,
                     optimized_path: str | None = None, large: bool = False) -> Any:
-    ort = _ort()
-    so = ort.SessionOptions()
-    so.graph_optimization_level = _level(level)
-    so.intra_op_num_threads = int(threads or 0)  # 0: ORT picks (all physical cores)
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
+    """``onnx_checks.session_options`` plus what an engine adds: the optimized graph saved to
+    ``optimized_path`` (its weights apart when ``large``), ORT's profiler."""
+    so = base_session_options(level, threads)
     if optimized_path:
         so.optimized_model_filepath = optimized_path
         if large:
@@ -119,7 +96,7 @@ def session_options(level: str, threads: int | None, profile_prefix: str | None 
 def _session(path: Path, so: Any, providers: list[Any]) -> Any:
     """A session; ``providers`` is ORT's ``providers=`` argument: names, or ``(name, options)``
     pairs for the GPU providers (``ort_providers``: TensorRT EP precision, engine cache, ...)."""
-    ort = _ort()
+    ort = ort_module()
     try:
         return ort.InferenceSession(str(path), so, providers=providers)
     except Exception as e:  # ORT's pybind errors, and provider-option errors: all mean "cannot load"
@@ -180,7 +157,7 @@ class OnnxRuntime:
             raise BadInputError("ONNX Runtime's CPU execution provider cannot run precision 'bf16' (choose from "
                                 "fp32, int8, int4; or --runtime openvino for bf16)")
         level = options.optimization_level
-        _level(level)  # validate
+        optimization_level(level)  # validate
         notes: list[str] = []
         if target.kind == "cpu" and not target.is_this_machine and level in ("layout", "all"):
             # the saved graph of those levels holds this machine's layouts and fused kernels
@@ -269,7 +246,7 @@ class OnnxRuntime:
         return OrtEngine(path, providers, level, threads, provider_arg)
 
 
-class OrtEngine:
+class OrtEngine(CheckedEngine):
     """One ONNX Runtime session with edgekit's engine interface."""
 
     runtime = "onnxruntime"
@@ -290,11 +267,6 @@ class OrtEngine:
         return {"runtime": self.runtime, "providers": self.providers, "optimization_level": self.level,
                 "intra_op_num_threads": self.threads or 0, "model": self.path.name}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        check_feeds(self.inputs, feeds)
-        with allocation_failures():
-            return list(self.session.run(None, feeds))
-
     def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         with allocation_failures():
             return list(self.session.run(None, feeds))
@@ -306,10 +278,9 @@ class OrtEngine:
             run(None, feeds)
             return (time.perf_counter() - t0) * 1e3
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         """Per-node times from ORT's profiler (a separate session, so end-to-end timing never
         pays for profiling), averaged over ``iterations`` runs after two warm-up runs."""
-        check_feeds(self.inputs, feeds)
         tmp = tempfile.mkdtemp(prefix="edgekit-ortprof-")
         try:
             so = session_options(self.level, self.threads, profile_prefix=str(Path(tmp) / "ort"))
@@ -570,265 +541,7 @@ def _size_mb(folder: Path, files: dict[str, str]) -> float:
 # --- every ONNX file edgekit writes is loaded and run once before it is committed ------------
 
 
-@dataclass
-class VerifiedRun:
-    """A session that loaded a graph and the outputs of its one run (reuse both)."""
-
-    session: Any
-    outputs: list[np.ndarray]
-
-
-def verify_onnx_runs(path: str | os.PathLike[str], feeds: dict[str, np.ndarray], *, label: str | None = None,
-                     error: type[EdgekitError] = CheckFailedError, level: str = "all",
-                     threads: int | None = None, session: Any = None) -> VerifiedRun:
-    """Load ``path`` in ONNX Runtime (CPU, graph optimizations at ``level``) and run it once on
-    ``feeds``; raise ``error`` (CheckFailedError: edgekit wrote a graph that does not work)
-    naming the file (``label``, else the path), the node and op, and ORT's one-line reason.
-    ``session``: one the caller already has for this file (then only the run is checked).
-
-    >>> run = verify_onnx_runs("out/model.onnx", handle.sample_inputs(1))  # doctest: +SKIP
-    >>> run.outputs[0].shape  # doctest: +SKIP
-    """
-    ort = _ort()
-    name = label or str(path)
-    if session is None:
-        so = session_options(level, threads)
-        so.log_severity_level = 4  # the reason goes into the error, not onto stderr
-        try:
-            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        except ort_errors() as e:
-            raise error(f"{name} does not load in ONNX Runtime: {ort_failure(e, path)}") from None
-    wanted = [i.name for i in session.get_inputs()]
-    missing = [n for n in wanted if n not in feeds]
-    if missing:
-        raise error(f"{name} takes inputs {wanted}; no sample input for {missing}")
-    chosen = {n: feeds[n] for n in wanted}
-    try:
-        outputs = list(session.run(None, chosen))
-    except ort_errors() as e:
-        shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in chosen.items())
-        raise error(f"{name} does not run in ONNX Runtime on sample inputs ({shapes}): {ort_failure(e)}") from None
-    return VerifiedRun(session, outputs)
-
-
-@functools.cache
-def ort_errors() -> tuple[type[BaseException], ...]:
-    """ONNX Runtime's exception classes (pybind11 derives them from Exception), and what its
-    Python wrapper raises on bad feeds: ``except ort_errors() as e`` (imports ORT on first use)."""
-    try:
-        from onnxruntime.capi import onnxruntime_pybind11_state as C
-    except ImportError:  # pragma: no cover - a hard dependency
-        return (RuntimeError, ValueError)
-    names = ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException", "InvalidProtobuf",
-             "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail", "NotFound", "ModelRequiresCompilation")
-    return tuple(getattr(C, n) for n in names if hasattr(C, n)) + (RuntimeError, ValueError, MemoryError)
-
-
-_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
-_LOAD_PREFIX = re.compile(r"^Load model from .*? failed:\s*")
-_NODE_PATTERNS = (
-    re.compile(r"Node \((?P<node>[^)]*)\) Op \((?P<op>[^)]*)\)\s*(?P<reason>.*)"),
-    re.compile(r"In Node, \(\"(?P<node>[^\"]*)\", (?P<op>[^,]+),.*?, Error (?P<reason>.*)"),
-    re.compile(r"running (?P<op>\S+) node\. Name:'(?P<node>[^']*)' Status Message: (?P<reason>.*)"),
-)
-_FATAL_PREFIX = re.compile(r"^Fatal error: ")
-_UNREGISTERED_OP = re.compile(r"^(?:(?P<domain>[\w.]+):)?(?P<op>\w+)\(-?\d+\) is not a registered function/op")
-_SOURCE_LOCATION = re.compile(r"[\w/-]+\.(?:cc|h|cpp|hpp|cu):\d+\s+")
-
-
-@contextlib.contextmanager
-def allocation_failures() -> Iterator[None]:
-    """ONNX Runtime's "Failed to allocate memory" (its own exception type) raised as the
-    MemoryError it is, so the command line reports it in one line."""
-    try:
-        yield
-    except Exception as e:
-        if "failed to allocate memory" in str(e).lower() or "bad_alloc" in str(e):
-            raise MemoryError(f"ONNX Runtime: {ort_failure(e)}") from None
-        raise
-
-
-def ort_failure(e: BaseException, path: str | os.PathLike[str] | None = None) -> str:
-    """ONNX Runtime's exception as one line: ``node 'x' (QLinearMul): <reason>`` when ORT names
-    the node, without its error-code prefix, source locations and C++ signatures. When ORT names
-    only an op it has no kernel for, the node is looked up in the graph at ``path``."""
-    text = " ".join(str(e).split())
-    text = _FATAL_PREFIX.sub("", _LOAD_PREFIX.sub("", _ORT_PREFIX.sub("", text)))
-    where = ""
-    for pattern in _NODE_PATTERNS:
-        m = pattern.search(text)
-        if m:
-            where = f"node {m.group('node')!r} ({m.group('op').strip()}): "
-            text = m.group("reason")
-            break
-    m = _UNREGISTERED_OP.match(text)
-    if not where and m and path is not None:
-        nodes = _nodes_of_op(Path(path), m.group("domain") or "", m.group("op"))
-        if nodes:
-            more = f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""
-            where = f"node {nodes[0]!r}{more} ({m.group(0).split('(')[0]}): "
-            text = "no such op in this ONNX Runtime (not a registered function or op)"
-    text = _strip_source_location(text).strip() or type(e).__name__
-    return where + (text if len(text) <= 300 else text[:297] + "...")
-
-
-def _nodes_of_op(path: Path, domain: str, op: str) -> list[str]:
-    import onnx
-
-    try:
-        graph = onnx.load(str(path), load_external_data=False).graph
-    except (OSError, ValueError, RuntimeError):  # the graph ORT could not load may not decode either
-        return []
-    return [n.name or f"#{k}" for k, n in enumerate(graph.node) if n.op_type == op and n.domain == domain]
-
-
-def _strip_source_location(text: str) -> str:
-    """``reshape_helper.h:91 onnxruntime::ReshapeHelper::ReshapeHelper(args) input_shape_size ...``
-    -> ``input_shape_size ...``."""
-    m = _SOURCE_LOCATION.search(text)
-    if m is None:
-        return text
-    rest = text[m.end():]
-    head = rest.split("(", 1)[0]
-    if "::" in head:  # a C++ signature precedes the message: drop it up to its closing parenthesis
-        depth = 0
-        for i, c in enumerate(rest):
-            depth += (c == "(") - (c == ")")
-            if c == ")" and depth == 0:
-                rest = rest[i + 1:]
-                break
-    return text[:m.start()] + rest.strip()
 
 
 RUNTIME: Runtime = OnnxRuntime()
 
-
-# --- causal LMs with the KV cache -----------------------------------------------------------------
-
-# Metadata a graph carries when its attention appends to the KV cache in place: a past buffer of
-# the maximum length bound to the same memory as the present output (GroupQueryAttention's
-# shared-buffer mode). Graphs without it return a present one token longer than the past.
-KV_CACHE_METADATA = "edgekit.kv_cache"
-KV_SHARED_BUFFER = "shared-buffer"
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
-
-
-def is_causal_lm_session(session: Any) -> bool:
-    """Whether an ONNX Runtime session is a causal LM exported with its KV cache."""
-    return any(i.name.startswith(PAST_PREFIX) for i in session.get_inputs())
-
-
-class KVCacheDecoder:
-    """Prefill and one-token decode steps of a with-past causal-LM session through IO binding.
-
-    The KV cache never passes through numpy. With a shared-buffer graph (``KV_CACHE_METADATA``),
-    each layer's past and present are one preallocated ``(batch, kv_heads, max_length, head_dim)``
-    buffer, bound as both input and output, so attention appends the new token in place; other
-    graphs (the traced export, which concatenates) get their presents bound as the next step's
-    pasts as ONNX Runtime values, without a copy out.
-
-    >>> dec = KVCacheDecoder(session, max_length=256)  # doctest: +SKIP
-    >>> tokens = dec.generate(prompt_ids, new_tokens=32)  # doctest: +SKIP
-    """
-
-    def __init__(self, session: Any, max_length: int, batch: int = 1) -> None:
-        ort = _ort()
-        if not is_causal_lm_session(session):
-            raise BadInputError("the session has no past_key_values inputs: not a causal LM exported with its KV cache")
-        if max_length < 2 or batch < 1:
-            raise BadInputError(f"max_length must be >= 2 and batch >= 1, got {max_length} and {batch}")
-        self.session = session
-        self.max_length = int(max_length)
-        self.batch = int(batch)
-        meta = session.get_modelmeta().custom_metadata_map or {}
-        self.shared = meta.get(KV_CACHE_METADATA) == KV_SHARED_BUFFER
-        self.input_names = {i.name for i in session.get_inputs()}
-        self.pasts = [i for i in session.get_inputs() if i.name.startswith(PAST_PREFIX)]
-        self.dtype = np.float16 if "float16" in self.pasts[0].type else np.float32
-        self.logits_name = session.get_outputs()[0].name
-        self.binding = session.io_binding()
-        self.cache: dict[str, Any] = {}
-        if self.shared:
-            for spec in self.pasts:
-                heads, dim = spec.shape[1], spec.shape[3]
-                if not (isinstance(heads, int) and isinstance(dim, int)):
-                    raise BadInputError(f"KV-cache input {spec.name} has no static head dimensions: {spec.shape}")
-            itemsize = np.dtype(self.dtype).itemsize
-            require_memory(sum(self.batch * s.shape[1] * self.max_length * s.shape[3] * itemsize for s in self.pasts),
-                           f"the KV cache of {self.max_length} tokens at batch {self.batch}",
-                           "lower --contexts, --prompt-lengths or --new-tokens")
-            for spec in self.pasts:
-                heads, dim = spec.shape[1], spec.shape[3]
-                self.cache[spec.name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    [self.batch, heads, self.max_length, dim], self.dtype, "cpu", 0)
-        self.length = 0  # tokens in the cache
-
-    @property
-    def vocab_size(self) -> int:
-        """The logits' last dimension where it is static, else 32,000 (a common vocabulary)."""
-        dim = self.session.get_outputs()[0].shape[-1]
-        return int(dim) if isinstance(dim, int) and dim > 0 else 32_000
-
-    def kv_cache_bytes(self, length: int) -> int:
-        """Bytes of the KV cache holding ``length`` tokens: every layer's key and value buffers."""
-        return sum(int(np.prod([self.batch, s.shape[1], length, s.shape[3]])) * np.dtype(self.dtype).itemsize
-                   for s in self.pasts)
-
-    def reset(self) -> None:
-        """Forget the cached tokens (the shared buffers are reused as they are)."""
-        self.length = 0
-        if not self.shared:
-            self.cache = {}
-
-    def _bind(self, input_ids: np.ndarray) -> None:
-        ort = _ort()
-        b, t = input_ids.shape
-        if b != self.batch:
-            raise BadInputError(f"batch {b} differs from the decoder's batch {self.batch}")
-        total = self.length + t
-        if total > self.max_length:
-            raise BadInputError(f"{total} tokens exceed the KV cache of {self.max_length} tokens")
-        io = self.binding
-        io.clear_binding_inputs()
-        io.clear_binding_outputs()
-        io.bind_output(self.logits_name, "cpu")  # outputs come back in binding order: logits first
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        if "attention_mask" in self.input_names:
-            io.bind_cpu_input("attention_mask", np.ones((b, total), dtype=np.int64))
-        if "position_ids" in self.input_names:
-            io.bind_cpu_input("position_ids", np.broadcast_to(np.arange(self.length, total, dtype=np.int64),
-                                                              (b, t)).copy())
-        for spec in self.pasts:
-            present = PRESENT_PREFIX + spec.name[len(PAST_PREFIX):]
-            if self.shared:
-                io.bind_ortvalue_input(spec.name, self.cache[spec.name])
-                io.bind_ortvalue_output(present, self.cache[spec.name])
-                continue
-            past = self.cache.get(spec.name)
-            if past is None:
-                past = ort.OrtValue.ortvalue_from_numpy(
-                    np.zeros((b, spec.shape[1], 0, spec.shape[3]), dtype=self.dtype))
-            io.bind_ortvalue_input(spec.name, past)
-            io.bind_output(present, "cpu")
-
-    def forward(self, input_ids: np.ndarray) -> np.ndarray:
-        """Run ``input_ids`` (batch, tokens) after the cached tokens; logits (batch, tokens, vocab)."""
-        self._bind(input_ids)
-        self.session.run_with_iobinding(self.binding)
-        outputs = self.binding.get_outputs()
-        if not self.shared:  # the presents, bound in the order of the pasts
-            for spec, value in zip(self.pasts, outputs[1:], strict=True):
-                self.cache[spec.name] = value
-        self.length += int(input_ids.shape[1])
-        return outputs[0].numpy()
-
-    def generate(self, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
-        """Greedy decoding: the ``new_tokens`` token ids (batch, new_tokens) after ``prompt``."""
-        self.reset()
-        logits = self.forward(prompt)
-        tokens = [logits[:, -1].argmax(-1)]
-        for _ in range(new_tokens - 1):
-            logits = self.forward(tokens[-1][:, None].astype(np.int64))
-            tokens.append(logits[:, -1].argmax(-1))
-        return np.stack(tokens, axis=1)

@@ -31,8 +31,9 @@ import numpy as np
 
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds, resolve_onnx
-from edgekit.runtimes.onnxruntime import cpu_isa_flags, verify_onnx_runs
+from edgekit.onnx_checks import verify_onnx_runs
+from edgekit.runtimes.base import BuildOptions, CheckedEngine, NodeTiming, RecordedRun, Runtime, resolve_onnx
+from edgekit.runtimes.onnxruntime import cpu_isa_flags
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
 from edgekit.targets import Target
 
@@ -338,7 +339,7 @@ def _inputs_of(model: Any) -> list[InputSpec]:
     return out
 
 
-class OpenVinoEngine:
+class OpenVinoEngine(CheckedEngine):
     """One compiled OpenVINO model (CPU) with edgekit's engine interface. The IR has static
     shapes (the build's sample inputs); inputs whose batch axis was dynamic in the source graph
     dimensions were dynamic in the source graph (``dynamic_dims``: the batch, a sequence length)
@@ -379,8 +380,7 @@ class OpenVinoEngine:
         return {"runtime": self.runtime, "device": DEVICE, "inference_precision_hint": HINTS[self.precision],
                 "inference_num_threads": self.threads or 0, "num_streams": 1, "model": self.path.name}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        check_feeds(self.inputs, feeds)
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         self._fit_shapes(feeds)
         self.request.infer(feeds)
         return [np.array(self.request.get_output_tensor(i).data) for i in range(len(self.outputs))]
@@ -392,10 +392,9 @@ class OpenVinoEngine:
         infer(feeds, share_inputs=True, share_outputs=True)
         return (time.perf_counter() - t0) * 1e3
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         """Per-node times from OpenVINO's performance counters (a separately compiled model, so
         end-to-end timing never pays for counting), averaged over ``iterations`` runs."""
-        check_feeds(self.inputs, feeds)
         self._fit_shapes(feeds)
         compiled = _compile(self.model, _compile_config(self.precision, self.threads, perf_count=True), self.path.name)
         kernels = exec_graph_kernels(compiled)
@@ -411,9 +410,6 @@ class OpenVinoEngine:
                     rec = totals.setdefault(info.node_name, [info.node_type, info.exec_type, 0.0])
                     rec[2] += info.real_time.total_seconds() * 1e3
         return profile_nodes(totals, kernels, runs)
-
-    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.run(feeds)
 
     def token_decoder(self, max_length: int) -> None:
         return None  # no KV-cache generation loop in this runtime

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import CheckFailedError, UnavailableError
+from edgekit.onnx_checks import session_options
 
 CHAIN = 4  # identical layers per timed graph: the reorders / quantization at its ends weigh little
 MEASURE_S = 0.3  # process CPU seconds each kernel is timed for, over all rounds (after warm-up)
@@ -68,12 +69,11 @@ def _session(model: bytes) -> tuple[Any, list[str]]:
     """An ORT session as ``edgekit build`` opens one at one thread, and the ops of its optimized graph."""
     import onnx
 
-    from edgekit.runtimes.onnxruntime import session_options
-
     ort = _ort()
     with tempfile.TemporaryDirectory(prefix="edgekit-probe-") as tmp:
         opt = os.path.join(tmp, "opt.onnx")
-        so = session_options("all", 1, optimized_path=opt)
+        so = session_options("all", 1)
+        so.optimized_model_filepath = opt
         sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         ops = [n.op_type for n in onnx.load(opt).graph.node]
     return sess, ops
@@ -229,7 +229,6 @@ def node_overhead_us(runs: int = 300) -> float:
     from onnx import helper, numpy_helper
 
     ort = _ort()
-    from edgekit.runtimes.onnxruntime import session_options
 
     def chain(n: int) -> bytes:
         nodes = [helper.make_node("Add", [f"t{i}", "one"], [f"t{i + 1}"]) for i in range(n)]

@@ -32,7 +32,7 @@ import numpy as np
 from edgekit import interrupts
 from edgekit.artifact import Manifest
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
-from edgekit.runtimes.base import BuildOptions, NodeTiming, RecordedRun, Runtime, check_feeds
+from edgekit.runtimes.base import BuildOptions, CheckedEngine, NodeTiming, RecordedRun, Runtime, check_feeds
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.sources.models import load_model
 from edgekit.targets import Target
@@ -145,8 +145,7 @@ class TorchAotRuntime:
         # Freezing folds weights into the package (oneDNN prepacking on CPU: EfficientNet-Lite0
         # ran ~1.3x faster here). Not for packed integer weights: it would fold the unpacking
         # and store float weights, undoing the 4-bit size.
-        quantized = options.precision in QUANTIZED_PRECISIONS or any(
-            r.name in ("int4", "int8") for r in handle.steps)
+        quantized = options.precision in QUANTIZED_PRECISIONS or handle.quantized is not None
         freeze = bool(options.extra.get("freezing", device == "cpu" and not quantized))
         t0 = time.perf_counter()
         ep, dynamic = _export(torch, module, args, handle, dynamic, notes)
@@ -244,7 +243,7 @@ def _as_list(out: Any) -> list[Any]:
     return [out]
 
 
-class TorchAotEngine:
+class TorchAotEngine(CheckedEngine):
     """A loaded AOTInductor package with edgekit's engine interface."""
 
     runtime = "torch"
@@ -275,7 +274,8 @@ class TorchAotEngine:
                 "timing": "CUDA events (device time)" if self.device != "cpu" else "perf_counter"}
 
     def _args(self, feeds: dict[str, np.ndarray]) -> tuple[Any, ...]:
-        """Feeds as device tensors, converted once per feeds object (timing excludes copies)."""
+        """Feeds as device tensors, converted once per feeds object (timing excludes copies).
+        Checked here too: a timed loop converts (and checks) its feeds once, before timing."""
         key = tuple(id(feeds[s.name]) for s in self.inputs if s.name in feeds)
         if self._prepared is None or self._prepared[0] != key:
             check_feeds(self.inputs, feeds)
@@ -283,8 +283,7 @@ class TorchAotEngine:
             self._prepared = (key, args)
         return self._prepared[1]
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        check_feeds(self.inputs, feeds)
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         args = tuple(_to_tensor(self.torch, feeds[s.name], self.device, self.dtype) for s in self.inputs)
         with self.torch.no_grad():
             out = _as_list(self.model(*args))
@@ -307,7 +306,7 @@ class TorchAotEngine:
             self.model(*args)
             return (time.perf_counter() - t0) * 1e3
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         """Kernel-level times from torch.profiler, ms per inference (device time on CUDA)."""
         torch = self.torch
         from torch.profiler import ProfilerActivity, profile
@@ -327,9 +326,6 @@ class TorchAotEngine:
                 if cuda:
                     torch.cuda.synchronize()
         return kernel_timings(prof.key_averages(), iterations, cuda, str(self.dtype).replace("torch.", ""))
-
-    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.run(feeds)
 
     def token_decoder(self, max_length: int) -> None:
         return None  # no KV-cache generation loop in this runtime

@@ -89,6 +89,9 @@ class ModelHandle:
         step_rewrites: maps a step's name to its ONNX graph rewrite (or None); set by the
             compression steps that made the handle, read by export (which sits below them).
         extra: free-form facts (e.g. "num_classes", "labels", "hf_config").
+        quantized: the integer precision ("int8", "int4") the last quantizing step of ``steps``
+            left the model in, None for float weights; compress sets it from its registry as it
+            applies or reloads steps, so the layers below it need no step names.
     """
 
     name: str
@@ -109,6 +112,7 @@ class ModelHandle:
     steps: list[StepRecord] = field(default_factory=list)
     step_rewrites: Callable[[str], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    quantized: str | None = None
 
     def sample_inputs(self, batch: int = 1, **dims: int) -> dict[str, np.ndarray]:
         """Inputs for tracing, parity and timing: the model's own realistic ones when it

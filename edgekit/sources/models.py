@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.artifact import read_manifest
+from edgekit.errors import BadInputError, EdgekitError, bad_choice
 from edgekit.memory import own_memory, release_memory
 from edgekit.sources.data import image_input
 from edgekit.sources.handle import InputSpec, ModelHandle, random_inputs
@@ -84,20 +85,20 @@ def _load(spec: str | os.PathLike[str] | ModelHandle, half_storage: bool,
     if text.endswith(".pt2"):
         return _load_pt2(path)
     if text.endswith(".gguf"):
-        from edgekit.sources import hf
+        from edgekit.sources import hf  # brings torch and transformers: only for a GGUF file
 
         _require_file(path)
         return hf.load_hf(path.parent, gguf_file=path.name)
     if path.is_dir():
         if (path / "config.json").is_file():
-            from edgekit.sources import hf
+            from edgekit.sources import hf  # brings torch and transformers: only for a Hugging Face folder
 
             return hf.load_hf(path, half_storage=half_storage)
         raise BadInputError(f"{text} is a folder but neither an edgekit output (manifest.json) "
                             "nor a Hugging Face model (config.json)")
     if _ENTRY_POINT.match(text):
         return _load_entry_point(text)
-    from edgekit.sources.zoo import ZOO, load_zoo_model
+    from edgekit.sources.zoo import ZOO, load_zoo_model  # brings torch: only for a zoo name
 
     if text in ZOO:
         return load_zoo_model(text)
@@ -243,7 +244,6 @@ def borrow_io(handle: ModelHandle, source: str | None) -> None:
     if any(s.name.startswith("past_key_values.") for s in handle.inputs):
         return  # a graph with the KV cache keeps its consistent decode-step inputs (decode_step_inputs)
     # imported only here: the zoo brings torch and transformers, which an ONNX graph does not need otherwise
-    from edgekit.errors import EdgekitError
     from edgekit.sources.zoo import ZOO, load_zoo_model
 
     if source not in ZOO:
@@ -353,8 +353,6 @@ def _load_entry_point(spec: str) -> ModelHandle:
 
 
 def _load_artifact(folder: Path, loaders: Mapping[str, ArtifactLoader]) -> ModelHandle:
-    from edgekit.artifact import read_manifest
-
     manifest = read_manifest(folder)
     if manifest.kind in loaders:
         handle = loaders[manifest.kind](folder)

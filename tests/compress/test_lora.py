@@ -350,7 +350,8 @@ def test_qlora_packed_fold_exports_matmulnbits(tmp_path: Path) -> None:
     pytest.importorskip("edgekit.export.lm")
     import onnx
 
-    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.export.onnx import ExportConfig
+    from edgekit.loading import export_onnx  # a compressed folder loads through the loaders passed
 
     ctx = _ctx(text_samples(8, 0), text_samples(2, 1, "eval"))
     cfg = lora.LoraConfig(r=2, steps=2, lr=1e-2, batch_size=4, qlora=True, dropout=0.0)

@@ -17,9 +17,9 @@ from edgekit.compress.weight_only import WeightOnlyConfig, apply
 from edgekit.errors import BadInputError
 from edgekit.export.lm import INT8_COMPUTE_RTOL, check_lm_parity, export_causal_lm, generate_greedy, lm_session
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph
+from edgekit.kv_cache import KVCacheDecoder
 from edgekit.profiling import LatencyStats, ProfileResult
 from edgekit.profiling_lm import GenerationConfig, check_generation, measure_generation
-from edgekit.runtimes.onnxruntime import KVCacheDecoder
 from edgekit.sources.handle import InputSpec, ModelHandle
 
 VOCAB = 256

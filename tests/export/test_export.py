@@ -247,3 +247,20 @@ def test_constrained_named_axis_still_exports(tmp_path):
 
     dims = [d.dim_param or d.dim_value for d in onnx.load(str(out / "model.onnx")).graph.input[0].type.tensor_type.shape.dim]
     assert dims == ["batch", 8, 4]  # batch stays dynamic; the constrained axis is specialised
+
+
+def test_the_same_model_exports_and_builds_to_the_same_bytes(tiny_cnn, tmp_path):
+    """What ``benchmarks/bench_output_hashes.py`` relies on to show that a change of code left every
+    output as it was: an export and an ONNX Runtime build of one model write the same bytes twice."""
+    from edgekit.build import build_engine
+    from edgekit.runtimes.base import BuildOptions
+
+    written = []
+    for run in ("first", "second"):
+        onnx_dir = export_onnx(tiny_cnn, tmp_path / run / "onnx", FAST)
+        engine = build_engine(onnx_dir, "cpu", tmp_path / run / "engine", BuildOptions(threads=1))
+        written.append({"model.onnx": (onnx_dir / "model.onnx").read_bytes(),
+                        "model.opt.onnx": (engine / "model.opt.onnx").read_bytes(),
+                        "precision": read_manifest(engine).config["precision"]})
+    assert written[0]["precision"] == "fp32" and len(written[0]["model.opt.onnx"]) > 1000
+    assert written[0] == written[1]

@@ -17,8 +17,8 @@ from edgekit.cli import cli
 from edgekit.compress.int8 import Int8Config, resolve_scheme
 from edgekit.compress.int8_onnx import dequant_chains_to_dq, quantize_onnx_file
 from edgekit.errors import BadInputError, CheckFailedError
+from edgekit.onnx_checks import ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
-from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.sources.data import Samples
 from edgekit.sources.onnx_file import find_quantized, weight_dequant_chains
 

@@ -19,7 +19,7 @@ import torch
 
 from edgekit.artifact import atomic_write_bytes, atomic_write_text
 from edgekit.errors import BadInputError
-from edgekit.runtimes.base import NodeTiming, check_feeds
+from edgekit.runtimes.base import CheckedEngine, NodeTiming
 from edgekit.runtimes.tensorrt.parsers import LAYERS_JSON, LayerTime, nodes_from_trtexec, read_layer_info
 from edgekit.runtimes.tensorrt.settings import ENGINE_FILE, RESULTS_DIR, TrtSettings
 from edgekit.sources.handle import InputSpec
@@ -111,7 +111,7 @@ def build_with_api(trt: ModuleType, onnx_path: Path, settings: TrtSettings, out_
 
 # --- the engine (API path) -------------------------------------------------------------------
 
-class TensorRTEngine:
+class TensorRTEngine(CheckedEngine):
     """A deserialized engine run with the TensorRT 10 API, buffers held as torch CUDA tensors.
 
     timed_run returns GPU compute time (CUDA events around ``execute_async_v3``), like
@@ -162,8 +162,7 @@ class TensorRTEngine:
     def settings(self) -> dict[str, Any]:
         return {"engine": self.plan.name, "staged_on": "cuda"}
 
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        check_feeds(self.inputs, feeds)
+    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         outs = self._stage(feeds)
         self.context.execute_async_v3(self.stream.cuda_stream)
         self.stream.synchronize()
@@ -178,7 +177,7 @@ class TensorRTEngine:
         end.synchronize()
         return float(start.elapsed_time(end))
 
-    def node_profile(self, feeds: dict[str, np.ndarray], iterations: int = 20) -> list[NodeTiming]:
+    def profile_nodes(self, feeds: dict[str, np.ndarray], iterations: int) -> list[NodeTiming]:
         trt = self.trt
         times: dict[str, list[float]] = {}
 
@@ -208,9 +207,6 @@ class TensorRTEngine:
             except BadInputError:
                 info = None
         return nodes_from_trtexec(layer_times, info)
-
-    def run_unchecked(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.run(feeds)
 
     def token_decoder(self, max_length: int) -> None:
         return None  # no KV-cache generation loop in this runtime

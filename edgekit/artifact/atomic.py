@@ -1,4 +1,5 @@
-"""Artifact folders and their manifest, with atomic writes.
+"""Atomic outputs: files and folders written so that nothing half-written is ever left, and
+nothing edgekit did not write is replaced.
 
 Every step (compress, export, build, profile, run) writes one folder holding its
 files and a ``manifest.json``: what kind of artifact it is, the inputs and their
@@ -21,175 +22,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
-import hashlib
 import json
-import logging
 import os
-import platform
 import re
 import secrets
 import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from edgekit import interrupts
+from edgekit.artifact.files import make_parents, os_error_at, remove_empty
+from edgekit.artifact.locks import dir_lock, folder_lock, lock_holder
+from edgekit.artifact.manifest import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    Manifest,
+    machine_info,
+    now_iso,
+    package_versions,
+    read_manifest,
+)
 from edgekit.errors import BadInputError, shown_path
 from edgekit.limits import require_disk
-from edgekit.paths import cache_path, staging_journal_path
-from edgekit.schema import FieldError, Loc, check_entries, check_keys, read_json, show
+from edgekit.paths import staging_journal_path
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no advisory locks
-    fcntl = None  # type: ignore[assignment]
-
-log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-SCHEMA_VERSION = 2  # 2: ``contents``, every entry of the folder as it was committed
-LOCK_FILE = ".edgekit.lock"  # held by the process working in a run or sweep folder
 _open_stages = 0  # staged_dir blocks open in this process
-
-# What each artifact kind holds in ``files`` (role -> relative path).
-KINDS = ("model", "onnx", "engine", "bundle", "profile", "report", "run", "sweep", "estimate", "adapter")
-
-_TRACKED_PACKAGES = (
-    "edgekit", "torch", "onnx", "onnxruntime", "onnxscript", "transformers", "peft",
-    "torch-pruning", "numpy", "safetensors", "tensorrt",
-)
-
-
-@dataclass
-class Manifest:
-    """The record every step writes and the next one reads.
-
-    kind: one of KINDS. files: role -> path relative to the folder (e.g.
-    ``{"onnx": "model.onnx"}``). source: the base model's spec (zoo name, path, entry
-    point) for model artifacts. steps: the compression chain, each
-    ``{"name", "config", "meta"}``. inputs: role -> ``{"path", "sha256"}``.
-    """
-
-    kind: str
-    files: dict[str, str] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    inputs: dict[str, dict[str, str]] = field(default_factory=dict)
-    source: str | None = None
-    model: dict[str, Any] = field(default_factory=dict)  # name, kind, inputs, outputs
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    target: str | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-    machine: dict[str, Any] = field(default_factory=dict)
-    created: str = ""
-    contents: list[str] = field(default_factory=list)  # the folder's entries, recorded by staged_dir as it commits
-    schema: int = SCHEMA_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: object, where: str = MANIFEST) -> Manifest:
-        """A manifest from its JSON form, every field checked against its annotation (and
-        kind known, file paths inside the folder, steps well-formed, schema not newer than
-        this edgekit reads); errors are one line naming ``where``, the field and the value."""
-        loc = Loc(where)
-        newer = data.get("schema") if isinstance(data, dict) else None
-        if isinstance(newer, int) and not isinstance(newer, bool) and newer > SCHEMA_VERSION:  # before its new fields
-            raise FieldError(loc / "schema", f"{newer} is not a manifest schema this edgekit reads "
-                                             f"(1 to {SCHEMA_VERSION}; a newer edgekit wrote it?)")
-        values = check_entries(cls, check_keys(cls, data, loc, noun="field"), loc)
-        if "kind" not in values:
-            raise FieldError(loc, f"missing required field 'kind' (one of {', '.join(KINDS)})")
-        if values["kind"] not in KINDS:
-            raise FieldError(loc / "kind", f"unknown kind {values['kind']!r} (choose from {', '.join(KINDS)})")
-        for role, rel in values.get("files", {}).items():
-            parts = Path(rel).parts
-            if not rel or Path(rel).is_absolute() or ".." in parts or "\x00" in rel:
-                raise FieldError(loc / "files" / role, f"must be a relative path inside the folder, got {rel!r}")
-        for i, name in enumerate(values.get("contents", [])):
-            if not name or "/" in name or name in (".", "..") or "\x00" in name:
-                raise FieldError((loc / "contents").at(i), f"must be the name of an entry of the folder, got {name!r}")
-        for i, step in enumerate(values.get("steps", [])):
-            if not isinstance(step.get("name"), str) or not isinstance(step.get("config", {}), dict) \
-                    or not isinstance(step.get("meta", {}), dict) or set(step) - {"name", "config", "meta"}:
-                raise FieldError((loc / "steps").at(i), "must be {name: str, config: mapping, meta: mapping}, got "
-                                                      f"{show(step)}")
-        schema = values.get("schema", SCHEMA_VERSION)
-        if not 1 <= schema <= SCHEMA_VERSION:
-            raise FieldError(loc / "schema", f"{schema} is not a manifest schema this edgekit reads "
-                                             f"(1 to {SCHEMA_VERSION}; a newer edgekit wrote it?)")
-        return cls(**values)
-
-    def path_of(self, folder: Path, role: str) -> Path:
-        if role not in self.files:
-            raise BadInputError(f"{folder} has no {role!r} file (it has: {sorted(self.files) or 'none'})")
-        return Path(folder) / self.files[role]
-
-
-def cache_dir() -> Path:
-    """Where edgekit caches derived files (a float copy of a GGUF model, trained
-    benchmark weights, timing caches): ``$EDGEKIT_CACHE`` or ``~/.cache/edgekit``."""
-    path = cache_path()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _os_error(e, "cannot use the cache folder ($EDGEKIT_CACHE)", path) from None
-    return path
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
-
-
-def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in _TRACKED_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"host": platform.node(), "system": platform.system(), "machine": platform.machine(),
-            "cpu": cpu, "cores": os.cpu_count()}
-
-
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_tree(path: str | os.PathLike[str]) -> str:
-    """Hash of a file, or of a folder's files (names and contents, sorted)."""
-    p = Path(path)
-    if p.is_file():
-        return sha256_file(p)
-    h = hashlib.sha256()
-    for f in sorted(x for x in p.rglob("*") if x.is_file()):
-        h.update(str(f.relative_to(p)).encode())
-        h.update(sha256_file(f).encode())
-    return h.hexdigest()
-
-
-def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: Iterable[object] | None = None) -> Path:
@@ -208,12 +68,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: It
                 os.unlink(state["tmp"])
             state["tmp"] = None
         if not state["done"]:
-            _remove_empty(state["created"])
+            remove_empty(state["created"])
             state["created"] = []
 
     try:
         with interrupts.deferred():
-            state["created"] = _make_parents(path.parent)
+            state["created"] = make_parents(path.parent)
             fd, state["tmp"] = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), _file_mode(path))
@@ -227,7 +87,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, protect: It
     except OSError as e:
         if e.filename is not None and e.filename != state["tmp"]:
             raise
-        raise _os_error(e, "cannot write", path) from None
+        raise os_error_at(e, "cannot write", path) from None
     finally:
         _settle(discard)
     return path
@@ -293,7 +153,7 @@ def staged_dir(out: str | os.PathLike[str], protect: Iterable[object] = (),
         apply_umask(stage.path)  # libraries that write through temporary files leave 0600 behind
         _record_contents(stage.path)
         interrupts.raise_if_seen()  # a SIGINT that the block's libraries swallowed: do not commit
-        with interrupts.deferred(), _dir_lock(final.parent):
+        with interrupts.deferred(), dir_lock(final.parent):
             check_output_dir(given, protect, own_entry)  # again: the folder may have changed meanwhile
             stage.commit()
             if _open_stages == 1:  # not a folder inside another staged output
@@ -322,12 +182,12 @@ class _Stage:
         return self.tmp
 
     def begin(self) -> None:
-        self.created = _make_parents(self.final.parent)
+        self.created = make_parents(self.final.parent)
         try:
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.{os.getpid()}-", suffix=".partial",
                                              dir=self.final.parent))
         except OSError as e:
-            raise _os_error(e, "cannot create a folder in", self.final.parent) from None
+            raise os_error_at(e, "cannot create a folder in", self.final.parent) from None
         os.chmod(self.tmp, 0o777 & ~umask())  # mkdtemp makes it 0700
         self.journal = _journal_add(self.final)
 
@@ -350,7 +210,7 @@ class _Stage:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
         if not self.committed:
-            _remove_empty(self.created)
+            remove_empty(self.created)
             self.created = []
         if self.journal is not None:
             with contextlib.suppress(OSError):
@@ -488,7 +348,7 @@ def _in_output(e: OSError, staging: Path, given: Path) -> OSError:
     """An OSError from a staged block, naming the output (``given``/...) instead of the
     temporary staging folder; errors about other paths (an input) are kept as they are."""
     if e.filename is None:
-        return _os_error(e, "cannot write", given)
+        return os_error_at(e, "cannot write", given)
     for name in (e.filename2, e.filename):  # a copy's destination is filename2
         if name is None:
             continue
@@ -496,7 +356,7 @@ def _in_output(e: OSError, staging: Path, given: Path) -> OSError:
             rel = Path(os.fsdecode(name)).relative_to(staging)
         except (ValueError, TypeError):
             continue
-        return _os_error(e, "cannot write", given / rel if rel.parts else given)
+        return os_error_at(e, "cannot write", given / rel if rel.parts else given)
     return e
 
 
@@ -513,59 +373,6 @@ def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         elif entry.is_file(follow_symlinks=False):
             shutil.copyfile(entry.path, target)
             shutil.copymode(entry.path, target)
-
-
-def _os_error(e: OSError, what: str, path: str | os.PathLike[str]) -> OSError:
-    """``e`` again, naming ``path`` (the output the user gave, not a temporary name)."""
-    err = type(e)(e.errno, e.strerror or str(e), str(path))
-    err.what = what  # type: ignore[attr-defined]  # read by the CLI's one-line message
-    return err
-
-
-def _make_parents(folder: Path) -> list[Path]:
-    """Create ``folder`` and its missing parents; return the ones created (outermost first)."""
-    missing: list[Path] = []
-    p = folder
-    while not os.path.lexists(p):
-        missing.append(p)
-        p = p.parent
-    created: list[Path] = []
-    for d in reversed(missing):
-        try:
-            os.mkdir(d)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            _remove_empty(created)
-            raise _os_error(e, "cannot create folder", d) from None
-        created.append(d)
-    return created
-
-
-def _remove_empty(created: list[Path]) -> None:
-    for d in reversed(created):
-        try:
-            os.rmdir(d)
-        except OSError:
-            break
-
-
-@contextlib.contextmanager
-def _dir_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on a folder itself (no lock file), held while two outputs in it
-    are swapped, so two processes writing the same output commit one after the other."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        yield
-        return
-    try:
-        if fcntl is not None:
-            with contextlib.suppress(OSError):  # file systems without flock: commit unlocked
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _existing_paths(candidates: Iterable[object]) -> list[tuple[str, Path]]:
@@ -738,80 +545,6 @@ def _recorded_in_folder(path: Path) -> bool:
     return path.name == MANIFEST or path.name in {f for f in m.files.values() if "/" not in f}
 
 
-def lock_holder(folder: str | os.PathLike[str]) -> str | None:
-    """The PID (as recorded) of the edgekit process holding ``folder``'s lock, else None."""
-    path = Path(folder) / LOCK_FILE
-    if fcntl is None or not path.is_file():
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _recorded_pid(fd)
-        except OSError:
-            return None
-        return None
-    finally:
-        os.close(fd)
-
-
-def _recorded_pid(fd: int) -> str:
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        text = os.pread(fd, 32, 0).decode().strip()
-        if text.isdigit():
-            return text
-    return "unknown"
-
-
-@contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike[str], *, wait: bool = False, hint: str = "") -> Iterator[None]:
-    """Hold an exclusive advisory lock (fcntl) on an edgekit folder that a process works
-    in place (a run or sweep folder), through ``LOCK_FILE`` inside it, which records the
-    holder's PID. A second process gets BadInputError naming the folder and that PID, or
-    with ``wait`` blocks until the first is done. The lock ends with the process, however
-    it ends."""
-    path = Path(folder) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise _os_error(e, "cannot write", path) from None
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _recorded_pid(fd)
-                if not wait:
-                    raise BadInputError(f"{str(folder)!r} is in use by another edgekit process (PID {holder}); "
-                                        f"wait for it to finish{hint}, or choose another folder") from None
-                log.warning("waiting for edgekit process %s, which is working in %s", holder, folder)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing), waiting for it: two
-    processes that would derive the same cached entry make it once, one after the other."""
-    path = Path(path)
-    _make_parents(path.parent)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 # Folders that runs and sweeps wrote before they carried a manifest: file -> keys it holds.
 _LEGACY_RECORDS = {"run": ("results.json", ("recipe", "stages")), "sweep": ("sweep.json", ("grid", "rows"))}
 
@@ -879,7 +612,7 @@ def check_work_folder(out: str | os.PathLike[str], kind: str, protect: Iterable[
 @contextlib.contextmanager
 def _claim(out: str | os.PathLike[str], kind: str, wait: bool, protect: tuple[object, ...], hint: str) -> Iterator[Path]:
     real = check_work_folder(out, kind, protect)
-    _make_parents(real)
+    make_parents(real)
     with folder_lock(real, wait=wait, hint=hint):
         if not (real / MANIFEST).is_file():
             write_manifest(real, Manifest(kind=kind))
@@ -894,24 +627,3 @@ def write_manifest(folder: str | os.PathLike[str], manifest: Manifest) -> Path:
     if not manifest.machine:
         manifest.machine = machine_info()
     return atomic_write_json(Path(folder) / MANIFEST, manifest.to_dict())
-
-
-def is_artifact(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
-def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
-    folder = Path(folder)
-    mf = folder / MANIFEST
-    if not mf.is_file():
-        raise BadInputError(f"{folder} is not an edgekit output folder (no {MANIFEST})")
-    data = read_json(mf, "manifest")  # bounded; corrupt, deep or non-UTF-8 JSON is one line
-    if not isinstance(data, dict) or data.get("kind") not in KINDS:
-        raise BadInputError(f"{mf} has unknown kind {data.get('kind') if isinstance(data, dict) else None!r} "
-                            f"(known: {', '.join(KINDS)})")
-    return Manifest.from_dict(data, str(mf))
-
-
-def input_record(path: str | os.PathLike[str]) -> dict[str, str]:
-    p = Path(path)
-    return {"path": str(p), "sha256": sha256_tree(p)}

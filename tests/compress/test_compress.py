@@ -1,0 +1,39 @@
+"""compress/__init__.py: what the registry tells the layers around it about each step."""
+from __future__ import annotations
+
+import pytest
+
+from edgekit.compress import STEPS, get_step, quantized_precision
+from edgekit.sources.handle import StepRecord
+
+
+@pytest.mark.parametrize("name, config, precision", [
+    ("int8", {"method": "ptq"}, "int8"),
+    ("int4", {"bits": 4}, "int4"),
+    ("int4", {"bits": 3}, "int4"),
+    ("int4", {"bits": 8}, "int8"),  # 8-bit packed codes compute as int8
+    ("int4", {}, "int4"),  # a record without bits: the step's default width
+    ("prune", {"ratio": 0.5}, None),
+    ("distill", {}, None),
+    ("lora", {}, None),
+    ("half", {}, None),
+])
+def test_each_step_says_what_it_quantizes_to(name, config, precision):
+    assert get_step(name).quantizes_to(config) == precision
+
+
+def test_every_registered_step_is_covered():
+    assert set(STEPS) == {"prune", "distill", "lora", "int8", "int4", "half"}
+
+
+def test_the_last_quantizing_step_decides():
+    records = [StepRecord("prune", {"ratio": 0.3}), StepRecord("int4", {"bits": 4}), StepRecord("lora", {})]
+    assert quantized_precision(records) == "int4"  # LoRA over packed weights keeps them packed
+    assert quantized_precision([*records, StepRecord("int8", {})]) == "int8"
+    assert quantized_precision(records[:1]) is None
+    assert quantized_precision([]) is None
+
+
+def test_prune_leaves_the_model_unchanged_at_ratio_zero():
+    assert get_step("prune").unchanged_at == {"ratio": 0}
+    assert all(get_step(n).unchanged_at == {} for n in STEPS if n != "prune")
