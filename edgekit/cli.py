@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import click
 from edgekit import __version__, interrupts
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
 from edgekit.limits import MAX_DIM
+from edgekit.options import ConfigOption, config_options, config_values
 from edgekit.paths import has_journal_entries
 
 
@@ -65,6 +67,235 @@ def _fail(message: str, code: int) -> None:
     with contextlib.suppress(OSError):  # a hung-up terminal (SIGHUP) has nowhere to print to
         click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+# --- options: declared on the configs they set (edgekit.options), --help and --help-all, old names ---
+
+HELP_ALL = "edgekit.help_all"  # ctx.meta key: --help-all asked for every option
+
+
+class GeneratedOption(click.Option):
+    """A flag generated from a config field: unset unless given (the config keeps its
+    default, which the help shows), and ``basic`` or shown by ``--help-all`` only."""
+
+    def __init__(self, decls: list[str], *, basic: bool, config_default: Any, **kwargs: Any) -> None:
+        super().__init__(decls, **kwargs)
+        self.basic = basic
+        self.config_default = config_default
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        d = self.config_default
+        if d is not None and d != ():
+            if isinstance(d, bool) and self.secondary_opts:
+                extra["default"] = (self.opts if d else self.secondary_opts)[0].lstrip("-")
+            elif isinstance(d, tuple):
+                extra["default"] = ",".join(str(v) for v in d)
+            else:
+                extra["default"] = str(d)
+        return extra
+
+
+class DeprecatedOption(click.Option):
+    """The old names of an option, accepted for one release: hidden from the help; given, they
+    print one warning line naming the new flag and set the new option's value."""
+
+    def __init__(self, decls: Sequence[str], *, new_dest: str, new_flag: str, **kwargs: Any) -> None:
+        super().__init__(decls, hidden=True, **kwargs)
+        self.new_dest, self.new_flag = new_dest, new_flag
+
+
+def deprecated(*old: str, dest: str, new: str, **kwargs: Any) -> Any:
+    """The old names ``old`` of the option ``new`` (parsed into ``dest``), as a decorator."""
+    return click.option(f"deprecated_{dest}", *old, cls=DeprecatedOption, new_dest=dest, new_flag=new, **kwargs)
+
+
+def _show_help_all(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        ctx.meta[HELP_ALL] = True
+        click.echo(ctx.get_help(), color=ctx.color)
+        ctx.exit()
+
+
+class EdgekitCommand(click.Command):
+    """Every edgekit command: ``--help`` shows its common options, ``--help-all`` every one
+    (``advanced``: the names of its own options that only ``--help-all`` shows; a generated
+    option says itself); old option names (``DeprecatedOption``) warn and map to the new."""
+
+    def __init__(self, *args: Any, advanced: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.advanced = set(advanced)
+        self.params.append(click.Option(["--help-all"], is_flag=True, expose_value=False, is_eager=True,
+                                        callback=_show_help_all, help="Show every option (--help: the common ones)."))
+
+    def is_advanced(self, param: click.Parameter) -> bool:
+        if isinstance(param, GeneratedOption):
+            return not param.basic
+        return param.name in self.advanced
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        show_all = ctx.meta.get(HELP_ALL, False)
+        rows, more = [], 0
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+            if record is None:
+                continue
+            if self.is_advanced(p) and not show_all:
+                more += 1
+                continue
+            rows.append(record)
+        if rows:
+            with formatter.section("Options"):
+                formatter.write_dl(rows)
+        if more:
+            formatter.write_paragraph()
+            formatter.write_text(f"{more} more options: --help-all shows every one.")
+
+    def invoke(self, ctx: click.Context) -> Any:
+        for p in self.get_params(ctx):
+            if not isinstance(p, DeprecatedOption) or p.name not in ctx.params:
+                continue
+            value = ctx.params.pop(p.name)
+            if value is None or value == () or value is False:
+                continue
+            given = ctx.get_parameter_source(p.new_dest) == click.core.ParameterSource.COMMANDLINE
+            if given or ctx.params.get(p.new_dest) not in (None, ()):
+                raise BadInputError(f"{'/'.join(p.opts)} is the old name of {p.new_flag}; give {p.new_flag} alone")
+            click.echo(f"warning: {'/'.join(p.opts)} is deprecated and goes away in the next release; use "
+                       f"{p.new_flag}", err=True)
+            ctx.params[p.new_dest] = value
+        return super().invoke(ctx)
+
+
+EdgekitGroup.command_class = EdgekitCommand
+EdgekitGroup.group_class = type  # subgroups are EdgekitGroups, whose commands are EdgekitCommands
+
+
+def _compress_options() -> list[ConfigOption]:
+    from edgekit.compress.plan import compress_options
+
+    return compress_options()
+
+
+def _from_configs(command: str, *configs: tuple[str, str]) -> Callable[[], list[ConfigOption]]:
+    """The options of ``command`` declared on ``configs``: (name, "module:Class")."""
+
+    def generate() -> list[ConfigOption]:
+        classes = []
+        for name, ref in configs:
+            module, _, attr = ref.partition(":")
+            classes.append((name, getattr(importlib.import_module(module), attr)))
+        return config_options(classes, command)
+
+    return generate
+
+
+# command -> (the modules its options come from, how to generate them); each config names its own flags
+GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] = {
+    "compress": (("edgekit.compress",), _compress_options),
+    "distill": (("edgekit.compress.distill",),
+                _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
+    "finetune": (("edgekit.compress.lora.config",),
+                 _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"))),
+    "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
+                                                         ("extra", "edgekit.runtimes.base:BuildExtras"))),
+    "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
+                _from_configs("profile", ("profile", "edgekit.profiling:ProfileConfig"),
+                              ("generation", "edgekit.profiling_lm:GenerationConfig"))),
+}
+
+
+def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
+    """A generated command's options: to parse, from its configs; for its help, from the
+    help cache unless the configs are imported already (so --help imports no torch)."""
+    modules, generate = GENERATED[command]
+    if for_help and not all(m in sys.modules for m in modules):
+        from edgekit.options import help_options
+
+        cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
+        if command in cached:
+            return cached[command]
+    return generate()
+
+
+class ConfigCommand(EdgekitCommand):
+    """A command whose options are declared on its configs (``GENERATED``): they go after its
+    own option named ``after``, and the command reads them with ``config_fields``."""
+
+    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after = after
+        self._own = list(self.params)
+        self.options: list[ConfigOption] | None = None
+
+    def use_options(self, options: list[ConfigOption]) -> None:
+        generated = [p for o in options for p in _click_options(o)]
+        flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
+        clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
+        if clash:
+            raise TypeError(f"config options {clash} are also options of `{self.name}` itself")
+        at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
+        self.params = [*self._own[:at], *generated, *self._own[at:]]
+        self.options = options
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        before_dashes = args[:args.index("--")] if "--" in args else args
+        wants_help = any(a in ("-h", "--help", "--help-all") for a in before_dashes)
+        assert self.name is not None
+        self.use_options(_options_for(self.name, for_help=wants_help))
+        return super().parse_args(ctx, args)
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if self.options is None:
+            assert self.name is not None
+            self.use_options(_options_for(self.name, for_help=False))
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        for o in self.options or ():
+            if o.sep and ctx.params.get(o.dest) is not None:
+                ctx.params[o.dest] = _split(o, ctx.params[o.dest])
+        return super().invoke(ctx)
+
+
+def _split(o: ConfigOption, text: str) -> tuple[Any, ...]:
+    """``--prompt-lengths 128,512``: one value split into the field's tuple."""
+    what = {int: "whole numbers", float: "numbers", str: "names"}[o.type]
+    what = f"comma-separated {what}" if o.sep == "," else f"{what} separated by {o.sep!r}"
+    try:
+        values = tuple(o.type(v.strip()) for v in text.split(o.sep) if v.strip())
+    except ValueError:
+        raise BadInputError(f"{o.decls[0]} takes {what}, got {text!r}") from None
+    if not values:
+        raise BadInputError(f"{o.decls[0]} takes {what}, got {text!r}")
+    return values
+
+
+def _click_options(o: ConfigOption) -> list[click.Option]:
+    """The click options of a config option: its flag, and its old names if it has any."""
+    common: dict[str, Any] = {"help": o.help or None, "basic": o.basic, "config_default": o.default}
+    if o.is_pair:
+        return [GeneratedOption([o.dest, *o.decls], default=None, **common)]
+    kind: Any = click.Choice(o.choices) if o.choices else str if o.sep else o.type
+    if o.bounds is not None and o.type in (int, float):
+        kind = (click.IntRange if o.type is int else click.FloatRange)(o.bounds[0], o.bounds[1])
+    multiple = o.multiple and not o.sep
+    shape: dict[str, Any] = {"type": kind, "multiple": multiple, "default": () if multiple else None}
+    if o.metavar:
+        shape["metavar"] = o.metavar
+    opts: list[click.Option] = [GeneratedOption([o.dest, *o.decls], **shape, **common)]
+    if o.deprecated:
+        opts.append(DeprecatedOption([f"deprecated_{o.dest}", *o.deprecated], new_dest=o.dest, new_flag=o.decls[0],
+                                     **shape))
+    return opts
+
+
+def config_fields(config: str, flags: dict[str, Any]) -> dict[str, Any]:
+    """The fields of the config named ``config`` that the command's given flags set (the
+    others keep the config's defaults)."""
+    cmd = click.get_current_context().command
+    assert isinstance(cmd, ConfigCommand) and cmd.options is not None
+    return config_values(cmd.options, flags, config)
 
 
 def _console() -> Any:
@@ -255,7 +486,8 @@ def zoo(as_json: bool) -> None:
 @click.option("--legacy", is_flag=True, help="Use the TorchScript exporter instead of dynamo.")
 @click.option("--atol", type=float, default=None, help="Parity: absolute tolerance.")
 @click.option("--rtol", type=float, default=None, help="Parity: relative tolerance.")
-@click.option("--no-parity", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
+@click.option("--parity/--no-parity", default=True, show_default=True,
+              help="Check the ONNX graph against PyTorch on ONNX Runtime (--no-parity writes it unchecked).")
 @click.option("--kv-cache", is_flag=True, help="Causal LMs: export with the KV cache as inputs and outputs "
               "(text-generation-with-past, optimum), for real one-token decode latency.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
@@ -274,7 +506,7 @@ def zoo(as_json: bool) -> None:
 @with_input_options("shapes", "inputs")
 @_json_flag("the folder, the ONNX file and the parity check")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
+           parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
            weight_format: str, input_options: Any, as_json: bool) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
@@ -295,7 +527,7 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
                                     "model")
-            folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+            folder = export_causal_lm(handle, out, opset=opset or 21, parity=parity, graph=graph,
                                       block_size=block_size, fmt=weight_format, **options)
         _print_parity(folder, as_json)
         return
@@ -305,7 +537,7 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
                             "(add --kv-cache)")
 
-    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
+    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": not parity}
     if opset is not None:
         fields["opset"] = opset
     if atol is not None:
@@ -333,33 +565,21 @@ def _print_parity(folder: Path, as_json: bool = False) -> None:
     click.echo(f"wrote {m.path_of(folder, 'onnx')}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, advanced=("shapes", "inputs_file"))
 @click.argument("model")
 @click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
-@click.option("--runtime", default=None, help="onnxruntime | openvino | torch | tensorrt | best (build with each "
-              "runtime the target lists, time them here, keep the fastest); default: the target's first available.")
-@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
-@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
-@click.option("--remote", default=None, help="TensorRT: build on the device over SSH (user@host).")
-@click.option("--workspace-mb", type=int, default=None, help="TensorRT: builder workspace limit.")
-@click.option("--dla-core", type=int, default=None, help="TensorRT on Orin: DLA core, with GPU fallback.")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
-@click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 @with_input_options("shapes", "inputs")
 @_json_flag("the engine folder, its config and metrics")
-def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
-          opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
-          max_batch: int | None, input_options: Any, as_json: bool) -> None:
-    """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
+def build(model: str, target: str, out: str, input_options: Any, as_json: bool, **flags: Any) -> None:
+    """Build an engine for a target from a model, an ONNX file or a previous step's folder.
+
+    The options after --out are BuildOptions' (and, for one runtime, BuildExtras'): a recipe's
+    build step names the same fields."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
 
-    extra: dict[str, Any] = {k: v for k, v in {"remote": remote, "workspace_mb": workspace_mb,
-                                                "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
-    options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
-                           batch=batch, extra=extra)
+    options = BuildOptions(**config_fields("options", flags), extra=config_fields("extra", flags))
     with _json_stdout(as_json):
         folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
@@ -382,33 +602,20 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
     click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="target", advanced=("trtexec_dir", "onnx_file", "target", "generation", "shapes",
+                                                            "inputs_file"))
 @click.argument("engine_dir", type=click.Path(), required=False)
 @click.option("--trtexec", "trtexec_dir", type=click.Path(), default=None,
               help="A folder of trtexec exports made by hand (--exportTimes, --exportProfile, --exportLayerInfo, log; "
                    "any names): read as a device profile, checked against --onnx and --target.")
 @click.option("--onnx", "onnx_file", type=click.Path(), default=None, help="With --trtexec: the ONNX the engine was built from.")
 @click.option("--target", "target", default=None, help="With --trtexec: the target the results claim (name or YAML).")
-@click.option("--warmup-ms", type=float, default=200.0, show_default=True)
-@click.option("--duration-s", type=float, default=3.0, show_default=True)
-@click.option("--iterations", type=int, default=100, show_default=True, help="Minimum timed inferences.")
-@click.option("--threads", type=int, default=None)
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
-@click.option("--top-k", type=int, default=15, show_default=True)
-@click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
 @_json_file_or_stdout("the profile JSON")
-@click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
-@click.option("--prompt-lengths", default=None, help="Causal LMs: prompt lengths whose prefill (time to first token) "
-              "is timed (default 128,512, cut to the context the model declares; longer ones are refused).")
-@click.option("--contexts", default=None, help="Causal LMs: context lengths after which decode tokens/s is measured "
-              "(default 128,1024, cut to leave room for the new tokens within the model's context).")
-@click.option("--new-tokens", type=int, default=None, help="Causal LMs: tokens generated per run (default 128, at "
-              "most a quarter of the model's context).")
+@click.option("--generation/--no-generation", default=True, show_default=True,
+              help="Causal LMs: also measure generation (time to first token, decode tokens/s).")
 @with_input_options("shapes", "inputs")
 def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
-            warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
-            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str | None,
-            contexts: str | None, new_tokens: int | None, input_options: Any) -> None:
+            json_out: str | None, generation: bool, input_options: Any, **flags: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
@@ -423,6 +630,7 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
             raise BadInputError("--inputs applies to engines timed here; with --trtexec give --shapes (the shapes "
                                 "trtexec timed)")
         file = None if json_out == "-" else json_out
+        top_k = ProfileConfig(**config_fields("profile", flags)).top_k
         with _json_stdout(json_out == "-"):
             result = profile_exports(trtexec_dir, onnx_file, target, shapes=input_options.shapes if input_options
                                      else None, top_k=top_k, out_json=file)
@@ -438,33 +646,19 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
                             "DIR --onnx MODEL.onnx --target TARGET")
     if target is not None:
         raise BadInputError("--target applies with --trtexec (an engine folder records its target)")
-    config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
-                           batch=batch, node_profile=not no_nodes, top_k=top_k)
-    generation = None if no_generation else GenerationConfig(
-        prompt_lengths=None if prompt_lengths is None else _int_list("--prompt-lengths", prompt_lengths),
-        contexts=None if contexts is None else _int_list("--contexts", contexts),
-        new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
+    config = ProfileConfig(**config_fields("profile", flags))
+    gen_config = GenerationConfig(**config_fields("generation", flags)) if generation else None
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
-        result = profile_with_generation(engine_dir, config, generation, out_json=file, input_options=input_options)
+        result = profile_with_generation(engine_dir, config, gen_config, out_json=file, input_options=input_options)
     if json_out == "-":
         _print_json(result.to_dict())
         return
-    _print_profile(result, top_k)
+    _print_profile(result, config.top_k)
     if result.generation:
         _print_generation(result.generation)
     if file:
         click.echo(f"wrote {file}")
-
-
-def _int_list(option: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise BadInputError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise BadInputError(f"{option} takes comma-separated whole numbers >= 1, got {text!r}")
-    return values
 
 
 def _print_generation(gen: dict[str, Any]) -> None:
@@ -633,49 +827,16 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 
 # --- compress ---
 
-class StepOptionsCommand(click.Command):
-    """A command whose step options come from the step configs (``edgekit.compress.options``):
-    read when the command runs or shows its help, so that the other commands do not import the
-    steps. They go after the option named by ``after``, unset unless given."""
-
-    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._after = after
-        self._own = list(self.params)
-        self._registry: tuple[tuple[str, str], ...] | None = None
-
-    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        from edgekit.compress import STEPS
-        from edgekit.compress.plan import compress_options
-
-        if self._registry != tuple(STEPS.items()):  # the registry as it is now (tests add steps)
-            generated = [_step_option(o) for o in compress_options()]
-            flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
-            clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
-            if clash:
-                raise TypeError(f"step options {clash} are also options of `{self.name}` itself")
-            at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
-            self.params = [*self._own[:at], *generated, *self._own[at:]]
-            self._registry = tuple(STEPS.items())
-        return super().get_params(ctx)
-
-
-def _step_option(o: Any) -> click.Option:
-    """The click option of a step option (``edgekit.compress.options.StepOption``)."""
-    if o.is_pair:
-        return click.Option([o.dest, *o.decls], default=None, help=o.help or None)
-    return click.Option([o.dest, *o.decls], type=o.type, multiple=o.multiple, default=() if o.multiple else None,
-                        help=o.help or None)
-
-
-@cli.command(cls=StepOptionsCommand)
+@cli.command(cls=ConfigCommand, advanced=("seed", "shapes", "inputs_file", "preprocess", "accept_quality_loss", "max_ppl_ratio"))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
 @click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
 @click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
-@click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
+@click.option("--data", "train_data", default=None, help="Training data for QAT / distillation (as `edgekit distill "
+              "--data`).")
+@deprecated("--train", dest="train_data", new="--data")
 @click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and training.")
 @with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
@@ -710,38 +871,28 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 
 # --- distill ---
 
-@cli.command("distill")
+@cli.command("distill", cls=ConfigCommand, advanced=("eval_data",))
+@click.argument("model", required=False)
 @click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
-@click.option("--student", required=True, help="Student model (e.g. a pruned artifact folder or a smaller model).")
+@deprecated("--student", dest="model", new="MODEL (the first argument)")
 @click.option("--data", default=None, help="Training data (built-in name, .npz, text file...; default: the student's).")
-@click.option("--eval", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@click.option("--eval-data", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@deprecated("--eval", dest="eval_data", new="--eval-data")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a model artifact).")
-@click.option("--temperature", type=float, default=4.0, show_default=True)
-@click.option("--alpha", type=float, default=0.7, show_default=True, help="Weight of the soft (teacher) loss.")
-@click.option("--epochs", type=int, default=3, show_default=True)
-@click.option("--lr", type=float, default=1e-3, show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--feature-loss", is_flag=True, help="Also match the features entering the output layer.")
-@click.option("--patience", type=int, default=2, show_default=True, help="Early stop after N epochs without improvement.")
-@click.option("--max-steps", type=int, default=None, help="Cap on optimizer steps.")
-@click.option("--limit", type=int, default=None, help="At most this many training samples.")
-@click.option("--seqlen", type=int, default=128, show_default=True, help="Token window for text data.")
-@click.option("--seed", type=int, default=0, show_default=True)
 @_json_flag("the folder, the training history and the final evaluation")
-def distill_command(teacher: str, student: str, data: str | None, eval_data: str | None, out: str,
-                    temperature: float, alpha: float, epochs: int, lr: float, batch_size: int, feature_loss: bool,
-                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int,
-                    as_json: bool) -> None:
-    """Distill TEACHER into STUDENT: temperature-scaled KD loss (x T^2) plus the hard-label loss.
-    Checkpoints go to OUT.work; running the same command again resumes."""
+def distill_command(model: str | None, teacher: str, data: str | None, eval_data: str | None, out: str,
+                    as_json: bool, **flags: Any) -> None:
+    """Distill TEACHER into MODEL (the student: e.g. a pruned artifact folder or a smaller model):
+    temperature-scaled KD loss (x T^2) plus the hard-label loss. Checkpoints go to OUT.work;
+    running the same command again resumes."""
     from edgekit.artifact import read_manifest
     from edgekit.compress.distill import DistillConfig, distill
 
-    config = DistillConfig(temperature=temperature, alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size,
-                           feature_loss=feature_loss, seed=seed, patience=patience, max_steps=max_steps,
-                           limit=limit, seqlen=seqlen)
+    if model is None:
+        raise BadInputError("give the student model: edgekit distill MODEL --teacher TEACHER -o OUT")
+    config = DistillConfig(**config_fields("distill", flags))
     with _json_stdout(as_json):
-        distill(teacher, student, data, config, out, eval_data=eval_data)
+        distill(teacher, model, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
     if as_json:
@@ -1055,51 +1206,31 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
 
 # --- finetune ---
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="eval_data",
+             advanced=("eval_data", "requant", "bits", "method", "group_size", "resume", "seed"))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a fine-tuned model).")
 @click.option("--data", default=None, help="Training data (built-in name, folder, .npz, text file, entry point); "
               "default: the model's.")
 @click.option("--eval-data", default=None, help="Validation data (default: the eval split of --data or the model's).")
-@click.option("--lora-r", "r", type=int, default=8, show_default=True, help="Adapter rank.")
-@click.option("--lora-alpha", "alpha", type=float, default=16.0, show_default=True, help="Scale numerator (scale = alpha / r).")
-@click.option("--lora-dropout", "dropout", type=float, default=0.05, show_default=True)
-@click.option("--targets", default=None, help="Comma-separated module names, suffixes or regexes "
-              "(default: q/k/v/o/gate/up/down for transformers, every Linear/Conv2d otherwise).")
-@click.option("--epochs", type=int, default=None, help="Training epochs (default 1 when --steps is not given).")
-@click.option("--steps", type=int, default=None, help="Training steps (instead of --epochs).")
-@click.option("--lr", type=float, default=2e-4, show_default=True)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--seqlen", type=int, default=256, show_default=True, help="Token window for language models.")
-@click.option("--train-samples", type=int, default=None, help="Use only this many training samples/windows.")
-@click.option("--eval-samples", type=int, default=32, show_default=True, help="Validation samples/windows.")
-@click.option("--qlora", is_flag=True, help="Train adapters over a frozen 4-bit base (the output of compress --bits 4).")
-@click.option("--qlora-base", type=click.Choice(["packed", "nf4"]), default="packed", show_default=True,
-              help="packed: edgekit's int4 model; nf4: bitsandbytes NF4 from a float model.")
-@click.option("--merge/--no-merge", default=None, help="Fold adapters into the weights (default: yes for float and "
-              "nf4; no for a packed base, whose adapters export as MatMuls beside MatMulNBits).")
 @click.option("--requant", type=click.Choice(["int4", "int8"]), default=None,
               help="Re-quantize the merged float model with this step.")
 @click.option("--bits", type=int, default=None, help="--requant int4: bit width (default 4).")
 @click.option("--method", default=None, help="--requant int4: gptq | awq | rtn; int8: ptq.")
 @click.option("--group-size", type=int, default=None, help="--requant int4: group size.")
-@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between checkpoints (0: none).")
 @click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the adapters' initialization and the "
+              "data order.")
 @_json_flag("the folder, the steps and the metrics")
-def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: int, alpha: float, dropout: float,
-             targets: str | None, epochs: int | None, steps: int | None, lr: float, batch_size: int, seqlen: int,
-             train_samples: int | None, eval_samples: int, qlora: bool, qlora_base: str, merge: bool | None,
-             requant: str | None, bits: int | None, method: str | None, group_size: int | None,
-             checkpoint_every: int, resume: bool, seed: int, as_json: bool) -> None:
-    """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data."""
+def finetune(model: str, out: str, data: str | None, eval_data: str | None, requant: str | None, bits: int | None,
+             method: str | None, group_size: int | None, resume: bool, seed: int, as_json: bool, **flags: Any) -> None:
+    """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data.
+
+    The training options are LoraConfig's fields (a recipe's lora step names the same)."""
     from edgekit.artifact import read_manifest
     from edgekit.finetune import finetune as run_finetune
 
-    config = {"r": r, "alpha": alpha, "dropout": dropout, "targets": tuple(t for t in (targets or "").split(",") if t),
-              "epochs": epochs, "steps": steps, "lr": lr, "batch_size": batch_size, "seqlen": seqlen,
-              "train_samples": train_samples, "eval_samples": eval_samples, "qlora": qlora, "qlora_base": qlora_base,
-              "merge": merge, "checkpoint_every": checkpoint_every}
+    config = config_fields("lora", flags)
     requant_config: dict[str, Any] = {}
     if requant == "int4":
         requant_config = {k: v for k, v in (("bits", bits), ("method", method), ("group_size", group_size))

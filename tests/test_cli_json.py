@@ -92,11 +92,11 @@ def test_export_build_profile_estimate(tmp_path: Path, tiny_onnx: Path):
 
 
 def test_compress_metrics_are_readable_rows(tmp_path: Path):
-    r = run("compress", MLP, "--half", "fp16", "-o", tmp_path / "h")
+    r = run("compress", MLP, "--precision", "fp16", "-o", tmp_path / "h")
     assert r.exit_code == 0, r.output
     assert "quality.cosine" in r.stdout and "half.weight_bytes_after" in r.stdout
     assert "{" not in r.stdout and '"' not in r.stdout  # no json.dumps of the nested quality dict
-    doc = one_document(run("compress", MLP, "--half", "fp16", "-o", tmp_path / "h", "--json"))
+    doc = one_document(run("compress", MLP, "--precision", "fp16", "-o", tmp_path / "h", "--json"))
     assert doc["steps"] == ["half"] and doc["metrics"]["quality"]["passed"] is True
 
 

@@ -20,18 +20,19 @@ from edgekit.compress.plan import compress_options, plan_steps
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
-# `edgekit compress --help` before the options were generated (the flags users know), plus
-# what came since: --half (the half step) and --json
+# `edgekit compress --help-all` (the flags users know: those of before the options were generated,
+# with --alpha renamed --distill-alpha and --train --data), plus what came since: --precision (the
+# half step), --json and --help-all
 FLAGS = {"-o", "--out", "--bits", "--method", "--calib", "--calib-method", "--calib-samples", "--target",
          "--max-accuracy-drop", "--placement", "--keep-float", "--rounding", "--group-size", "--sym", "--asym",
          "--act-order", "--no-act-order", "--gptaq-alpha", "--refit", "--no-refit", "--seqlen", "--device", "--prune",
          "--importance", "--global", "--uniform", "--round-to", "--ignore", "--iterative-steps", "--distill",
-         "--epochs", "--temperature", "--alpha", "--train", "--seed", "--shapes", "--inputs", "--preprocess",
+         "--epochs", "--temperature", "--distill-alpha", "--data", "--seed", "--shapes", "--inputs", "--preprocess",
          "--accept-quality-loss", "--max-ppl-ratio", "--max-size-mb", "--avg-bits", "-h", "--help"}
 
 
 def _help() -> str:
-    r = CliRunner().invoke(cli, ["compress", "--help"], terminal_width=200)
+    r = CliRunner().invoke(cli, ["compress", "--help-all"], terminal_width=200)
     assert r.exit_code == 0
     return r.output
 
@@ -39,7 +40,7 @@ def _help() -> str:
 def test_compress_keeps_its_flags_and_help_texts():
     text = _help()
     shown = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", text.split("Options:")[1]))
-    assert shown - {"--half", "--json"} == FLAGS
+    assert shown - {"--precision", "--json", "--help-all"} == FLAGS
     for line in ("--bits INTEGER", "8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn).",
                  "--sym / --asym", "--global / --uniform", "--keep-float TEXT",
                  "ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only).", "Distillation / QAT epochs."):
@@ -76,7 +77,7 @@ def test_plan_rules_and_messages(tmp_path: Path):
         plan_steps(group=64)
     assert plan_steps() == []
     r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "-o", str(tmp_path / "o")])
-    assert r.exit_code == 2 and r.stderr == "error: no compression step given (use --bits, --prune, --half or a recipe)\n"
+    assert r.exit_code == 2 and r.stderr == "error: no compression step given (use --bits, --prune, --precision or a recipe)\n"
     assert not (tmp_path / "o").exists()
 
 
