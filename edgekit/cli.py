@@ -809,8 +809,8 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 @click.option("-o", "--out", type=click.Path(), default=None, callback=_output_file,
               help="Markdown file (default FOLDER/report.md).")
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
-@click.option("--percentile", default="p99", show_default=True)
-@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
+@click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
 @_json_flag("the report (what the JSON file holds)")
 def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: bool) -> None:
     """Render a Markdown and JSON report of a run folder."""
@@ -967,9 +967,10 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes (at most the cores).")
 @click.option("--max-points", type=int, default=None, help="Refuse grids of more points than this (default 256).")
-@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
+@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True,
+              help="Where the points run: this process, local processes (--jobs) or a Ray cluster.")
 @click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
-@click.option("--force", is_flag=True)
+@click.option("--force", is_flag=True, help="Rebuild every cached step of every point (as `edgekit run --force`).")
 @_json_flag("the rows (what sweep.json holds)")
 def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
           max_points: int | None, executor: str, address: str | None, force: bool, as_json: bool) -> None:
@@ -1109,9 +1110,9 @@ def remote_group() -> None:
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
-@click.option("--precision", default=None)
-@click.option("--runtime", default=None)
-@click.option("--threads", type=int, default=None)
+@click.option("--precision", default=None, help="As `edgekit build --precision` (on the device).")
+@click.option("--runtime", default=None, help="As `edgekit build --runtime` (on the device).")
+@click.option("--threads", type=int, default=None, help="As `edgekit build --threads` (on the device).")
 @_with_remote_options
 def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
                      threads: int | None, host: str, port: int | None, identity: str | None,
@@ -1127,8 +1128,8 @@ def remote_build_cmd(model: str, target: str, out: str, precision: str | None, r
 @remote_group.command("profile")
 @click.argument("engine_dir", type=click.Path())
 @_json_file_or_stdout("the profile JSON")
-@click.option("--duration-s", type=float, default=None)
-@click.option("--iterations", type=int, default=None)
+@click.option("--duration-s", type=float, default=None, help="As `edgekit profile --duration-s` (on the device).")
+@click.option("--iterations", type=int, default=None, help="As `edgekit profile --iterations` (on the device).")
 @_with_remote_options
 def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
                        host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
@@ -1156,7 +1157,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch to estimate.")
 @click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
 @click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
               "(default: the target's first runtime).")
@@ -1165,7 +1166,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
               help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
                    "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
                    "benchmark); both are estimated.")
-@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--top-k", type=int, default=10, show_default=True, help="Kernels in the table.")
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
