@@ -278,7 +278,8 @@ def _click_options(o: ConfigOption) -> list[click.Option]:
         return [GeneratedOption([o.dest, *o.decls], default=None, **common)]
     kind: Any = click.Choice(o.choices) if o.choices else str if o.sep else o.type
     if o.bounds is not None and o.type in (int, float):
-        kind = (click.IntRange if o.type is int else click.FloatRange)(o.bounds[0], o.bounds[1])
+        low, high = o.bounds
+        kind = click.IntRange(int(low), int(high)) if o.type is int else click.FloatRange(low, high)
     multiple = o.multiple and not o.sep
     shape: dict[str, Any] = {"type": kind, "multiple": multiple, "default": () if multiple else None}
     if o.metavar:
@@ -353,7 +354,10 @@ def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
 
 def _json_flag(what: str) -> Any:
     """``--json``: print ``what`` as one JSON document on stdout, instead of the tables."""
-    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON (one document on stdout).")
+    return click.option("--json", "as_json", type=click.Path(), default=None, is_flag=False, flag_value="-",
+                        metavar="[FILE]", callback=_output_file,
+                        help=f"Write {what} as JSON to FILE; without FILE (or with -) print it on stdout instead of "
+                             "the tables.")
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -377,6 +381,20 @@ def _json_file_or_stdout(what: str) -> Any:
 def _print_json(doc: Any) -> None:
     """The one JSON document of ``--json`` on stdout."""
     click.echo(json.dumps(doc, indent=2, default=str))
+
+
+def _json_done(doc: Any, json_out: str | None) -> bool:
+    """``--json [FILE]``: print ``doc`` (then the command prints nothing else: True) or write it
+    to FILE (then the tables follow: False); without --json nothing (False)."""
+    if json_out == "-":
+        _print_json(doc)
+        return True
+    if json_out:
+        from edgekit.artifact import atomic_write_json
+
+        atomic_write_json(json_out, json.loads(json.dumps(doc, default=str)))
+        click.echo(f"wrote {json_out}")
+    return False
 
 
 @contextlib.contextmanager
@@ -466,13 +484,12 @@ def with_input_options(*which: str) -> Any:
 
 @cli.command()
 @_json_flag("the models")
-def zoo(as_json: bool) -> None:
+def zoo(as_json: str | None) -> None:
     """List the built-in models."""
     from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
 
-    if as_json:
-        _print_json([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
-                      "package": e.package} for name, e in ZOO.items()])
+    if _json_done([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
+                    "package": e.package} for name, e in ZOO.items()], as_json):
         return
     for name, e in ZOO.items():
         click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
@@ -507,7 +524,7 @@ def zoo(as_json: bool) -> None:
 @_json_flag("the folder, the ONNX file and the parity check")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
            parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any, as_json: bool) -> None:
+           weight_format: str, input_options: Any, as_json: str | None) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig, export_onnx
 
@@ -522,7 +539,7 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         check_output_dir(out, (model,))  # before loading the model
         options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
                                    if v is not None}
-        with _json_stdout(as_json):
+        with _json_stdout(as_json == "-"):
             handle = load_model(model)
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
@@ -544,18 +561,17 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         fields["atol"] = atol
     if rtol is not None:
         fields["rtol"] = rtol
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = export_onnx(model, out, ExportConfig(**fields), input_options)
     _print_parity(folder, as_json)
 
 
-def _print_parity(folder: Path, as_json: bool = False) -> None:
+def _print_parity(folder: Path, as_json: str | None = None) -> None:
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
-    if as_json:
-        _print_json({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity})
+    if _json_done({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity}, as_json):
         return
     outputs = parity.get("outputs") or {}
     if outputs:
@@ -571,7 +587,7 @@ def _print_parity(folder: Path, as_json: bool = False) -> None:
 @click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
 @with_input_options("shapes", "inputs")
 @_json_flag("the engine folder, its config and metrics")
-def build(model: str, target: str, out: str, input_options: Any, as_json: bool, **flags: Any) -> None:
+def build(model: str, target: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder.
 
     The options after --out are BuildOptions' (and, for one runtime, BuildExtras'): a recipe's
@@ -580,14 +596,13 @@ def build(model: str, target: str, out: str, input_options: Any, as_json: bool, 
     from edgekit.runtimes.base import BuildOptions
 
     options = BuildOptions(**config_fields("options", flags), extra=config_fields("extra", flags))
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
-    if as_json:
-        _print_json({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
-                     "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
+                   "metrics": m.metrics}, as_json):
         return
     for line in m.config.get("messages", []):
         click.echo(line)
@@ -726,10 +741,10 @@ def _print_profile(result: Any, top_k: int) -> None:
 @click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
 @click.option("--dim", "dims", multiple=True,
               help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@_json_flag("the findings")
 @with_input_options("shapes")
 def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         dims: tuple[str, ...], as_json: bool, input_options: Any) -> int:
+         dims: tuple[str, ...], as_json: str | None, input_options: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
     --shapes / --dim give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
@@ -746,8 +761,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
         ranges[name] = (int(lo), int(hi or lo))
     report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
                         shapes=input_options.shapes if input_options else None, dims=ranges or None)
-    if as_json:
-        _print_json(report.to_dict())
+    if _json_done(report.to_dict(), as_json):
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
@@ -812,14 +826,13 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 @click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
 @click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
 @_json_flag("the report (what the JSON file holds)")
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: bool) -> None:
+def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: str | None) -> None:
     """Render a Markdown and JSON report of a run folder."""
     from edgekit.report import render_report
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
-    if as_json:
-        _print_json(json.loads(path.with_suffix(".json").read_text()))
+    if _json_done(json.loads(path.with_suffix(".json").read_text()), as_json):
         return
     click.echo(path.read_text())
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
@@ -840,9 +853,9 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 @with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result (folder, steps, metrics) as JSON.")
+@_json_flag("the result (folder, steps, metrics)")
 def compress(model: str, out: str, distill: bool, calib: str | None, train_data: str | None, target: str | None,
-             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: bool,
+             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: str | None,
              **step_flags: Any) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
@@ -852,7 +865,7 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
     from edgekit.compress.plan import compress_from_flags
     from edgekit.measure import engine_latency
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
                                      seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
                                      max_ppl_ratio=max_ppl_ratio, latency=engine_latency)
@@ -860,8 +873,7 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 
     m = read_manifest(folder)
     steps = [s["name"] for s in m.steps]
-    if as_json:
-        _print_json({"folder": str(folder), "steps": steps, "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "steps": steps, "metrics": m.metrics}, as_json):
         return
     rows = _flat_rows(m.metrics)
     if rows:
@@ -881,7 +893,7 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a model artifact).")
 @_json_flag("the folder, the training history and the final evaluation")
 def distill_command(model: str | None, teacher: str, data: str | None, eval_data: str | None, out: str,
-                    as_json: bool, **flags: Any) -> None:
+                    as_json: str | None, **flags: Any) -> None:
     """Distill TEACHER into MODEL (the student: e.g. a pruned artifact folder or a smaller model):
     temperature-scaled KD loss (x T^2) plus the hard-label loss. Checkpoints go to OUT.work;
     running the same command again resumes."""
@@ -891,14 +903,13 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
     if model is None:
         raise BadInputError("give the student model: edgekit distill MODEL --teacher TEACHER -o OUT")
     config = DistillConfig(**config_fields("distill", flags))
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         distill(teacher, model, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
-    if as_json:
-        _print_json({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
-                     "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
-                     "metrics": m.metrics})
+    if _json_done({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
+                   "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
+                   "metrics": m.metrics}, as_json):
         return
     rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
             for e in meta.get("fit", {}).get("history", [])]
@@ -924,7 +935,7 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
               "exiting with status 2.")
 @_json_flag("the results (what results.json holds; with --dry-run, the plan)")
 def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool, as_json: bool) -> int:
+            wait: bool, as_json: str | None) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
@@ -932,9 +943,8 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
     parsed = load_recipe(recipe)
     if dry_run:
         check_run_folders(parsed, run_dir or Path("runs") / parsed.name, cache_dir)  # what the run would refuse
-        if as_json:
-            _print_json({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
-                         "percentile": parsed.percentile})
+        if _json_done({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
+                       "percentile": parsed.percentile}, as_json):
             return 0
         for row in plan(parsed):
             budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
@@ -943,11 +953,10 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
                             wait=wait, remeasure=remeasure)
-    if as_json:
-        _print_json(result.to_dict())
+    if _json_done(result.to_dict(), as_json):
         return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
@@ -973,7 +982,7 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("--force", is_flag=True, help="Rebuild every cached step of every point (as `edgekit run --force`).")
 @_json_flag("the rows (what sweep.json holds)")
 def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
-          max_points: int | None, executor: str, address: str | None, force: bool, as_json: bool) -> None:
+          max_points: int | None, executor: str, address: str | None, force: bool, as_json: str | None) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
     from edgekit.pipelines.sweep import DEFAULT_MAX_POINTS, SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
 
@@ -986,12 +995,11 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
                 raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
             combos.append({k.strip(): parse_value(v) for k, v in pairs})
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
                          force=force, max_points=max_points or DEFAULT_MAX_POINTS,
                          announce=lambda line: click.echo(line, err=True))
-    if as_json:
-        _print_json({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]})
+    if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, as_json):
         return
     _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
@@ -1004,11 +1012,14 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 @click.option("--probe", is_flag=True, help="Measure this machine now (kernel rates of ONNX Runtime at 1 thread, "
               "memory and L2 bandwidth, caches, per-node overhead) for the `cpu` target, and cache it.")
 @click.pass_context
-def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
+def targets_group(ctx: click.Context, as_json: str | None, probe: bool) -> None:
     """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
     (`edgekit targets show NAME`). `--probe` measures this machine for the `cpu` target
     (the first `edgekit estimate --target cpu` does so once by itself); the result is cached
     per machine and used until `--probe` measures again."""
+    if as_json is not None and as_json in targets_group.commands and ctx.invoked_subcommand is None:
+        raise BadInputError(f"--json takes a FILE, not the command {as_json!r}: put it after the command "
+                            f"(edgekit targets {as_json} ... --json)")
     if probe:
         if ctx.invoked_subcommand is not None:
             raise BadInputError(f"--probe is an option of `edgekit targets` alone, not of `targets "
@@ -1018,13 +1029,12 @@ def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
         _list_targets(as_json)
 
 
-def _probe(as_json: bool) -> None:
+def _probe(as_json: str | None) -> None:
     from edgekit.estimate.probe import describe, probe_machine
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         probed = probe_machine(refresh=True)
-    if as_json:
-        _print_json({**probed.probe.to_dict(), "path": str(probed.path)})
+    if _json_done({**probed.probe.to_dict(), "path": str(probed.path)}, as_json):
         return
     _console().print(_table("this machine, measured for the cpu target (one thread)", ["figure", "value"],
                             [list(r) for r in describe(probed)]))
@@ -1032,16 +1042,15 @@ def _probe(as_json: bool) -> None:
 
 @targets_group.command("list")
 @_json_flag("the targets")
-def targets_list(as_json: bool) -> None:
+def targets_list(as_json: str | None) -> None:
     """List the built-in targets: dense peaks, memory, DLA cores, TensorRT versions, runtimes."""
     _list_targets(as_json)
 
 
-def _list_targets(as_json: bool) -> None:
+def _list_targets(as_json: str | None) -> None:
     from edgekit.targets import list_targets, load_target
 
-    if as_json:
-        _print_json([load_target(name).to_dict() for name in list_targets()])
+    if _json_done([load_target(name).to_dict() for name in list_targets()], as_json):
         return
     header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
     rows = [header]
@@ -1059,14 +1068,13 @@ def _list_targets(as_json: bool) -> None:
 @targets_group.command("show")
 @click.argument("name")
 @_json_flag("the target")
-def targets_show(name: str, as_json: bool) -> None:
+def targets_show(name: str, as_json: str | None) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
     from edgekit.targets import load_target
 
     t = load_target(name)
     d = t.to_dict()
-    if as_json:
-        _print_json(d)
+    if _json_done(d, as_json):
         return
     rows = _flat_rows({k: v for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})})
     _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
@@ -1224,7 +1232,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
               "data order.")
 @_json_flag("the folder, the steps and the metrics")
 def finetune(model: str, out: str, data: str | None, eval_data: str | None, requant: str | None, bits: int | None,
-             method: str | None, group_size: int | None, resume: bool, seed: int, as_json: bool, **flags: Any) -> None:
+             method: str | None, group_size: int | None, resume: bool, seed: int, as_json: str | None, **flags: Any) -> None:
     """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data.
 
     The training options are LoraConfig's fields (a recipe's lora step names the same)."""
@@ -1238,12 +1246,11 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, requ
                           if v is not None}
     elif requant == "int8" and method is not None:
         requant_config = {"method": method}
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
                               requant_config=requant_config, seed=seed, resume=resume)
     m = read_manifest(folder)
-    if as_json:
-        _print_json({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics}, as_json):
         return
     lm = m.metrics.get("lora", {})
     rows = []
