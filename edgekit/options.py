@@ -18,7 +18,7 @@ text. ``commands`` limits a flag to some of the commands built from its config (
 distillation field that ``edgekit distill`` offers but ``edgekit compress`` does not).
 ``deprecated`` names a flag's old names, still accepted for one release with a warning.
 
-This module is light (no torch, no ONNX): the command line reads the options' help from a
+This module is light (no numpy, torch or ONNX): the command line reads the options' help from a
 cache of these descriptions (``help_options``), so that ``--help`` imports no config module.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.paths import cache_path
-from edgekit.schema import type_hints
 from edgekit.version import __version__
 
 OPTION = "edgekit.option"  # the metadata key of a field's flag
@@ -139,7 +138,7 @@ class ConfigOption:
 
 def field_flags(config: type) -> list[tuple[str, Flag, Any]]:
     """The flagged fields of a config dataclass: (field name, Flag, resolved annotation)."""
-    hints = type_hints(config)
+    hints = typing.get_type_hints(config)  # resolves the string annotations of `from __future__ import annotations`
     return [(f.name, f.metadata[OPTION], hints[f.name]) for f in dataclasses.fields(config) if OPTION in f.metadata]
 
 
