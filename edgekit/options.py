@@ -261,12 +261,18 @@ def options_fingerprint() -> str:
     return h.hexdigest()[:20]
 
 
+def _install_key() -> str:
+    """Which installed edgekit a cache belongs to (several may share one cache folder)."""
+    return hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+
+
 def help_options(generate: Callable[[], Mapping[str, Sequence[ConfigOption]]]) -> dict[str, list[ConfigOption]]:
     """Every generated command's options (command -> options) for its help: read from the
     cache of this edgekit's code, else ``generate``d (importing the configs, once) and cached.
     A cache that cannot be read or written only costs the import."""
     folder = cache_path() / "cli"
-    path = folder / f"options-{options_fingerprint()}.json"
+    install = _install_key()
+    path = folder / f"options-{install}-{options_fingerprint()}.json"
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(doc, dict):
@@ -279,7 +285,7 @@ def help_options(generate: Callable[[], Mapping[str, Sequence[ConfigOption]]]) -
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({k: [o.to_dict() for o in v] for k, v in options.items()}), encoding="utf-8")
         os.replace(tmp, path)
-        for old in folder.glob("options-*.json"):  # earlier code's caches
+        for old in folder.glob(f"options-{install}-*.json"):  # this install's earlier code (not other installs')
             if old != path:
                 old.unlink(missing_ok=True)
     except OSError:

@@ -99,7 +99,10 @@ def test_the_help_cache_is_written_once_and_regenerated_when_damaged(tmp_path: P
     cached.write_text('{"train": [{"dest": 1}]}')  # damaged: generated again, never trusted
     assert [o.dest for o in help_options(generate)["train"]][0] == "lr" and len(calls) == 2
     assert json.loads(cached.read_text())["train"][0]["dest"] == "lr"
-    (tmp_path / "cli" / "options-0123.json").write_text("{}")  # another version's cache goes when this one is written
+    install = cached.name.split("-")[1]
+    (tmp_path / "cli" / f"options-{install}-0123.json").write_text("{}")  # this install's earlier code: removed
+    (tmp_path / "cli" / "options-00000000-0123.json").write_text("{}")  # another install's: kept
     cached.unlink()
     help_options(generate)
-    assert [p.name for p in (tmp_path / "cli").glob("options-*.json")] == [cached.name]
+    assert sorted(p.name for p in (tmp_path / "cli").glob("options-*.json")) == ["options-00000000-0123.json",
+                                                                                 cached.name]
