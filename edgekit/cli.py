@@ -240,9 +240,12 @@ class ConfigCommand(EdgekitCommand):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         before_dashes = args[:args.index("--")] if "--" in args else args
-        wants_help = any(a in ("-h", "--help", "--help-all") for a in before_dashes)
         assert self.name is not None
-        self.use_options(_options_for(self.name, for_help=wants_help))
+        if any(a in ("-h", "--help", "--help-all") for a in before_dashes):
+            self.use_options(_options_for(self.name, for_help=True))
+            super().parse_args(ctx, list(args))  # shows the help and exits, unless "-h" was a value (--data -h)
+            ctx.params.clear()
+        self.use_options(_options_for(self.name, for_help=False))  # the options that know their config fields
         return super().parse_args(ctx, args)
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:

@@ -259,3 +259,8 @@ def test_help_of_every_command_imports_no_torch(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     assert "--gptaq-alpha" not in r.stdout and "--bits" in r.stdout  # compress's help came from the cache
     assert r.stdout.strip().splitlines()[-1] == "HEAVY []"
+    # "-h" as a value is no help: the command parses again with the options that know their config fields
+    bad = subprocess.run([sys.executable, "-m", "edgekit.cli", "distill", "S", "--teacher", "T", "--data", "-h",
+                          "--distill-alpha", "2", "-o", str(tmp_path / "o")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stderr == "error: alpha (weight of the soft loss) must be in [0, 1], got 2.0\n"
