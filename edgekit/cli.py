@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import click
 from edgekit import __version__, interrupts
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
 from edgekit.limits import MAX_DIM
+from edgekit.options import ConfigOption, config_options, config_values
 from edgekit.paths import has_journal_entries
 
 
@@ -65,6 +67,239 @@ def _fail(message: str, code: int) -> None:
     with contextlib.suppress(OSError):  # a hung-up terminal (SIGHUP) has nowhere to print to
         click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+# --- options: declared on the configs they set (edgekit.options), --help and --help-all, old names ---
+
+HELP_ALL = "edgekit.help_all"  # ctx.meta key: --help-all asked for every option
+
+
+class GeneratedOption(click.Option):
+    """A flag generated from a config field: unset unless given (the config keeps its
+    default, which the help shows), and ``basic`` or shown by ``--help-all`` only."""
+
+    def __init__(self, decls: list[str], *, basic: bool, config_default: Any, **kwargs: Any) -> None:
+        super().__init__(decls, **kwargs)
+        self.basic = basic
+        self.config_default = config_default
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        d = self.config_default
+        if d is not None and d != ():
+            if isinstance(d, bool) and self.secondary_opts:
+                extra["default"] = (self.opts if d else self.secondary_opts)[0].lstrip("-")
+            elif isinstance(d, tuple):
+                extra["default"] = ",".join(str(v) for v in d)
+            else:
+                extra["default"] = str(d)
+        return extra
+
+
+class DeprecatedOption(click.Option):
+    """The old names of an option, accepted for one release: hidden from the help; given, they
+    print one warning line naming the new flag and set the new option's value."""
+
+    def __init__(self, decls: Sequence[str], *, new_dest: str, new_flag: str, **kwargs: Any) -> None:
+        super().__init__(decls, hidden=True, **kwargs)
+        self.new_dest, self.new_flag = new_dest, new_flag
+
+
+def deprecated(*old: str, dest: str, new: str, **kwargs: Any) -> Any:
+    """The old names ``old`` of the option ``new`` (parsed into ``dest``), as a decorator."""
+    return click.option(f"deprecated_{dest}", *old, cls=DeprecatedOption, new_dest=dest, new_flag=new, **kwargs)
+
+
+def _show_help_all(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        ctx.meta[HELP_ALL] = True
+        click.echo(ctx.get_help(), color=ctx.color)
+        ctx.exit()
+
+
+class EdgekitCommand(click.Command):
+    """Every edgekit command: ``--help`` shows its common options, ``--help-all`` every one
+    (``advanced``: the names of its own options that only ``--help-all`` shows; a generated
+    option says itself); old option names (``DeprecatedOption``) warn and map to the new."""
+
+    def __init__(self, *args: Any, advanced: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.advanced = set(advanced)
+        self.params.append(click.Option(["--help-all"], is_flag=True, expose_value=False, is_eager=True,
+                                        callback=_show_help_all, help="Show every option (--help: the common ones)."))
+
+    def is_advanced(self, param: click.Parameter) -> bool:
+        if isinstance(param, GeneratedOption):
+            return not param.basic
+        return param.name in self.advanced
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        show_all = ctx.meta.get(HELP_ALL, False)
+        rows, more = [], 0
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+            if record is None:
+                continue
+            if self.is_advanced(p) and not show_all:
+                more += 1
+                continue
+            rows.append(record)
+        if rows:
+            with formatter.section("Options"):
+                formatter.write_dl(rows)
+        if more:
+            formatter.write_paragraph()
+            formatter.write_text(f"{more} more options: --help-all shows every one.")
+
+    def invoke(self, ctx: click.Context) -> Any:
+        for p in self.get_params(ctx):
+            if not isinstance(p, DeprecatedOption) or p.name not in ctx.params:
+                continue
+            value = ctx.params.pop(p.name)
+            if value is None or value == () or value is False:
+                continue
+            given = ctx.get_parameter_source(p.new_dest) == click.core.ParameterSource.COMMANDLINE
+            if given or ctx.params.get(p.new_dest) not in (None, ()):
+                raise BadInputError(f"{'/'.join(p.opts)} is the old name of {p.new_flag}; give {p.new_flag} alone")
+            click.echo(f"warning: {'/'.join(p.opts)} is deprecated and goes away in the next release; use "
+                       f"{p.new_flag}", err=True)
+            ctx.params[p.new_dest] = value
+        return super().invoke(ctx)
+
+
+EdgekitGroup.command_class = EdgekitCommand
+EdgekitGroup.group_class = type  # subgroups are EdgekitGroups, whose commands are EdgekitCommands
+
+
+def _compress_options() -> list[ConfigOption]:
+    from edgekit.compress.plan import compress_options
+
+    return compress_options()
+
+
+def _from_configs(command: str, *configs: tuple[str, str]) -> Callable[[], list[ConfigOption]]:
+    """The options of ``command`` declared on ``configs``: (name, "module:Class")."""
+
+    def generate() -> list[ConfigOption]:
+        classes = []
+        for name, ref in configs:
+            module, _, attr = ref.partition(":")
+            classes.append((name, getattr(importlib.import_module(module), attr)))
+        return config_options(classes, command)
+
+    return generate
+
+
+# command -> (the modules its options come from, how to generate them); each config names its own flags
+GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] = {
+    "compress": (("edgekit.compress",), _compress_options),
+    "distill": (("edgekit.compress.distill",),
+                _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
+    "finetune": (("edgekit.compress.lora.config",),
+                 _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"))),
+    "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
+                                                         ("extra", "edgekit.runtimes.base:BuildExtras"))),
+    "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
+                _from_configs("profile", ("profile", "edgekit.profiling:ProfileConfig"),
+                              ("generation", "edgekit.profiling_lm:GenerationConfig"))),
+}
+
+
+def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
+    """A generated command's options: to parse, from its configs; for its help, from the
+    help cache unless the configs are imported already (so --help imports no torch)."""
+    modules, generate = GENERATED[command]
+    if for_help and not all(m in sys.modules for m in modules):
+        from edgekit.options import help_options
+
+        cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
+        if command in cached:
+            return cached[command]
+    return generate()
+
+
+class ConfigCommand(EdgekitCommand):
+    """A command whose options are declared on its configs (``GENERATED``): they go after its
+    own option named ``after``, and the command reads them with ``config_fields``."""
+
+    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after = after
+        self._own = list(self.params)
+        self.options: list[ConfigOption] | None = None
+
+    def use_options(self, options: list[ConfigOption]) -> None:
+        generated = [p for o in options for p in _click_options(o)]
+        flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
+        clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
+        if clash:
+            raise TypeError(f"config options {clash} are also options of `{self.name}` itself")
+        at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
+        self.params = [*self._own[:at], *generated, *self._own[at:]]
+        self.options = options
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        before_dashes = args[:args.index("--")] if "--" in args else args
+        assert self.name is not None
+        if any(a in ("-h", "--help", "--help-all") for a in before_dashes):
+            self.use_options(_options_for(self.name, for_help=True))
+            super().parse_args(ctx, list(args))  # shows the help and exits, unless "-h" was a value (--data -h)
+            ctx.params.clear()
+        self.use_options(_options_for(self.name, for_help=False))  # the options that know their config fields
+        return super().parse_args(ctx, args)
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if self.options is None:
+            assert self.name is not None
+            self.use_options(_options_for(self.name, for_help=False))
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        for o in self.options or ():
+            if o.sep and ctx.params.get(o.dest) is not None:
+                ctx.params[o.dest] = _split(o, ctx.params[o.dest])
+        return super().invoke(ctx)
+
+
+def _split(o: ConfigOption, text: str) -> tuple[Any, ...]:
+    """``--prompt-lengths 128,512``: one value split into the field's tuple."""
+    what = {int: "whole numbers", float: "numbers", str: "names"}[o.type]
+    what = f"comma-separated {what}" if o.sep == "," else f"{what} separated by {o.sep!r}"
+    try:
+        values = tuple(o.type(v.strip()) for v in text.split(o.sep) if v.strip())
+    except ValueError:
+        raise BadInputError(f"{o.decls[0]} takes {what}, got {text!r}") from None
+    if not values:
+        raise BadInputError(f"{o.decls[0]} takes {what}, got {text!r}")
+    return values
+
+
+def _click_options(o: ConfigOption) -> list[click.Option]:
+    """The click options of a config option: its flag, and its old names if it has any."""
+    common: dict[str, Any] = {"help": o.help or None, "basic": o.basic, "config_default": o.default}
+    if o.is_pair:
+        return [GeneratedOption([o.dest, *o.decls], default=None, **common)]
+    kind: Any = click.Choice(o.choices) if o.choices else str if o.sep else o.type
+    if o.bounds is not None and o.type in (int, float):
+        low, high = o.bounds
+        kind = click.IntRange(int(low), int(high)) if o.type is int else click.FloatRange(low, high)
+    multiple = o.multiple and not o.sep
+    shape: dict[str, Any] = {"type": kind, "multiple": multiple, "default": () if multiple else None}
+    if o.metavar:
+        shape["metavar"] = o.metavar
+    opts: list[click.Option] = [GeneratedOption([o.dest, *o.decls], **shape, **common)]
+    if o.deprecated:
+        opts.append(DeprecatedOption([f"deprecated_{o.dest}", *o.deprecated], new_dest=o.dest, new_flag=o.decls[0],
+                                     **shape))
+    return opts
+
+
+def config_fields(config: str, flags: dict[str, Any]) -> dict[str, Any]:
+    """The fields of the config named ``config`` that the command's given flags set (the
+    others keep the config's defaults)."""
+    cmd = click.get_current_context().command
+    assert isinstance(cmd, ConfigCommand) and cmd.options is not None
+    return config_values(cmd.options, flags, config)
 
 
 def _console() -> Any:
@@ -122,7 +357,10 @@ def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
 
 def _json_flag(what: str) -> Any:
     """``--json``: print ``what`` as one JSON document on stdout, instead of the tables."""
-    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON (one document on stdout).")
+    return click.option("--json", "as_json", type=click.Path(), default=None, is_flag=False, flag_value="-",
+                        metavar="[FILE]", callback=_output_file,
+                        help=f"Write {what} as JSON to FILE; without FILE (or with -) print it on stdout instead of "
+                             "the tables.")
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -146,6 +384,20 @@ def _json_file_or_stdout(what: str) -> Any:
 def _print_json(doc: Any) -> None:
     """The one JSON document of ``--json`` on stdout."""
     click.echo(json.dumps(doc, indent=2, default=str))
+
+
+def _json_done(doc: Any, json_out: str | None) -> bool:
+    """``--json [FILE]``: print ``doc`` (then the command prints nothing else: True) or write it
+    to FILE (then the tables follow: False); without --json nothing (False)."""
+    if json_out == "-":
+        _print_json(doc)
+        return True
+    if json_out:
+        from edgekit.artifact import atomic_write_json
+
+        atomic_write_json(json_out, json.loads(json.dumps(doc, default=str)))
+        click.echo(f"wrote {json_out}")
+    return False
 
 
 @contextlib.contextmanager
@@ -225,13 +477,12 @@ def with_input_options(*which: str) -> Any:
 
 @cli.command()
 @_json_flag("the models")
-def zoo(as_json: bool) -> None:
+def zoo(as_json: str | None) -> None:
     """List the built-in models."""
     from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
 
-    if as_json:
-        _print_json([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
-                      "package": e.package} for name, e in ZOO.items()])
+    if _json_done([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
+                    "package": e.package} for name, e in ZOO.items()], as_json):
         return
     for name, e in ZOO.items():
         click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
@@ -245,7 +496,8 @@ def zoo(as_json: bool) -> None:
 @click.option("--legacy", is_flag=True, help="Use the TorchScript exporter instead of dynamo.")
 @click.option("--atol", type=float, default=None, help="Parity: absolute tolerance.")
 @click.option("--rtol", type=float, default=None, help="Parity: relative tolerance.")
-@click.option("--no-parity", is_flag=True, help="Skip the ONNX Runtime vs PyTorch parity check.")
+@click.option("--parity/--no-parity", default=True, show_default=True,
+              help="Check the ONNX graph against PyTorch on ONNX Runtime (--no-parity writes it unchecked).")
 @click.option("--kv-cache", is_flag=True, help="Causal LMs: export with the KV cache as inputs and outputs "
               "(text-generation-with-past, optimum), for real one-token decode latency.")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
@@ -264,8 +516,8 @@ def zoo(as_json: bool) -> None:
 @with_input_options("shapes", "inputs")
 @_json_flag("the folder, the ONNX file and the parity check")
 def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any, as_json: bool) -> None:
+           parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
+           weight_format: str, input_options: Any, as_json: str | None) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
     from edgekit.export.onnx import ExportConfig
     from edgekit.loading import export_onnx
@@ -281,12 +533,12 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         check_output_dir(out, (model,))  # before loading the model
         options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
                                    if v is not None}
-        with _json_stdout(as_json):
+        with _json_stdout(as_json == "-"):
             handle = load_model(model)
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
                                     "model")
-            folder = export_causal_lm(handle, out, opset=opset or 21, parity=not no_parity, graph=graph,
+            folder = export_causal_lm(handle, out, opset=opset or 21, parity=parity, graph=graph,
                                       block_size=block_size, fmt=weight_format, **options)
         _print_parity(folder, as_json)
         return
@@ -296,25 +548,24 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
         raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
                             "(add --kv-cache)")
 
-    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": no_parity}
+    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": not parity}
     if opset is not None:
         fields["opset"] = opset
     if atol is not None:
         fields["atol"] = atol
     if rtol is not None:
         fields["rtol"] = rtol
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = export_onnx(model, out, ExportConfig(**fields), input_options)
     _print_parity(folder, as_json)
 
 
-def _print_parity(folder: Path, as_json: bool = False) -> None:
+def _print_parity(folder: Path, as_json: str | None = None) -> None:
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
-    if as_json:
-        _print_json({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity})
+    if _json_done({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity}, as_json):
         return
     outputs = parity.get("outputs") or {}
     if outputs:
@@ -324,41 +575,28 @@ def _print_parity(folder: Path, as_json: bool = False) -> None:
     click.echo(f"wrote {m.path_of(folder, 'onnx')}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, advanced=("shapes", "inputs_file"))
 @click.argument("model")
 @click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
-@click.option("--runtime", default=None, help="onnxruntime | openvino | torch | tensorrt | best (build with each "
-              "runtime the target lists, time them here, keep the fastest); default: the target's first available.")
-@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own).")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
-@click.option("--opt-level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all", show_default=True)
-@click.option("--remote", default=None, help="TensorRT: build on the device over SSH (user@host).")
-@click.option("--workspace-mb", type=int, default=None, help="TensorRT: builder workspace limit.")
-@click.option("--dla-core", type=int, default=None, help="TensorRT on Orin: DLA core, with GPU fallback.")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch the engine is optimized for (TensorRT opt shape).")
-@click.option("--max-batch", type=int, default=None, help="TensorRT: largest batch of the optimization profile.")
 @with_input_options("shapes", "inputs")
 @_json_flag("the engine folder, its config and metrics")
-def build(model: str, target: str, out: str, runtime: str | None, precision: str | None, threads: int | None,
-          opt_level: str, remote: str | None, workspace_mb: int | None, dla_core: int | None, batch: int,
-          max_batch: int | None, input_options: Any, as_json: bool) -> None:
-    """Build an engine for a target from a model, an ONNX file or a previous step's folder."""
+def build(model: str, target: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
+    """Build an engine for a target from a model, an ONNX file or a previous step's folder.
+
+    The options after --out are BuildOptions' (and, for one runtime, BuildExtras'): a recipe's
+    build step names the same fields."""
     from edgekit.build import build_engine
     from edgekit.runtimes.base import BuildOptions
 
-    extra: dict[str, Any] = {k: v for k, v in {"remote": remote, "workspace_mb": workspace_mb,
-                                                "dla_core": dla_core, "max_batch": max_batch}.items() if v is not None}
-    options = BuildOptions(precision=precision or "fp32", threads=threads, optimization_level=opt_level, runtime=runtime,
-                           batch=batch, extra=extra)
-    with _json_stdout(as_json):
+    options = BuildOptions(**config_fields("options", flags), extra=config_fields("extra", flags))
+    with _json_stdout(as_json == "-"):
         folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
-    if as_json:
-        _print_json({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
-                     "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
+                   "metrics": m.metrics}, as_json):
         return
     for line in m.config.get("messages", []):
         click.echo(line)
@@ -373,33 +611,20 @@ def build(model: str, target: str, out: str, runtime: str | None, precision: str
     click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="target", advanced=("trtexec_dir", "onnx_file", "target", "generation", "shapes",
+                                                            "inputs_file"))
 @click.argument("engine_dir", type=click.Path(), required=False)
 @click.option("--trtexec", "trtexec_dir", type=click.Path(), default=None,
               help="A folder of trtexec exports made by hand (--exportTimes, --exportProfile, --exportLayerInfo, log; "
                    "any names): read as a device profile, checked against --onnx and --target.")
 @click.option("--onnx", "onnx_file", type=click.Path(), default=None, help="With --trtexec: the ONNX the engine was built from.")
 @click.option("--target", "target", default=None, help="With --trtexec: the target the results claim (name or YAML).")
-@click.option("--warmup-ms", type=float, default=200.0, show_default=True)
-@click.option("--duration-s", type=float, default=3.0, show_default=True)
-@click.option("--iterations", type=int, default=100, show_default=True, help="Minimum timed inferences.")
-@click.option("--threads", type=int, default=None)
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
-@click.option("--top-k", type=int, default=15, show_default=True)
-@click.option("--no-nodes", is_flag=True, help="Skip the per-node profiling run.")
 @_json_file_or_stdout("the profile JSON")
-@click.option("--no-generation", is_flag=True, help="Causal LMs: skip the generation metrics.")
-@click.option("--prompt-lengths", default=None, help="Causal LMs: prompt lengths whose prefill (time to first token) "
-              "is timed (default 128,512, cut to the context the model declares; longer ones are refused).")
-@click.option("--contexts", default=None, help="Causal LMs: context lengths after which decode tokens/s is measured "
-              "(default 128,1024, cut to leave room for the new tokens within the model's context).")
-@click.option("--new-tokens", type=int, default=None, help="Causal LMs: tokens generated per run (default 128, at "
-              "most a quarter of the model's context).")
+@click.option("--generation/--no-generation", default=True, show_default=True,
+              help="Causal LMs: also measure generation (time to first token, decode tokens/s).")
 @with_input_options("shapes", "inputs")
 def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
-            warmup_ms: float, duration_s: float, iterations: int, threads: int | None, batch: int,
-            top_k: int, no_nodes: bool, json_out: str | None, no_generation: bool, prompt_lengths: str | None,
-            contexts: str | None, new_tokens: int | None, input_options: Any) -> None:
+            json_out: str | None, generation: bool, input_options: Any, **flags: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
@@ -414,6 +639,7 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
             raise BadInputError("--inputs applies to engines timed here; with --trtexec give --shapes (the shapes "
                                 "trtexec timed)")
         file = None if json_out == "-" else json_out
+        top_k = ProfileConfig(**config_fields("profile", flags)).top_k
         with _json_stdout(json_out == "-"):
             result = profile_exports(trtexec_dir, onnx_file, target, shapes=input_options.shapes if input_options
                                      else None, top_k=top_k, out_json=file)
@@ -429,33 +655,19 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
                             "DIR --onnx MODEL.onnx --target TARGET")
     if target is not None:
         raise BadInputError("--target applies with --trtexec (an engine folder records its target)")
-    config = ProfileConfig(warmup_ms=warmup_ms, duration_s=duration_s, iterations=iterations, threads=threads,
-                           batch=batch, node_profile=not no_nodes, top_k=top_k)
-    generation = None if no_generation else GenerationConfig(
-        prompt_lengths=None if prompt_lengths is None else _int_list("--prompt-lengths", prompt_lengths),
-        contexts=None if contexts is None else _int_list("--contexts", contexts),
-        new_tokens=new_tokens, warmup_ms=warmup_ms, duration_s=duration_s, threads=threads)
+    config = ProfileConfig(**config_fields("profile", flags))
+    gen_config = GenerationConfig(**config_fields("generation", flags)) if generation else None
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
-        result = profile_with_generation(engine_dir, config, generation, out_json=file, input_options=input_options)
+        result = profile_with_generation(engine_dir, config, gen_config, out_json=file, input_options=input_options)
     if json_out == "-":
         _print_json(result.to_dict())
         return
-    _print_profile(result, top_k)
+    _print_profile(result, config.top_k)
     if result.generation:
         _print_generation(result.generation)
     if file:
         click.echo(f"wrote {file}")
-
-
-def _int_list(option: str, text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise BadInputError(f"{option} takes comma-separated whole numbers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise BadInputError(f"{option} takes comma-separated whole numbers >= 1, got {text!r}")
-    return values
 
 
 def _print_generation(gen: dict[str, Any]) -> None:
@@ -523,10 +735,10 @@ def _print_profile(result: Any, top_k: int) -> None:
 @click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
 @click.option("--dim", "dims", multiple=True,
               help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@_json_flag("the findings")
 @with_input_options("shapes")
 def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         dims: tuple[str, ...], as_json: bool, input_options: Any) -> int:
+         dims: tuple[str, ...], as_json: str | None, input_options: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
     --shapes / --dim give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
@@ -543,8 +755,7 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
         ranges[name] = (int(lo), int(hi or lo))
     report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
                         shapes=input_options.shapes if input_options else None, dims=ranges or None)
-    if as_json:
-        _print_json(report.to_dict())
+    if _json_done(report.to_dict(), as_json):
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
@@ -606,17 +817,16 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 @click.option("-o", "--out", type=click.Path(), default=None, callback=_output_file,
               help="Markdown file (default FOLDER/report.md).")
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
-@click.option("--percentile", default="p99", show_default=True)
-@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
+@click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
 @_json_flag("the report (what the JSON file holds)")
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: bool) -> None:
+def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: str | None) -> None:
     """Render a Markdown and JSON report of a run folder."""
     from edgekit.report import render_report
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
-    if as_json:
-        _print_json(json.loads(path.with_suffix(".json").read_text()))
+    if _json_done(json.loads(path.with_suffix(".json").read_text()), as_json):
         return
     click.echo(path.read_text())
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
@@ -624,55 +834,22 @@ def report(folder: str, out: str | None, budget_ms: float | None, percentile: st
 
 # --- compress ---
 
-class StepOptionsCommand(click.Command):
-    """A command whose step options come from the step configs (``edgekit.compress.options``):
-    read when the command runs or shows its help, so that the other commands do not import the
-    steps. They go after the option named by ``after``, unset unless given."""
-
-    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._after = after
-        self._own = list(self.params)
-        self._registry: tuple[tuple[str, str], ...] | None = None
-
-    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        from edgekit.compress import STEPS
-        from edgekit.compress.plan import compress_options
-
-        if self._registry != tuple(STEPS.items()):  # the registry as it is now (tests add steps)
-            generated = [_step_option(o) for o in compress_options()]
-            flags = {d for p in self._own for d in (*p.opts, *p.secondary_opts)}
-            clash = sorted(flags & {d for p in generated for d in (*p.opts, *p.secondary_opts)})
-            if clash:
-                raise TypeError(f"step options {clash} are also options of `{self.name}` itself")
-            at = next(i for i, p in enumerate(self._own) if p.name == self._after) + 1
-            self.params = [*self._own[:at], *generated, *self._own[at:]]
-            self._registry = tuple(STEPS.items())
-        return super().get_params(ctx)
-
-
-def _step_option(o: Any) -> click.Option:
-    """The click option of a step option (``edgekit.compress.options.StepOption``)."""
-    if o.is_pair:
-        return click.Option([o.dest, *o.decls], default=None, help=o.help or None)
-    return click.Option([o.dest, *o.decls], type=o.type, multiple=o.multiple, default=() if o.multiple else None,
-                        help=o.help or None)
-
-
-@cli.command(cls=StepOptionsCommand)
+@cli.command(cls=ConfigCommand, advanced=("seed", "shapes", "inputs_file", "preprocess", "accept_quality_loss", "max_ppl_ratio"))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
 @click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
 @click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
-@click.option("--train", "train_data", default=None, help="Training data for QAT / distillation.")
+@click.option("--data", "train_data", default=None, help="Training data for QAT / distillation (as `edgekit distill "
+              "--data`).")
+@deprecated("--train", dest="train_data", new="--data")
 @click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and training.")
 @with_input_options("shapes", "inputs", "preprocess")
 @click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result (folder, steps, metrics) as JSON.")
+@_json_flag("the result (folder, steps, metrics)")
 def compress(model: str, out: str, distill: bool, calib: str | None, train_data: str | None, target: str | None,
-             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: bool,
+             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: str | None,
              **step_flags: Any) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
@@ -682,7 +859,7 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
     from edgekit.compress.plan import compress_from_flags
     from edgekit.measure import engine_latency
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
                                      seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
                                      max_ppl_ratio=max_ppl_ratio, latency=engine_latency)
@@ -690,8 +867,7 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 
     m = read_manifest(folder)
     steps = [s["name"] for s in m.steps]
-    if as_json:
-        _print_json({"folder": str(folder), "steps": steps, "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "steps": steps, "metrics": m.metrics}, as_json):
         return
     rows = _flat_rows(m.metrics)
     if rows:
@@ -701,44 +877,33 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 
 # --- distill ---
 
-@cli.command("distill")
+@cli.command("distill", cls=ConfigCommand, advanced=("eval_data",))
+@click.argument("model", required=False)
 @click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
-@click.option("--student", required=True, help="Student model (e.g. a pruned artifact folder or a smaller model).")
+@deprecated("--student", dest="model", new="MODEL (the first argument)")
 @click.option("--data", default=None, help="Training data (built-in name, .npz, text file...; default: the student's).")
-@click.option("--eval", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@click.option("--eval-data", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@deprecated("--eval", dest="eval_data", new="--eval-data")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a model artifact).")
-@click.option("--temperature", type=float, default=4.0, show_default=True)
-@click.option("--alpha", type=float, default=0.7, show_default=True, help="Weight of the soft (teacher) loss.")
-@click.option("--epochs", type=int, default=3, show_default=True)
-@click.option("--lr", type=float, default=1e-3, show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--feature-loss", is_flag=True, help="Also match the features entering the output layer.")
-@click.option("--patience", type=int, default=2, show_default=True, help="Early stop after N epochs without improvement.")
-@click.option("--max-steps", type=int, default=None, help="Cap on optimizer steps.")
-@click.option("--limit", type=int, default=None, help="At most this many training samples.")
-@click.option("--seqlen", type=int, default=128, show_default=True, help="Token window for text data.")
-@click.option("--seed", type=int, default=0, show_default=True)
 @_json_flag("the folder, the training history and the final evaluation")
-def distill_command(teacher: str, student: str, data: str | None, eval_data: str | None, out: str,
-                    temperature: float, alpha: float, epochs: int, lr: float, batch_size: int, feature_loss: bool,
-                    patience: int, max_steps: int | None, limit: int | None, seqlen: int, seed: int,
-                    as_json: bool) -> None:
-    """Distill TEACHER into STUDENT: temperature-scaled KD loss (x T^2) plus the hard-label loss.
-    Checkpoints go to OUT.work; running the same command again resumes."""
+def distill_command(model: str | None, teacher: str, data: str | None, eval_data: str | None, out: str,
+                    as_json: str | None, **flags: Any) -> None:
+    """Distill TEACHER into MODEL (the student: e.g. a pruned artifact folder or a smaller model):
+    temperature-scaled KD loss (x T^2) plus the hard-label loss. Checkpoints go to OUT.work;
+    running the same command again resumes."""
     from edgekit.artifact import read_manifest
     from edgekit.compress.distill import DistillConfig, distill
 
-    config = DistillConfig(temperature=temperature, alpha=alpha, epochs=epochs, lr=lr, batch_size=batch_size,
-                           feature_loss=feature_loss, seed=seed, patience=patience, max_steps=max_steps,
-                           limit=limit, seqlen=seqlen)
-    with _json_stdout(as_json):
-        distill(teacher, student, data, config, out, eval_data=eval_data)
+    if model is None:
+        raise BadInputError("give the student model: edgekit distill MODEL --teacher TEACHER -o OUT")
+    config = DistillConfig(**config_fields("distill", flags))
+    with _json_stdout(as_json == "-"):
+        distill(teacher, model, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
-    if as_json:
-        _print_json({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
-                     "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
-                     "metrics": m.metrics})
+    if _json_done({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
+                   "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
+                   "metrics": m.metrics}, as_json):
         return
     rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
             for e in meta.get("fit", {}).get("history", [])]
@@ -764,7 +929,7 @@ def distill_command(teacher: str, student: str, data: str | None, eval_data: str
               "exiting with status 2.")
 @_json_flag("the results (what results.json holds; with --dry-run, the plan)")
 def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool, as_json: bool) -> int:
+            wait: bool, as_json: str | None) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
@@ -772,9 +937,8 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
     parsed = load_recipe(recipe)
     if dry_run:
         check_run_folders(parsed, run_dir or Path("runs") / parsed.name, cache_dir)  # what the run would refuse
-        if as_json:
-            _print_json({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
-                         "percentile": parsed.percentile})
+        if _json_done({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
+                       "percentile": parsed.percentile}, as_json):
             return 0
         for row in plan(parsed):
             budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
@@ -783,11 +947,10 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
                             wait=wait, remeasure=remeasure)
-    if as_json:
-        _print_json(result.to_dict())
+    if _json_done(result.to_dict(), as_json):
         return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
@@ -807,12 +970,13 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
 @click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
 @click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes (at most the cores).")
 @click.option("--max-points", type=int, default=None, help="Refuse grids of more points than this (default 256).")
-@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True)
+@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True,
+              help="Where the points run: this process, local processes (--jobs) or a Ray cluster.")
 @click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
-@click.option("--force", is_flag=True)
+@click.option("--force", is_flag=True, help="Rebuild every cached step of every point (as `edgekit run --force`).")
 @_json_flag("the rows (what sweep.json holds)")
 def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
-          max_points: int | None, executor: str, address: str | None, force: bool, as_json: bool) -> None:
+          max_points: int | None, executor: str, address: str | None, force: bool, as_json: str | None) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
     from edgekit.pipelines.sweep import DEFAULT_MAX_POINTS, SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
 
@@ -825,12 +989,11 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
                 raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
             combos.append({k.strip(): parse_value(v) for k, v in pairs})
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
                          force=force, max_points=max_points or DEFAULT_MAX_POINTS,
                          announce=lambda line: click.echo(line, err=True))
-    if as_json:
-        _print_json({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]})
+    if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, as_json):
         return
     _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
@@ -843,11 +1006,14 @@ def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: 
 @click.option("--probe", is_flag=True, help="Measure this machine now (kernel rates of ONNX Runtime at 1 thread, "
               "memory and L2 bandwidth, caches, per-node overhead) for the `cpu` target, and cache it.")
 @click.pass_context
-def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
+def targets_group(ctx: click.Context, as_json: str | None, probe: bool) -> None:
     """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
     (`edgekit targets show NAME`). `--probe` measures this machine for the `cpu` target
     (the first `edgekit estimate --target cpu` does so once by itself); the result is cached
     per machine and used until `--probe` measures again."""
+    if as_json is not None and as_json in targets_group.commands and ctx.invoked_subcommand is None:
+        raise BadInputError(f"--json takes a FILE, not the command {as_json!r}: put it after the command "
+                            f"(edgekit targets {as_json} ... --json)")
     if probe:
         if ctx.invoked_subcommand is not None:
             raise BadInputError(f"--probe is an option of `edgekit targets` alone, not of `targets "
@@ -857,13 +1023,12 @@ def targets_group(ctx: click.Context, as_json: bool, probe: bool) -> None:
         _list_targets(as_json)
 
 
-def _probe(as_json: bool) -> None:
+def _probe(as_json: str | None) -> None:
     from edgekit.estimate.probe import describe, probe_machine
 
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         probed = probe_machine(refresh=True)
-    if as_json:
-        _print_json({**probed.probe.to_dict(), "path": str(probed.path)})
+    if _json_done({**probed.probe.to_dict(), "path": str(probed.path)}, as_json):
         return
     _console().print(_table("this machine, measured for the cpu target (one thread)", ["figure", "value"],
                             [list(r) for r in describe(probed)]))
@@ -871,16 +1036,15 @@ def _probe(as_json: bool) -> None:
 
 @targets_group.command("list")
 @_json_flag("the targets")
-def targets_list(as_json: bool) -> None:
+def targets_list(as_json: str | None) -> None:
     """List the built-in targets: dense peaks, memory, DLA cores, TensorRT versions, runtimes."""
     _list_targets(as_json)
 
 
-def _list_targets(as_json: bool) -> None:
+def _list_targets(as_json: str | None) -> None:
     from edgekit.targets import list_targets, load_target
 
-    if as_json:
-        _print_json([load_target(name).to_dict() for name in list_targets()])
+    if _json_done([load_target(name).to_dict() for name in list_targets()], as_json):
         return
     header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
     rows = [header]
@@ -898,14 +1062,13 @@ def _list_targets(as_json: bool) -> None:
 @targets_group.command("show")
 @click.argument("name")
 @_json_flag("the target")
-def targets_show(name: str, as_json: bool) -> None:
+def targets_show(name: str, as_json: str | None) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
     from edgekit.targets import load_target
 
     t = load_target(name)
     d = t.to_dict()
-    if as_json:
-        _print_json(d)
+    if _json_done(d, as_json):
         return
     rows = _flat_rows({k: v for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})})
     _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
@@ -949,9 +1112,9 @@ def remote_group() -> None:
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
-@click.option("--precision", default=None)
-@click.option("--runtime", default=None)
-@click.option("--threads", type=int, default=None)
+@click.option("--precision", default=None, help="As `edgekit build --precision` (on the device).")
+@click.option("--runtime", default=None, help="As `edgekit build --runtime` (on the device).")
+@click.option("--threads", type=int, default=None, help="As `edgekit build --threads` (on the device).")
 @_with_remote_options
 def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
                      threads: int | None, host: str, port: int | None, identity: str | None,
@@ -967,8 +1130,8 @@ def remote_build_cmd(model: str, target: str, out: str, precision: str | None, r
 @remote_group.command("profile")
 @click.argument("engine_dir", type=click.Path())
 @_json_file_or_stdout("the profile JSON")
-@click.option("--duration-s", type=float, default=None)
-@click.option("--iterations", type=int, default=None)
+@click.option("--duration-s", type=float, default=None, help="As `edgekit profile --duration-s` (on the device).")
+@click.option("--iterations", type=int, default=None, help="As `edgekit profile --iterations` (on the device).")
 @_with_remote_options
 def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
                        host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
@@ -996,7 +1159,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
 @click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch to estimate.")
 @click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
 @click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
               "(default: the target's first runtime).")
@@ -1005,7 +1168,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
               help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
                    "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
                    "benchmark); both are estimated.")
-@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--top-k", type=int, default=10, show_default=True, help="Kernels in the table.")
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
@@ -1046,63 +1209,42 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
 
 # --- finetune ---
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="eval_data",
+             advanced=("eval_data", "requant", "bits", "method", "group_size", "resume", "seed"))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a fine-tuned model).")
 @click.option("--data", default=None, help="Training data (built-in name, folder, .npz, text file, entry point); "
               "default: the model's.")
 @click.option("--eval-data", default=None, help="Validation data (default: the eval split of --data or the model's).")
-@click.option("--lora-r", "r", type=int, default=8, show_default=True, help="Adapter rank.")
-@click.option("--lora-alpha", "alpha", type=float, default=16.0, show_default=True, help="Scale numerator (scale = alpha / r).")
-@click.option("--lora-dropout", "dropout", type=float, default=0.05, show_default=True)
-@click.option("--targets", default=None, help="Comma-separated module names, suffixes or regexes "
-              "(default: q/k/v/o/gate/up/down for transformers, every Linear/Conv2d otherwise).")
-@click.option("--epochs", type=int, default=None, help="Training epochs (default 1 when --steps is not given).")
-@click.option("--steps", type=int, default=None, help="Training steps (instead of --epochs).")
-@click.option("--lr", type=float, default=2e-4, show_default=True)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--seqlen", type=int, default=256, show_default=True, help="Token window for language models.")
-@click.option("--train-samples", type=int, default=None, help="Use only this many training samples/windows.")
-@click.option("--eval-samples", type=int, default=32, show_default=True, help="Validation samples/windows.")
-@click.option("--qlora", is_flag=True, help="Train adapters over a frozen 4-bit base (the output of compress --bits 4).")
-@click.option("--qlora-base", type=click.Choice(["packed", "nf4"]), default="packed", show_default=True,
-              help="packed: edgekit's int4 model; nf4: bitsandbytes NF4 from a float model.")
-@click.option("--merge/--no-merge", default=None, help="Fold adapters into the weights (default: yes for float and "
-              "nf4; no for a packed base, whose adapters export as MatMuls beside MatMulNBits).")
 @click.option("--requant", type=click.Choice(["int4", "int8"]), default=None,
               help="Re-quantize the merged float model with this step.")
 @click.option("--bits", type=int, default=None, help="--requant int4: bit width (default 4).")
 @click.option("--method", default=None, help="--requant int4: gptq | awq | rtn; int8: ptq.")
 @click.option("--group-size", type=int, default=None, help="--requant int4: group size.")
-@click.option("--checkpoint-every", type=int, default=50, show_default=True, help="Steps between checkpoints (0: none).")
 @click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the adapters' initialization and the "
+              "data order.")
 @_json_flag("the folder, the steps and the metrics")
-def finetune(model: str, out: str, data: str | None, eval_data: str | None, r: int, alpha: float, dropout: float,
-             targets: str | None, epochs: int | None, steps: int | None, lr: float, batch_size: int, seqlen: int,
-             train_samples: int | None, eval_samples: int, qlora: bool, qlora_base: str, merge: bool | None,
-             requant: str | None, bits: int | None, method: str | None, group_size: int | None,
-             checkpoint_every: int, resume: bool, seed: int, as_json: bool) -> None:
-    """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data."""
+def finetune(model: str, out: str, data: str | None, eval_data: str | None, requant: str | None, bits: int | None,
+             method: str | None, group_size: int | None, resume: bool, seed: int, as_json: str | None, **flags: Any) -> None:
+    """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data.
+
+    The training options are LoraConfig's fields (a recipe's lora step names the same)."""
     from edgekit.artifact import read_manifest
     from edgekit.finetune import finetune as run_finetune
 
-    config = {"r": r, "alpha": alpha, "dropout": dropout, "targets": tuple(t for t in (targets or "").split(",") if t),
-              "epochs": epochs, "steps": steps, "lr": lr, "batch_size": batch_size, "seqlen": seqlen,
-              "train_samples": train_samples, "eval_samples": eval_samples, "qlora": qlora, "qlora_base": qlora_base,
-              "merge": merge, "checkpoint_every": checkpoint_every}
+    config = config_fields("lora", flags)
     requant_config: dict[str, Any] = {}
     if requant == "int4":
         requant_config = {k: v for k, v in (("bits", bits), ("method", method), ("group_size", group_size))
                           if v is not None}
     elif requant == "int8" and method is not None:
         requant_config = {"method": method}
-    with _json_stdout(as_json):
+    with _json_stdout(as_json == "-"):
         folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
                               requant_config=requant_config, seed=seed, resume=resume)
     m = read_manifest(folder)
-    if as_json:
-        _print_json({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+    if _json_done({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics}, as_json):
         return
     lm = m.metrics.get("lora", {})
     rows = []

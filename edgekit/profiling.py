@@ -24,6 +24,7 @@ from edgekit.artifact import Manifest, atomic_write_json, check_output_file, mac
 from edgekit.build import load_engine, load_engine_inputs
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.limits import MAX_DIM
+from edgekit.options import option
 from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import (
@@ -59,15 +60,19 @@ MAX_REPEATS = 5
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    warmup_ms: float = 200.0
-    duration_s: float = 3.0
-    iterations: int = 100  # minimum number of timed inferences
+    warmup_ms: float = field(default=200.0, metadata=option("--warmup-ms", help="Untimed runs first, for this long."))
+    duration_s: float = field(default=3.0, metadata=option(
+        "--duration-s", help="Time inferences for at least this long."))
+    iterations: int = field(default=100, metadata=option("--iterations", help="Minimum timed inferences."))
     max_iterations: int = 100_000
-    threads: int | None = None
-    batch: int = 1
-    node_profile: bool = True
+    threads: int | None = field(default=None, metadata=option("--threads", help="Intra-op threads (default: all "
+                                                                                  "cores)."))
+    batch: int = field(default=1, metadata=option("--batch", basic=True, bounds=(1, MAX_DIM),
+                                                         help="Batch of the timed inputs."))
+    node_profile: bool = field(default=True, metadata=option(
+        "--nodes/--no-nodes", help="Also time each node (a second, profiled run)."))
     node_iterations: int = 20
-    top_k: int = 15
+    top_k: int = field(default=15, metadata=option("--top-k", help="Nodes in the table."))
     noise_cv: float = NOISE_CV  # coefficient of variation above which a measurement is repeated, then noisy
     max_repeats: int = 2  # further attempts when noisy
 

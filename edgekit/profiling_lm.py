@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
 from edgekit.limits import MAX_DIM
+from edgekit.options import option
 from edgekit.profiling import (
     CV_WARNING,
     LatencyStats,
@@ -62,14 +63,21 @@ class GenerationConfig:
     (``within_context``); lengths given explicitly must fit in it.
     """
 
-    prompt_lengths: tuple[int, ...] | None = None
-    contexts: tuple[int, ...] | None = None
-    new_tokens: int | None = None
-    warmup_ms: float = 200.0
-    duration_s: float = 3.0
+    prompt_lengths: tuple[int, ...] | None = field(default=None, metadata=option(
+        "--prompt-lengths", sep=",", metavar="N,...", help="Causal LMs: prompt lengths whose prefill (time to first "
+        "token) is timed (default 128,512, cut to the context the model declares; longer ones are refused)."))
+    contexts: tuple[int, ...] | None = field(default=None, metadata=option(
+        "--contexts", sep=",", metavar="N,...", help="Causal LMs: context lengths after which decode tokens/s is "
+        "measured (default 128,1024, cut to leave room for the new tokens within the model's context)."))
+    new_tokens: int | None = field(default=None, metadata=option(
+        "--new-tokens", help="Causal LMs: tokens generated per run (default 128, at most a quarter of the model's "
+        "context)."))
+    # the same flags as a profile's (edgekit.profiling.ProfileConfig), which carries their help
+    warmup_ms: float = field(default=200.0, metadata=option("--warmup-ms"))
+    duration_s: float = field(default=3.0, metadata=option("--duration-s"))
     iterations: int = 5  # minimum timed prefills per prompt length
     decode_runs: int = 2  # minimum timed generations per context
-    threads: int | None = None
+    threads: int | None = field(default=None, metadata=option("--threads"))
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -92,11 +92,11 @@ def test_export_build_profile_estimate(tmp_path: Path, tiny_onnx: Path):
 
 
 def test_compress_metrics_are_readable_rows(tmp_path: Path):
-    r = run("compress", MLP, "--half", "fp16", "-o", tmp_path / "h")
+    r = run("compress", MLP, "--precision", "fp16", "-o", tmp_path / "h")
     assert r.exit_code == 0, r.output
     assert "quality.cosine" in r.stdout and "half.weight_bytes_after" in r.stdout
     assert "{" not in r.stdout and '"' not in r.stdout  # no json.dumps of the nested quality dict
-    doc = one_document(run("compress", MLP, "--half", "fp16", "-o", tmp_path / "h", "--json"))
+    doc = one_document(run("compress", MLP, "--precision", "fp16", "-o", tmp_path / "h", "--json"))
     assert doc["steps"] == ["half"] and doc["metrics"]["quality"]["passed"] is True
 
 
@@ -121,3 +121,19 @@ def test_a_real_process_prints_only_the_document(tmp_path: Path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["folder"] == str(tmp_path / "x")
+
+
+def test_json_takes_a_file_on_every_command(tmp_path: Path):
+    """`--json` is `--json [FILE]` everywhere: bare, the document on stdout; with FILE, the same
+    document written there and the human output on stdout."""
+    printed = one_document(run("zoo", "--json"))
+    r = run("zoo", "--json", tmp_path / "zoo.json")
+    assert r.exit_code == 0 and json.loads((tmp_path / "zoo.json").read_text()) == printed
+    assert r.stdout.startswith(f"wrote {tmp_path / 'zoo.json'}\n") and "efficientnet-lite0 (default)" in r.stdout
+    shown = run("targets", "show", "cpu", "--json", tmp_path / "cpu.json")
+    assert shown.exit_code == 0 and json.loads((tmp_path / "cpu.json").read_text())["name"] == "cpu"
+    r = run("targets", "--json", "list")
+    assert r.exit_code == 2 and r.stderr == ("error: --json takes a FILE, not the command 'list': put it after the "
+                                             "command (edgekit targets list ... --json)\n")
+    assert not (tmp_path / "list").exists()
+    assert run("zoo", "--json", tmp_path).exit_code == 2  # a folder is no output file

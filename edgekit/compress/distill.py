@@ -54,19 +54,31 @@ class DistillConfig:
     seqlen: token window for text data, eval_limit: samples in the final evaluation,
     schedule: learning rate "cosine" (decays to 0 over the run) or "constant"."""
 
-    temperature: float = field(default=4.0, metadata=option("--temperature", help="Distillation temperature."))
-    alpha: float = field(default=0.7, metadata=option("--alpha", help="Distillation: weight of the soft loss."))
-    epochs: int = field(default=3, metadata=option("--epochs", help="Distillation / QAT epochs."))
-    lr: float = 1e-3
-    batch_size: int = 64
-    feature_loss: bool = False
+    # flags of `edgekit compress --distill` and `edgekit distill`; those naming commands=("distill",) only of the latter
+    temperature: float = field(default=4.0, metadata=option(
+        "--temperature", basic=("distill",), help="Distillation temperature."))
+    alpha: float = field(default=0.7, metadata=option(
+        "--distill-alpha", deprecated=("--alpha",), basic=("distill",), help="Distillation: weight of the soft loss."))
+    epochs: int = field(default=3, metadata=option("--epochs", basic=("distill",), help="Distillation / QAT epochs."))
+    lr: float = field(default=1e-3, metadata=option(
+        "--lr", commands=("distill",), basic=True, help="Learning rate (cosine decay to 0 over the run)."))
+    batch_size: int = field(default=64, metadata=option("--batch-size", commands=("distill",), help="Batch size."))
+    feature_loss: bool = field(default=False, metadata=option(
+        "--feature-loss/--no-feature-loss", commands=("distill",),
+        help="Also match the features entering the output layer."))
     feature_weight: float = 1.0
-    seed: int = 0
-    patience: int | None = 2
-    max_steps: int | None = None
-    limit: int | None = None
+    seed: int = field(default=0, metadata=option(
+        "--seed", commands=("distill",), help="Seed of the shuffles and the validation split."))
+    patience: int | None = field(default=2, metadata=option(
+        "--patience", commands=("distill",), help="Early stop after N epochs without improvement."))
+    max_steps: int | None = field(default=None, metadata=option(
+        "--max-steps", commands=("distill",), help="Cap on optimizer steps."))
+    limit: int | None = field(default=None, metadata=option(
+        "--train-samples", commands=("distill",), deprecated=("--limit",),
+        help="Use only this many training samples/windows."))
     val_fraction: float = 0.1
-    seqlen: int = field(default=128, metadata=option("--seqlen"))
+    seqlen: int = field(default=128, metadata=option(
+        "--seqlen", help="Token window for language models: calibration (GPTQ/AWQ) and distillation."))
     eval_limit: int | None = 2000
     schedule: str = "cosine"
 

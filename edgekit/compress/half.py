@@ -41,8 +41,8 @@ class HalfConfig:
     and biases."""
 
     dtype: str = field(default="fp16", metadata=option(
-        "--half", selects=True, help="Store the weights of linear, conv and embedding layers as fp16 | bf16 "
-        "(norms stay float32)."))
+        "--precision", selects=True, basic=True, deprecated=("--half",),
+        help="Store the weights of linear, conv and embedding layers as fp16 | bf16 (norms stay float32)."))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -125,7 +125,8 @@ class Int8Config:
     calib_method: str | None = field(
         default=None, metadata=option("--calib-method", help="INT8: minmax | percentile | entropy | mse."))
     percentile: float = 99.99
-    calib_samples: int = field(default=128, metadata=option("--calib-samples"))
+    calib_samples: int = field(default=128, metadata=option(
+        "--calib-samples", help="Calibration samples (INT8) or token windows (weight-only)."))
     scheme: str | None = None
     per_channel: bool = True
     max_accuracy_drop: float | None = field(default=None, metadata=option(

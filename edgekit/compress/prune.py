@@ -73,7 +73,7 @@ class PruneConfig:
     """
 
     ratio: float = field(
-        default=0.5, metadata=option("--prune", selects=True, help="Structured pruning ratio in (0, 1)."))
+        default=0.5, metadata=option("--prune", selects=True, basic=True, help="Structured pruning ratio in (0, 1)."))
     importance: str = field(
         default="auto", metadata=option("--importance", help="Pruning: l1 | l2 | taylor | bn-scale."))
     global_pruning: bool = field(
@@ -82,7 +82,8 @@ class PruneConfig:
         default=None, metadata=option("--round-to", help="Pruning: round channel counts to a multiple."))
     ignore: tuple[str, ...] = field(
         default=(), metadata=option("--ignore", help="Pruning: a layer to protect (repeatable)."))
-    iterative_steps: int = field(default=1, metadata=option("--iterative-steps"))
+    iterative_steps: int = field(default=1, metadata=option(
+        "--iterative-steps", help="Pruning: reach the ratio in this many steps, re-scoring between them."))
     scope: str = "auto"
     head_ratio: float | None = None
     calib_batches: int = 4

@@ -109,11 +109,12 @@ class WeightOnlyConfig:
     """
 
     method: str = field(default="gptq", metadata=option(
-        "--method", help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only)."))
+        "--method", basic=True, help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only)."))
     bits: int = field(
-        default=4, metadata=option("--bits", help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn)."))
+        default=4, metadata=option("--bits", basic=True, show_default=False,
+                                     help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn)."))
     group_size: int = field(
-        default=128, metadata=option("--group-size", help="Weight-only: group size (-1 = per channel)."))
+        default=128, metadata=option("--group-size", basic=True, help="Weight-only: group size (-1 = per channel)."))
     sym: bool = field(default=False, metadata=option("--sym/--asym", help="Weight-only: symmetric or asymmetric grid."))
     act_order: bool = field(default=True, metadata=option(
         "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; "

@@ -23,6 +23,7 @@ import numpy as np
 from edgekit.artifact import Manifest, read_manifest
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.limits import MAX_DIM, check_file_size
+from edgekit.options import option
 from edgekit.schema import FieldError, check_fields, read_bytes, read_json
 from edgekit.sources.handle import InputSpec, ModelHandle
 from edgekit.ssh import check_data_options, check_destination
@@ -85,19 +86,25 @@ class BuildExtras:
     gpu_mem_limit_mb: int | None = None
     cuda_graph: bool | None = None
     trt_shapes: dict[str, dict[str, list[int]]] | None = None
-    workspace_mb: int | None = None
+    # flags of `edgekit build` (the rest come from recipes)
+    workspace_mb: int | None = field(default=None, metadata=option(
+        "--workspace-mb", help="TensorRT: builder workspace limit (MB)."))
     builder_optimization_level: int | None = None
-    dla_core: int | None = None
+    dla_core: int | None = field(default=None, metadata=option(
+        "--dla-core", help="TensorRT on Orin: DLA core, with GPU fallback."))
     gpu_fallback: bool | None = None
     strongly_typed: bool | None = None
     min_shapes: str | dict[str, list[int]] | None = None
     opt_shapes: str | dict[str, list[int]] | None = None
     max_shapes: str | dict[str, list[int]] | None = None
     dims: dict[str, int] | None = None
-    max_batch: int | None = None
+    max_batch: int | None = field(default=None, metadata=option(
+        "--max-batch", help="TensorRT: largest batch of the optimization profile."))
     trtexec: str | None = field(default=None, metadata={"program": "set $EDGEKIT_TRTEXEC or put trtexec on PATH"})
     trt_path: str | None = None
-    remote: str | None = None
+    remote: str | None = field(default=None, metadata=option(
+        "--host", deprecated=("--remote",), metavar="USER@HOST[:PORT]",
+        help="TensorRT: build on the device over SSH (as `edgekit remote build --host`)."))
     engine_cache_dir: str | None = None
     warmup_ms: float | None = None
     duration_s: float | None = None
@@ -194,11 +201,18 @@ class BuildOptions:
     """Settings common to engine builds; runtimes read the ones they understand.
     ``extra``: runtime-specific settings, each declared in ``BuildExtras``."""
 
-    precision: str = "fp32"
-    threads: int | None = None  # intra-op threads; None = all cores
-    optimization_level: str = "all"  # onnxruntime: disable|basic|extended|all
-    runtime: str | None = None  # None: the target's first available runtime
-    batch: int = 1
+    precision: str = field(default="fp32", metadata=option(
+        "--precision", basic=True, show_default=False,
+        help="fp32 | fp16 | bf16 | int8 | fp8 | best (default: fp32, or the model's own)."))
+    threads: int | None = field(default=None, metadata=option(
+        "--threads", help="Intra-op threads (default: all cores)."))
+    optimization_level: str = field(default="all", metadata=option(
+        "--opt-level", choices=OPTIMIZATION_LEVELS, help="ONNX Runtime graph optimizations."))
+    runtime: str | None = field(default=None, metadata=option(
+        "--runtime", basic=True, help="onnxruntime | openvino | torch | tensorrt | best (build with each runtime the "
+        "target lists, time them here, keep the fastest); default: the target's first available."))
+    batch: int = field(default=1, metadata=option(
+        "--batch", bounds=(1, MAX_DIM), help="Batch the engine is optimized for (TensorRT opt shape)."))
     extra: dict[str, Any] = field(default_factory=dict, metadata={"schema": BuildExtras})
 
     def __post_init__(self) -> None:

@@ -148,7 +148,7 @@ def test_cli_distill_on_npz_and_resume(tmp_path) -> None:
     data = tmp_path / "data.npz"
     np.savez(data, input=d.inputs["input"], labels=d.labels)
     out = tmp_path / "kd"
-    args = ["distill", "--teacher", "test_prune:tiny_cnn_wide", "--student", "test_prune:tiny_cnn",
+    args = ["distill", "test_prune:tiny_cnn", "--teacher", "test_prune:tiny_cnn_wide",
             "--data", str(data), "--epochs", "1", "--batch-size", "32", "-o", str(out)]
     r = CliRunner().invoke(cli, args, catch_exceptions=False, standalone_mode=False)
     assert r.exit_code == 0, r.output
@@ -166,7 +166,7 @@ def test_cli_bad_alpha_exits_2(tmp_path) -> None:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "edgekit.cli", "distill", "--teacher", "a", "--student", "b",
-                        "--alpha", "2", "-o", str(tmp_path / "o")], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "edgekit.cli", "distill", "b", "--teacher", "a",
+                        "--distill-alpha", "2", "-o", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: alpha (weight of the soft loss) must be in [0, 1], got 2.0"

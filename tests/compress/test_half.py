@@ -69,7 +69,7 @@ def test_compressed_folder_holds_half_weights_passes_the_gate_and_reloads(tmp_pa
 
 
 def test_cli_json_and_reload(tmp_path: Path):
-    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--half", "bf16",
+    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--precision", "bf16",
                                  "-o", str(tmp_path / "h"), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # one JSON document, nothing else on stdout
@@ -81,22 +81,22 @@ def test_cli_json_and_reload(tmp_path: Path):
 
     expected = apply(tiny_mlp(), HalfConfig("bf16"))  # load_compressed rebuilds the cast layers from the record
     assert torch.equal(_outputs(back), _outputs(expected))
-    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--half", "fp16", "--bits", "8",
+    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--precision", "fp16", "--bits", "8",
                                  "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "half needs float weights, but after int8 the model is fake-quant" in r.stderr
 
 
 def test_flag_and_recipe_key_come_from_the_config():
-    assert plan_steps(half="bf16") == [("half", {"dtype": "bf16"})]
-    assert plan_steps(half="fp16", bits=8) == [("int8", {"method": "ptq"}), ("half", {"dtype": "fp16"})]
+    assert plan_steps(precision="bf16") == [("half", {"dtype": "bf16"})]
+    assert plan_steps(precision="fp16", bits=8) == [("int8", {"method": "ptq"}), ("half", {"dtype": "fp16"})]
     assert make_config("half", {"dtype": "bf16"}) == HalfConfig("bf16")
     assert get_step("half").transitions == {"float": "float"}
     r = CliRunner().invoke(cli, ["compress", "--help"])
-    assert "--half TEXT" in r.output and "fp16 | bf16" in r.output
+    assert "--precision TEXT" in r.output and "fp16 | bf16" in r.output
 
 
 def test_bad_dtype_and_fp16_overflow_are_one_line_errors(tmp_path: Path):
-    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--half", "fp8",
+    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--precision", "fp8",
                                  "-o", str(tmp_path / "x")])
     assert r.exit_code == 2
     assert r.stderr.strip() == "error: unknown half-precision type 'fp8' (choose from 'bf16', 'fp16')"

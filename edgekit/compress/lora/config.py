@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from edgekit.errors import BadInputError, bad_choice
+from edgekit.options import option
 from edgekit.schema import check_fields
 
 QLORA_BASES = ("packed", "nf4")
+
+
+def _flag(*decls: str, **kwargs: Any) -> dict[str, Any]:
+    """A flag of `edgekit finetune` only."""
+    return option(*decls, commands=("finetune",), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -30,24 +37,36 @@ class LoraConfig:
         end of an epoch and on Ctrl-C).
     """
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    targets: tuple[str, ...] = ()
-    qlora: bool = False
-    qlora_base: str = "packed"
-    steps: int | None = None
-    epochs: int | None = None
-    lr: float = 2e-4
-    batch_size: int = 4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    seqlen: int = 256
-    train_samples: int | None = None
-    eval_samples: int | None = 32
-    merge: bool | None = None
-    checkpoint_every: int = 50
+    # flags of `edgekit finetune` (lora is also a compress step, which has no flags of its own)
+    r: int = field(default=8, metadata=_flag("--lora-r", basic=True, help="Adapter rank."))
+    alpha: float = field(default=16.0, metadata=_flag("--lora-alpha", help="Scale numerator (scale = alpha / r)."))
+    dropout: float = field(default=0.05, metadata=_flag("--lora-dropout", help="Dropout on the adapters' input."))
+    targets: tuple[str, ...] = field(default=(), metadata=_flag(
+        "--targets", sep=",", metavar="NAME,...", help="Comma-separated module names, suffixes or regexes "
+        "(default: q/k/v/o/gate/up/down for transformers, every Linear/Conv2d otherwise)."))
+    qlora: bool = field(default=False, metadata=_flag(
+        "--qlora/--no-qlora", basic=True, help="Train adapters over a frozen 4-bit base (the output of compress "
+        "--bits 4)."))
+    qlora_base: str = field(default="packed", metadata=_flag(
+        "--qlora-base", choices=QLORA_BASES, help="packed: edgekit's int4 model; nf4: bitsandbytes NF4 from a float "
+        "model."))
+    steps: int | None = field(default=None, metadata=_flag("--steps", help="Training steps (instead of --epochs)."))
+    epochs: int | None = field(default=None, metadata=_flag(
+        "--epochs", basic=True, help="Training epochs (default 1 when --steps is not given)."))
+    lr: float = field(default=2e-4, metadata=_flag("--lr", basic=True, help="Peak learning rate (AdamW)."))
+    batch_size: int = field(default=4, metadata=_flag("--batch-size", help="Batch size."))
+    weight_decay: float = field(default=0.0, metadata=_flag("--weight-decay", help="AdamW weight decay."))
+    grad_clip: float = field(default=1.0, metadata=_flag("--grad-clip", help="Gradient norm clip (0: none)."))
+    warmup_steps: int = field(default=0, metadata=_flag("--warmup-steps", help="Linear warm-up steps."))
+    seqlen: int = field(default=256, metadata=_flag("--seqlen", help="Token window for language models."))
+    train_samples: int | None = field(default=None, metadata=_flag(
+        "--train-samples", help="Use only this many training samples/windows."))
+    eval_samples: int | None = field(default=32, metadata=_flag("--eval-samples", help="Validation samples/windows."))
+    merge: bool | None = field(default=None, metadata=_flag(
+        "--merge/--no-merge", help="Fold adapters into the weights (default: yes for float and nf4; no for a packed "
+        "base, whose adapters export as MatMuls beside MatMulNBits)."))
+    checkpoint_every: int = field(default=50, metadata=_flag(
+        "--checkpoint-every", help="Steps between checkpoints (0: only at the end of an epoch and on Ctrl-C)."))
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
