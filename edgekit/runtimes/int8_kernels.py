@@ -351,7 +351,7 @@ def emulate(model: Any, saturate: bool = True) -> tuple[Any, int]:
     ``NotModeled`` for a fused integer node it cannot model (never a silent pass-through)."""
     import copy
 
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     model = copy.deepcopy(model)
     g = _Graph(model)

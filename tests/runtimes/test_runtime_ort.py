@@ -155,7 +155,6 @@ def test_a_failing_int8_graph_is_kept_where_the_message_says(tmp_path):
     from edgekit.compress.int8 import Int8Config
     from edgekit.errors import CheckFailedError
     from edgekit.sources.data import Samples
-
     from tests.compress.test_int8 import residual_model
 
     x = np.random.default_rng(0).standard_normal((64, 3, 16, 16)).astype(np.float32)
