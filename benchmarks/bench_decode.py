@@ -87,7 +87,7 @@ def gemma_gguf(work: Path) -> Path:
 
 
 def float_handle(name: str, work: Path) -> Any:
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     return load_model("smollm2-135m" if name == "smollm2-135m" else str(gemma_gguf(work)))
 

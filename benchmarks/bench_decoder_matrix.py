@@ -81,7 +81,7 @@ def run_cell(model_type: str, step: str, model: Any, want: torch.Tensor, tmp: Pa
             return {"status": "pass" if rel < W4_REL else "fail", "rel": round(rel, 4)}
         if step == "export-kv":
             from edgekit.export.lm import export_causal_lm
-            from edgekit.sources.models import load_model
+            from edgekit.loading import load_model
 
             folder = tmp / model_type
             model.save_pretrained(folder, safe_serialization=True)

@@ -100,7 +100,7 @@ def prepare(skip_llm: bool = False) -> dict[str, dict[str, Any]]:
 
     graphs: dict[str, dict[str, Any]] = {}
     # EfficientNet-Lite0
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     eff = load_model("efficientnet-lite0")
     eff32 = _export(eff, "efficientnet-lite0-fp32")

@@ -83,8 +83,8 @@ def cases(with_gemma: bool) -> list[dict[str, Any]]:
     import torch
     from bench_estimate import _export, _seq_dims, _smollm2_folder
 
+    from edgekit.loading import load_model
     from edgekit.sources.fmnist import FashionCNN, fmnist_handle
-    from edgekit.sources.models import load_model
 
     out: list[dict[str, Any]] = []
 

@@ -123,9 +123,9 @@ def run(args: Any, torch: Any, cuda: bool) -> int:
     from edgekit.build import build_engine
     from edgekit.estimate import estimate
     from edgekit.estimate.calibrate import Measurement, calibrate
+    from edgekit.loading import load_model
     from edgekit.profiling import ProfileConfig, profile_engine
     from edgekit.runtimes.base import BuildOptions
-    from edgekit.sources.models import load_model
     from edgekit.targets import load_target
 
     precisions = tuple(args.precisions.split(",")) if args.precisions else (PRECISIONS if cuda else ("fp32",))

@@ -44,7 +44,7 @@ def load_smollm2():
     from edgekit.sources.zoo import ZOO
 
     if "smollm2-135m" in ZOO:
-        from edgekit.sources.models import load_model
+        from edgekit.loading import load_model
 
         return load_model("smollm2-135m")
     return hf.load_hf(hf.float_copy_of_gguf(folder, GGUF))
@@ -237,8 +237,8 @@ def run_minilm(n_calib: int = 64, n_eval: int = 256) -> None:
 
     from edgekit.compress import StepContext
     from edgekit.compress.weight_only import WeightOnlyConfig, apply, packed_bytes
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     base = load_model("minilm-l6")
     ev = load_samples(None, base, split="eval", limit=n_eval)

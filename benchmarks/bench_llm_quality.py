@@ -53,7 +53,7 @@ def float_reference(model: str, args: argparse.Namespace, work: Path) -> Any:
     """The float model's outputs on the eval windows, measured once per model and shared by every method."""
     from edgekit.compress import StepContext
     from edgekit.compress.quality import measure_reference
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     ctx = StepContext(progress=False, quality_windows=args.eval_windows)
     c0 = time.process_time()
@@ -84,7 +84,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path, refe
             "load_avg_1m": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.onnx and method == "gptq":
         from edgekit.export.lm import export_causal_lm
-        from edgekit.sources.models import load_model
+        from edgekit.loading import load_model
 
         onnx_dir = work / f"{model}-{method}-onnx"
         export_causal_lm(load_model(str(out)), onnx_dir)

@@ -43,7 +43,7 @@ MODEL = "smollm2-135m"
 def load_smollm2() -> Any:
     """The zoo's SmolLM2-135M, or straight from the installed GGUF when the zoo lacks it."""
     from edgekit.errors import BadInputError
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     try:
         return load_model(MODEL)
@@ -109,7 +109,7 @@ def memory_child(variant: str, steps: int, batch: int, seqlen: int, r: int) -> d
         # As a user runs it: load the saved `compress --bits 4` artifact (packed weights
         # straight from disk). Quantizing in this process instead leaves ~0.5 GB of freed
         # float temporaries in the heap, which glibc does not hand back.
-        from edgekit.sources.models import load_model
+        from edgekit.loading import load_model
 
         handle = load_model(packed_artifact())
         train = load_samples("wikipedia", handle, split="train", seqlen=seqlen, limit=batch * steps)
@@ -235,8 +235,8 @@ def run_cnn(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress import compress, load_compressed
     from edgekit.evaluate import evaluate
     from edgekit.finetune import finetune
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     base = load_model("fmnist-cnn")
     eval_s = load_samples("fashion-mnist", base, split="eval", limit=args.cnn_eval)

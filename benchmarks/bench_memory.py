@@ -113,7 +113,7 @@ def run_model(name: str, work: Path, steps_wanted: tuple[str, ...] = STEPS, w4_g
               onnx_given: Path | None = None) -> dict[str, Any]:
     py = sys.executable
     spec = model_spec(name)
-    load_code = ("import json, sys; from edgekit.sources.models import load_model; h = load_model(sys.argv[1]); "
+    load_code = ("import json, sys; from edgekit.loading import load_model; h = load_model(sys.argv[1]); "
                  "print(json.dumps({'params': h.extra['params'], 'vocab': h.extra['vocab_size'], "
                  "'hidden': h.extra['hf_config']['hidden_size']}))")
     # warm the float copy of a GGUF (not measured), then measure a plain load

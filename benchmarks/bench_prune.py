@@ -44,7 +44,7 @@ from edgekit.compress.distill import DistillConfig, evaluate_pair  # noqa: E402
 from edgekit.compress.distill import apply as distill_apply  # noqa: E402
 from edgekit.compress.prune import PruneConfig, count_macs, example_inputs  # noqa: E402
 from edgekit.compress.prune import apply as prune_apply  # noqa: E402
-from edgekit.sources.models import load_model  # noqa: E402
+from edgekit.loading import load_model  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from edgekit.build import build_engine, load_engine
+    from edgekit.loading import load_model
     from edgekit.runtimes.base import BuildOptions
-    from edgekit.sources.models import load_model
 
     cores = os.cpu_count() or 1
     torch_threads_default = torch.get_num_threads()

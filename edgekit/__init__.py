@@ -50,8 +50,9 @@ if TYPE_CHECKING:
     from edgekit.estimate import estimate as estimate
     from edgekit.evaluate import evaluate as evaluate
     from edgekit.export.lm import export_causal_lm as export_causal_lm
-    from edgekit.export.onnx import export_onnx as export_onnx
     from edgekit.finetune import finetune as finetune
+    from edgekit.loading import export_onnx as export_onnx
+    from edgekit.loading import load_model as load_model
     from edgekit.pipelines.recipe import load_recipe as load_recipe
     from edgekit.pipelines.run import run_recipe as run_recipe
     from edgekit.pipelines.sweep import run_sweep as run_sweep
@@ -61,16 +62,15 @@ if TYPE_CHECKING:
     from edgekit.report import render_report as render_report
     from edgekit.sources.data import load_samples as load_samples
     from edgekit.sources.handle import ModelHandle as ModelHandle
-    from edgekit.sources.models import load_model as load_model
     from edgekit.targets import list_targets as list_targets
     from edgekit.targets import load_target as load_target
 
 # Public name -> "module:attribute", imported on first use.
 _API = {
-    "load_model": "edgekit.sources.models:load_model",
+    "load_model": "edgekit.loading:load_model",
     "load_samples": "edgekit.sources.data:load_samples",
     "ModelHandle": "edgekit.sources.handle:ModelHandle",
-    "export_onnx": "edgekit.export.onnx:export_onnx",
+    "export_onnx": "edgekit.loading:export_onnx",
     "build_engine": "edgekit.build:build_engine",
     "load_engine": "edgekit.build:load_engine",
     "profile_engine": "edgekit.profiling:profile_engine",

@@ -38,15 +38,15 @@ from edgekit.artifact import (
     write_manifest,
 )
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
-from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.export.onnx import ExportConfig
 from edgekit.limits import require_memory
+from edgekit.loading import export_onnx, load_model
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
 from edgekit.runtimes.int8_kernels import semantics_for_target
 from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds, stored_bytes
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file
-from edgekit.sources.models import load_model
 from edgekit.sources.onnx_file import node_labels, read_graph_outline
 from edgekit.targets import Target, TargetLike, load_target
 from edgekit.targets.cpu_isa import cpu_features, host_int8_kernel

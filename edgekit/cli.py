@@ -201,13 +201,6 @@ _INPUT_OPTIONS = {
 }
 
 
-def _load_compressed(folder: Path) -> Any:
-    """Load a compressed model folder with the compression steps (imported only when one is given)."""
-    from edgekit.compress import load_compressed
-
-    return load_compressed(folder)
-
-
 def with_input_options(*which: str) -> Any:
     """Add the model-input options named in ``which`` to a command; the command receives them
     parsed and checked as one ``input_options`` argument (``edgekit.sources.inputs.InputOptions``
@@ -217,9 +210,6 @@ def with_input_options(*which: str) -> Any:
         @functools.wraps(f)
         def command(*args: Any, **kwargs: Any) -> Any:
             from edgekit.sources.inputs import input_options
-            from edgekit.sources.models import register_artifact_loader
-
-            register_artifact_loader("model", _load_compressed)  # a compressed model folder: its steps rebuild it
             opts = input_options(shapes=kwargs.pop("shapes", None), inputs=kwargs.pop("inputs_file", None),
                                  preprocess=kwargs.pop("preprocess", None))
             return f(*args, input_options=opts, **kwargs)
@@ -277,7 +267,8 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
            no_parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
            weight_format: str, input_options: Any, as_json: bool) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
-    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.export.onnx import ExportConfig
+    from edgekit.loading import export_onnx
 
     if kv_cache and input_options:
         raise BadInputError("--shapes and --inputs do not apply to the KV-cache export (it traces its own prefill "
@@ -285,7 +276,7 @@ def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | 
     if kv_cache:
         from edgekit.artifact import check_output_dir
         from edgekit.export.lm import export_causal_lm
-        from edgekit.sources.models import load_model
+        from edgekit.loading import load_model
 
         check_output_dir(out, (model,))  # before loading the model
         options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))

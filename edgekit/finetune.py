@@ -35,11 +35,11 @@ from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.compress.lora import LoadedData, LoraConfig
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import evaluate
-from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.export.onnx import ExportConfig
+from edgekit.loading import export_onnx, load_model
 from edgekit.runtimes.base import BuildOptions
 from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle
-from edgekit.sources.models import load_model
 
 REQUANT_STEPS = ("int4", "int8")
 

@@ -11,7 +11,7 @@ else
   # then the type checker (pyproject's [tool.mypy]).
   lint-imports --no-cache
   mypy
-  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests (the whole generated decoder matrix, `-m matrix`, is run apart).
+  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests (the rest of the conformance and decoder matrices, `-m matrix`, is run apart).
   # Two workers (pytest-xdist; one compute thread each, tests/conftest.py): CI's 2 cores.
   python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}"
   python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}" -m "slow and not matrix"

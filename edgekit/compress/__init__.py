@@ -30,14 +30,14 @@ from typing import Any
 
 from edgekit.compress.quality import QualityBounds, check_quality, compare, loosest, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error_from
-from edgekit.export.onnx import register_rewrite_lookup
+from edgekit.export.onnx import Rewrite
 from edgekit.export.packing import validate_packed
 from edgekit.progress import StepProgress
 from edgekit.runtimes.onnxruntime import verify_onnx_runs
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.sources.inputs import InputOptions
-from edgekit.sources.models import register_artifact_loader
+from edgekit.sources.models import ArtifactLoader
 from edgekit.sources.weights import check_safetensors
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
@@ -293,7 +293,9 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
-    handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs))
+    handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs),
+                        loaders=ARTIFACT_LOADERS)
+    handle.step_rewrites = step_rewrite  # every handle derived from it exports with the steps' rewrites
     protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
                getattr(ctx.reference, "source", None), getattr(ctx.inputs, "inputs", None))
     # Before hours of work: the folder, and room for the smallest compressed model (4-bit: an eighth).
@@ -310,6 +312,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             progress.phase(f"{name} ({i + 1}/{len(configs)})")
             t0 = time.perf_counter()
             handle = get_step(name).apply(handle, config, ctx)
+            handle.step_rewrites = step_rewrite
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
             progress.update(i + 1)
     metrics.update(ctx.metrics)
@@ -378,6 +381,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         handle.source = manifest.source or handle.source
         handle.steps = [StepRecord(**s) for s in manifest.steps]
+        handle.step_rewrites = step_rewrite
         handle.kind = manifest.model.get("kind", handle.kind)
         from edgekit.sources.models import borrow_io
 
@@ -387,7 +391,8 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
     weights = manifest.path_of(folder, "weights")
     check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
-    handle = load_model(manifest.source)
+    handle = load_model(manifest.source, loaders=ARTIFACT_LOADERS)
+    handle.step_rewrites = step_rewrite
     for rec in manifest.steps:
         record = StepRecord(**rec)
         step = get_step(record.name)
@@ -410,6 +415,12 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     return handle
 
 
-# The layers below find compressed models and the steps' graph rewrites through these registrations.
-register_artifact_loader("model", load_compressed)
-register_rewrite_lookup(lambda name: get_step(name).rewrite_onnx)
+def step_rewrite(name: str) -> Rewrite | None:
+    """The ONNX graph rewrite of the step named ``name`` (None: its graph needs none). Handles made
+    here carry it (``ModelHandle.step_rewrites``): export, a layer below, applies it."""
+    return get_step(name).rewrite_onnx
+
+
+# ``load_model``'s loader of compressed model folders (manifest kind "model"), for callers in this
+# package; the layers above pass ``edgekit.loading``'s, which imports this package only when needed.
+ARTIFACT_LOADERS: dict[str, ArtifactLoader] = {"model": load_compressed}

@@ -10,7 +10,8 @@ tokens. ``1 / s`` is folded into the op producing ``x`` (the RMSNorm weight, or 
 so the deployed graph has no extra op; groups with no foldable producer get ``s = 1``. Which
 norm feeds which projections, and whether it multiplies by ``w`` or ``1 + w``, comes from the
 model's family description (``families.py``: Gemma 2/3 feed the MLP from
-``pre_feedforward_layernorm``); a Hugging Face family edgekit does not describe stops.
+``pre_feedforward_layernorm``); for a Hugging Face family it does not describe, from the model's
+structure, each fold proven exact on the model (``wiring.py``).
 An optional clipping search then shrinks each (row, group) range by the ratio in
 ``[0.5, 1]`` that minimises that group's output error, and RTN packs the result.
 
@@ -26,9 +27,10 @@ import torch
 from torch import nn
 
 from edgekit.compress.blocks import GroupInputs, GroupVisit, Quantized, find_blocks, linear_at
-from edgekit.compress.families import Family, family_of, norm_offset, require_known
+from edgekit.compress.families import Family, family_of, norm_offset
 from edgekit.compress.gptq import GPTQOptions, HessianAccumulator, solve_group, with_bits
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
+from edgekit.compress.wiring import probe_family
 from edgekit.errors import BadInputError
 from edgekit.export.packing import group_width, num_groups
 
@@ -139,7 +141,8 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
     where it differs from ``config.bits`` (mixed precision)."""
     prefix, blocks = find_blocks(module)
     family = family_of(module)
-    require_known(family, "AWQ")
+    if not family.known:  # a family the hand table does not describe: its fold pairs measured on the model
+        family = probe_family(module, blocks, prefix)
     then_gptq = config.method == "awq-gptq"
 
     def visit(block_index: int, names: list[str], inputs: GroupInputs) -> None:

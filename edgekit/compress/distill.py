@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgekit.artifact import check_output_dir, sha256_json, work_folder
-from edgekit.compress import Step, StepContext, compress, config_to_dict
+from edgekit.compress import ARTIFACT_LOADERS, Step, StepContext, compress, config_to_dict
 from edgekit.compress.options import option
 from edgekit.compress.prune import find_output_layers
 from edgekit.errors import BadInputError
@@ -400,8 +400,8 @@ def distill(teacher: str | os.PathLike[str] | ModelHandle, student: str | os.Pat
     config = config or DistillConfig()
     if out_dir is not None:
         check_output_dir(out_dir, (teacher, student, data, eval_data))  # before training; the inputs stay
-    t = load_model(teacher)
-    s = load_model(student)
+    t = load_model(teacher, loaders=ARTIFACT_LOADERS)
+    s = load_model(student, loaders=ARTIFACT_LOADERS)
     # StepContext takes Samples and paths as data too (its annotation says str; to be widened)
     ctx = StepContext(train=data, eval=eval_data, seed=config.seed, reference=t,  # type: ignore[arg-type]
                       work_dir=Path(work_dir) if work_dir is not None else

@@ -20,7 +20,7 @@ know how the family wires them:
 
 ``family_of(module)`` finds the Hugging Face model inside ``module`` and returns its
 ``Family`` from ``config.model_type``; a Hugging Face model of a type not listed here is
-``UnknownFamily`` (algorithms that need the structure stop with the list of known ones),
+an unknown family (``known=False``: AWQ then measures its fold pairs, ``wiring.py``),
 and a plain PyTorch module (no transformers config) is ``GENERIC``: no folding, no
 value-projection Hessian, nothing guessed.
 
@@ -102,10 +102,6 @@ FAMILIES: tuple[Family, ...] = (
 GENERIC = Family("generic", (), known=True)  # a plain PyTorch module: nothing to fold, nothing guessed
 
 
-def known_model_types() -> list[str]:
-    return sorted(t for f in FAMILIES for t in f.model_types)
-
-
 def hf_model(module: nn.Module) -> nn.Module | None:
     """The outermost module carrying a transformers config (``config.model_type``)."""
     for m in module.modules():
@@ -130,14 +126,6 @@ def family_of(module: nn.Module) -> Family:
                 return Family(f"{model_type} with {', '.join(unmet)}", (model_type,), known=False)
             return fam
     return Family(model_type, (model_type,), known=False)
-
-
-def require_known(family: Family, what: str) -> None:
-    """Stop (bad input) when ``what`` needs a family structure edgekit does not know."""
-    if not family.known:
-        raise BadInputError(f"{what} needs to know how model type {family.name!r} wires its norms and projections, "
-                            f"which edgekit does not describe (known: {', '.join(known_model_types())}); "
-                            "use --method gptq or rtn, which need no such description")
 
 
 def norm_offset(norm: nn.Module, family: Family) -> float:
@@ -234,7 +222,7 @@ def block_path(module: nn.Module, block: nn.Module, name: str) -> str:
     raise ValueError("block not inside module")
 
 
-__all__ = ["Family", "ScalePair", "FAMILIES", "GENERIC", "family_of", "require_known", "norm_offset",
-           "embedding_scale", "hf_model", "known_model_types", "block_path", "is_conv1d", "conv1d_as_linear",
+__all__ = ["Family", "ScalePair", "FAMILIES", "GENERIC", "family_of", "norm_offset",
+           "embedding_scale", "hf_model", "block_path", "is_conv1d", "conv1d_as_linear",
            "linearize"]
 

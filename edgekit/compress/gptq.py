@@ -33,7 +33,8 @@ already-quantized layers before it, lives in ``blocks.py`` (shared with AWQ);
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol, cast
 
 import torch
@@ -70,6 +71,27 @@ class GPTQOptions(Protocol):
     def value_hessian(self) -> str: ...
     @property
     def value_query_stride(self) -> int: ...
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one intra-op thread inside the ``with``. GPTQ's column solve, its grid search, refit and
+    GPTAQ target are thousands of small tensor operations: a second thread adds a fork and join to each,
+    and on a busy machine the join waits for a descheduled thread (SmolLM2-135M, 4 blocks, AVX2 EPYC at
+    load 10: those phases took 75.6 CPU s on two threads, 9.4 on one; benchmarks/RESULTS.md, issue 30).
+    It also makes the codes independent of the thread count: two threads sum some products in another
+    order, and the last bits flip roundings (18% of the codes of 3 SmolLM2 blocks). The forward passes
+    and Hessian products around the solve keep every thread.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def add_gram_(H: torch.Tensor, x: torch.Tensor, blocks: int = 4) -> None:
@@ -451,10 +473,11 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     (AWQ), so the mixed inputs are too.
     """
     def solve(W: torch.Tensor, Hm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
-                             act_order=config.act_order, static_groups=config.static_groups,
-                             damp=config.damp, block_size=config.block_size,
-                             mse_grid=config.grid_search, refit=config.refit)
+        with one_thread():
+            return gptq_quantize(W, Hm, bits=config.bits, group_size=config.group_size, sym=config.sym,
+                                 act_order=config.act_order, static_groups=config.static_groups,
+                                 damp=config.damp, block_size=config.block_size,
+                                 mse_grid=config.grid_search, refit=config.refit)
 
     value = value_projection(module, names) if config.value_hessian == "attention" else None
     v_hessians: list[HessianAccumulator] = []
@@ -530,8 +553,9 @@ def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
                 report["routed_rows"] = report.get("routed_rows", 0) + inputs.paired_rows
                 report["routed_rows_paired"] = report.get("routed_rows_paired", 0) + inputs.float_rows
             if pairs.nsamples:
-                weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, cfg.gptaq_alpha, cfg.damp)
-                           for n, w in weights.items()}
+                with one_thread():
+                    weights = {n: asymmetric_target(w, pairs.H, pairs.dXXT, cfg.gptaq_alpha, cfg.damp)
+                               for n, w in weights.items()}
         else:
             acc = HessianAccumulator(linears[0].in_features, device=linears[0].weight.device, symmetric=True)
             for x in inputs():
@@ -543,8 +567,9 @@ def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
                 q, s, z = rtn_quantize(w, cfg.bits, cfg.group_size, cfg.sym)
                 results[name] = (q.cpu(), s.cpu(), z.cpu())
             report.setdefault("without_calibration_tokens", []).extend(names)
-        for name, lin in zip(names, linears):
-            q, s, z = results[name]
-            lin.weight.data.copy_(dequantize_groups(q, s, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))
+        with one_thread():
+            for name, lin in zip(names, linears):
+                q, s, z = results[name]
+                lin.weight.data.copy_(dequantize_groups(q, s, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))
 
     return visit

@@ -45,7 +45,7 @@ from edgekit.compress.blocks import (
     value_projection,
 )
 from edgekit.compress.families import embedding_scale, linearize
-from edgekit.compress.gptq import gptq_visit
+from edgekit.compress.gptq import gptq_visit, one_thread
 from edgekit.compress.mixed import HIGH_BITS, allocate, layer_bytes, make_units, sensitivities
 from edgekit.compress.options import option
 from edgekit.compress.packing import SUPPORTED_BITS, QuantEmbedding, QuantLinear
@@ -526,7 +526,8 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     layers: dict[str, Any] = {}
 
     def pack_block(codes: Quantized) -> None:  # as each block is final: a half-stored model stays so
-        layers.update(pack_layers(module, codes, config, bits))
+        with one_thread():  # small copies and a probe per layer: a second thread only waits (gptq.one_thread)
+            layers.update(pack_layers(module, codes, config, bits))
 
     results, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
     meta = pack_head(module, config, layers)

@@ -41,12 +41,12 @@ from edgekit.estimate.efficiency import calibration_path, load_calibration, roof
 from edgekit.estimate.graph import load_graph, strip_weights
 from edgekit.estimate.probe import probed_target
 from edgekit.estimate.roofline import ESTIMATE_NOTE, Estimate, NodeEstimate, estimate
-from edgekit.export.onnx import export_onnx
+from edgekit.loading import export_onnx, load_model
 from edgekit.profiling import ProfileConfig, measure, profile_engine
 from edgekit.runtimes.base import BuildOptions
 from edgekit.sources.handle import bind_dims, random_inputs
 from edgekit.sources.inputs import InputOptions
-from edgekit.sources.models import load_model, load_onnx_file
+from edgekit.sources.models import load_onnx_file
 from edgekit.targets import TargetLike, load_target
 
 

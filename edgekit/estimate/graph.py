@@ -21,8 +21,7 @@ from onnx import helper
 
 from edgekit.artifact import read_manifest
 from edgekit.errors import BadInputError, EdgekitError
-from edgekit.export.onnx import export_onnx
-from edgekit.sources.models import load_model
+from edgekit.loading import export_onnx, load_model
 from edgekit.sources.onnx_file import read_onnx, sparse_to_initializers
 
 # ONNX element type -> bits per element

@@ -39,7 +39,7 @@ from edgekit.runtimes.onnxruntime import ort_failure, verify_onnx_runs
 from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
-from edgekit.sources.models import load_model
+from edgekit.sources.models import ArtifactLoader, load_model
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,14 @@ class ExportConfig:
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],
                 config: ExportConfig | None = None, input_options: InputOptions | None = None,
-                rewrites: Mapping[str, Rewrite | None] | None = None, failed_path: Path | None = None) -> Path:
+                rewrites: Mapping[str, Rewrite | None] | None = None, failed_path: Path | None = None,
+                loaders: Mapping[str, ArtifactLoader] | None = None) -> Path:
     """Export ``model`` (a spec, folder or ModelHandle) to an "onnx" artifact folder.
     ``input_options`` (``--shapes``, ``--inputs``) set the inputs traced and compared.
-    ``rewrites``: each compression step's graph rewrite by step name (default: the registered
-    step registry's, ``register_rewrite_lookup``), applied in chain order after tracing.
+    ``rewrites``: each compression step's graph rewrite by step name (default: those of the steps
+    that made the model, ``ModelHandle.step_rewrites``), applied in chain order after tracing.
+    ``loaders``: ``load_model``'s, for artifact kinds a higher layer defines (``edgekit.loading``'s
+    ``export_onnx`` passes the compressed model's).
     ``failed_path``: where a graph that fails parity is kept (default ``<out_dir>.failed.onnx``;
     a caller exporting into a staging folder names a place that outlives it).
 
@@ -123,7 +126,7 @@ def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.P
     out_dir = Path(out_dir)
     if not isinstance(model, ModelHandle):
         check_output_dir(out_dir, (model,))  # before loading: a zoo model may be trained on first use
-    handle = load_model(model, input_options)
+    handle = load_model(model, input_options, loaders=loaders)
     protect = (model, handle.source, handle.onnx_path, getattr(input_options, "inputs", None))  # never touched
     check_output_dir(out_dir, protect, expected_bytes=stored_bytes(handle))  # before any work, with room for it
     inputs = _input_records(model, handle)
@@ -429,28 +432,19 @@ def _quiet() -> Any:
 # A compression step's graph rewrite: (proto, handle, the step's record) -> proto (None: changed in place).
 Rewrite = Callable[[Any, ModelHandle, StepRecord], Any]
 RewriteLookup = Callable[[str], "Rewrite | None"]
-# Where export finds each step's rewrite by the step's name. Export sits below the compression steps
-# and does not import them: ``edgekit.compress`` registers its registry's lookup here when it is
-# imported (a handle carrying step records was made by it), and ``export_onnx(rewrites=...)`` overrides.
-_REWRITE_LOOKUP: list[RewriteLookup] = []
-
-
-def register_rewrite_lookup(lookup: RewriteLookup) -> None:
-    """Set the function that maps a compression step's name to its ONNX rewrite (or None)."""
-    _REWRITE_LOOKUP[:] = [lookup]
-
-
 def _apply_rewrites(proto: Any, handle: ModelHandle, rewrites: Mapping[str, Rewrite | None] | None) -> Any:
+    """Each step's graph rewrite, in chain order: from ``rewrites`` where given, else from the
+    compression steps that made the handle (``handle.step_rewrites``)."""
     if not handle.steps:
         return proto
     for record in handle.steps:
         if rewrites is not None:
             rewrite = rewrites.get(record.name)
-        elif _REWRITE_LOOKUP:
-            rewrite = _REWRITE_LOOKUP[0](record.name)
+        elif handle.step_rewrites is not None:
+            rewrite = handle.step_rewrites(record.name)
         else:
-            raise EdgekitError(f"{handle.name} carries the compression step {record.name!r} but no step registry "
-                               "is loaded to rewrite its graph (import edgekit.compress, or pass rewrites=)")
+            raise EdgekitError(f"{handle.name} carries the compression step {record.name!r} but not its steps' "
+                               "graph rewrites (load it with edgekit.load_model, or pass rewrites=)")
         if rewrite is not None:
             out = rewrite(proto, handle, record)
             proto = out if out is not None else proto

@@ -58,7 +58,8 @@ from edgekit.compress import StepContext, compress, get_step
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.estimate import estimate
 from edgekit.evaluate import evaluate
-from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.export.onnx import ExportConfig
+from edgekit.loading import export_onnx, load_model
 from edgekit.measure import engine_latency
 from edgekit.pipelines.frames import (
     FrameMeasurement,
@@ -89,7 +90,6 @@ from edgekit.runtimes.base import BuildOptions, NodeTiming
 from edgekit.sources.data import load_samples
 from edgekit.sources.handle import InputSpec
 from edgekit.sources.inputs import shapes_only
-from edgekit.sources.models import load_model
 from edgekit.targets import Target, load_target
 
 RESULTS = "results.json"

@@ -86,6 +86,8 @@ class ModelHandle:
         tokenizer: for text models.
         dynamic_axes: input/output name -> {axis index: axis name}, for export.
         steps: compression steps applied so far (the chain the artifact records).
+        step_rewrites: maps a step's name to its ONNX graph rewrite (or None); set by the
+            compression steps that made the handle, read by export (which sits below them).
         extra: free-form facts (e.g. "num_classes", "labels", "hf_config").
     """
 
@@ -105,6 +107,7 @@ class ModelHandle:
     tokenizer: Any = None
     dynamic_axes: dict[str, dict[int, str]] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
+    step_rewrites: Callable[[str], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def sample_inputs(self, batch: int = 1, **dims: int) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ import importlib
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,31 +47,38 @@ from edgekit.sources.pt2 import load_exported_program
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Loads an artifact folder of a kind a higher layer defines (e.g. a compressed model: base model,
+# step chain and weights) into a handle.
+ArtifactLoader = Callable[[Path], ModelHandle]
+
 _ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".joblib")  # torch.save / pickle files
 
 
 def load_model(spec: str | os.PathLike[str] | ModelHandle, input_options: InputOptions | None = None, *,
-               half_storage: bool = False) -> ModelHandle:
+               half_storage: bool = False, loaders: Mapping[str, ArtifactLoader] | None = None) -> ModelHandle:
     """Load a model from any supported source; ``input_options`` (shapes, a .npz of real
     sample inputs, image preprocessing: ``sources.inputs``) are checked against its inputs
     and followed by its ``sample_inputs`` and ``prepare``. ``half_storage``: a Hugging Face causal
     LM stored in bfloat16/float16 keeps that storage (``hf.load_hf``); other sources load as always.
+    ``loaders``: loaders of the artifact kinds a higher layer defines, by manifest kind (a compressed
+    model folder, kind "model", loads through its steps: ``edgekit.loading`` passes them).
 
     >>> handle = load_model("efficientnet-lite0")  # doctest: +SKIP
     >>> handle.inputs[0].shape  # doctest: +SKIP
     ('batch', 3, 224, 224)
     """
-    return apply_input_options(_load(spec, half_storage), input_options)
+    return apply_input_options(_load(spec, half_storage, loaders or {}), input_options)
 
 
-def _load(spec: str | os.PathLike[str] | ModelHandle, half_storage: bool = False) -> ModelHandle:
+def _load(spec: str | os.PathLike[str] | ModelHandle, half_storage: bool,
+          loaders: Mapping[str, ArtifactLoader]) -> ModelHandle:
     if isinstance(spec, ModelHandle):
         return spec
     text = str(spec)
     path = Path(text)
     if path.is_dir() and (path / "manifest.json").is_file():
-        return _load_artifact(path)
+        return _load_artifact(path, loaders)
     if text.endswith(".onnx"):
         return load_onnx_file(path)
     if text.endswith(".pt2"):
@@ -345,29 +352,19 @@ def _load_entry_point(spec: str) -> ModelHandle:
                        dynamic_axes={n: {0: "batch"} for n in names})
 
 
-# Loaders of artifact kinds that a higher layer defines, by manifest kind: ``edgekit.compress``
-# registers "model" (a compressed model: base model + step chain + weights) when it is imported.
-ARTIFACT_LOADERS: dict[str, Callable[[Path], ModelHandle]] = {}
-
-
-def register_artifact_loader(kind: str, loader: Callable[[Path], ModelHandle]) -> None:
-    """Load artifact folders of manifest ``kind`` with ``loader(folder) -> ModelHandle``."""
-    ARTIFACT_LOADERS[kind] = loader
-
-
-def _load_artifact(folder: Path) -> ModelHandle:
+def _load_artifact(folder: Path, loaders: Mapping[str, ArtifactLoader]) -> ModelHandle:
     from edgekit.artifact import read_manifest
 
     manifest = read_manifest(folder)
-    if manifest.kind in ARTIFACT_LOADERS:
-        handle = ARTIFACT_LOADERS[manifest.kind](folder)
+    if manifest.kind in loaders:
+        handle = loaders[manifest.kind](folder)
         if handle.module is not None:  # rebuilt from its float model: let go of that model's file
             own_memory(handle.module)
         release_memory()
         return handle
     if manifest.kind == "model":
-        raise BadInputError(f"{folder} is a compressed model; loading it needs the compression steps "
-                            "(import edgekit.compress first: the edgekit command does)")
+        raise BadInputError(f"{folder} is a compressed model; loading it needs the compression steps: "
+                            "use edgekit.load_model (edgekit.loading), or pass loaders=edgekit.loading.ARTIFACT_LOADERS")
     if manifest.kind == "onnx":
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         base = manifest.model

@@ -1,7 +1,6 @@
 """AWQ search pieces on tiny layers (issue 4)."""
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -67,20 +66,26 @@ def test_fold_into_norm_and_linear_preserves_the_function():
     torch.testing.assert_close(down(up(x)), y, rtol=1e-5, atol=1e-5)
 
 
-def test_family_descriptions_for_opt_and_gpt_neox_and_post_norm_opt_refused():
+def test_family_descriptions_for_opt_and_gpt_neox_and_post_norm_opt_not_described():
     """OPT and GPT-NeoX are described (pre-norm: each norm feeds its own projections); OPT with
-    post-norm layers (``do_layer_norm_before=False``, OPT-350m) is a structure AWQ must not guess at."""
+    post-norm layers (``do_layer_norm_before=False``, OPT-350m) is not: the description does not
+    fit it, so AWQ measures its pairs instead (``wiring.py``), and no norm feeds q/k/v there."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM
 
-    from edgekit.compress.families import family_of, require_known
-    from edgekit.errors import BadInputError
+    from edgekit.compress.blocks import find_blocks
+    from edgekit.compress.families import family_of
+    from edgekit.compress.wiring import probe_family
 
     small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     opt = OPTForCausalLM(OPTConfig(**small, ffn_dim=32, word_embed_proj_dim=16))
     neox = GPTNeoXForCausalLM(GPTNeoXConfig(**small, intermediate_size=32))
     assert family_of(opt).pair_for("fc1").producer == "final_layer_norm"
     assert family_of(neox).pair_for("mlp.dense_h_to_4h").producer == "post_attention_layernorm"
-    require_known(family_of(opt), "AWQ")
-    post = OPTForCausalLM(OPTConfig(**small, ffn_dim=32, word_embed_proj_dim=16, do_layer_norm_before=False))
-    with pytest.raises(BadInputError, match="'opt with do_layer_norm_before=False'"):
-        require_known(family_of(post), "AWQ")
+    assert family_of(opt).known
+    post = OPTForCausalLM(OPTConfig(**{**small, "num_hidden_layers": 2}, ffn_dim=32, word_embed_proj_dim=16,
+                                    do_layer_norm_before=False)).eval()
+    described = family_of(post)
+    assert not described.known and described.name == "opt with do_layer_norm_before=False"
+    probed = probe_family(post, *reversed(find_blocks(post)))
+    assert probed.pair_for("self_attn.q_proj") is None and probed.pair_for("fc1") is None  # post-norm: no norm feeds them
+    assert probed.pair_for("self_attn.out_proj").producer == "self_attn.v_proj"

@@ -235,3 +235,78 @@ def test_fixed_grid_solve_gives_the_callback_solve_codes(act_order):
     gptq_solve(W, H, grid, block_size=32, act_order=act_order)
     got = gptq_solve_fixed(W, H, S, Z, 15, block_size=32, act_order=act_order)
     assert torch.equal(got, want)
+
+
+def test_one_thread_inside_and_the_callers_threads_restored_after():
+    from edgekit.compress.gptq import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError), one_thread():
+            raise ValueError("a failed solve")
+        assert torch.get_num_threads() == 2  # restored on the way out of an error too
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_walk_solves_on_one_thread_with_the_codes_of_gptq_quantize(monkeypatch):
+    """With two torch threads, every GPTQ solve and GPTAQ target of the block walk runs on one, the
+    walk's forward passes keep two, and each group's codes are ``gptq_quantize``'s on the group's
+    (GPTAQ-shifted) weight and Hessian solved directly on one thread: whatever the caller's thread count,
+    the walk's solves give the codes of a one-thread solve."""
+    import sys
+    from pathlib import Path
+
+    from edgekit.compress import gptq
+    from edgekit.compress.weight_only import WeightOnlyConfig, quantize_module
+
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from tiny_models import build
+
+    solves: list[tuple[int, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = []
+    targets: list[int] = []
+    real_quantize, real_target = gptq.gptq_quantize, gptq.asymmetric_target
+
+    def spy_quantize(W, H, **kw):
+        out = real_quantize(W, H, **kw)
+        solves.append((torch.get_num_threads(), W.clone(), H.clone(), out))
+        return out
+
+    def spy_target(*a, **kw):
+        targets.append(torch.get_num_threads())
+        return real_target(*a, **kw)
+
+    monkeypatch.setattr(gptq, "gptq_quantize", spy_quantize)
+    monkeypatch.setattr(gptq, "asymmetric_target", spy_target)
+    model = build("llama")
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
+    config = WeightOnlyConfig(method="gptq", bits=4, group_size=32, calib_samples=4, seqlen=24)
+    assert config.gptaq_alpha > 0 and config.value_hessian == "attention" and config.act_order
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results, _ = quantize_module(model, config, [ids])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    # per block: q/k, v's key/value heads one by one, o, gate/up, down
+    heads = model.config.num_key_value_heads
+    blocks = model.config.num_hidden_layers
+    assert len(solves) == blocks * (4 + heads)
+    assert {s[0] for s in solves} == {1} and set(targets) == {1} and len(targets) == len(results)  # one per linear
+    torch.set_num_threads(1)
+    try:
+        for _, W, H, (q, s, z) in solves:
+            q2, s2, z2 = real_quantize(W, H, bits=4, group_size=32, sym=False, act_order=True, static_groups=False,
+                                       damp=config.damp, block_size=config.block_size,
+                                       mse_grid=config.grid_search, refit=True)
+            assert torch.equal(q, q2) and torch.equal(s, s2) and torch.equal(z, z2)
+    finally:
+        torch.set_num_threads(before)
+    assert all(r[0].dtype == torch.uint8 and int(r[0].max()) <= 15 for r in results.values())

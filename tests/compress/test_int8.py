@@ -203,7 +203,6 @@ def test_weight_grid_per_scheme_and_layer(scheme, depthwise, grid):
 
 def test_scheme_follows_the_target():
     from edgekit.targets import Target, load_target
-
     from edgekit.targets.cpu_isa import host_int8_kernel
 
     # the CPU's integer kernels decide: int32 sums (VNNI, AMX, arm64) keep 8-bit weights; the int16 pair
@@ -337,10 +336,9 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
     """The VNNI scheme (8-bit weights) on the int16-pair kernels of x86 without VNNI, through their
     numerical model: far outside the parity tolerance on any machine that runs the test; the 7-bit
     scheme of the same model stays inside it."""
-    from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.errors import CheckFailedError
+    from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.runtimes.int8_kernels import session_for
-
     from edgekit.targets import load_target
 
     errors = {}
@@ -509,7 +507,7 @@ def test_qat_trains_checkpoints_and_resumes(tiny_mlp, tmp_path):
 
 
 def test_external_onnx_model_is_quantized_from_its_graph(tiny_onnx, tmp_path):
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     h = load_model(str(tiny_onnx))
     ctx = StepContext(calib=_images(16, (3, 16, 16), 3), work_dir=tmp_path / "w", progress=False)
@@ -547,8 +545,8 @@ def test_tiny_transformer_ptq_exports_and_stays_close(tiny_transformer, tmp_path
 @pytest.mark.slow
 def test_fmnist_cnn_ptq_real_model(tmp_path):
     """The real Fashion-MNIST CNN: PTQ keeps accuracy within 0.5 points, every conv runs int8."""
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     h = load_model("fmnist-cnn")
     ev = load_samples(None, h, split="eval", limit=1000)

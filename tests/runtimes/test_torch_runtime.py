@@ -61,7 +61,7 @@ def test_uncapturable_model_names_the_reason_and_suggests_onnxruntime(tmp_path: 
 
 
 def test_onnx_only_model_and_bad_precision(tiny_onnx: Path, tiny_mlp, tmp_path: Path) -> None:
-    from edgekit.sources.models import load_model
+    from edgekit.loading import load_model
 
     with pytest.raises(BadInputError, match="is an ONNX graph.*--runtime onnxruntime"):
         RUNTIME.build(load_model(str(tiny_onnx)), SimpleNamespace(kind="cpu", name="cpu"), tmp_path, BuildOptions())
