@@ -22,8 +22,6 @@ in the exported graph or the engine's speed.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +30,7 @@ import torch.nn.functional as F
 
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
-from edgekit.compress.gptq import HessianAccumulator, gptq_solve, gptq_solve_fixed
+from edgekit.compress.gptq import HessianAccumulator, gptq_solve, gptq_solve_fixed, one_thread
 from edgekit.sources.data import Samples
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
@@ -135,7 +133,7 @@ def round_model(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names
     hs = input_hessians(gm, plan, samples, names, limit=limit, channels_last=channels_last)
     before = after = 0.0
     layers: dict[str, list[float]] = {}
-    with _one_thread():
+    with one_thread():  # thousands of small operations: see gptq.one_thread
         for name, H in hs.items():
             _round_layer(gm, plan, name, H, layers)
     for e0, e1 in layers.values():
@@ -162,14 +160,3 @@ def _round_layer(gm: fx.GraphModule, plan: qdq.QuantPlan, name: str, H: torch.Te
     qdq.set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
     layers[name] = [e0, e1]
 
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """The solves are thousands of small tensor operations (a column at a time): on more threads each
-    pays a fork and join, and threads that wait spin on a busy machine (measured 2-7x the CPU time)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
