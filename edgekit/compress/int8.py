@@ -402,6 +402,10 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     new = copy.copy(handle)
     new.module = gm
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config), meta)]
+    if new.step_rewrites is None:  # called outside compress(): the gate's export needs this step's rewrite
+        from edgekit.compress import step_rewrite
+
+        new.step_rewrites = step_rewrite
     new.extra = {**handle.extra, "int8_scheme": scheme, "parity_tolerance": PARITY_TOLERANCE}
     metrics["parity_tolerance"] = {"atol": PARITY_TOLERANCE[0], "rtol": PARITY_TOLERANCE[1]}
     if ev is not None and ref_out is not None:
