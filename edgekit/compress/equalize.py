@@ -156,7 +156,7 @@ class _MeanRecorder(nn.Module):
 
 
 def correct_bias(gm: fx.GraphModule, plan: qdq.QuantPlan, float_module: nn.Module, samples: Samples, names: list[str],
-                 batch_size: int = 16, max_samples: int = 64) -> int:
+                 batch_size: int = 16, max_samples: int = 64, channels_last: bool = False) -> int:
     """Empirical bias correction from the quantized inputs' per-channel means (one pass over
     at most ``max_samples`` calibration samples). Returns the number of layers corrected."""
     if len(samples) > max_samples:
@@ -183,7 +183,7 @@ def correct_bias(gm: fx.GraphModule, plan: qdq.QuantPlan, float_module: nn.Modul
     gm.eval()
     try:
         with torch.no_grad():
-            for args in tensor_batches(samples, names, batch_size):
+            for args in tensor_batches(samples, names, batch_size, channels_last):
                 gm(*args)
         recorders = {name: _recorder(gm, name) for _, name in added}
     finally:

@@ -13,8 +13,9 @@ in the exported graph or the engine's speed.
   input): ``(K, K)`` shared by all output channels for a dense layer (``K = Cin·kh·kw``,
   im2col columns in the weight's order), ``(C, k·k, k·k)`` one per channel for a depthwise
   convolution.
-* ``gptq_round(W, scale, H)`` is the solve: ``gptq.gptq_solve`` (the same solver as the
-  4-bit path) with the fixed int8 grid passed in.
+* ``gptq_round(W, scale, H)`` is the solve: ``gptq.gptq_solve_fixed`` (the 4-bit path's solver
+  for a grid fixed in advance, in place on the transposed weight) for a dense layer,
+  ``gptq.gptq_solve`` with per-channel Hessians for a depthwise convolution.
 * ``round_model`` writes the rounded weights into the model and keeps each layer's float
   weight on its quantizer (``float_weight``), for bias correction (which corrects the
   shift against the float weights) and for fallback (a layer returned to float gets them).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from edgekit.compress import qdq
 from edgekit.compress.calibration import tensor_batches
-from edgekit.compress.gptq import HessianAccumulator, gptq_solve
+from edgekit.compress.gptq import HessianAccumulator, gptq_solve, gptq_solve_fixed, one_thread
 from edgekit.sources.data import Samples
 
 DAMP = 0.01  # fraction of the mean diagonal added to H (the GPTQ reference's percdamp)
@@ -46,7 +47,7 @@ def _conv_args(n: fx.Node, env_args: list[Any]) -> tuple[Any, Any, Any, int]:
 
 
 def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], limit: int = 32,
-                   batch_size: int = 2) -> dict[str, torch.Tensor]:
+                   batch_size: int = 2, channels_last: bool = False) -> dict[str, torch.Tensor]:
     """layer name -> ``2 E[x xᵀ]`` of its inputs (``gptq.HessianAccumulator``; see the module
     docstring), one pass."""
     targets: dict[fx.Node, str] = {}
@@ -91,7 +92,7 @@ def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, na
     sub = samples.subset(slice(0, min(limit, len(samples))))
     gm.eval()
     with torch.no_grad():
-        for args in tensor_batches(sub, names, batch_size):
+        for args in tensor_batches(sub, names, batch_size, channels_last):
             _Probe(gm).run(*args)
     return {k: a.H for k, a in acc.items()}
 
@@ -103,6 +104,12 @@ def gptq_round(W: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, qmin: int 
     shared, or (rows, K, K) one per row. Returns ``Q`` (rows, K), float, every value
     ``scale * integer`` in [qmin, qmax]."""
     s = scale.detach().double().reshape(-1)
+    if H.dim() == 2:  # one H for all rows: the in-place solve on the transposed weight, the grid inlined
+        rows, cols = W.shape
+        zero = torch.full((rows, cols), float(-qmin), dtype=torch.float64)
+        codes = gptq_solve_fixed(W.detach().double(), H.detach().double(), s[:, None].expand(rows, cols),
+                                 zero, qmax - qmin, damp=damp)
+        return ((codes + qmin) * s[:, None]).float()
 
     def grid(_col: int, w: torch.Tensor, _ahead: object) -> torch.Tensor:
         return torch.clamp(torch.round(w / s), qmin, qmax) * s
@@ -120,27 +127,36 @@ def output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
 
 
 def round_model(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str],
-                limit: int = 32) -> dict[str, Any]:
+                limit: int = 32, channels_last: bool = False) -> dict[str, Any]:
     """GPTQ-round every enabled layer's weights in place (grid unchanged). Returns per-layer
     output errors of round-to-nearest and GPTQ (same H), and their total ratio."""
-    hs = input_hessians(gm, plan, samples, names, limit=limit)
+    hs = input_hessians(gm, plan, samples, names, limit=limit, channels_last=channels_last)
     before = after = 0.0
     layers: dict[str, list[float]] = {}
-    for name, H in hs.items():
-        wq = qdq.weight_quant(gm, plan.layers[name])
-        wpath = name + ".weight"
-        w = qdq.get_attr(gm, wpath).detach()
-        W2 = w.reshape(w.shape[0], -1).float()
-        if H.shape[-1] != W2.shape[1] or not torch.isfinite(H).all():
-            continue
-        rtn = wq(w).reshape(W2.shape)
-        Q = gptq_round(W2, wq.scale, H, wq.qmin, wq.qmax)
-        e0, e1 = output_error(W2, rtn, H), output_error(W2, Q, H)
-        if not e1 < e0:  # keep round-to-nearest where the solve did not help
-            continue
-        wq.float_weight = (wpath, w.clone())
-        qdq.set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
+    with one_thread():  # thousands of small operations: see gptq.one_thread
+        for name, H in hs.items():
+            _round_layer(gm, plan, name, H, layers)
+    for e0, e1 in layers.values():
         before, after = before + e0, after + e1
-        layers[name] = [e0, e1]
     return {"layers": len(layers), "output_error_ratio": round(after / before, 4) if before > 0 else None,
             "per_layer": {k: round(v[1] / v[0], 4) for k, v in layers.items() if v[0] > 0}}
+
+
+def _round_layer(gm: fx.GraphModule, plan: qdq.QuantPlan, name: str, H: torch.Tensor,
+                 layers: dict[str, list[float]]) -> None:
+    """GPTQ-round one layer in place where that lowers its output error; ``layers[name] = [rtn, gptq]``."""
+    wq = qdq.weight_quant(gm, plan.layers[name])
+    wpath = name + ".weight"
+    w = qdq.get_attr(gm, wpath).detach()
+    W2 = w.reshape(w.shape[0], -1).float()
+    if H.shape[-1] != W2.shape[1] or not torch.isfinite(H).all():
+        return
+    rtn = wq(w).reshape(W2.shape)
+    Q = gptq_round(W2, wq.scale, H, wq.qmin, wq.qmax)
+    e0, e1 = output_error(W2, rtn, H), output_error(W2, Q, H)
+    if not e1 < e0:  # keep round-to-nearest where the solve did not help
+        return
+    wq.float_weight = (wpath, w.clone())
+    qdq.set_param(gm, wpath, Q.reshape(w.shape).to(w.dtype))
+    layers[name] = [e0, e1]
+

@@ -502,7 +502,9 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
     so.enable_cpu_mem_arena = False  # every intermediate is an output here: give their memory back after each run
-    observers = {t: HistogramObserver(t) for t in tensors}
+    # every value: the histogram sample (calibration.HIST_SAMPLE) was measured on the PyTorch path, and
+    # these graphs' default percentile ranges rest on their tails (benchmarks/RESULTS.md, issue 26)
+    observers = {t: HistogramObserver(t, sample=None) for t in tensors}
     first: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
         aug_path = Path(tmp) / "augmented.onnx"

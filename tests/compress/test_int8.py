@@ -105,6 +105,37 @@ def test_observer_streams_in_bounded_memory_and_keeps_counts():
     assert hi == pytest.approx(want, rel=0.05)
 
 
+def test_observer_histograms_a_seeded_sample_of_large_batches():
+    """Above ``sample`` values a batch goes into the histogram as a seeded uniform sample weighted by
+    what it stands for: counts and extremes stay exact, ranges stay within a bin or two of the full
+    histogram's, and the same seed gives the same histogram."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(40_000, generator=g) * s for s in (1.0, 3.0)] + [torch.rand(5_000, generator=g)]
+    batches[0][7] = 25.0  # one outlier: seen by the extremes even if the sample misses it
+    full, a, b = HistogramObserver("t", sample=None), HistogramObserver("t", sample=4096), HistogramObserver(
+        "t", sample=4096)
+    for x in batches:
+        for obs in (full, a, b):
+            obs.update(x.reshape(10, -1) if x.numel() == 40_000 else x)
+    assert torch.equal(a.hist, b.hist) and a.R == full.R  # seeded: reproducible
+    assert a.count == full.count == 85_000
+    assert a.hist.sum().item() == pytest.approx(85_000, rel=1e-9)  # 4096 values per batch, weighted
+    assert (a.min, a.max) == (full.min, full.max) and a.max == pytest.approx(25.0)
+    bin_width = 2 * full.R / BINS
+    for method, p in (("percentile", 99.9), ("mse", 99.99)):
+        lo_f, hi_f = choose_range(full, method, p)
+        lo_s, hi_s = choose_range(a, method, p)
+        assert abs(hi_s - hi_f) <= 0.05 * hi_f and abs(lo_s - lo_f) <= 0.05 * abs(lo_f) + 2 * bin_width
+
+
+def test_observer_reads_channels_last_tensors_without_a_copy_of_the_order():
+    x = torch.randn(2, 3, 4, 5)
+    obs, obs_cl = HistogramObserver("t", sample=None), HistogramObserver("t", sample=None)
+    obs.update(x)
+    obs_cl.update(x.contiguous(memory_format=torch.channels_last))
+    assert torch.equal(obs.hist, obs_cl.hist) and (obs.min, obs.max) == (obs_cl.min, obs_cl.max)
+
+
 @pytest.mark.parametrize("method", ["minmax", "percentile", "entropy", "mse"])
 def test_every_method_gives_a_range_inside_the_extremes(method):
     obs = HistogramObserver("t")
@@ -226,6 +257,8 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
     m = ctx.metrics["int8"]
     assert m["int8_fake_quant"]["mean_kl"] < 0.01  # fake-quant stays close to FP32
     assert abs(m["int8_engine"]["drop_from_fake_quant"]) <= 0.1  # the engine as the target runs it, same data
+    assert "Q/DQ computed in float" in m["int8_fake_quant"]["via"]  # the same exported graph, exported once
+    assert {"calibrate", "evaluate_float", "export", "evaluate_fake_quant", "engine_check"} <= set(m["seconds"])
     path = _export(q, tmp_path / "onnx")
     import onnx
     from onnx import numpy_helper
@@ -356,7 +389,11 @@ def test_the_int8_step_stops_when_the_targets_kernels_compute_something_else(tin
 
 def test_trt_scheme_is_symmetric_int8_and_quantizes_residual_adds(tmp_path):
     h = _residual_handle()
-    q = apply(h, Int8Config(scheme="trt"), _ctx((3, 16, 16)))
+    ctx = _ctx((3, 16, 16))
+    q = apply(h, Int8Config(scheme="trt"), ctx)
+    m = ctx.metrics["int8"]  # TensorRT computes Q/DQ in float: one evaluation is both figures
+    assert m["int8_engine"]["top1_agreement"] == m["int8_fake_quant"]["top1_agreement"] >= 0.8
+    assert m["int8_engine"]["drop_from_fake_quant"] == 0.0 and "float" in m["int8_engine"]["kernels"]
     path = _export(q, tmp_path / "onnx")
     import onnx
     from onnx import numpy_helper
@@ -540,3 +577,71 @@ def test_fast_fake_quant_is_bit_identical_to_torch_and_keeps_gradients():
             xg = x.clone().requires_grad_(True)
             assert q(xg).grad_fn is not None  # training keeps torch's straight-through kernel
         assert not q.fast
+
+
+def test_weight_quant_is_cached_while_neither_weight_nor_scale_changes():
+    from edgekit.compress.qdq import WeightGrid, WeightQuant, fast_fake_quant
+
+    wq = WeightQuant("w", 4, WeightGrid(-64, 64)).eval()
+    w = torch.nn.Parameter(torch.randn(4, 3, 3, 3), requires_grad=False)
+    wq.update_scale(w)
+    outside = wq(w)
+    with fast_fake_quant(nn.Sequential(wq)):
+        first = wq(w)
+        assert torch.equal(first, outside) and wq(w) is first  # computed once
+        with torch.no_grad():
+            w.mul_(2.0)  # in place: the tensor's version moves on
+        assert torch.equal(wq(w), wq.codes(w) * wq.scale.reshape(-1, 1, 1, 1)) and wq(w) is not first
+        again = wq(w)
+        wq.update_scale(w)  # a new scale: quantized again
+        assert wq(w) is not again
+        other = torch.randn(4, 3, 3, 3)  # another tensor (e.g. GPTQ's rounded weight set in its place)
+        assert torch.equal(wq(other), wq.codes(other) * wq.scale.reshape(-1, 1, 1, 1))
+    assert not wq.cache and wq._cached is None and wq(w) is not wq(w)  # nothing kept after the block
+
+
+class _ViewsItsFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        return self.fc(y.view(y.shape[0], -1))  # fails on an NHWC-ordered tensor
+
+
+def test_channels_last_only_where_the_model_computes_the_same(tiny_cnn, tiny_mlp):
+    from edgekit.compress import qdq
+    from edgekit.compress.calibration import run_module
+
+    data = _images(4, (3, 32, 32), 0)
+    gm, _ = qdq.prepare_qdq(tiny_cnn.module.eval(), "u8s7")
+    assert qdq.channels_last_ok(gm, data, ["input"])
+    assert all(m.mode == "quant" for m in qdq.act_quants(gm))  # the trial leaves the quantizers as they were
+    qdq.set_mode(gm, "float")
+    want, got = run_module(gm, data, ["input"]), run_module(gm, data, ["input"], channels_last=True)
+    assert got.shape == want.shape == (4, 10) and np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    views, _ = qdq.prepare_qdq(_ViewsItsFeatures().eval(), "u8s7")
+    assert not qdq.channels_last_ok(views, _images(2, (3, 8, 8), 0), ["input"])
+    mlp, _ = qdq.prepare_qdq(tiny_mlp.module.eval(), "u8s8")  # no 2-D convolution: nothing to gain
+    assert not qdq.channels_last_ok(mlp, Samples("s", "calib", {"input": np.zeros((2, 16), np.float32)}), ["input"])
+
+
+def test_gptq_dense_solve_matches_the_reference_solver_on_the_7bit_grid():
+    from edgekit.compress.gptq import gptq_solve
+    from edgekit.compress.int8_gptq import gptq_round, output_error
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(24, 40, generator=g)
+    X = torch.randn(400, 40, generator=g) @ torch.randn(40, 40, generator=g)
+    H = X.t() @ X / 400
+    scale = W.abs().amax(1) / 64
+    Q = gptq_round(W, scale, H, -64, 64)
+    s = scale.double()[:, None]
+    ref, _ = gptq_solve(W.double(), H.double(), lambda c, w, a: torch.clamp(torch.round(w / s[:, 0]), -64, 64) * s[:, 0])
+    codes = Q / scale[:, None]
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 64
+    assert torch.allclose(Q, ref.float(), atol=1e-6)
+    rtn = torch.clamp(torch.round(W / scale[:, None]), -64, 64) * scale[:, None]
+    assert output_error(W, Q, H) < 0.8 * output_error(W, rtn, H)  # the point of the solve
