@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from pathlib import Path
 
@@ -80,21 +79,14 @@ def _add_one_rewrite(calls: list[str]):
     return rewrite
 
 
-def _patch_steps(monkeypatch, steps: dict):
-    from edgekit.compress import Step
-
-    compress = importlib.import_module("edgekit.compress")  # the package (edgekit.compress is the function)
-
-    def get_step(name):
-        return Step(name=name, config=dict, apply=lambda h, c, ctx: h, description="test",
-                    rewrite_onnx=steps[name])
-
-    monkeypatch.setattr(compress, "get_step", get_step)
+def _patch_steps(handle, steps: dict):
+    """``handle`` carries these test steps' graph rewrites (as a handle a compression step made does)."""
+    handle.step_rewrites = steps.get
 
 
-def test_parity_failure_names_worst_output_and_keeps_failed_graph(tiny_mlp, tmp_path, monkeypatch):
+def test_parity_failure_names_worst_output_and_keeps_failed_graph(tiny_mlp, tmp_path):
     calls: list[str] = []
-    _patch_steps(monkeypatch, {"identity": lambda m, h, r: calls.append(r.name), "breaker": _add_one_rewrite(calls)})
+    _patch_steps(tiny_mlp, {"identity": lambda m, h, r: calls.append(r.name), "breaker": _add_one_rewrite(calls)})
     tiny_mlp.steps = [StepRecord("identity", {}), StepRecord("breaker", {})]
     out = tmp_path / "onnx"
     with pytest.raises(CheckFailedError) as err:
@@ -108,9 +100,9 @@ def test_parity_failure_names_worst_output_and_keeps_failed_graph(tiny_mlp, tmp_
     assert err.value.exit_code == 1
 
 
-def test_parity_tolerances_per_output_and_skip(tiny_mlp, tmp_path, monkeypatch):
+def test_parity_tolerances_per_output_and_skip(tiny_mlp, tmp_path):
     calls: list[str] = []
-    _patch_steps(monkeypatch, {"breaker": _add_one_rewrite(calls)})
+    _patch_steps(tiny_mlp, {"breaker": _add_one_rewrite(calls)})
     tiny_mlp.steps = [StepRecord("breaker", {})]
     out = export_onnx(tiny_mlp, tmp_path / "loose", ExportConfig(dynamo=False, tolerances={"logits": (1.5, 0.0)}))
     assert read_manifest(out).metrics["parity"]["outputs"]["logits"]["max_abs_error"] == pytest.approx(1.0, abs=1e-5)
@@ -119,9 +111,9 @@ def test_parity_tolerances_per_output_and_skip(tiny_mlp, tmp_path, monkeypatch):
     assert read_manifest(out).steps[0]["name"] == "breaker"  # the chain is carried over
 
 
-def test_step_record_loosens_parity_tolerance(tiny_mlp, tmp_path, monkeypatch):
+def test_step_record_loosens_parity_tolerance(tiny_mlp, tmp_path):
     calls: list[str] = []
-    _patch_steps(monkeypatch, {"breaker": _add_one_rewrite(calls)})
+    _patch_steps(tiny_mlp, {"breaker": _add_one_rewrite(calls)})
     tiny_mlp.steps = [StepRecord("breaker", {}, meta={"parity": {"atol": 1.01, "rtol": 0.0}})]
     out = export_onnx(tiny_mlp, tmp_path / "onnx", FAST)
     logits = read_manifest(out).metrics["parity"]["outputs"]["logits"]
