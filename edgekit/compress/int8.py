@@ -466,6 +466,8 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
                        kernels: str) -> ModelHandle:
     """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
     # The float graph is needed only while quantizing: the result lives in its own folder.
+    if ctx.work_dir is not None:
+        Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder = export_onnx(handle, Path(work) / "fp32-onnx", ExportConfig(skip_parity=True))
         onnx_handle = copy.copy(handle)
