@@ -221,7 +221,8 @@ def test_weight_only(family, method, bits, bound, spec, reference, tmp_path, req
     assert _rel(got, want) < bound
 
 
-@pytest.mark.parametrize("family", [cell(f, "int8", pytest.mark.slow) for f in DECODER_FAMILIES]
+@pytest.mark.parametrize("family", [cell(f, "int8", *((pytest.mark.slow,) if i % 2 == 0 else MATRIX))
+                                    for i, f in enumerate(DECODER_FAMILIES)]
                          + [cell(f, "int8") for f in (*ENCODERS, VISION)])
 def test_int8(family, spec, reference):
     """W8A8 static quantization: outputs within 0.1 of the float model (activations are 8-bit too)."""

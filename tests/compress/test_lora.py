@@ -454,7 +454,7 @@ def test_smollm2_qlora_smoke(tmp_path: Path) -> None:
         h = load_model("smollm2-135m")
     except BadInputError:
         pytest.skip("smollm2-135m is not in the zoo yet")
-    h = INT4.apply(h, WeightOnlyConfig(method="rtn", bits=4, group_size=128), StepContext(progress=False))
+    h = INT4.apply(h, WeightOnlyConfig(method="rtn", bits=4, group_size=128, eval_windows=0), StepContext(progress=False))
     train = load_samples("wikipedia", h, split="train", seqlen=64, limit=8)
     val = load_samples("wikipedia", h, split="eval", seqlen=64, limit=2)
     ctx = _ctx(train, val)
