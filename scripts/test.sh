@@ -11,8 +11,8 @@ else
   # then the type checker (pyproject's [tool.mypy]).
   lint-imports --no-cache
   mypy
-  # The default suite (tiny models, under 8 minutes on 2 idle cores), then the real-model smoke tests (the rest of the conformance and decoder matrices, `-m matrix`, is run apart).
-  # Two workers (pytest-xdist; one compute thread each, tests/conftest.py): CI's 2 cores.
-  python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}"
-  python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}" -m "slow and not matrix"
+  # The default suite (tiny models; `pytest` alone runs it) and the real-model smoke tests (`-m slow`) in one
+  # run; the rest of the conformance and decoder matrices (`-m matrix`) is run apart. Two workers
+  # (pytest-xdist; one compute thread each, tests/conftest.py) that take work from each other: CI's 2 cores.
+  python -m pytest -q -n "${EDGEKIT_TEST_WORKERS:-2}" --dist worksteal -m "not matrix"
 fi
