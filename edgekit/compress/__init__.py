@@ -320,7 +320,6 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     ctx = ctx or StepContext()
     handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs),
                         loaders=ARTIFACT_LOADERS)
-    handle.step_rewrites = step_rewrite  # every handle derived from it exports with the steps' rewrites
     protect = (model, handle.source, handle.onnx_path, ctx.calib, ctx.train, ctx.eval,
                getattr(ctx.reference, "source", None), getattr(ctx.inputs, "inputs", None))
     # Before hours of work: the folder, and room for the smallest compressed model (4-bit: an eighth).
@@ -337,7 +336,6 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             progress.phase(f"{name} ({i + 1}/{len(configs)})")
             t0 = time.perf_counter()
             handle = get_step(name).apply(handle, config, ctx)
-            handle.step_rewrites = step_rewrite
             handle.quantized = quantized_precision(handle.steps)
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
             progress.update(i + 1)
