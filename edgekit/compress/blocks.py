@@ -72,10 +72,14 @@ def replace_module(module: nn.Module, name: str, new: nn.Module) -> None:
 
 def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     """The repeated blocks to walk: the ``nn.ModuleList`` holding the most linear layers
-    (a transformer's layers); else the whole model as one block. Returns (prefix, blocks)."""
+    (a transformer's layers); else the whole model as one block. Returns (prefix, blocks).
+    A list of one is a block list only where the model's config says it has one layer: the
+    block-level steps (the value Hessian's attention re-run) need a block's inputs, not the model's."""
+    config = getattr(hf_model(module), "config", None)
+    shortest = 1 if getattr(config, "num_hidden_layers", None) == 1 else 2
     best, best_n = None, 0
     for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
+        if isinstance(m, nn.ModuleList) and len(m) >= shortest:
             n = sum(isinstance(x, nn.Linear) for x in m.modules())
             if n > best_n:
                 best, best_n = name, n

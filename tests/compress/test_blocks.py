@@ -84,3 +84,17 @@ def test_experts_without_calibration_tokens_are_rounded_to_nearest_and_reported(
         q, s, z = rtn_quantize(originals[name + ".weight"], 4, 32, False)
         assert torch.equal(results[name][0], q) and torch.equal(results[name][1], s)
         assert model.get_submodule(name).weight.abs().sum() > 0
+
+
+def test_a_one_layer_model_walks_its_one_block():
+    """A config with one layer: its one-element layer list is the block list (before, the whole
+    model was walked as one block and the value Hessian's attention re-run got token ids)."""
+    model = build("llama", num_hidden_layers=1)
+    prefix, blocks, linears = quantizable_linears(model)
+    assert prefix == "model.layers" and len(blocks) == 1 and len(linears) == 7
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
+    want = _logits(model, ids)
+    results, _ = quantize_module(model, WeightOnlyConfig(method="gptq", bits=4, group_size=32, seqlen=24), [ids])
+    assert set(results) == set(linears)
+    got = _logits(model, ids)
+    assert float((got - want).norm() / want.norm()) < 0.3
