@@ -100,6 +100,50 @@ def run_cell(model_type: str, step: str, model: Any, want: torch.Tensor, tmp: Pa
         return {"status": "traceback", "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
 
+def routing_diagnosis(model: Any, want: torch.Tensor, method: str = "rtn") -> dict[str, Any]:
+    """Where a mixture of experts' 4-bit error comes from: the relative logit error with the model's
+    own routing, with every router returning the float model's scores (the same experts for every
+    token), and the share of tokens per router whose top-k expert set changed."""
+    from edgekit.compress.blocks import expert_routers
+    from edgekit.compress.weight_only import WeightOnlyConfig, quantize_module
+
+    ids = _windows()
+    routers = expert_routers(model)
+    if not routers:
+        return {"routers": 0}
+    k = getattr(model.config, "num_experts_per_tok", None) or getattr(model.config, "moe_topk", None) or 2
+    k = int(k[0] if isinstance(k, (list, tuple)) else k)
+
+    def record(m: Any) -> tuple[dict[str, torch.Tensor], list[Any]]:
+        seen: dict[str, torch.Tensor] = {}
+        hooks = [m.get_submodule(r).register_forward_hook(lambda _m, _a, o, r=r: seen.__setitem__(r, o))
+                 for r in routers]
+        return seen, hooks
+
+    float_scores, hooks = record(model)
+    _logits(model, ids)
+    for h in hooks:
+        h.remove()
+    m = copy.deepcopy(model)
+    config = WeightOnlyConfig(method=method, bits=4, group_size=32, calib_samples=16, seqlen=32)
+    quantize_module(m, config, [_windows(1, 16)] if method == "gptq" else None)
+    own_scores, hooks = record(m)
+    own = _rel(_logits(m, ids), want)
+    for h in hooks:
+        h.remove()
+    hooks = [m.get_submodule(r).register_forward_hook(lambda _m, _a, _o, r=r: float_scores[r]) for r in routers]
+    forced = _rel(_logits(m, ids), want)
+    for h in hooks:
+        h.remove()
+
+    def top(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1]).topk(k, -1).indices.sort(-1).values
+
+    changed = [float((top(float_scores[r]) != top(own_scores[r])).any(-1).float().mean()) for r in routers]
+    return {"routers": len(routers), "top_k": k, "rel": round(own, 4), "rel_float_routing": round(forced, 4),
+            "tokens_rerouted": [round(c, 3) for c in changed]}
+
+
 def _alarm(_signum: int, _frame: Any) -> None:
     raise _OverTime
 
@@ -110,8 +154,24 @@ def main() -> None:
     ap.add_argument("--steps", default=",".join(STEPS))
     ap.add_argument("--seconds", type=int, default=CELL_SECONDS, help="time limit of one cell")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "decoder_matrix.json"))
+    ap.add_argument("--routing", action="store_true",
+                    help="instead of the matrix: for each mixture of experts among --types, its RTN-4 error with "
+                         "its own and with the float model's routing (routing_diagnosis); results/moe_routing.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.routing:
+        diag = {}
+        for mt in (args.types.split(",") if args.types else causal_lm_types()):
+            model = tiny_causal_lm(mt)
+            if isinstance(model, str):
+                continue
+            d = routing_diagnosis(model, _logits(model, _windows()))
+            if d["routers"]:
+                diag[mt] = d
+                print(f"| {mt} | {d['routers']} | {d['rel']:.3f} | {d['rel_float_routing']:.3f} | "
+                      f"{', '.join(f'{c:.0%}' for c in d['tokens_rerouted'])} |", flush=True)
+        (ROOT / "benchmarks" / "results" / "moe_routing.json").write_text(json.dumps(diag, indent=1))
+        return
     types = args.types.split(",") if args.types else causal_lm_types()
     steps = args.steps.split(",")
     signal.signal(signal.SIGALRM, _alarm)

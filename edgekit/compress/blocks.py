@@ -115,12 +115,14 @@ def head_layers(module: nn.Module) -> tuple[str | None, str | None]:
     return None, None
 
 
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # config fields naming the experts
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")  # config fields naming the experts
+ROUTER_NAMES = ("gate", "router")  # a router's own name, or its wrapper's (JetMoE's router.layer, HunYuan's gate.wg)
 
 
 def expert_routers(module: nn.Module) -> list[str]:
-    """The routers of a mixture-of-experts model: linears named ``gate``/``router`` whose outputs
-    are one score per expert (``config.num_local_experts`` and its synonyms). They stay in float:
+    """The routers of a mixture-of-experts model: linears named ``gate``/``router`` (or the one linear
+    of a module so named) whose outputs are one score per expert (``config.num_local_experts`` and its
+    synonyms). They stay in float:
     their few weights decide which experts run, and a 4-bit router changes the routing itself."""
     cfg = getattr(hf_model(module), "config", None)
     counts = {getattr(cfg, k, None) for k in EXPERT_COUNTS} - {None}
@@ -128,7 +130,8 @@ def expert_routers(module: nn.Module) -> list[str]:
     if not counts:
         return []
     return [n for n, m in module.named_modules()
-            if isinstance(m, nn.Linear) and m.out_features in counts and n.rpartition(".")[2] in ("gate", "router")]
+            if isinstance(m, nn.Linear) and m.out_features in counts
+            and (n.rpartition(".")[2] in ROUTER_NAMES or n.rpartition(".")[0].rpartition(".")[2] in ROUTER_NAMES)]
 
 
 def quantizable_linears(module: nn.Module) -> tuple[str, list[nn.Module], dict[str, nn.Linear]]:
