@@ -143,8 +143,8 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
         return False, f"activation {act!r} is not {' or '.join(_ACT_NAMES[a] for a in arch.activations)}"
     if getattr(cfg, "use_bidirectional_attention", False):
         return False, "bidirectional attention is not causal"
-    if model_type == FALCON and falcon_unsupported(cfg):
-        return False, falcon_unsupported(cfg)
+    if model_type == FALCON and (why := falcon_unsupported(cfg)):
+        return False, why
     body = getattr(hf_model, "model", None)
     if arch.local_rotary and getattr(body, "rotary_emb_local", None) is None:
         return False, "the model has no local rotary embedding (model.rotary_emb_local)"

@@ -101,7 +101,7 @@ def test_qkv_rows_read_the_heads_transformers_splits(layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_falcon_exports_the_fused_graph_and_matches_transformers(layout, tmp_path):
-    h = load_model(str(save_tiny("falcon", tmp_path, **LAYOUTS[layout])))
+    h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True, **LAYOUTS[layout])))
     out = export_causal_lm(h, tmp_path / "onnx")
     manifest = json.loads((out / "manifest.json").read_text())
     parity = manifest["metrics"]["parity"]
@@ -124,7 +124,7 @@ def test_falcon_exports_the_fused_graph_and_matches_transformers(layout, tmp_pat
 
 
 def test_4bit_falcon_fused_graph_matches_the_packed_and_the_float_model(tmp_path):
-    h = load_model(str(save_tiny("falcon", tmp_path)))
+    h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True)))
     cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
     w4 = load_compressed(compress(h, [("int4", cfg)], tmp_path / "w4", StepContext(calib="lee-news", eval="wikipedia",
                                                                                    progress=False)))
@@ -146,7 +146,7 @@ def test_4bit_falcon_fused_graph_matches_the_packed_and_the_float_model(tmp_path
 
 def test_falcon_rows_in_the_wrong_layout_fail_parity_and_write_nothing(tmp_path, monkeypatch):
     """The parity check sees a head layout read wrongly (grouped KV read as multi-head q, k, v)."""
-    h = load_model(str(save_tiny("falcon", tmp_path)))
+    h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True)))
     rows = lm_falcon.qkv_rows(build("falcon").config)
     swapped = (rows[0], rows[2], rows[1])  # keys and values exchanged
     monkeypatch.setattr(lm_falcon, "qkv_rows", lambda cfg: swapped)
@@ -163,5 +163,17 @@ def test_alibi_falcon_is_refused_in_one_line(tmp_path):
                                  num_kv_heads=None)))
     with pytest.raises(BadInputError, match="--graph fused is not available for .*: ALiBi position bias") as e:
         export_causal_lm(h, tmp_path / "onnx", graph="fused")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_grouped_kv_falcon_through_the_traced_graph_is_refused_with_the_way_that_works(tmp_path):
+    """optimum's Falcon configuration caches one KV head per query head: asked for the traced graph,
+    the export says so and names the graph that writes the model."""
+    h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True)))
+    with pytest.raises(BadInputError, match=r"cannot export model type 'falcon' with the KV cache: the traced graph "
+                                            r"was asked for \(the fused graph writes it: --graph auto or fused\), "
+                                            r"and .*assumes as many KV heads as query heads") as e:
+        export_causal_lm(h, tmp_path / "onnx", graph="traced")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "onnx").exists()
