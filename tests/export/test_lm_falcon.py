@@ -25,7 +25,7 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from tiny_models import build, save_tiny  # noqa: E402
+from tiny_models import ROPE_SCALING, build, save_tiny  # noqa: E402
 
 PROMPT, STEPS = 20, 6
 FLOAT_REL = 1e-4  # fp32 graph against fp32 PyTorch (measured 5e-7)
@@ -121,6 +121,16 @@ def test_falcon_exports_the_fused_graph_and_matches_transformers(layout, tmp_pat
     assert past["past_key_values.0.key"][1] == KV_HEADS[layout]  # the grouped cache, not one per query head
     ids = _ids()
     assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
+
+
+def test_falcon_with_dynamic_rope_scaling_matches_past_its_threshold(tmp_path):
+    """Falcon's rotary module is transformers' (``dynamic_rope_update``): the graph picks dynamic NTK's
+    rotation from the positions, checked across the threshold and to the end of the declared context."""
+    h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True, **ROPE_SCALING["dynamic"])))
+    parity = json.loads((export_causal_lm(h, tmp_path / "onnx") / "manifest.json").read_text())["metrics"]["parity"]
+    long = parity["long_context"]
+    assert parity["passed"] and long["rope_type"] == "dynamic" and long["thresholds"] == [64]
+    assert max(long["starts"]) + long["tokens_each"] == 256 and long["max_rel_diff"] < FLOAT_REL
 
 
 def test_4bit_falcon_fused_graph_matches_the_packed_and_the_float_model(tmp_path):
