@@ -492,8 +492,8 @@ W8_ROUTED_REL = 0.1
 # model type -> why the KV-cache export is refused
 NO_KV_EXPORT = {"mixtral": "optimum's ONNX exporter has no configuration for it",
                 "qwen2-moe": "optimum's ONNX exporter has no configuration for it",
-                "llama4": "optimum's ONNX exporter has no configuration for it",
-                "falcon": "its Falcon configuration assumes as many KV heads as query heads"}
+                "llama4": "optimum's ONNX exporter has no configuration for it"}
+KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: the fused graph (export/lm_falcon.py)
 
 
 @pytest.mark.parametrize("family,method,bits,bound", [
@@ -526,7 +526,7 @@ def test_more_decoders_awq_folds_where_the_probe_proves_it(family, spec, referen
     assert _rel(_outputs(load_compressed(out), feeds), want) < W4_REL
 
 
-@pytest.mark.parametrize("family", MORE)
+@pytest.mark.parametrize("family", list(NO_KV_EXPORT))
 def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp_path):
     from edgekit.export.lm import export_causal_lm
 
@@ -535,3 +535,22 @@ def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp
         export_causal_lm(load_model(spec(family)), tmp_path / "onnx")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.parametrize("family,method,bits,bound", [
+    pytest.param(f, m, b, bound, id=f"{f}-{m or 'float'}-{b}") for f in KV_EXPORT
+    for m, b, bound in ((None, 32, ONNX_REL), ("gptq", 4, W4_REL), ("rtn", 8, W8_REL))])
+def test_more_decoders_kv_cache_export_stays_near_the_float_model(family, method, bits, bound, spec, reference,
+                                                                  tmp_path):
+    """Float, 8-bit and 4-bit KV-cache exports (the fused graph, parity checked inside) against the
+    float model on the held-out windows."""
+    ref, feeds, want = reference(family)
+    handle = ref
+    if method is not None:
+        cfg = make_config("int4", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ,
+                                   "calib_samples": 4, "eval_windows": 0})
+        handle = load_compressed(compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref)))
+    out = export_causal_lm(handle, tmp_path / "onnx")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["graph"] == "fused" and manifest["metrics"]["parity"]["passed"]
+    assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < bound

@@ -197,9 +197,11 @@ def byte_tokenizer(add_bos: bool = False) -> Any:
                                    unk_token="<unk>", model_max_length=128)
 
 
-def build(family: str, seed: int = 0, **config: Any) -> Any:
+def build(family: str, seed: int = 0, vary_norms: bool = False, **config: Any) -> Any:
     """The float transformers model of ``family`` with seeded random weights (eval mode);
-    ``config`` overrides fields of its config (``sliding_window=8``)."""
+    ``config`` overrides fields of its config (``sliding_window=8``). ``vary_norms``: LayerNorm
+    weights and biases drawn around their init (weight 1, bias 0: the identity, under which a norm
+    read from the wrong module or a dropped bias does not show in the logits)."""
     import torch
 
     cls, cfg = {**DECODERS, **MORE_DECODERS, **ENCODERS}[family]()
@@ -212,13 +214,20 @@ def build(family: str, seed: int = 0, **config: Any) -> Any:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.2)
+    if vary_norms:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.normal_(1.0, 0.2)
+                    if m.bias is not None:
+                        m.bias.normal_(0.0, 0.2)
     return model
 
 
-def save_tiny(family: str, root: Path, seed: int = 0, **config: Any) -> Path:
+def save_tiny(family: str, root: Path, seed: int = 0, vary_norms: bool = False, **config: Any) -> Path:
     """``family`` saved as a Hugging Face folder (config, safetensors, tokenizer) under ``root``."""
     folder = Path(root) / family
-    model = build(family, seed, **config)
+    model = build(family, seed, vary_norms, **config)
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer(add_bos=family in GEMMA).save_pretrained(folder)
     return folder

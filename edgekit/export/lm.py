@@ -601,7 +601,9 @@ def traced_export_failure(config: Any, error: Exception) -> BadInputError:
         why = f"optimum's ONNX exporter does not fit it: {text}"
     else:
         why = f"optimum's ONNX exporter fails on it ({type(error).__name__}: {text[:160]})"
-    _, fused_why = supports_fused_graph_for(config)
+    fused_ok, fused_why = supports_fused_graph_for(config)
+    if fused_ok:  # the traced graph was asked for (--graph traced)
+        fused_why = "the traced graph was asked for (the fused graph writes it: --graph auto or fused)"
     return BadInputError(f"cannot export model type {model_type!r} with the KV cache: {fused_why}, and {why}; "
                          "its compressed PyTorch model is still usable (edgekit compress, evaluate)")
 

@@ -1,4 +1,4 @@
-"""A fused ONNX decoder graph for Llama- and Gemma-family causal LMs, written from the model's own weights.
+"""A fused ONNX decoder graph for Llama-, Gemma- and Falcon-family causal LMs, written from the model's own weights.
 
 The traced graph of a causal LM (``export_causal_lm`` with ``graph="optimum"``) holds about a
 thousand small nodes (RMSNorm as Pow/ReduceMean/Sqrt/Div/Mul, rotary embeddings as Slice/Neg/
@@ -35,6 +35,10 @@ embedding (Gemma 3: the attention then takes q, k and v apart), sliding-window l
 (``local_window_size``) with their own rotary base, ``query_pre_attn_scalar`` as the attention
 scale, and logit soft-capping where the config sets it (``softcap``; Tanh on the final logits).
 
+Falcon (``lm_falcon``) keeps the graph's inputs, embedding, rotary tables and head, and writes its
+own layers: the fused q/k/v projection reordered from Falcon's head layout, LayerNorm with bias,
+attention and MLP in parallel, GELU.
+
 Float ``nn.Linear`` layers (an FP32 model) become float MatMuls in the same layout, so the FP32
 baseline gets the same fusions. ``block_size`` chooses the MatMulNBits block (16..256, dividing
 the quantization group: a group's scale repeats over its blocks, exact); ``accuracy_level=4``
@@ -53,6 +57,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 from torch import nn
 
 from edgekit.errors import BadInputError
+from edgekit.export.lm_falcon import FALCON, falcon_kv_heads, falcon_unsupported, write_falcon_layers, write_layer_norm
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.export.rope import (
     RopeSpec,
@@ -90,9 +95,11 @@ GEMMA2 = Arch(norm_offset=1.0, sandwich_norms=True, embed_normalizer=True,
               activations=("gelu_pytorch_tanh",))
 GEMMA3 = Arch(norm_offset=1.0, sandwich_norms=True, qk_norm=True, local_rotary=True,
               activations=("gelu_pytorch_tanh",))
+# Falcon's layers are written by ``lm_falcon`` (fused q/k/v in its own order, LayerNorm, parallel MLP)
+FALCON_ARCH = Arch(activations=("gelu", "gelu_new", "gelu_pytorch_tanh"))
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
 ARCHS: dict[str, Arch] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma2": GEMMA2,
-                          "gemma3_text": GEMMA3}
+                          "gemma3_text": GEMMA3, FALCON: FALCON_ARCH}
 ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
@@ -136,6 +143,8 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
         return False, f"activation {act!r} is not {' or '.join(_ACT_NAMES[a] for a in arch.activations)}"
     if getattr(cfg, "use_bidirectional_attention", False):
         return False, "bidirectional attention is not causal"
+    if model_type == FALCON and (why := falcon_unsupported(cfg)):
+        return False, why
     body = getattr(hf_model, "model", None)
     if arch.local_rotary and getattr(body, "rotary_emb_local", None) is None:
         return False, "the model has no local rotary embedding (model.rotary_emb_local)"
@@ -149,12 +158,13 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     return True, ""
 
 
-_ACT_NAMES = {"silu": "SiLU", "gelu_pytorch_tanh": "GELU (tanh)"}
+_ACT_NAMES = {"silu": "SiLU", "gelu_pytorch_tanh": "GELU (tanh)", "gelu": "GELU", "gelu_new": "GELU (tanh)"}
 
 
 def _activation(cfg: Any) -> str:
-    """The MLP activation's HF name (Gemma's configs call it ``hidden_activation``)."""
-    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu"))
+    """The MLP activation's HF name (Gemma's configs call it ``hidden_activation``, Falcon's ``activation``)."""
+    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+               or getattr(cfg, "activation", None) or "silu")
 
 
 def _window(cfg: Any, layer: int) -> int | None:
@@ -431,7 +441,7 @@ def _norm_weight(norm: Any, arch: Arch) -> np.ndarray:
 
 
 def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -> ModelProto:
-    """The fused with-past ONNX graph of a Llama- or Gemma-family causal LM (packed or float weights).
+    """The fused with-past ONNX graph of a Llama-, Gemma- or Falcon-family causal LM (packed or float weights).
 
     >>> proto = build_fused_decoder(load_compressed("out/w4").module.model)  # doctest: +SKIP
     """
@@ -492,12 +502,13 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
         raise BadInputError(f"no fused graph for this model: {why}")
     cfg = hf_model.config
     arch = ARCHS[cfg.model_type]
-    body = hf_model.model
+    falcon = cfg.model_type == FALCON
+    body = hf_model.transformer if falcon else hf_model.model
     n_layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv_heads = falcon_kv_heads(cfg) if falcon else (getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    eps = float(cfg.rms_norm_eps)
+    eps = float(cfg.layer_norm_epsilon if falcon else cfg.rms_norm_eps)
     w = _Writer(config)
     b, s, past, total = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 
@@ -522,7 +533,7 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
     w.node("Cast", ["total_i64"], ["total_seq_len"], "total/cast", to=TensorProto.INT32)
 
     # embedding
-    emb = body.embed_tokens
+    emb = hf_model.get_input_embeddings()
     head = hf_model.lm_head
     embed_scale = _embedding_scale(emb, cfg, arch)
     rows = "embeddings" if embed_scale == 1.0 else "embed/rows"
@@ -562,7 +573,9 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
 
     hidden = "embeddings"
     residual: str | None = None
-    for i, layer in enumerate(body.layers):
+    if falcon:  # its own layer layout (lm_falcon.py); the loop below writes the Llama and Gemma layers
+        hidden, residual = write_falcon_layers(w, body.h, cfg, config.fuse_qkv, hidden)
+    for i, layer in enumerate(() if falcon else body.layers):
         p = f"layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         gamma = w.init(f"{p}.input_layernorm.weight", _norm_weight(layer.input_layernorm, arch))
@@ -638,9 +651,12 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
 
     if residual is None:
         raise BadInputError("the model has no decoder layers (model.layers is empty)")
-    gamma = w.init("norm.weight", _norm_weight(body.norm, arch))
-    w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
-           "norm", MS, epsilon=eps)
+    if falcon:
+        write_layer_norm(w, body.ln_f, hidden, residual, "final_norm", "ln_f")
+    else:
+        gamma = w.init("norm.weight", _norm_weight(body.norm, arch))
+        w.node("SkipSimplifiedLayerNormalization", [hidden, residual, gamma], ["final_norm", "", "", "final_res"],
+               "norm", MS, epsilon=eps)
     if _tied_float(emb, head):
         logits = w.node("MatMul", ["final_norm", "lm_head.weight"], ["lm_head/out"], "lm_head")[0]
     else:
