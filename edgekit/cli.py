@@ -20,7 +20,6 @@ import click
 
 from edgekit import __version__, interrupts
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
-from edgekit.limits import MAX_DIM
 from edgekit.options import ConfigOption, config_options, config_values
 from edgekit.paths import has_journal_entries
 
@@ -197,6 +196,15 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
                 _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
     "finetune": (("edgekit.compress.lora.config",),
                  _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"))),
+    "export": (("edgekit.export.config",),
+               _from_configs("export", ("export", "edgekit.export.config:ExportConfig"),
+                             ("lm", "edgekit.export.config:CausalLMExportOptions"))),
+    "estimate": (("edgekit.estimate.options",),
+                 _from_configs("estimate", ("estimate", "edgekit.estimate.options:EstimateOptions"))),
+    "lint": (("edgekit.runtimes.tensorrt.lint_options",),
+             _from_configs("lint", ("lint", "edgekit.runtimes.tensorrt.lint_options:LintOptions"))),
+    "sweep": (("edgekit.pipelines.sweep_options",),
+              _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
     "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
                                                          ("extra", "edgekit.runtimes.base:BuildExtras"))),
     "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
@@ -489,74 +497,51 @@ def zoo(as_json: str | None) -> None:
                    f"weights from {e.package}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, advanced=("inputs_file",))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (an ONNX artifact).")
-@click.option("--opset", type=int, default=None, help="ONNX opset (default: the exporter's choice).")
-@click.option("--legacy", is_flag=True, help="Use the TorchScript exporter instead of dynamo.")
-@click.option("--atol", type=float, default=None, help="Parity: absolute tolerance.")
-@click.option("--rtol", type=float, default=None, help="Parity: relative tolerance.")
-@click.option("--parity/--no-parity", default=True, show_default=True,
-              help="Check the ONNX graph against PyTorch on ONNX Runtime (--no-parity writes it unchecked).")
-@click.option("--kv-cache", is_flag=True, help="Causal LMs: export with the KV cache as inputs and outputs "
-              "(text-generation-with-past, optimum), for real one-token decode latency.")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
-              help="Packed low-bit layers (with --kv-cache): MatMulNBits compute precision on ONNX Runtime's CPU; "
-                   "4 = int8 compute (default: 11.6x faster one-token decode on SmolLM2 than 0), 0 = fp32 compute.")
-@click.option("--graph", type=click.Choice(["auto", "fused", "traced"]), default="auto", show_default=True,
-              help="Causal LMs (with --kv-cache): fused = ONNX Runtime's fused decoder graph (GroupQueryAttention, "
-                   "fused norms and matmuls, in-place KV cache), traced = optimum's export; auto = fused where the "
-                   "architecture has it (Llama, Mistral, Qwen2, Gemma 2 and 3).")
-@click.option("--block-size", type=int, default=None,
-              help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
-@click.option("--weight-format", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
-              help="Packed low-bit layers (with --kv-cache): matmulnbits = ONNX Runtime's MatMulNBits (CPU, CUDA); "
-                   "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
-                   "when the weights were quantized with --sym).")
 @with_input_options("shapes", "inputs")
 @_json_flag("the folder, the ONNX file and the parity check")
-def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any, as_json: str | None) -> None:
-    """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
-    from edgekit.export.onnx import ExportConfig
+def export(model: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
+    """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch.
+
+    The options after --out are ExportConfig's (a recipe's export step names the same fields)
+    and, for a causal LM's KV-cache export, CausalLMExportOptions'."""
+    from edgekit.export.config import CausalLMExportOptions, ExportConfig
     from edgekit.loading import export_onnx
 
-    if kv_cache and input_options:
+    fields = config_fields("export", flags)
+    config = ExportConfig(**fields)  # the values given are checked before anything is read or written
+    lm = CausalLMExportOptions(**config_fields("lm", flags))
+    if lm.kv_cache and input_options:
         raise BadInputError("--shapes and --inputs do not apply to the KV-cache export (it traces its own prefill "
                             "and decode steps); give them to build or profile")
-    if kv_cache:
+    if lm.kv_cache:
         from edgekit.artifact import check_output_dir
+        from edgekit.export.config import LM_OPSET
         from edgekit.export.lm import export_causal_lm
         from edgekit.loading import load_model
 
+        if "dynamo" in fields:
+            raise BadInputError("--dynamo/--legacy choose the exporter of a PyTorch model; the KV-cache export "
+                                "uses optimum's (traced) or writes the fused graph")
         check_output_dir(out, (model,))  # before loading the model
-        options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
-                                   if v is not None}
+        # the LM export's own defaults (opset 21, atol/rtol 2e-3) where a flag was not given
+        lm_kwargs: dict[str, Any] = {k: fields[k] for k in ("atol", "rtol") if k in fields}
+        if lm.accuracy_level is not None:
+            lm_kwargs["accuracy_level"] = lm.accuracy_level
         with _json_stdout(as_json == "-"):
             handle = load_model(model)
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
                                     "model")
-            folder = export_causal_lm(handle, out, opset=opset or 21, parity=parity, graph=graph,
-                                      block_size=block_size, fmt=weight_format, **options)
+            folder = export_causal_lm(handle, out, opset=fields.get("opset", LM_OPSET),
+                                      parity=not fields.get("skip_parity", False), graph=lm.graph,
+                                      block_size=lm.block_size, fmt=lm.weight_format, **lm_kwargs)
         _print_parity(folder, as_json)
         return
-    if accuracy_level is not None:
-        raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
-    if graph != "auto" or block_size is not None or weight_format != "matmulnbits":
-        raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
-                            "(add --kv-cache)")
-
-    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": not parity}
-    if opset is not None:
-        fields["opset"] = opset
-    if atol is not None:
-        fields["atol"] = atol
-    if rtol is not None:
-        fields["rtol"] = rtol
     with _json_stdout(as_json == "-"):
-        folder = export_onnx(model, out, ExportConfig(**fields), input_options)
+        folder = export_onnx(model, out, config, input_options)
     _print_parity(folder, as_json)
 
 
@@ -726,35 +711,21 @@ def _print_profile(result: Any, top_k: int) -> None:
         con.print(f"[yellow]warning:[/] {_escape(w)}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="target")
 @click.argument("model")
 @click.option("--target", "target", required=True, help="A target with the tensorrt runtime (name or YAML file).")
-@click.option("--tensorrt", "tensorrt_version", default=None,
-              help="Check against this TensorRT version (e.g. 8.5) instead of the one the target's JetPack pins.")
-@click.option("--dla-core", type=int, default=None, help="Also list the layers that fall back from this DLA core.")
-@click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
-@click.option("--dim", "dims", multiple=True,
-              help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
 @_json_flag("the findings")
 @with_input_options("shapes")
-def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         dims: tuple[str, ...], as_json: str | None, input_options: Any) -> int:
+def lint(model: str, target: str, as_json: str | None, input_options: Any, **flags: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
-    --shapes / --dim give the optimization profile (else the folder's recorded one).
+    --shapes / --axis give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
     from edgekit.runtimes.tensorrt.lint import lint_model
+    from edgekit.runtimes.tensorrt.lint_options import LintOptions
 
-    ranges: dict[str, tuple[int, int]] = {}
-    for d in dims:
-        name, _, value = d.partition("=")
-        lo, _, hi = value.partition(":")
-        if not name or not lo.strip().isdigit() or (hi and not hi.strip().isdigit()) or int(lo) < 0 \
-                or (hi and int(hi) < int(lo)) or int(hi or lo) < 1:
-            raise BadInputError(f"--dim {d!r} must be NAME=SIZE or NAME=MIN:MAX with whole numbers, 0 <= MIN <= MAX, "
-                                "MAX >= 1")
-        ranges[name] = (int(lo), int(hi or lo))
-    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
-                        shapes=input_options.shapes if input_options else None, dims=ranges or None)
+    o = LintOptions(**config_fields("lint", flags))
+    report = lint_model(model, target, tensorrt_version=o.tensorrt_version, dla_core=o.dla_core, precision=o.precision,
+                        shapes=input_options.shapes if input_options else None, dims=o.axis_ranges())
     if _json_done(report.to_dict(), as_json):
         return report.exit_code
     if report.findings:
@@ -814,8 +785,9 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
 
 @cli.command()
 @click.argument("folder", type=click.Path())
-@click.option("-o", "--out", type=click.Path(), default=None, callback=_output_file,
-              help="Markdown file (default FOLDER/report.md).")
+@click.option("--markdown", "out", type=click.Path(), default=None, callback=_output_file, metavar="FILE",
+              help="The Markdown report (default FOLDER/report.md); its JSON goes beside it (FILE with .json).")
+@deprecated("-o", "--out", dest="out", new="--markdown", type=click.Path(), callback=_output_file)
 @click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
 @click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
 @click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
@@ -963,35 +935,22 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
     return 0 if result.passed else 1
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand)
 @click.argument("recipe", type=click.Path())
-@click.option("--grid", multiple=True, help="STEP.FIELD=v1,v2 (repeatable); every combination runs.")
-@click.option("--list", "combo_list", multiple=True, help="One combination 'k=v,k2=v2' (repeatable), instead of a grid.")
 @click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
-@click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes (at most the cores).")
-@click.option("--max-points", type=int, default=None, help="Refuse grids of more points than this (default 256).")
-@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True,
-              help="Where the points run: this process, local processes (--jobs) or a Ray cluster.")
-@click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
-@click.option("--force", is_flag=True, help="Rebuild every cached step of every point (as `edgekit run --force`).")
 @_json_flag("the rows (what sweep.json holds)")
-def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
-          max_points: int | None, executor: str, address: str | None, force: bool, as_json: str | None) -> None:
-    """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
-    from edgekit.pipelines.sweep import DEFAULT_MAX_POINTS, SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
+def sweep(recipe: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+    """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML.
 
-    combos = None
-    if combo_list:
-        combos = []
-        for item in combo_list:
-            pairs = [p.split("=", 1) for p in item.split(",") if p.strip()]
-            if any(len(p) != 2 for p in pairs):
-                raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
-            combos.append({k.strip(): parse_value(v) for k, v in pairs})
+    The options after --out are SweepOptions'."""
+    from edgekit.pipelines.sweep import SWEEP_COLUMNS, run_sweep, sweep_table
+    from edgekit.pipelines.sweep_options import SweepOptions
+
+    o = SweepOptions(**config_fields("sweep", flags))
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
     with _json_stdout(as_json == "-"):
-        rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
-                         force=force, max_points=max_points or DEFAULT_MAX_POINTS,
+        rows = run_sweep(recipe, list(o.grid), folder, combos=o.combinations(), jobs=o.jobs, executor=o.executor,
+                         address=o.address, force=o.force, max_points=o.max_points,
                          announce=lambda line: click.echo(line, err=True))
     if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, as_json):
         return
@@ -1155,43 +1114,26 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 
 # --- estimate ---
 
-@cli.command("estimate")
+@cli.command("estimate", cls=ConfigCommand, after="target", advanced=("inputs_file",))
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
-@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch to estimate.")
-@click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
-@click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
-              "(default: the target's first runtime).")
-@click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
-@click.option("--timing", type=click.Choice(["gpu-compute", "end-to-end"]), default="gpu-compute", show_default=True,
-              help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
-                   "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
-                   "benchmark); both are estimated.")
-@click.option("--top-k", type=int, default=10, show_default=True, help="Kernels in the table.")
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
-def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
-                 runtime: str | None, calibrate: bool, timing: str, top_k: int, json_out: str | None,
-                 input_options: Any) -> None:
+def estimate_cmd(model: str, target: str, json_out: str | None, input_options: Any, **flags: Any) -> None:
     """Latency ESTIMATE of a model on a target, with its range (not a measurement).
 
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
     kernel against the target's roofs; the range comes from the estimator's validation
-    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
+    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis).
+    The options after --target are EstimateOptions'."""
     from edgekit.estimate.calibrate import estimate_with_calibration
+    from edgekit.estimate.options import EstimateOptions
 
-    bound: dict[str, int] = {}
-    for d in dims:
-        name, _, value = d.partition("=")
-        if not name or not value.strip().lstrip("-").isdigit() or not 0 <= int(value) <= MAX_DIM:
-            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE from 0 to {MAX_DIM} (0: an "
-                                "empty axis, such as past_sequence_length=0 for a prefill)")
-        bound[name] = int(value)
+    o = EstimateOptions(**config_fields("estimate", flags))
     with _json_stdout(json_out == "-"):
-        est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                                calibrate=calibrate, runtime=runtime, input_options=input_options,
-                                                timing=timing)
+        est, report = estimate_with_calibration(model, target, precision=o.precision, batch=o.batch,
+                                                dims=o.axis_sizes(), calibrate=o.calibrate, runtime=o.runtime,
+                                                input_options=input_options, timing=o.timing)
     doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
     if json_out == "-":
         _print_json(doc)
@@ -1199,7 +1141,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     if report is not None:
         click.echo(report.render())
         click.echo("")
-    click.echo(est.render(top_k))
+    click.echo(est.render(o.top_k))
     if json_out:
         from edgekit.artifact import atomic_write_json
 
