@@ -205,6 +205,9 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
              _from_configs("lint", ("lint", "edgekit.runtimes.tensorrt.lint_options:LintOptions"))),
     "sweep": (("edgekit.pipelines.sweep_options",),
               _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
+    "check": (("edgekit.check_options",), _from_configs("check", ("check", "edgekit.check_options:CheckOptions"))),
+    "run": (("edgekit.pipelines.run_options",),
+            _from_configs("run", ("run", "edgekit.pipelines.run_options:RunOptions"))),
     "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
                                                          ("extra", "edgekit.runtimes.base:BuildExtras"))),
     "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
@@ -736,36 +739,26 @@ def lint(model: str, target: str, as_json: str | None, input_options: Any, **fla
     return report.exit_code
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="profile")
 @click.argument("profile", type=click.Path())
-@click.option("--budget-ms", type=float, default=None,
-              help="Latency budget in milliseconds (for a causal LM: one decode step after a 128-token past).")
-@click.option("--percentile", default="p99", show_default=True, help="min|mean|p50|p90|p95|p99|max")
-@click.option("--max-jitter", type=float, default=None, help="Gate on p99/p50 (e.g. 1.2).")
-@click.option("--min-tokens-per-s", type=float, default=None,
-              help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
-@click.option("--max-ttft-ms", type=float, default=None,
-              help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
-@click.option("--require-verified", is_flag=True,
-              help="Also fail (exit 1) when any field of the profile is unverified (device results whose provenance "
-                   "was not recorded, an engine built without parity, an estimate), listing the reasons.")
 @_json_file_or_stdout("the verdict JSON")
-def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
-          min_tokens_per_s: float | None, max_ttft_ms: float | None, require_verified: bool,
-          json_out: str | None) -> int:
-    """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
+def check(profile: str, json_out: str | None, **flags: Any) -> int:
+    """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses.
+
+    The options are CheckOptions'."""
     from edgekit.check import check_budget, check_verified
+    from edgekit.check_options import CheckOptions
     from edgekit.profiling_lm import check_generation
 
-    if budget_ms is None and min_tokens_per_s is None and max_ttft_ms is None and not require_verified:
-        raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms (or --require-verified)")
+    o = CheckOptions(**config_fields("check", flags))
+    o.require_a_budget()
     verdicts: list[tuple[str, Any]] = []  # (key in the verdict JSON, verdict); the first is the record's top level
-    if budget_ms is not None:
-        verdicts.append(("budget", check_budget(profile, budget_ms, percentile, max_jitter,
-                                                require_verified=require_verified)))
-    if min_tokens_per_s is not None or max_ttft_ms is not None:
-        verdicts.append(("generation", check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile)))
-    if require_verified and budget_ms is None:
+    if o.budget_ms is not None:
+        verdicts.append(("budget", check_budget(profile, o.budget_ms, o.percentile, o.max_jitter,
+                                                require_verified=o.require_verified)))
+    if o.min_tokens_per_s is not None or o.max_ttft_ms is not None:
+        verdicts.append(("generation", check_generation(profile, o.min_tokens_per_s, o.max_ttft_ms, o.percentile)))
+    if o.require_verified and o.budget_ms is None:
         verdicts.append(("verified", check_verified(profile)))
     code = 0 if all(v.passed for _, v in verdicts) else 1
     if json_out:
@@ -889,26 +882,23 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
 
 # --- pipelines: run and sweep ---
 
-@cli.command("run")
+@cli.command("run", cls=ConfigCommand, after="dry_run")
 @click.argument("recipe", type=click.Path())
 @click.option("-o", "--out", "run_dir", type=click.Path(), default=None, help="Run folder (default runs/<recipe name>).")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
-@click.option("--force", is_flag=True, help="Rebuild every cached step.")
-@click.option("--remeasure", is_flag=True, help="Time the cached engines again (stage profiles and frames) without "
-              "rebuilding anything.")
-@click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
-@click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
-              "exiting with status 2.")
 @_json_flag("the results (what results.json holds; with --dry-run, the plan)")
-def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool, as_json: str | None) -> int:
-    """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
+def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None, **flags: Any) -> int:
+    """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails.
+
+    The options after --dry-run are RunOptions'."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
+    from edgekit.pipelines.run_options import RunOptions
 
+    o = RunOptions(**config_fields("run", flags))
     parsed = load_recipe(recipe)
     if dry_run:
-        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, cache_dir)  # what the run would refuse
+        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, o.cache_dir)  # what the run would refuse
         if _json_done({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
                        "percentile": parsed.percentile}, as_json):
             return 0
@@ -920,8 +910,8 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
     with _json_stdout(as_json == "-"):
-        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
-                            wait=wait, remeasure=remeasure)
+        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=o.cache_dir, force=o.force,
+                            wait=o.wait, remeasure=o.remeasure)
     if _json_done(result.to_dict(), as_json):
         return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))

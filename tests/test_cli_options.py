@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,8 @@ def test_help_shows_the_common_options_and_help_all_every_one():
                                      ("finetune", "--lora-r", "--weight-decay"), ("build", "--precision", "--dla-core"),
                                      ("profile", "--batch", "--prompt-lengths"), ("export", "--kv-cache", "--weight-format"),
                                      ("estimate", "--axis", "--timing"), ("lint", "--axis", "--dla-core"),
-                                     ("sweep", "--grid", "--address")):
+                                     ("sweep", "--grid", "--address"), ("check", "--budget-ms", "--max-jitter"),
+                                     ("run", "--remeasure", "--cache")):
         short = CliRunner().invoke(cli, [command, "--help"], terminal_width=200)
         full = CliRunner().invoke(cli, [command, "--help-all"], terminal_width=200)
         assert short.exit_code == 0 and full.exit_code == 0
@@ -275,10 +277,24 @@ def test_generated_commands_reach_the_api_with_the_configs_of_before(monkeypatch
     assert calls[1][0][1] == ["int4.bits=4,8"] and calls[1][1]["combos"] == [{"int4.sym": True}]
     assert (calls[1][1]["max_points"], calls[1][1]["force"], calls[1][1]["executor"]) == (9, True, "process")
 
+    calls = _capture(monkeypatch, "edgekit.check", "check_budget")
+    for args in (["check", "P.json", "--budget-ms", "33"],
+                 ["check", "P.json", "--budget-ms", "33", "--percentile", "p50", "--max-jitter", "1.2",
+                  "--require-verified"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert calls == [(("P.json", 33.0, "p99", None), {"require_verified": False}),
+                     (("P.json", 33.0, "p50", 1.2), {"require_verified": True})]
+
+    calls = _capture(monkeypatch, "edgekit.pipelines.run", "run_recipe")
+    monkeypatch.setattr(importlib.import_module("edgekit.pipelines.recipe"), "load_recipe",
+                        lambda path: types.SimpleNamespace(name="r"))
+    for args in (["run", "R.yaml"], ["run", "R.yaml", "--force", "--remeasure", "--wait", "--cache", "C"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert [c[1] for c in calls] == [{"cache_dir": None, "force": False, "wait": False, "remeasure": False},
+                                     {"cache_dir": "C", "force": True, "wait": True, "remeasure": True}]
+
 
 def test_kv_cache_export_keeps_its_own_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    import types
-
     monkeypatch.setattr(importlib.import_module("edgekit.loading"), "load_model",
                         lambda spec: types.SimpleNamespace(kind="causal-lm", name=spec))
     calls = _capture(monkeypatch, "edgekit.export.lm", "export_causal_lm")
