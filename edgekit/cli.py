@@ -205,6 +205,10 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
              _from_configs("lint", ("lint", "edgekit.runtimes.tensorrt.lint_options:LintOptions"))),
     "sweep": (("edgekit.pipelines.sweep_options",),
               _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
+    "report": (("edgekit.report_options",),
+               _from_configs("report", ("report", "edgekit.report_options:ReportOptions"))),
+    "remote build": (("edgekit.ssh",), _from_configs("remote build", ("remote", "edgekit.ssh:RemoteOptions"))),
+    "remote profile": (("edgekit.ssh",), _from_configs("remote profile", ("remote", "edgekit.ssh:RemoteOptions"))),
     "check": (("edgekit.check_options",), _from_configs("check", ("check", "edgekit.check_options:CheckOptions"))),
     "run": (("edgekit.pipelines.run_options",),
             _from_configs("run", ("run", "edgekit.pipelines.run_options:RunOptions"))),
@@ -233,9 +237,10 @@ class ConfigCommand(EdgekitCommand):
     """A command whose options are declared on its configs (``GENERATED``): they go after its
     own option named ``after``, and the command reads them with ``config_fields``."""
 
-    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, after: str = "out", key: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._after = after
+        self.key = key or self.name  # its line in GENERATED ("remote build" for a subcommand)
         self._own = list(self.params)
         self.options: list[ConfigOption] | None = None
 
@@ -251,18 +256,18 @@ class ConfigCommand(EdgekitCommand):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         before_dashes = args[:args.index("--")] if "--" in args else args
-        assert self.name is not None
+        assert self.key is not None
         if any(a in ("-h", "--help", "--help-all") for a in before_dashes):
-            self.use_options(_options_for(self.name, for_help=True))
+            self.use_options(_options_for(self.key, for_help=True))
             super().parse_args(ctx, list(args))  # shows the help and exits, unless "-h" was a value (--data -h)
             ctx.params.clear()
-        self.use_options(_options_for(self.name, for_help=False))  # the options that know their config fields
+        self.use_options(_options_for(self.key, for_help=False))  # the options that know their config fields
         return super().parse_args(ctx, args)
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         if self.options is None:
-            assert self.name is not None
-            self.use_options(_options_for(self.name, for_help=False))
+            assert self.key is not None
+            self.use_options(_options_for(self.key, for_help=False))
         return super().get_params(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -776,21 +781,22 @@ def check(profile: str, json_out: str | None, **flags: Any) -> int:
     return code
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="deprecated_out")
 @click.argument("folder", type=click.Path())
 @click.option("--markdown", "out", type=click.Path(), default=None, callback=_output_file, metavar="FILE",
               help="The Markdown report (default FOLDER/report.md); its JSON goes beside it (FILE with .json).")
 @deprecated("-o", "--out", dest="out", new="--markdown", type=click.Path(), callback=_output_file)
-@click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
-@click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
-@click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
 @_json_flag("the report (what the JSON file holds)")
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: str | None) -> None:
-    """Render a Markdown and JSON report of a run folder."""
-    from edgekit.report import render_report
+def report(folder: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+    """Render a Markdown and JSON report of a run folder.
 
+    The options after --markdown are ReportOptions'."""
+    from edgekit.report import render_report
+    from edgekit.report_options import ReportOptions
+
+    o = ReportOptions(**config_fields("report", flags))
     with _json_stdout(as_json == "-"):
-        path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+        path = render_report(folder, out, budget_ms=o.budget_ms, percentile=o.percentile, top_k=o.top_k)
     if _json_done(json.loads(path.with_suffix(".json").read_text()), as_json):
         return
     click.echo(path.read_text())
@@ -1027,73 +1033,50 @@ def targets_show(name: str, as_json: str | None) -> None:
         click.echo(f"source: {s}")
 
 
-def _remote_host(host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
-                 remote_edgekit: str | None, timeout: float) -> Any:
-    from edgekit.remote import RemoteHost
-
-    return RemoteHost.from_options(host, {"ssh_port": port, "ssh_identity": identity, "ssh_options": list(ssh_option),
-                                          "remote_edgekit": remote_edgekit, "build_timeout": timeout,
-                                          "remote_timeout": timeout})
-
-
-_remote_options = [
-    click.option("--host", required=True, help="user@host[:port] of the device."),
-    click.option("--port", type=int, default=None, help="SSH port."),
-    click.option("-i", "--identity", default=None, help="SSH private key."),
-    click.option("--ssh-option", multiple=True, help="Extra ssh -o Key=Value (repeatable)."),
-    click.option("--remote-edgekit", default=None, help="The edgekit command on the device (default: edgekit)."),
-    click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds for the remote command."),
-]
-
-
-def _with_remote_options(f: Any) -> Any:
-    for opt in reversed(_remote_options):
-        f = opt(f)
-    return f
-
-
 @cli.group("remote")
 def remote_group() -> None:
     """Build or profile on another machine over SSH (edgekit must be installed there)."""
 
 
-@remote_group.command("build")
+@remote_group.command("build", cls=ConfigCommand, key="remote build", after="threads")
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
 @click.option("--precision", default=None, help="As `edgekit build --precision` (on the device).")
 @click.option("--runtime", default=None, help="As `edgekit build --runtime` (on the device).")
 @click.option("--threads", type=int, default=None, help="As `edgekit build --threads` (on the device).")
-@_with_remote_options
 def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
-                     threads: int | None, host: str, port: int | None, identity: str | None,
-                     ssh_option: tuple[str, ...], remote_edgekit: str | None, timeout: float) -> None:
-    """Run `edgekit build` on the device and fetch the engine folder (sha256-verified)."""
+                     threads: int | None, **flags: Any) -> None:
+    """Run `edgekit build` on the device and fetch the engine folder (sha256-verified).
+
+    The options after --threads are RemoteOptions'."""
     from edgekit.remote import remote_build
+    from edgekit.ssh import RemoteOptions
 
-    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
-    folder = remote_build(model, target, out, h, precision=precision, runtime=runtime, threads=threads)
-    click.echo(f"built on {host}; fetched into {folder}")
+    o = RemoteOptions(**config_fields("remote", flags))
+    folder = remote_build(model, target, out, o.remote_host(), precision=precision, runtime=runtime, threads=threads)
+    click.echo(f"built on {o.host}; fetched into {folder}")
 
 
-@remote_group.command("profile")
+@remote_group.command("profile", cls=ConfigCommand, key="remote profile", after="iterations")
 @click.argument("engine_dir", type=click.Path())
 @_json_file_or_stdout("the profile JSON")
 @click.option("--duration-s", type=float, default=None, help="As `edgekit profile --duration-s` (on the device).")
 @click.option("--iterations", type=int, default=None, help="As `edgekit profile --iterations` (on the device).")
-@_with_remote_options
 def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
-                       host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
-                       remote_edgekit: str | None, timeout: float) -> None:
-    """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile."""
-    from edgekit.remote import remote_profile
+                       **flags: Any) -> None:
+    """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile.
 
-    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
+    The options after --iterations are RemoteOptions'."""
+    from edgekit.remote import remote_profile
+    from edgekit.ssh import RemoteOptions
+
+    o = RemoteOptions(**config_fields("remote", flags))
     args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
         (["--iterations", str(iterations)] if iterations is not None else [])
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
-        result = remote_profile(engine_dir, h, json_out=file, extra_args=args)
+        result = remote_profile(engine_dir, o.remote_host(), json_out=file, extra_args=args)
     if json_out == "-":
         _print_json(result.to_dict())
         return

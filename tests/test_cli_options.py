@@ -167,9 +167,12 @@ def test_help_shows_the_common_options_and_help_all_every_one():
                                      ("profile", "--batch", "--prompt-lengths"), ("export", "--kv-cache", "--weight-format"),
                                      ("estimate", "--axis", "--timing"), ("lint", "--axis", "--dla-core"),
                                      ("sweep", "--grid", "--address"), ("check", "--budget-ms", "--max-jitter"),
-                                     ("run", "--remeasure", "--cache")):
-        short = CliRunner().invoke(cli, [command, "--help"], terminal_width=200)
-        full = CliRunner().invoke(cli, [command, "--help-all"], terminal_width=200)
+                                     ("run", "--remeasure", "--cache"),
+                                     ("report", "--budget-ms", "--top-k"),
+                                     (["remote", "build"], "--host", "--ssh-option")):
+        path = command if isinstance(command, list) else [command]
+        short = CliRunner().invoke(cli, [*path, "--help"], terminal_width=200)
+        full = CliRunner().invoke(cli, [*path, "--help-all"], terminal_width=200)
         assert short.exit_code == 0 and full.exit_code == 0
         assert basic in short.output and advanced not in short.output and advanced in full.output
         hidden = int(re.search(r"(\d+) more options: --help-all shows every one", short.output).group(1))
@@ -233,9 +236,12 @@ def test_report_markdown_file_was_o(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     md = str(tmp_path / "r.md")
     runs = [CliRunner().invoke(cli, ["report", "RUN", *flag]) for flag in (["-o", md], ["--out", md], ["--markdown", md])]
     assert all(isinstance(r.exception, _Called) for r in runs), [r.output for r in runs]
-    assert calls[0] == calls[1] == calls[2] and calls[0][0] == ("RUN", md)
+    assert calls[0] == calls[1] == calls[2] == (("RUN", md), {"budget_ms": None, "percentile": "p99", "top_k": 10})
     assert [r.stderr for r in runs] == ["warning: -o/--out is deprecated and goes away in the next release; use "
                                         "--markdown\n"] * 2 + [""]
+    r = CliRunner().invoke(cli, ["report", "RUN", "--budget-ms", "33", "--percentile", "p50", "--top-k", "3"])
+    assert isinstance(r.exception, _Called) and calls[3] == (("RUN", None), {"budget_ms": 33.0, "percentile": "p50",
+                                                                             "top_k": 3})
     r = CliRunner().invoke(cli, ["report", "RUN", "-o", md, "--markdown", md])
     assert r.exit_code == 2 and r.stderr == "error: -o/--out is the old name of --markdown; give --markdown alone\n"
 
@@ -292,6 +298,25 @@ def test_generated_commands_reach_the_api_with_the_configs_of_before(monkeypatch
         assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
     assert [c[1] for c in calls] == [{"cache_dir": None, "force": False, "wait": False, "remeasure": False},
                                      {"cache_dir": "C", "force": True, "wait": True, "remeasure": True}]
+
+    from edgekit.ssh import RemoteHost
+
+    calls = _capture(monkeypatch, "edgekit.remote", "remote_build")
+    for args in (["--host", "me@orin"], ["--host", "me@orin", "--port", "2222", "-i", "K", "--ssh-option",
+                                         "Compression=yes", "--remote-edgekit", "/opt/ek", "--timeout", "60"]):
+        r = CliRunner().invoke(cli, ["remote", "build", "M.onnx", "--target", "T", "-o", "O", "--threads", "2", *args])
+        assert isinstance(r.exception, _Called), r.output
+    # what the hand-written options built before: every timeout the one --timeout, 3600 s by default
+    before = [RemoteHost.from_options("me@orin", {"ssh_port": None, "ssh_identity": None, "ssh_options": [],
+                                                  "remote_edgekit": None, "build_timeout": 3600.0,
+                                                  "remote_timeout": 3600.0}),
+              RemoteHost.from_options("me@orin", {"ssh_port": 2222, "ssh_identity": "K",
+                                                  "ssh_options": ["Compression=yes"], "remote_edgekit": "/opt/ek",
+                                                  "build_timeout": 60.0, "remote_timeout": 60.0})]
+    assert [c[0] for c in calls] == [("M.onnx", "T", "O", h) for h in before]
+    assert calls[0][1] == {"precision": None, "runtime": None, "threads": 2}
+    r = CliRunner().invoke(cli, ["remote", "profile", "E"])
+    assert r.exit_code == 2 and r.stderr == "error: give the device: --host USER@HOST[:PORT]\n"
 
 
 def test_kv_cache_export_keeps_its_own_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
