@@ -202,7 +202,7 @@ def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | 
         check_output_file(path, (folder,))
         if path.is_file() and not _is_report_file(path):
             what = f"the report {out_md} also writes {path}, which" if path != out_md else f"{path}"
-            raise BadInputError(f"{what} exists and is not an edgekit report; choose another -o "
+            raise BadInputError(f"{what} exists and is not an edgekit report; choose another --markdown FILE "
                                 "(edgekit replaces only the reports it wrote)")
 
 

@@ -152,7 +152,7 @@ def test_single_file_outputs_never_replace_a_folder_or_an_input(tmp_path: Path, 
         assert r.exit_code == 2, r.output
         assert one_line_error(r.stderr, r.output).startswith(message)
     assert tree_hash(tmp_path) == before
-    (tmp_path / "notes.json").write_text('{"mine": true}')  # report -o notes.md would also write notes.json
+    (tmp_path / "notes.json").write_text('{"mine": true}')  # report --markdown notes.md would also write notes.json
     r = run("report", onnx_dir, "--markdown", tmp_path / "notes.md")
     assert r.exit_code == 2
     assert "also writes" in one_line_error(r.stderr, r.output) and not (tmp_path / "notes.md").exists()
@@ -631,8 +631,8 @@ def test_report_replaces_only_its_own_default_output(tmp_path: Path, tiny_onnx: 
     r = run("report", proj)
     assert r.exit_code == 2, r.output
     assert one_line_error(r.stderr, r.output) == (
-        f"error: {proj / 'report.md'} exists and is not an edgekit report; choose another -o (edgekit replaces only "
-        "the reports it wrote)")
+        f"error: {proj / 'report.md'} exists and is not an edgekit report; choose another --markdown FILE (edgekit "
+        "replaces only the reports it wrote)")
     assert tree_hash(tmp_path) == before
     (proj / "report.md").unlink()
     assert run("report", proj).exit_code == 0 and run("report", proj).exit_code == 0  # its own: replaced
@@ -646,7 +646,7 @@ def test_report_replaces_only_its_own_default_output(tmp_path: Path, tiny_onnx: 
                                   ["check", "NO_ENGINE", "--budget-ms", "1", "--json", "FIFO"],
                                   ["estimate", "NO_ENGINE", "--target", "cpu", "--json", "FIFO"]])
 def test_an_output_that_is_a_fifo_is_refused_before_any_work(tmp_path: Path, args: list[str]) -> None:
-    """`profile --json out.fifo` and `report -o out.fifo` blocked forever when nothing read the
+    """`profile --json out.fifo` and `report --markdown out.fifo` blocked forever when nothing read the
     FIFO. The engine here does not even exist: the output is refused first."""
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
