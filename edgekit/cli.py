@@ -20,7 +20,6 @@ import click
 
 from edgekit import __version__, interrupts
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
-from edgekit.limits import MAX_DIM
 from edgekit.options import ConfigOption, config_options, config_values
 from edgekit.paths import has_journal_entries
 
@@ -197,6 +196,22 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
                 _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
     "finetune": (("edgekit.compress.lora.config",),
                  _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"))),
+    "export": (("edgekit.export.config",),
+               _from_configs("export", ("export", "edgekit.export.config:ExportConfig"),
+                             ("lm", "edgekit.export.config:CausalLMExportOptions"))),
+    "estimate": (("edgekit.estimate.options",),
+                 _from_configs("estimate", ("estimate", "edgekit.estimate.options:EstimateOptions"))),
+    "lint": (("edgekit.runtimes.tensorrt.lint_options",),
+             _from_configs("lint", ("lint", "edgekit.runtimes.tensorrt.lint_options:LintOptions"))),
+    "sweep": (("edgekit.pipelines.sweep_options",),
+              _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
+    "report": (("edgekit.report_options",),
+               _from_configs("report", ("report", "edgekit.report_options:ReportOptions"))),
+    "remote build": (("edgekit.ssh",), _from_configs("remote build", ("remote", "edgekit.ssh:RemoteOptions"))),
+    "remote profile": (("edgekit.ssh",), _from_configs("remote profile", ("remote", "edgekit.ssh:RemoteOptions"))),
+    "check": (("edgekit.check_options",), _from_configs("check", ("check", "edgekit.check_options:CheckOptions"))),
+    "run": (("edgekit.pipelines.run_options",),
+            _from_configs("run", ("run", "edgekit.pipelines.run_options:RunOptions"))),
     "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
                                                          ("extra", "edgekit.runtimes.base:BuildExtras"))),
     "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
@@ -222,9 +237,10 @@ class ConfigCommand(EdgekitCommand):
     """A command whose options are declared on its configs (``GENERATED``): they go after its
     own option named ``after``, and the command reads them with ``config_fields``."""
 
-    def __init__(self, *args: Any, after: str = "out", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, after: str = "out", key: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._after = after
+        self.key = key or self.name  # its line in GENERATED ("remote build" for a subcommand)
         self._own = list(self.params)
         self.options: list[ConfigOption] | None = None
 
@@ -240,18 +256,18 @@ class ConfigCommand(EdgekitCommand):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         before_dashes = args[:args.index("--")] if "--" in args else args
-        assert self.name is not None
+        assert self.key is not None
         if any(a in ("-h", "--help", "--help-all") for a in before_dashes):
-            self.use_options(_options_for(self.name, for_help=True))
+            self.use_options(_options_for(self.key, for_help=True))
             super().parse_args(ctx, list(args))  # shows the help and exits, unless "-h" was a value (--data -h)
             ctx.params.clear()
-        self.use_options(_options_for(self.name, for_help=False))  # the options that know their config fields
+        self.use_options(_options_for(self.key, for_help=False))  # the options that know their config fields
         return super().parse_args(ctx, args)
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         if self.options is None:
-            assert self.name is not None
-            self.use_options(_options_for(self.name, for_help=False))
+            assert self.key is not None
+            self.use_options(_options_for(self.key, for_help=False))
         return super().get_params(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -489,74 +505,51 @@ def zoo(as_json: str | None) -> None:
                    f"weights from {e.package}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, advanced=("inputs_file",))
 @click.argument("model")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (an ONNX artifact).")
-@click.option("--opset", type=int, default=None, help="ONNX opset (default: the exporter's choice).")
-@click.option("--legacy", is_flag=True, help="Use the TorchScript exporter instead of dynamo.")
-@click.option("--atol", type=float, default=None, help="Parity: absolute tolerance.")
-@click.option("--rtol", type=float, default=None, help="Parity: relative tolerance.")
-@click.option("--parity/--no-parity", default=True, show_default=True,
-              help="Check the ONNX graph against PyTorch on ONNX Runtime (--no-parity writes it unchecked).")
-@click.option("--kv-cache", is_flag=True, help="Causal LMs: export with the KV cache as inputs and outputs "
-              "(text-generation-with-past, optimum), for real one-token decode latency.")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
-              help="Packed low-bit layers (with --kv-cache): MatMulNBits compute precision on ONNX Runtime's CPU; "
-                   "4 = int8 compute (default: 11.6x faster one-token decode on SmolLM2 than 0), 0 = fp32 compute.")
-@click.option("--graph", type=click.Choice(["auto", "fused", "traced"]), default="auto", show_default=True,
-              help="Causal LMs (with --kv-cache): fused = ONNX Runtime's fused decoder graph (GroupQueryAttention, "
-                   "fused norms and matmuls, in-place KV cache), traced = optimum's export; auto = fused where the "
-                   "architecture has it (Llama, Mistral, Qwen2, Gemma 2 and 3).")
-@click.option("--block-size", type=int, default=None,
-              help="Fused graph: MatMulNBits block size (16..256, dividing the quantization group; default the group).")
-@click.option("--weight-format", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
-              help="Packed low-bit layers (with --kv-cache): matmulnbits = ONNX Runtime's MatMulNBits (CPU, CUDA); "
-                   "qdq = blocked DequantizeLinear (opset 21), the form TensorRT 10 imports (signed, no zero points, "
-                   "when the weights were quantized with --sym).")
 @with_input_options("shapes", "inputs")
 @_json_flag("the folder, the ONNX file and the parity check")
-def export(model: str, out: str, opset: int | None, legacy: bool, atol: float | None, rtol: float | None,
-           parity: bool, kv_cache: bool, accuracy_level: int | None, graph: str, block_size: int | None,
-           weight_format: str, input_options: Any, as_json: str | None) -> None:
-    """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch."""
-    from edgekit.export.onnx import ExportConfig
+def export(model: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
+    """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch.
+
+    The options after --out are ExportConfig's (a recipe's export step names the same fields)
+    and, for a causal LM's KV-cache export, CausalLMExportOptions'."""
+    from edgekit.export.config import CausalLMExportOptions, ExportConfig
     from edgekit.loading import export_onnx
 
-    if kv_cache and input_options:
+    fields = config_fields("export", flags)
+    config = ExportConfig(**fields)  # the values given are checked before anything is read or written
+    lm = CausalLMExportOptions(**config_fields("lm", flags))
+    if lm.kv_cache and input_options:
         raise BadInputError("--shapes and --inputs do not apply to the KV-cache export (it traces its own prefill "
                             "and decode steps); give them to build or profile")
-    if kv_cache:
+    if lm.kv_cache:
         from edgekit.artifact import check_output_dir
+        from edgekit.export.config import LM_OPSET
         from edgekit.export.lm import export_causal_lm
         from edgekit.loading import load_model
 
+        if "dynamo" in fields:
+            raise BadInputError("--dynamo/--legacy choose the exporter of a PyTorch model; the KV-cache export "
+                                "uses optimum's (traced) or writes the fused graph")
         check_output_dir(out, (model,))  # before loading the model
-        options: dict[str, Any] = {k: v for k, v in (("atol", atol), ("rtol", rtol), ("accuracy_level", accuracy_level))
-                                   if v is not None}
+        # the LM export's own defaults (opset 21, atol/rtol 2e-3) where a flag was not given
+        lm_kwargs: dict[str, Any] = {k: fields[k] for k in ("atol", "rtol") if k in fields}
+        if lm.accuracy_level is not None:
+            lm_kwargs["accuracy_level"] = lm.accuracy_level
         with _json_stdout(as_json == "-"):
             handle = load_model(model)
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
                                     "model")
-            folder = export_causal_lm(handle, out, opset=opset or 21, parity=parity, graph=graph,
-                                      block_size=block_size, fmt=weight_format, **options)
+            folder = export_causal_lm(handle, out, opset=fields.get("opset", LM_OPSET),
+                                      parity=not fields.get("skip_parity", False), graph=lm.graph,
+                                      block_size=lm.block_size, fmt=lm.weight_format, **lm_kwargs)
         _print_parity(folder, as_json)
         return
-    if accuracy_level is not None:
-        raise BadInputError("--accuracy-level applies to the KV-cache export of a packed causal LM (add --kv-cache)")
-    if graph != "auto" or block_size is not None or weight_format != "matmulnbits":
-        raise BadInputError("--graph, --block-size and --weight-format apply to the KV-cache export of a causal LM "
-                            "(add --kv-cache)")
-
-    fields: dict[str, Any] = {"dynamo": not legacy, "skip_parity": not parity}
-    if opset is not None:
-        fields["opset"] = opset
-    if atol is not None:
-        fields["atol"] = atol
-    if rtol is not None:
-        fields["rtol"] = rtol
     with _json_stdout(as_json == "-"):
-        folder = export_onnx(model, out, ExportConfig(**fields), input_options)
+        folder = export_onnx(model, out, config, input_options)
     _print_parity(folder, as_json)
 
 
@@ -726,35 +719,21 @@ def _print_profile(result: Any, top_k: int) -> None:
         con.print(f"[yellow]warning:[/] {_escape(w)}")
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="target")
 @click.argument("model")
 @click.option("--target", "target", required=True, help="A target with the tensorrt runtime (name or YAML file).")
-@click.option("--tensorrt", "tensorrt_version", default=None,
-              help="Check against this TensorRT version (e.g. 8.5) instead of the one the target's JetPack pins.")
-@click.option("--dla-core", type=int, default=None, help="Also list the layers that fall back from this DLA core.")
-@click.option("--precision", default=None, help="The precision the engine will be built in (checked for the DLA).")
-@click.option("--dim", "dims", multiple=True,
-              help="Size a named dynamic axis for the profile: NAME=SIZE or NAME=MIN:MAX (repeatable).")
 @_json_flag("the findings")
 @with_input_options("shapes")
-def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | None, precision: str | None,
-         dims: tuple[str, ...], as_json: str | None, input_options: Any) -> int:
+def lint(model: str, target: str, as_json: str | None, input_options: Any, **flags: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
-    --shapes / --dim give the optimization profile (else the folder's recorded one).
+    --shapes / --axis give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
     from edgekit.runtimes.tensorrt.lint import lint_model
+    from edgekit.runtimes.tensorrt.lint_options import LintOptions
 
-    ranges: dict[str, tuple[int, int]] = {}
-    for d in dims:
-        name, _, value = d.partition("=")
-        lo, _, hi = value.partition(":")
-        if not name or not lo.strip().isdigit() or (hi and not hi.strip().isdigit()) or int(lo) < 0 \
-                or (hi and int(hi) < int(lo)) or int(hi or lo) < 1:
-            raise BadInputError(f"--dim {d!r} must be NAME=SIZE or NAME=MIN:MAX with whole numbers, 0 <= MIN <= MAX, "
-                                "MAX >= 1")
-        ranges[name] = (int(lo), int(hi or lo))
-    report = lint_model(model, target, tensorrt_version=tensorrt_version, dla_core=dla_core, precision=precision,
-                        shapes=input_options.shapes if input_options else None, dims=ranges or None)
+    o = LintOptions(**config_fields("lint", flags))
+    report = lint_model(model, target, tensorrt_version=o.tensorrt_version, dla_core=o.dla_core, precision=o.precision,
+                        shapes=input_options.shapes if input_options else None, dims=o.axis_ranges())
     if _json_done(report.to_dict(), as_json):
         return report.exit_code
     if report.findings:
@@ -765,36 +744,26 @@ def lint(model: str, target: str, tensorrt_version: str | None, dla_core: int | 
     return report.exit_code
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="profile")
 @click.argument("profile", type=click.Path())
-@click.option("--budget-ms", type=float, default=None,
-              help="Latency budget in milliseconds (for a causal LM: one decode step after a 128-token past).")
-@click.option("--percentile", default="p99", show_default=True, help="min|mean|p50|p90|p95|p99|max")
-@click.option("--max-jitter", type=float, default=None, help="Gate on p99/p50 (e.g. 1.2).")
-@click.option("--min-tokens-per-s", type=float, default=None,
-              help="Causal LMs: minimum decode tokens/s (median generation, slowest measured context).")
-@click.option("--max-ttft-ms", type=float, default=None,
-              help="Causal LMs: time-to-first-token budget at the longest measured prompt (at --percentile).")
-@click.option("--require-verified", is_flag=True,
-              help="Also fail (exit 1) when any field of the profile is unverified (device results whose provenance "
-                   "was not recorded, an engine built without parity, an estimate), listing the reasons.")
 @_json_file_or_stdout("the verdict JSON")
-def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: float | None,
-          min_tokens_per_s: float | None, max_ttft_ms: float | None, require_verified: bool,
-          json_out: str | None) -> int:
-    """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses."""
+def check(profile: str, json_out: str | None, **flags: Any) -> int:
+    """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses.
+
+    The options are CheckOptions'."""
     from edgekit.check import check_budget, check_verified
+    from edgekit.check_options import CheckOptions
     from edgekit.profiling_lm import check_generation
 
-    if budget_ms is None and min_tokens_per_s is None and max_ttft_ms is None and not require_verified:
-        raise BadInputError("give a budget: --budget-ms, --min-tokens-per-s or --max-ttft-ms (or --require-verified)")
+    o = CheckOptions(**config_fields("check", flags))
+    o.require_a_budget()
     verdicts: list[tuple[str, Any]] = []  # (key in the verdict JSON, verdict); the first is the record's top level
-    if budget_ms is not None:
-        verdicts.append(("budget", check_budget(profile, budget_ms, percentile, max_jitter,
-                                                require_verified=require_verified)))
-    if min_tokens_per_s is not None or max_ttft_ms is not None:
-        verdicts.append(("generation", check_generation(profile, min_tokens_per_s, max_ttft_ms, percentile)))
-    if require_verified and budget_ms is None:
+    if o.budget_ms is not None:
+        verdicts.append(("budget", check_budget(profile, o.budget_ms, o.percentile, o.max_jitter,
+                                                require_verified=o.require_verified)))
+    if o.min_tokens_per_s is not None or o.max_ttft_ms is not None:
+        verdicts.append(("generation", check_generation(profile, o.min_tokens_per_s, o.max_ttft_ms, o.percentile)))
+    if o.require_verified and o.budget_ms is None:
         verdicts.append(("verified", check_verified(profile)))
     code = 0 if all(v.passed for _, v in verdicts) else 1
     if json_out:
@@ -812,20 +781,22 @@ def check(profile: str, budget_ms: float | None, percentile: str, max_jitter: fl
     return code
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand, after="deprecated_out")
 @click.argument("folder", type=click.Path())
-@click.option("-o", "--out", type=click.Path(), default=None, callback=_output_file,
-              help="Markdown file (default FOLDER/report.md).")
-@click.option("--budget-ms", type=float, default=None, help="Add a budget verdict for each profile.")
-@click.option("--percentile", default="p99", show_default=True, help="The percentile --budget-ms is checked at.")
-@click.option("--top-k", type=int, default=10, show_default=True, help="Nodes in each profile's table.")
+@click.option("--markdown", "out", type=click.Path(), default=None, callback=_output_file, metavar="FILE",
+              help="The Markdown report (default FOLDER/report.md); its JSON goes beside it (FILE with .json).")
+@deprecated("-o", "--out", dest="out", new="--markdown", type=click.Path(), callback=_output_file)
 @_json_flag("the report (what the JSON file holds)")
-def report(folder: str, out: str | None, budget_ms: float | None, percentile: str, top_k: int, as_json: str | None) -> None:
-    """Render a Markdown and JSON report of a run folder."""
-    from edgekit.report import render_report
+def report(folder: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+    """Render a Markdown and JSON report of a run folder.
 
+    The options after --markdown are ReportOptions'."""
+    from edgekit.report import render_report
+    from edgekit.report_options import ReportOptions
+
+    o = ReportOptions(**config_fields("report", flags))
     with _json_stdout(as_json == "-"):
-        path = render_report(folder, out, budget_ms=budget_ms, percentile=percentile, top_k=top_k)
+        path = render_report(folder, out, budget_ms=o.budget_ms, percentile=o.percentile, top_k=o.top_k)
     if _json_done(json.loads(path.with_suffix(".json").read_text()), as_json):
         return
     click.echo(path.read_text())
@@ -917,26 +888,23 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
 
 # --- pipelines: run and sweep ---
 
-@cli.command("run")
+@cli.command("run", cls=ConfigCommand, after="dry_run")
 @click.argument("recipe", type=click.Path())
 @click.option("-o", "--out", "run_dir", type=click.Path(), default=None, help="Run folder (default runs/<recipe name>).")
 @click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
-@click.option("--force", is_flag=True, help="Rebuild every cached step.")
-@click.option("--remeasure", is_flag=True, help="Time the cached engines again (stage profiles and frames) without "
-              "rebuilding anything.")
-@click.option("--cache", "cache_dir", type=click.Path(), default=None, help="Shared cache folder (default RUN_DIR/cache).")
-@click.option("--wait", is_flag=True, help="When another edgekit run is using the run folder, wait for it instead of "
-              "exiting with status 2.")
 @_json_flag("the results (what results.json holds; with --dry-run, the plan)")
-def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeasure: bool, cache_dir: str | None,
-            wait: bool, as_json: str | None) -> int:
-    """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails."""
+def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None, **flags: Any) -> int:
+    """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails.
+
+    The options after --dry-run are RunOptions'."""
     from edgekit.pipelines.recipe import load_recipe
     from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
+    from edgekit.pipelines.run_options import RunOptions
 
+    o = RunOptions(**config_fields("run", flags))
     parsed = load_recipe(recipe)
     if dry_run:
-        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, cache_dir)  # what the run would refuse
+        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, o.cache_dir)  # what the run would refuse
         if _json_done({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
                        "percentile": parsed.percentile}, as_json):
             return 0
@@ -948,8 +916,8 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
     with _json_stdout(as_json == "-"):
-        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=cache_dir, force=force,
-                            wait=wait, remeasure=remeasure)
+        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=o.cache_dir, force=o.force,
+                            wait=o.wait, remeasure=o.remeasure)
     if _json_done(result.to_dict(), as_json):
         return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
@@ -963,35 +931,22 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, force: bool, remeas
     return 0 if result.passed else 1
 
 
-@cli.command()
+@cli.command(cls=ConfigCommand)
 @click.argument("recipe", type=click.Path())
-@click.option("--grid", multiple=True, help="STEP.FIELD=v1,v2 (repeatable); every combination runs.")
-@click.option("--list", "combo_list", multiple=True, help="One combination 'k=v,k2=v2' (repeatable), instead of a grid.")
 @click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
-@click.option("--jobs", type=int, default=1, show_default=True, help="Parallel local processes (at most the cores).")
-@click.option("--max-points", type=int, default=None, help="Refuse grids of more points than this (default 256).")
-@click.option("--executor", type=click.Choice(["local", "process", "ray"]), default="local", show_default=True,
-              help="Where the points run: this process, local processes (--jobs) or a Ray cluster.")
-@click.option("--address", default=None, help="Ray cluster HOST:PORT (with --executor ray).")
-@click.option("--force", is_flag=True, help="Rebuild every cached step of every point (as `edgekit run --force`).")
 @_json_flag("the rows (what sweep.json holds)")
-def sweep(recipe: str, grid: tuple[str, ...], combo_list: tuple[str, ...], out: str | None, jobs: int,
-          max_points: int | None, executor: str, address: str | None, force: bool, as_json: str | None) -> None:
-    """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML."""
-    from edgekit.pipelines.sweep import DEFAULT_MAX_POINTS, SWEEP_COLUMNS, parse_value, run_sweep, sweep_table
+def sweep(recipe: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+    """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML.
 
-    combos = None
-    if combo_list:
-        combos = []
-        for item in combo_list:
-            pairs = [p.split("=", 1) for p in item.split(",") if p.strip()]
-            if any(len(p) != 2 for p in pairs):
-                raise BadInputError(f"--list {item!r} must look like 'step.field=v,other.field=w'")
-            combos.append({k.strip(): parse_value(v) for k, v in pairs})
+    The options after --out are SweepOptions'."""
+    from edgekit.pipelines.sweep import SWEEP_COLUMNS, run_sweep, sweep_table
+    from edgekit.pipelines.sweep_options import SweepOptions
+
+    o = SweepOptions(**config_fields("sweep", flags))
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
     with _json_stdout(as_json == "-"):
-        rows = run_sweep(recipe, list(grid), folder, combos=combos, jobs=jobs, executor=executor, address=address,
-                         force=force, max_points=max_points or DEFAULT_MAX_POINTS,
+        rows = run_sweep(recipe, list(o.grid), folder, combos=o.combinations(), jobs=o.jobs, executor=o.executor,
+                         address=o.address, force=o.force, max_points=o.max_points,
                          announce=lambda line: click.echo(line, err=True))
     if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, as_json):
         return
@@ -1078,73 +1033,50 @@ def targets_show(name: str, as_json: str | None) -> None:
         click.echo(f"source: {s}")
 
 
-def _remote_host(host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
-                 remote_edgekit: str | None, timeout: float) -> Any:
-    from edgekit.remote import RemoteHost
-
-    return RemoteHost.from_options(host, {"ssh_port": port, "ssh_identity": identity, "ssh_options": list(ssh_option),
-                                          "remote_edgekit": remote_edgekit, "build_timeout": timeout,
-                                          "remote_timeout": timeout})
-
-
-_remote_options = [
-    click.option("--host", required=True, help="user@host[:port] of the device."),
-    click.option("--port", type=int, default=None, help="SSH port."),
-    click.option("-i", "--identity", default=None, help="SSH private key."),
-    click.option("--ssh-option", multiple=True, help="Extra ssh -o Key=Value (repeatable)."),
-    click.option("--remote-edgekit", default=None, help="The edgekit command on the device (default: edgekit)."),
-    click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds for the remote command."),
-]
-
-
-def _with_remote_options(f: Any) -> Any:
-    for opt in reversed(_remote_options):
-        f = opt(f)
-    return f
-
-
 @cli.group("remote")
 def remote_group() -> None:
     """Build or profile on another machine over SSH (edgekit must be installed there)."""
 
 
-@remote_group.command("build")
+@remote_group.command("build", cls=ConfigCommand, key="remote build", after="threads")
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file.")
 @click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
 @click.option("--precision", default=None, help="As `edgekit build --precision` (on the device).")
 @click.option("--runtime", default=None, help="As `edgekit build --runtime` (on the device).")
 @click.option("--threads", type=int, default=None, help="As `edgekit build --threads` (on the device).")
-@_with_remote_options
 def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
-                     threads: int | None, host: str, port: int | None, identity: str | None,
-                     ssh_option: tuple[str, ...], remote_edgekit: str | None, timeout: float) -> None:
-    """Run `edgekit build` on the device and fetch the engine folder (sha256-verified)."""
+                     threads: int | None, **flags: Any) -> None:
+    """Run `edgekit build` on the device and fetch the engine folder (sha256-verified).
+
+    The options after --threads are RemoteOptions'."""
     from edgekit.remote import remote_build
+    from edgekit.ssh import RemoteOptions
 
-    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
-    folder = remote_build(model, target, out, h, precision=precision, runtime=runtime, threads=threads)
-    click.echo(f"built on {host}; fetched into {folder}")
+    o = RemoteOptions(**config_fields("remote", flags))
+    folder = remote_build(model, target, out, o.remote_host(), precision=precision, runtime=runtime, threads=threads)
+    click.echo(f"built on {o.host}; fetched into {folder}")
 
 
-@remote_group.command("profile")
+@remote_group.command("profile", cls=ConfigCommand, key="remote profile", after="iterations")
 @click.argument("engine_dir", type=click.Path())
 @_json_file_or_stdout("the profile JSON")
 @click.option("--duration-s", type=float, default=None, help="As `edgekit profile --duration-s` (on the device).")
 @click.option("--iterations", type=int, default=None, help="As `edgekit profile --iterations` (on the device).")
-@_with_remote_options
 def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
-                       host: str, port: int | None, identity: str | None, ssh_option: tuple[str, ...],
-                       remote_edgekit: str | None, timeout: float) -> None:
-    """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile."""
-    from edgekit.remote import remote_profile
+                       **flags: Any) -> None:
+    """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile.
 
-    h = _remote_host(host, port, identity, ssh_option, remote_edgekit, timeout)
+    The options after --iterations are RemoteOptions'."""
+    from edgekit.remote import remote_profile
+    from edgekit.ssh import RemoteOptions
+
+    o = RemoteOptions(**config_fields("remote", flags))
     args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
         (["--iterations", str(iterations)] if iterations is not None else [])
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
-        result = remote_profile(engine_dir, h, json_out=file, extra_args=args)
+        result = remote_profile(engine_dir, o.remote_host(), json_out=file, extra_args=args)
     if json_out == "-":
         _print_json(result.to_dict())
         return
@@ -1155,43 +1087,26 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 
 # --- estimate ---
 
-@cli.command("estimate")
+@cli.command("estimate", cls=ConfigCommand, after="target", advanced=("inputs_file",))
 @click.argument("model")
 @click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
-@click.option("--precision", default=None, help="fp32 | fp16 | bf16 | int8 | int4 ... (default: the graph's own).")
-@click.option("--batch", type=click.IntRange(1, MAX_DIM), default=1, show_default=True, help="Batch to estimate.")
-@click.option("--dim", "dims", multiple=True, help="Bind a dynamic axis: NAME=VALUE (repeatable).")
-@click.option("--runtime", default=None, help="Whose fusions to apply: tensorrt | onnxruntime | none "
-              "(default: the target's first runtime).")
-@click.option("--calibrate", is_flag=True, help="First measure the model here and fit the target's efficiency factors.")
-@click.option("--timing", type=click.Choice(["gpu-compute", "end-to-end"]), default="gpu-compute", show_default=True,
-              help="What the total stands for: the engine's kernels (trtexec's GPU Compute Time, MLPerf's harness), or "
-                   "end to end through a Python predictor with host copies of inputs and outputs (Ultralytics' "
-                   "benchmark); both are estimated.")
-@click.option("--top-k", type=int, default=10, show_default=True, help="Kernels in the table.")
 @_json_file_or_stdout("the estimate JSON")
 @with_input_options("shapes", "inputs")
-def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dims: tuple[str, ...],
-                 runtime: str | None, calibrate: bool, timing: str, top_k: int, json_out: str | None,
-                 input_options: Any) -> None:
+def estimate_cmd(model: str, target: str, json_out: str | None, input_options: Any, **flags: Any) -> None:
     """Latency ESTIMATE of a model on a target, with its range (not a measurement).
 
     The graph is read as the target's runtime runs it (its fusions), costed kernel by
     kernel against the target's roofs; the range comes from the estimator's validation
-    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis)."""
+    errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis).
+    The options after --target are EstimateOptions'."""
     from edgekit.estimate.calibrate import estimate_with_calibration
+    from edgekit.estimate.options import EstimateOptions
 
-    bound: dict[str, int] = {}
-    for d in dims:
-        name, _, value = d.partition("=")
-        if not name or not value.strip().lstrip("-").isdigit() or not 0 <= int(value) <= MAX_DIM:
-            raise BadInputError(f"--dim {d!r} must be NAME=VALUE with a whole number VALUE from 0 to {MAX_DIM} (0: an "
-                                "empty axis, such as past_sequence_length=0 for a prefill)")
-        bound[name] = int(value)
+    o = EstimateOptions(**config_fields("estimate", flags))
     with _json_stdout(json_out == "-"):
-        est, report = estimate_with_calibration(model, target, precision=precision, batch=batch, dims=bound,
-                                                calibrate=calibrate, runtime=runtime, input_options=input_options,
-                                                timing=timing)
+        est, report = estimate_with_calibration(model, target, precision=o.precision, batch=o.batch,
+                                                dims=o.axis_sizes(), calibrate=o.calibrate, runtime=o.runtime,
+                                                input_options=input_options, timing=o.timing)
     doc = {**est.to_dict(), "calibration_report": report.to_dict() if report else None}
     if json_out == "-":
         _print_json(doc)
@@ -1199,7 +1114,7 @@ def estimate_cmd(model: str, target: str, precision: str | None, batch: int, dim
     if report is not None:
         click.echo(report.render())
         click.echo("")
-    click.echo(est.render(top_k))
+    click.echo(est.render(o.top_k))
     if json_out:
         from edgekit.artifact import atomic_write_json
 

@@ -194,7 +194,7 @@ def render_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | 
 
 def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | os.PathLike[str],
                          named: bool = True) -> None:
-    """Before anything is written: the Markdown file the user named (``-o``) may be replaced;
+    """Before anything is written: the Markdown file the user named (``--markdown``) may be replaced;
     the default one (``named`` False) and the ``.json`` / ``.html`` siblings only when they
     are edgekit reports, so a report never overwrites a file it did not write."""
     check_output_file(out_md, (folder,))
@@ -202,7 +202,7 @@ def check_report_outputs(out_md: Path, siblings: tuple[str, ...], folder: str | 
         check_output_file(path, (folder,))
         if path.is_file() and not _is_report_file(path):
             what = f"the report {out_md} also writes {path}, which" if path != out_md else f"{path}"
-            raise BadInputError(f"{what} exists and is not an edgekit report; choose another -o "
+            raise BadInputError(f"{what} exists and is not an edgekit report; choose another --markdown FILE "
                                 "(edgekit replaces only the reports it wrote)")
 
 

@@ -40,6 +40,8 @@ from typing import Any
 from edgekit.artifact import sha256_file
 from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, UnavailableError
 from edgekit.limits import format_bytes, free_space
+from edgekit.options import option
+from edgekit.schema import check_fields
 
 # ``-o`` options a recipe may give (compared without case, as ssh does): connection and
 # cryptography settings only. Everything else can run a program or load code on this machine,
@@ -358,3 +360,41 @@ def _remote_error(spec: str, command: str, rc: int, stderr: str) -> EdgekitError
     if rc == 127:
         return UnavailableError(f"remote {spec}: command not found ({command.split()[0]}): {msg}")
     return UnavailableError(f"remote {spec}: `{command[:80]}` failed (exit {rc}): {msg}")
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How ``edgekit remote`` reaches the device; its fields declare the flags of ``remote
+    build`` and ``remote profile`` (``edgekit.options``).
+
+    host: ``user@host[:port]`` (required). port, identity, ssh_options: ssh's ``-p``, ``-i`` and
+    ``-o Key=Value``. remote_edgekit: the edgekit command on the device (None:
+    ``$EDGEKIT_REMOTE_EDGEKIT``, else ``edgekit``). timeout: seconds for the remote command.
+    """
+
+    host: str | None = field(default=None, metadata=option(
+        "--host", basic=True, metavar="USER@HOST[:PORT]", help="The device (required)."))
+    port: int | None = field(default=None, metadata=option("--port", bounds=(1, 65535), help="SSH port."))
+    identity: str | None = field(default=None, metadata=option(
+        "-i", "--identity", metavar="FILE", help="SSH private key."))
+    ssh_options: tuple[str, ...] = field(default=(), metadata=option(
+        "--ssh-option", metavar="KEY=VALUE", help="Extra ssh -o Key=Value (repeatable)."))
+    remote_edgekit: str | None = field(default=None, metadata=option(
+        "--remote-edgekit", help="The edgekit command on the device (default: $EDGEKIT_REMOTE_EDGEKIT, else "
+                                 "edgekit)."))
+    timeout: float = field(default=3600.0, metadata=option(
+        "--timeout", basic=True, help="Seconds for the remote command (the build, or the profile)."))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.host is None:
+            raise BadInputError("give the device: --host USER@HOST[:PORT]")
+        if not self.timeout > 0:
+            raise BadInputError(f"--timeout must be > 0 seconds, got {self.timeout}")
+
+    def remote_host(self) -> RemoteHost:
+        """The SSH destination these options name (checked as it is made)."""
+        assert self.host is not None  # __post_init__
+        return RemoteHost.from_options(self.host, {
+            "ssh_port": self.port, "ssh_identity": self.identity, "ssh_options": list(self.ssh_options),
+            "remote_edgekit": self.remote_edgekit, "build_timeout": self.timeout, "remote_timeout": self.timeout})

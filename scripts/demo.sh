@@ -11,5 +11,5 @@ OUT=${OUT:-out/demo}
 edgekit export efficientnet-lite0 -o "$OUT/onnx"
 edgekit build "$OUT/onnx" --target cpu -o "$OUT/engine"
 edgekit profile "$OUT/engine" --json "$OUT/profile.json"
-edgekit report "$OUT" -o "$OUT/report.md" --budget-ms 33 --percentile p99
+edgekit report "$OUT" --markdown "$OUT/report.md" --budget-ms 33 --percentile p99
 edgekit check "$OUT/profile.json" --budget-ms 33 --percentile p99

@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,9 +164,15 @@ def test_every_option_of_every_command_has_help():
 def test_help_shows_the_common_options_and_help_all_every_one():
     for command, basic, advanced in (("compress", "--bits", "--gptaq-alpha"), ("distill", "--temperature", "--patience"),
                                      ("finetune", "--lora-r", "--weight-decay"), ("build", "--precision", "--dla-core"),
-                                     ("profile", "--batch", "--prompt-lengths")):
-        short = CliRunner().invoke(cli, [command, "--help"], terminal_width=200)
-        full = CliRunner().invoke(cli, [command, "--help-all"], terminal_width=200)
+                                     ("profile", "--batch", "--prompt-lengths"), ("export", "--kv-cache", "--weight-format"),
+                                     ("estimate", "--axis", "--timing"), ("lint", "--axis", "--dla-core"),
+                                     ("sweep", "--grid", "--address"), ("check", "--budget-ms", "--max-jitter"),
+                                     ("run", "--remeasure", "--cache"),
+                                     ("report", "--budget-ms", "--top-k"),
+                                     (["remote", "build"], "--host", "--ssh-option")):
+        path = command if isinstance(command, list) else [command]
+        short = CliRunner().invoke(cli, [*path, "--help"], terminal_width=200)
+        full = CliRunner().invoke(cli, [*path, "--help-all"], terminal_width=200)
         assert short.exit_code == 0 and full.exit_code == 0
         assert basic in short.output and advanced not in short.output and advanced in full.output
         hidden = int(re.search(r"(\d+) more options: --help-all shows every one", short.output).group(1))
@@ -204,6 +211,12 @@ def _capture(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list[tu
      ("edgekit.compress.distill", "distill")),
     (["build", "M.onnx", "-o", "O", "--remote", "me@orin", "--runtime", "tensorrt"],
      ["build", "M.onnx", "-o", "O", "--host", "me@orin", "--runtime", "tensorrt"], ("edgekit.build", "build_engine")),
+    (["estimate", "M.onnx", "--target", "cpu", "--dim", "sequence_length=64"],
+     ["estimate", "M.onnx", "--target", "cpu", "--axis", "sequence_length=64"],
+     ("edgekit.estimate.calibrate", "estimate_with_calibration")),
+    (["lint", "M.onnx", "--target", "jetson-agx-orin-64", "--dim", "seq=1:256"],
+     ["lint", "M.onnx", "--target", "jetson-agx-orin-64", "--axis", "seq=1:256"],
+     ("edgekit.runtimes.tensorrt.lint", "lint_model")),
 ])
 def test_old_names_warn_once_and_reach_the_api_as_the_new(monkeypatch: pytest.MonkeyPatch, old, new, api):
     calls = _capture(monkeypatch, *api)
@@ -215,6 +228,115 @@ def test_old_names_warn_once_and_reach_the_api_as_the_new(monkeypatch: pytest.Mo
     assert r_new.stderr == "" and len(warnings) == len(renamed)
     assert {line.split()[1] for line in warnings} == set(renamed)
     assert all(" is deprecated and goes away in the next release; use " in line for line in warnings)
+
+
+def test_report_markdown_file_was_o(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """`report -o FILE` (a file, where -o is a folder everywhere else) is now `--markdown FILE`."""
+    calls = _capture(monkeypatch, "edgekit.report", "render_report")
+    md = str(tmp_path / "r.md")
+    runs = [CliRunner().invoke(cli, ["report", "RUN", *flag]) for flag in (["-o", md], ["--out", md], ["--markdown", md])]
+    assert all(isinstance(r.exception, _Called) for r in runs), [r.output for r in runs]
+    assert calls[0] == calls[1] == calls[2] == (("RUN", md), {"budget_ms": None, "percentile": "p99", "top_k": 10})
+    assert [r.stderr for r in runs] == ["warning: -o/--out is deprecated and goes away in the next release; use "
+                                        "--markdown\n"] * 2 + [""]
+    r = CliRunner().invoke(cli, ["report", "RUN", "--budget-ms", "33", "--percentile", "p50", "--top-k", "3"])
+    assert isinstance(r.exception, _Called) and calls[3] == (("RUN", None), {"budget_ms": 33.0, "percentile": "p50",
+                                                                             "top_k": 3})
+    r = CliRunner().invoke(cli, ["report", "RUN", "-o", md, "--markdown", md])
+    assert r.exit_code == 2 and r.stderr == "error: -o/--out is the old name of --markdown; give --markdown alone\n"
+
+
+def test_generated_commands_reach_the_api_with_the_configs_of_before(monkeypatch: pytest.MonkeyPatch):
+    """export, estimate, lint and sweep: flags left out keep the config's default (what the
+    hand-written options passed before); given ones set their field."""
+    from edgekit.export.config import ExportConfig
+
+    calls = _capture(monkeypatch, "edgekit.loading", "export_onnx")
+    for args in (["export", "M", "-o", "O"],
+                 ["export", "M", "-o", "O", "--opset", "17", "--legacy", "--atol", "0.01", "--no-parity"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert calls[0][0][2] == ExportConfig() and calls[0][0][2].dynamo and not calls[0][0][2].skip_parity
+    assert calls[1][0][2] == ExportConfig(opset=17, dynamo=False, atol=0.01, skip_parity=True)
+
+    calls = _capture(monkeypatch, "edgekit.estimate.calibrate", "estimate_with_calibration")
+    for args in (["estimate", "M", "--target", "cpu"],
+                 ["estimate", "M", "--target", "cpu", "--precision", "fp16", "--batch", "2", "--axis", "s=0",
+                  "--calibrate", "--timing", "end-to-end", "--runtime", "none"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert calls[0][1] == {"precision": None, "batch": 1, "dims": {}, "calibrate": False, "runtime": None,
+                           "input_options": None, "timing": "gpu-compute"}
+    assert calls[1][1] == {"precision": "fp16", "batch": 2, "dims": {"s": 0}, "calibrate": True, "runtime": "none",
+                           "input_options": None, "timing": "end-to-end"}
+
+    calls = _capture(monkeypatch, "edgekit.runtimes.tensorrt.lint", "lint_model")
+    assert isinstance(CliRunner().invoke(cli, ["lint", "M", "--target", "T", "--tensorrt", "8.5", "--dla-core", "0",
+                                               "--precision", "int8"]).exception, _Called)
+    assert calls[0][1] == {"tensorrt_version": "8.5", "dla_core": 0, "precision": "int8", "shapes": None, "dims": None}
+
+    calls = _capture(monkeypatch, "edgekit.pipelines.sweep", "run_sweep")
+    for args in (["sweep", "R.yaml"], ["sweep", "R.yaml", "--grid", "int4.bits=4,8", "--list", "int4.sym=true",
+                                       "--max-points", "9", "--force", "--executor", "process", "--jobs", "1"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    common = {k: v for k, v in calls[0][1].items() if k != "announce"}
+    assert calls[0][0][1] == [] and common == {"combos": None, "jobs": 1, "executor": "local", "address": None,
+                                                "force": False, "max_points": 256}
+    assert calls[1][0][1] == ["int4.bits=4,8"] and calls[1][1]["combos"] == [{"int4.sym": True}]
+    assert (calls[1][1]["max_points"], calls[1][1]["force"], calls[1][1]["executor"]) == (9, True, "process")
+
+    calls = _capture(monkeypatch, "edgekit.check", "check_budget")
+    for args in (["check", "P.json", "--budget-ms", "33"],
+                 ["check", "P.json", "--budget-ms", "33", "--percentile", "p50", "--max-jitter", "1.2",
+                  "--require-verified"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert calls == [(("P.json", 33.0, "p99", None), {"require_verified": False}),
+                     (("P.json", 33.0, "p50", 1.2), {"require_verified": True})]
+
+    calls = _capture(monkeypatch, "edgekit.pipelines.run", "run_recipe")
+    monkeypatch.setattr(importlib.import_module("edgekit.pipelines.recipe"), "load_recipe",
+                        lambda path: types.SimpleNamespace(name="r"))
+    for args in (["run", "R.yaml"], ["run", "R.yaml", "--force", "--remeasure", "--wait", "--cache", "C"]):
+        assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
+    assert [c[1] for c in calls] == [{"cache_dir": None, "force": False, "wait": False, "remeasure": False},
+                                     {"cache_dir": "C", "force": True, "wait": True, "remeasure": True}]
+
+    from edgekit.ssh import RemoteHost
+
+    calls = _capture(monkeypatch, "edgekit.remote", "remote_build")
+    for args in (["--host", "me@orin"], ["--host", "me@orin", "--port", "2222", "-i", "K", "--ssh-option",
+                                         "Compression=yes", "--remote-edgekit", "/opt/ek", "--timeout", "60"]):
+        r = CliRunner().invoke(cli, ["remote", "build", "M.onnx", "--target", "T", "-o", "O", "--threads", "2", *args])
+        assert isinstance(r.exception, _Called), r.output
+    # what the hand-written options built before: every timeout the one --timeout, 3600 s by default
+    before = [RemoteHost.from_options("me@orin", {"ssh_port": None, "ssh_identity": None, "ssh_options": [],
+                                                  "remote_edgekit": None, "build_timeout": 3600.0,
+                                                  "remote_timeout": 3600.0}),
+              RemoteHost.from_options("me@orin", {"ssh_port": 2222, "ssh_identity": "K",
+                                                  "ssh_options": ["Compression=yes"], "remote_edgekit": "/opt/ek",
+                                                  "build_timeout": 60.0, "remote_timeout": 60.0})]
+    assert [c[0] for c in calls] == [("M.onnx", "T", "O", h) for h in before]
+    assert calls[0][1] == {"precision": None, "runtime": None, "threads": 2}
+    r = CliRunner().invoke(cli, ["remote", "profile", "E"])
+    assert r.exit_code == 2 and r.stderr == "error: give the device: --host USER@HOST[:PORT]\n"
+
+
+def test_kv_cache_export_keeps_its_own_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(importlib.import_module("edgekit.loading"), "load_model",
+                        lambda spec: types.SimpleNamespace(kind="causal-lm", name=spec))
+    calls = _capture(monkeypatch, "edgekit.export.lm", "export_causal_lm")
+    for args in (["--kv-cache"], ["--kv-cache", "--opset", "18", "--atol", "0.01", "--no-parity", "--graph", "traced",
+                                  "--accuracy-level", "0", "--weight-format", "qdq"]):
+        r = CliRunner().invoke(cli, ["export", "lm", "-o", str(tmp_path / "o"), *args])
+        assert isinstance(r.exception, _Called), r.output
+    assert calls[0][1] == {"opset": 21, "parity": True, "graph": "auto", "block_size": None, "fmt": "matmulnbits"}
+    assert calls[1][1] == {"opset": 18, "parity": False, "graph": "traced", "block_size": None, "fmt": "qdq",
+                           "atol": 0.01, "accuracy_level": 0}
+    for args, message in ((["--graph", "fused"], "--graph, --block-size and --weight-format apply to the KV-cache"),
+                          (["--accuracy-level", "4"], "--accuracy-level applies to the KV-cache export"),
+                          (["--kv-cache", "--legacy"], "--dynamo/--legacy choose the exporter of a PyTorch model"),
+                          (["--kv-cache", "--opset", "9"], "opset 9 is not supported (choose 13 to 23)")):
+        r = CliRunner().invoke(cli, ["export", "lm", "-o", str(tmp_path / "o"), *args])
+        assert r.exit_code == 2 and r.stderr.startswith(f"error: {message}"), r.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_an_old_and_a_new_name_together_are_refused():

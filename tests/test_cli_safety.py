@@ -144,7 +144,7 @@ def test_single_file_outputs_never_replace_a_folder_or_an_input(tmp_path: Path, 
          f"error: output file '{profile_json}' is the input '{profile_json}'; choose another output"),
         (["check", profile_json, "--budget-ms", "33", "--json", onnx_dir / "manifest.json"],
          f"error: output file '{onnx_dir / 'manifest.json'}' belongs to the edgekit output folder"),
-        (["report", onnx_dir, "-o", tmp_path / "folder"],
+        (["report", onnx_dir, "--markdown", tmp_path / "folder"],
          f"error: output file '{tmp_path / 'folder'}' is a folder; give a file name"),
     ]
     for args, message in cases:
@@ -152,8 +152,8 @@ def test_single_file_outputs_never_replace_a_folder_or_an_input(tmp_path: Path, 
         assert r.exit_code == 2, r.output
         assert one_line_error(r.stderr, r.output).startswith(message)
     assert tree_hash(tmp_path) == before
-    (tmp_path / "notes.json").write_text('{"mine": true}')  # report -o notes.md would also write notes.json
-    r = run("report", onnx_dir, "-o", tmp_path / "notes.md")
+    (tmp_path / "notes.json").write_text('{"mine": true}')  # report --markdown notes.md would also write notes.json
+    r = run("report", onnx_dir, "--markdown", tmp_path / "notes.md")
     assert r.exit_code == 2
     assert "also writes" in one_line_error(r.stderr, r.output) and not (tmp_path / "notes.md").exists()
     assert json.loads((tmp_path / "notes.json").read_text()) == {"mine": True}
@@ -502,7 +502,7 @@ def test_any_output_path_is_safe(tmp_path_factory: pytest.TempPathFactory, tiny_
     args = {"export": ["export", tiny_onnx, "-o", out_rel],
             "build": ["build", tiny_onnx, "--target", "cpu", "-o", out_rel],
             "check": ["check", work / "profile.json", "--budget-ms", "10", "--json", out_rel],
-            "report": ["report", work / "profile.json", "-o", out_rel]}[command]
+            "report": ["report", work / "profile.json", "--markdown", out_rel]}[command]
     written = [out] + ([out.with_suffix(".json")] if command == "report" and Path(out_rel).name not in ("", ".", "..") else [])
     new_top = next((root / Path(*Path(out_rel).parts[:i + 1]) for i in range(len(Path(out_rel).parts))
                     if not os.path.lexists(root / Path(*Path(out_rel).parts[:i + 1]))), None)
@@ -631,22 +631,22 @@ def test_report_replaces_only_its_own_default_output(tmp_path: Path, tiny_onnx: 
     r = run("report", proj)
     assert r.exit_code == 2, r.output
     assert one_line_error(r.stderr, r.output) == (
-        f"error: {proj / 'report.md'} exists and is not an edgekit report; choose another -o (edgekit replaces only "
-        "the reports it wrote)")
+        f"error: {proj / 'report.md'} exists and is not an edgekit report; choose another --markdown FILE (edgekit "
+        "replaces only the reports it wrote)")
     assert tree_hash(tmp_path) == before
     (proj / "report.md").unlink()
     assert run("report", proj).exit_code == 0 and run("report", proj).exit_code == 0  # its own: replaced
     assert (proj / "report.md").read_text().startswith("# edgekit report: ")
     named = tmp_path / "mine.md"
     named.write_text("the user names this file: it is replaced\n")
-    assert run("report", proj, "-o", named).exit_code == 0 and named.read_text().startswith("# edgekit report")
+    assert run("report", proj, "--markdown", named).exit_code == 0 and named.read_text().startswith("# edgekit report")
 
 
-@pytest.mark.parametrize("args", [["profile", "NO_ENGINE", "--json", "FIFO"], ["report", "NO_ENGINE", "-o", "FIFO"],
+@pytest.mark.parametrize("args", [["profile", "NO_ENGINE", "--json", "FIFO"], ["report", "NO_ENGINE", "--markdown", "FIFO"],
                                   ["check", "NO_ENGINE", "--budget-ms", "1", "--json", "FIFO"],
                                   ["estimate", "NO_ENGINE", "--target", "cpu", "--json", "FIFO"]])
 def test_an_output_that_is_a_fifo_is_refused_before_any_work(tmp_path: Path, args: list[str]) -> None:
-    """`profile --json out.fifo` and `report -o out.fifo` blocked forever when nothing read the
+    """`profile --json out.fifo` and `report --markdown out.fifo` blocked forever when nothing read the
     FIFO. The engine here does not even exist: the output is refused first."""
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)

@@ -153,3 +153,17 @@ def test_downloaded_files_are_not_executable_by_accident(local_ssh: Path, tmp_pa
     host = RemoteHost("me@device", edgekit=str(fake_edgekit(tmp_path, "printf x > s && chmod 4755 s")))
     out = remote_build(str(tiny_onnx), "cpu", tmp_path / "engine", host)
     assert not stat.S_IMODE((out / "s").stat().st_mode) & stat.S_ISUID
+
+
+def test_remote_options_make_the_host_of_remote_commands():
+    """RemoteOptions (the flags of `edgekit remote build/profile`): the device is required, the
+    one --timeout is the build's and the command's."""
+    from edgekit.ssh import RemoteOptions
+
+    h = RemoteOptions(host="me@orin:2222", identity="K", ssh_options=("Compression=yes",), timeout=60.0).remote_host()
+    assert (h.destination, h.port, h.identity, h.ssh_options, h.build_timeout, h.command_timeout) == \
+        ("me@orin", 2222, "K", ["Compression=yes"], 60.0, 60.0)
+    with pytest.raises(BadInputError, match=r"^give the device: --host USER@HOST\[:PORT\]$"):
+        RemoteOptions()
+    with pytest.raises(BadInputError, match=r"^--timeout must be > 0 seconds, got 0.0$"):
+        RemoteOptions(host="me@orin", timeout=0.0)

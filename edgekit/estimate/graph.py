@@ -199,7 +199,7 @@ def bind_dims(model: Any, batch: int, dims: dict[str, int] | None) -> tuple[Any,
         if o.type.tensor_type.HasField("shape"):
             o.type.tensor_type.ClearField("shape")
     if assumed:
-        warnings.append(f"dynamic dims {sorted(assumed)} were set to 1; pass dims (CLI: --dim NAME=VALUE) to change")
+        warnings.append(f"dynamic dims {sorted(assumed)} were set to 1; pass dims (CLI: --axis NAME=SIZE) to change")
     return m, bound, warnings, inits
 
 

@@ -29,6 +29,7 @@ from edgekit.estimate.cost import OP_CLASSES, Precision, dot_k, node_cost, op_cl
 from edgekit.estimate.efficiency import Roofs, roofs_for, shape_factor
 from edgekit.estimate.fusion import DEFAULT_FUSION, FUSION_MODELS, FUSION_RUNTIMES, Fused, Kernel, fuse
 from edgekit.estimate.graph import Graph, load_graph, read_graph, strip_weights
+from edgekit.estimate.options import TIMINGS
 from edgekit.estimate.probe import probed_target
 from edgekit.estimate.uncertainty import estimate_range, op_mix
 from edgekit.profiling import LatencyStats, ProfileResult
@@ -37,11 +38,10 @@ from edgekit.targets import PRECISIONS, Target, TargetLike, load_target
 
 ESTIMATE_NOTE = "ESTIMATE (roofline model, not a measurement)"
 FLOAT_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
-# What ``total_ms`` stands for. gpu-compute: the engine's kernels alone, as trtexec's "GPU Compute
-# Time" and MLPerf's device-resident harness time it; end-to-end: plus copying the graph's inputs
+# What ``total_ms`` stands for (``TIMINGS``, declared with estimate's options). gpu-compute: the
+# engine's kernels alone, as trtexec's "GPU Compute Time" and MLPerf's device-resident harness time it; end-to-end: plus copying the graph's inputs
 # in and outputs out through a Python predictor (the target's ``host_copy_gbs``), as Ultralytics'
 # benchmark times it. Both are always estimated; the other is in the estimate beside it.
-TIMINGS = ("gpu-compute", "end-to-end")
 TIMING_TEXT = {"gpu-compute": "GPU compute (the kernels alone, as trtexec's GPU Compute Time)",
                "end-to-end": "end to end through a Python predictor (kernels plus host copies of the inputs and "
                              "outputs)"}

@@ -25,83 +25,29 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgekit import interrupts
 from edgekit.artifact import Manifest, check_output_dir, input_record, staged_dir, write_manifest
-from edgekit.errors import BadInputError, CheckFailedError, EdgekitError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, EdgekitError
+from edgekit.export.config import ExportConfig
 from edgekit.export.parity import check_parity, module_device
 from edgekit.export.rope import traceable_rope
 from edgekit.onnx_checks import ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
-from edgekit.schema import check_fields
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import ArtifactLoader, load_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPSET = 18
-MIN_OPSET, MAX_OPSET = 13, 23
 DYNAMO_MIN_OPSET = 18  # the dynamo exporter's lowest; below it the legacy exporter is used
 LEGACY_MAX_OPSET = 20
 # Above this many bytes of weights the graph is saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
 ONNX_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """How to export.
-
-    opset: ONNX opset, 13 to 23 (the dynamo exporter emits 18 and later; below 18 the legacy
-        exporter is used, with a warning; the legacy exporter stops at 20).
-    dynamo: use the dynamo exporter (legacy TorchScript exporter as the fallback).
-    dynamic_batch: keep the batch axis (from ``handle.dynamic_axes``) symbolic.
-    batch: batch size of the tracing inputs (2 keeps the exporter from specialising on 1).
-    atol / rtol: parity tolerances for every output; ``tolerances`` overrides per output
-        name with ``(atol, rtol)``. A compression step may loosen atol/rtol through its
-        record (``meta["parity"]``); see ``effective_tolerances``.
-    skip_parity: write the artifact without the parity check.
-    int8_kernels: the integer arithmetic an INT8 graph's parity is judged in: "int16-pairs" (x86
-        without VNNI), "int32" (VNNI, AMX, arm64), "float-qdq" (TensorRT); None: what the INT8 step
-        recorded for its target, else this machine's kernels. Other kernels than this machine's run
-        through ``runtimes.int8_kernels``'s model of them.
-    """
-
-    opset: int = DEFAULT_OPSET
-    dynamo: bool = True
-    dynamic_batch: bool = True
-    batch: int = 2
-    atol: float = 1e-4
-    rtol: float = 1e-3
-    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
-    skip_parity: bool = False
-    int8_kernels: str | None = None
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # types from the annotations, before the range checks below
-        if not isinstance(self.opset, int) or not MIN_OPSET <= self.opset <= MAX_OPSET:
-            raise BadInputError(f"opset {self.opset!r} is not supported (choose {MIN_OPSET} to {MAX_OPSET})")
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise BadInputError(f"export batch must be an integer >= 1, got {self.batch!r}")
-        for what, v in (("atol", self.atol), ("rtol", self.rtol)):
-            if not (isinstance(v, (int, float)) and v >= 0):
-                raise BadInputError(f"parity {what} must be >= 0, got {v!r}")
-        for name, tol in self.tolerances.items():
-            if not (isinstance(tol, (tuple, list)) and len(tol) == 2 and all(
-                    isinstance(t, (int, float)) and t >= 0 for t in tol)):
-                raise BadInputError(f"tolerance for output {name!r} must be (atol, rtol) >= 0, got {tol!r}")
-        if self.int8_kernels is not None and self.int8_kernels not in SEMANTICS:
-            raise bad_choice("INT8 kernels", self.int8_kernels, SEMANTICS)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["tolerances"] = {k: list(v) for k, v in self.tolerances.items()}
-        return d
 
 
 def export_onnx(model: str | os.PathLike[str] | ModelHandle, out_dir: str | os.PathLike[str],

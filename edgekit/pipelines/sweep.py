@@ -34,28 +34,10 @@ from edgekit.pipelines.html import render_sweep_html, sweep_plots
 from edgekit.pipelines.recipe import Recipe, parse_recipe, read_recipe_data
 from edgekit.pipelines.results import SWEEP_COLUMNS, RunResult, StageResult, SweepRow, sweep_table
 from edgekit.pipelines.run import run_recipe
+from edgekit.pipelines.sweep_options import DEFAULT_MAX_POINTS, EXECUTORS, parse_value
 from edgekit.progress import progress_bar
 
-EXECUTORS = ("local", "process", "ray")
-# Each point is a whole run (compress, export, build, profile): minutes. A grid beyond this many
-# points is a typo unless --max-points says otherwise (it is validated point by point first).
-DEFAULT_MAX_POINTS = 256
 JOB_MEMORY = 2**30  # what one local sweep process needs at least (torch, ONNX Runtime, a model)
-
-
-def parse_value(text: str) -> Any:
-    t = text.strip()
-    low = t.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(t)
-        except ValueError:
-            pass
-    return t
 
 
 def parse_grid(specs: list[str]) -> dict[str, list[Any]]:

@@ -8,12 +8,23 @@ checked against its names, and every runtime takes a ``Target``.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from edgekit.errors import bad_choice
-from edgekit.runtimes.base import Runtime
 from edgekit.targets.runtime_registry import BEST_RUNTIME, RUNTIMES
 
+if TYPE_CHECKING:
+    from edgekit.runtimes.base import Runtime
+
 __all__ = ["BEST_RUNTIME", "RUNTIMES", "get_runtime"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``base`` (numpy, ONNX) on first use: the command line reads option classes of the
+    # runtimes' packages (``tensorrt.lint_options``) without it
+    if name == "Runtime":
+        return importlib.import_module("edgekit.runtimes.base").Runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_runtime(name: str) -> Runtime:

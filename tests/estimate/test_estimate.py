@@ -473,9 +473,9 @@ def test_kv_cache_prefill_is_estimable(tmp_path: Path) -> None:
     path = tmp_path / "kv.onnx"
     path.write_bytes(model.SerializeToString())
     res = CliRunner().invoke(cli, ["estimate", str(path), "--target", "jetson-agx-orin-64", "--precision", "fp16",
-                                   "--dim", "past_sequence_length=0", "--dim", "sequence_length=128", "--json", "-"])
+                                   "--axis", "past_sequence_length=0", "--axis", "sequence_length=128", "--json", "-"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["dims"]["past_sequence_length"] == 0
-    res = CliRunner().invoke(cli, ["estimate", str(path), "--target", "jetson-agx-orin-64", "--dim",
+    res = CliRunner().invoke(cli, ["estimate", str(path), "--target", "jetson-agx-orin-64", "--axis",
                                    "past_sequence_length=-1"])
-    assert res.exit_code == 2 and "--dim 'past_sequence_length=-1' must be NAME=VALUE with a whole number" in res.output
+    assert res.exit_code == 2 and "--axis 'past_sequence_length=-1' must be NAME=SIZE with a whole number" in res.output

@@ -827,7 +827,7 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     assert runner.invoke(cli, ["check", str(alone), "--budget-ms", "1.0", "--require-verified"]).exit_code == 0
     miss = runner.invoke(cli, ["check", str(tmp_path / "p.json"), "--budget-ms", "0.5"])
     assert miss.exit_code == 1
-    res = runner.invoke(cli, ["report", str(tmp_path / "p.json"), "-o", str(tmp_path / "r.md")])
+    res = runner.invoke(cli, ["report", str(tmp_path / "p.json"), "--markdown", str(tmp_path / "r.md")])
     text = (tmp_path / "r.md").read_text()
     # per number, where it comes from: the device, with its provenance status
     assert res.exit_code == 0 and "(tensorrt, device (verified))" in text
@@ -835,7 +835,7 @@ def test_device_loop_bundle_to_results_folder_to_check_and_report(tmp_path, cach
     assert "Measured on the device: Orin, JetPack 6.2+b77, TensorRT 10.3.0, power mode MAXN, clocks locked." in text
     # a report of a bundle that has not been run says that nothing was built
     fresh = build_engine(_onnx(tmp_path / "m2.onnx"), "jetson-agx-orin-64", tmp_path / "fresh", BuildOptions("fp16"))
-    assert runner.invoke(cli, ["report", str(fresh), "-o", str(tmp_path / "f.md")]).exit_code == 0
+    assert runner.invoke(cli, ["report", str(fresh), "--markdown", str(tmp_path / "f.md")]).exit_code == 0
     assert ("> .: wrote a TensorRT build bundle for jetson-agx-orin-64: TensorRT is not installed here, nothing was "
             "built; run build.sh on the device") in (tmp_path / "f.md").read_text()
 

@@ -194,8 +194,8 @@ def test_cli_lint_exit_codes_table_and_json(tmp_path):
     (tmp_path / "garbage.onnx").write_text("not a model")
     for args, message in ((["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64"],
                            "garbage.onnx is not a valid ONNX model"),
-                          # with --dim the profile was read first, by a loader of its own: a traceback
-                          (["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64", "--dim",
+                          # with --axis the profile was read first, by a loader of its own: a traceback
+                          (["lint", str(tmp_path / "garbage.onnx"), "--target", "jetson-agx-orin-64", "--axis",
                             "batch=1"], "garbage.onnx is not a valid ONNX model"),
                           (["lint", str(tmp_path / "nope.onnx"), "--target", "jetson-agx-orin-64"],
                            "is neither an ONNX file nor an edgekit folder"),
@@ -389,13 +389,13 @@ def test_cli_lint_shapes_and_dims(tmp_path):
     res = runner.invoke(cli, ["lint", str(path), "--target", "jetson-agx-orin-64", "--shapes", "x:2x16x8", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["shapes"] == {"x": {"min": [2, 16, 8], "opt": [2, 16, 8], "max": [2, 16, 8]}}
-    res = runner.invoke(cli, ["lint", str(path), "--target", "jetson-agx-orin-64", "--dim", "batch=1",
-                              "--dim", "seq=1:256", "--json"])
+    res = runner.invoke(cli, ["lint", str(path), "--target", "jetson-agx-orin-64", "--axis", "batch=1",
+                              "--axis", "seq=1:256", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["shapes"]["x"] == {"min": [1, 1, 8], "opt": [1, 256, 8],
                                                                            "max": [1, 256, 8]}
-    for args, message in ((["--dim", "sequence=1:256"], "--dim names 'sequence', which no input axis of dyn.onnx is "
+    for args, message in ((["--axis", "sequence=1:256"], "--axis names 'sequence', which no input axis of dyn.onnx is "
                                                          "called (named axes: batch, seq)"),
-                          (["--dim", "seq=9:3"], "--dim 'seq=9:3' must be NAME=SIZE or NAME=MIN:MAX"),
+                          (["--axis", "seq=9:3"], "--axis 'seq=9:3' must be NAME=SIZE or NAME=MIN:MAX"),
                           (["--shapes", "y:1x2x8"], "--shapes names input 'y', which the model does not have")):
         res = runner.invoke(cli, ["lint", str(path), "--target", "jetson-agx-orin-64", *args])
         assert res.exit_code == 2 and res.output.startswith("error: ") and message in res.output, res.output

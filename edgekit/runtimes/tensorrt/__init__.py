@@ -13,9 +13,24 @@ The registry (``edgekit.runtimes.RUNTIMES``) names ``RUNTIME`` here.
 """
 from __future__ import annotations
 
-from edgekit.runtimes.base import Runtime
-from edgekit.runtimes.tensorrt.runtime import TensorRTRuntime
+import importlib
+from typing import TYPE_CHECKING, Any
 
-RUNTIME: Runtime = TensorRTRuntime()
+if TYPE_CHECKING:
+    from edgekit.runtimes.base import Runtime
+    from edgekit.runtimes.tensorrt.runtime import TensorRTRuntime as TensorRTRuntime
+
+    RUNTIME: Runtime
 
 __all__ = ["RUNTIME", "TensorRTRuntime"]
+
+
+def __getattr__(name: str) -> Any:
+    # the runtime on first use (get_runtime): ``lint_options`` is read by the command line
+    # to build its flags, without numpy or ONNX
+    if name in __all__:
+        runtime_module = importlib.import_module("edgekit.runtimes.tensorrt.runtime")
+        globals().setdefault("RUNTIME", runtime_module.TensorRTRuntime())  # one runtime object
+        globals()["TensorRTRuntime"] = runtime_module.TensorRTRuntime
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

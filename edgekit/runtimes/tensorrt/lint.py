@@ -483,7 +483,7 @@ def _check_dynamic(report: LintReport, g: GraphView, shapes: dict[str, dict[str,
                 "error" if others else "warning", "dynamic-shape", vi.name, "graph input",
                 f"dynamic {names} and no optimization profile: TensorRT needs min/opt/max shapes for it",
                 "edgekit build adds one for a dynamic batch (min 1, opt --batch, max --max-batch)" if not others else
-                "give the sizes: lint --shapes NAME:DIMS (trtexec syntax) or --dim NAME=SIZE, build --shapes; or "
+                "give the sizes: lint --shapes NAME:DIMS (trtexec syntax) or --axis NAME=SIZE, build --shapes; or "
                 "export with static shapes", "TensorRT developer guide, 'Working with Dynamic Shapes'"))
             if dla_core is not None and not others:
                 report.findings.append(Finding(
@@ -646,7 +646,7 @@ def resolve_lint_input(model: str | Path) -> tuple[Path, dict[str, dict[str, lis
 def lint_profile(onnx_path: Path, shapes: dict[str, tuple[int, ...]] | None = None,
                  dims: dict[str, tuple[int, int]] | None = None) -> dict[str, dict[str, list[int]]]:
     """An optimization profile from ``--shapes`` (fixed shapes per input, trtexec syntax) and
-    ``--dim NAME=SIZE|MIN:MAX`` (every input axis of that name): min/opt/max per dynamic input
+    ``--axis NAME=SIZE|MIN:MAX`` (every input axis of that name): min/opt/max per dynamic input
     (opt = max; an axis the exporter named as a sum of others, such as ``past_sequence_length +
     sequence_length``, adds their ranges). Inputs with a dynamic axis neither gives stay out
     (lint reports them)."""
@@ -658,7 +658,7 @@ def lint_profile(onnx_path: Path, shapes: dict[str, tuple[int, ...]] | None = No
              for t in d.dim_param.split("+")}
     unknown = sorted(set(dims) - known)
     if unknown:
-        raise BadInputError(f"--dim names {unknown[0]!r}, which no input axis of {onnx_path.name} is called (named "
+        raise BadInputError(f"--axis names {unknown[0]!r}, which no input axis of {onnx_path.name} is called (named "
                             f"axes: {', '.join(sorted(known)) or 'none'})")
     out: dict[str, dict[str, list[int]]] = {}
     for name, fixed in (shapes or {}).items():
