@@ -489,10 +489,10 @@ ROUTED = ("mixtral", "qwen2-moe", "llama4")
 # 8 bits on a mixture of experts: measured 0.013-0.066 (dense: 0.009-0.012). A token near a routing tie
 # changes experts under any weight change, and moves its logits by far more than the rounding does.
 W8_ROUTED_REL = 0.1
+# mixtures of experts the fused graph writes (export/lm_moe.py: MoE / QMoE nodes)
+MOE_EXPORTED = ("mixtral", "qwen2-moe")
 # model type -> why the KV-cache export is refused
-NO_KV_EXPORT = {"mixtral": "optimum's ONNX exporter has no configuration for it",
-                "qwen2-moe": "optimum's ONNX exporter has no configuration for it",
-                "llama4": "optimum's ONNX exporter has no configuration for it",
+NO_KV_EXPORT = {"llama4": "optimum's ONNX exporter has no configuration for it",
                 "falcon": "its Falcon configuration assumes as many KV heads as query heads"}
 
 
@@ -526,7 +526,22 @@ def test_more_decoders_awq_folds_where_the_probe_proves_it(family, spec, referen
     assert _rel(_outputs(load_compressed(out), feeds), want) < W4_REL
 
 
-@pytest.mark.parametrize("family", MORE)
+@pytest.mark.parametrize("family", MOE_EXPORTED)
+def test_moe_export_with_kv_cache_matches_the_float_model(family, spec, reference, tmp_path):
+    """Float: the graph computes what transformers computes; RTN W4: near the float model, and at
+    the packed model's own distance from it (the experts' codes as stored)."""
+    ref, feeds, want = reference(family)
+    out = export_causal_lm(ref, tmp_path / "onnx")
+    assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < ONNX_REL
+    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w4", _ctx(ref)))
+    out = export_causal_lm(w4, tmp_path / "w4-onnx")
+    got = _prefill(out / "model.onnx", feeds["input_ids"])
+    assert _rel(got, want) < W4_REL
+    assert _rel(got, _outputs(w4, feeds)) < W4_GRAPH_REL
+
+
+@pytest.mark.parametrize("family", list(NO_KV_EXPORT))
 def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp_path):
     from edgekit.export.lm import export_causal_lm
 

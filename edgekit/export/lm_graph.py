@@ -53,6 +53,7 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 from torch import nn
 
 from edgekit.errors import BadInputError
+from edgekit.export.lm_moe import moe_block, moe_support, write_moe
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.export.rope import (
     RopeSpec,
@@ -92,7 +93,7 @@ GEMMA3 = Arch(norm_offset=1.0, sandwich_norms=True, qk_norm=True, local_rotary=T
               activations=("gelu_pytorch_tanh",))
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
 ARCHS: dict[str, Arch] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma2": GEMMA2,
-                          "gemma3_text": GEMMA3}
+                          "gemma3_text": GEMMA3, "mixtral": LLAMA, "qwen2_moe": LLAMA}  # MoE layers: lm_moe
 ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
@@ -146,7 +147,7 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     for name, m in hf_model.named_modules():
         if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
             return False, f"{name} has {m.bits}-bit weights (the fused graph takes {KERNEL_BITS})"
-    return True, ""
+    return moe_support(hf_model)
 
 
 _ACT_NAMES = {"silu": "SiLU", "gelu_pytorch_tanh": "GELU (tanh)"}
@@ -564,7 +565,8 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
     residual: str | None = None
     for i, layer in enumerate(body.layers):
         p = f"layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        mlp: Any = getattr(layer, "mlp", None)  # Mixtral's experts are its block_sparse_moe (lm_moe)
         gamma = w.init(f"{p}.input_layernorm.weight", _norm_weight(layer.input_layernorm, arch))
         if residual is None:
             w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
@@ -618,6 +620,10 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
         w.node("SkipSimplifiedLayerNormalization", [o, residual, gamma2], [f"{p}/ln2", "", "", f"{p}/res2"],
                f"{p}/post_attention_layernorm", MS, epsilon=eps)
         residual = f"{p}/res2"
+        moe = moe_block(layer, cfg.model_type)
+        if moe is not None:  # mixture of experts: routed in one MoE / QMoE node (lm_moe)
+            hidden = write_moe(w, f"{p}/ln2", moe, f"{p}.moe")
+            continue
         if config.fuse_gate_up:
             gu = w.linear(f"{p}/ln2", [mlp.gate_proj, mlp.up_proj], f"{p}.mlp.gate_up_proj")
             w.node("Split", [gu], [f"{p}/gate", f"{p}/up"], f"{p}/mlp/split", axis=-1, num_outputs=2)
