@@ -19,10 +19,14 @@ Routing as the families compute it: Mixtral normalizes the top-k softmax weights
 (``normalize_routing_weights=1``); Qwen2-MoE does so only with ``norm_topk_prob`` and adds a shared
 expert scaled by ``sigmoid(shared_expert_gate(x))``, written in standard ops and MatMul(NBits).
 
-Not written (``moe_support`` says why, and ``export`` takes the traced graph or refuses): 8-bit
-experts (QMoE's CPU kernel runs 8-bit experts only with int8 activations, so no graph of them could
-be checked exactly against the model), experts with biases or of mixed bit widths, Qwen2-MoE's
-sliding-window layers.
+8-bit experts do not go to QMoE: its CPU kernel computes them only with int8 activations, so the
+graph could not be checked exactly against the model. They are routed in standard ops instead
+(softmax, TopK, the chosen experts' weights scattered over all experts) with every expert computed
+by two MatMulNBits (all gate/up rows in one, all down columns stacked along K in the other): exact,
+at E/k times the routed work (``benchmarks/bench_moe_decode.py`` measures both ways on one layer).
+
+Not written (``moe_support`` says why, and ``export`` takes the traced graph or refuses): experts
+with biases or of mixed bit widths, Qwen2-MoE's sliding-window layers.
 """
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ from edgekit.export.packing import QuantLinear, pack_codes, storage_bits
 MS = "com.microsoft"
 # QMoE blocks (a power of two >= 16 dividing the hidden and the expert's intermediate size)
 EXPERT_BLOCKS = (16, 32, 64, 128, 256)
-EXPERT_BITS = (4,)  # packed expert widths with an fp32-compute QMoE kernel on the CPU
+QMOE_BITS = (4,)  # packed expert widths with an fp32-compute QMoE kernel on the CPU
+EXPERT_BITS = (4, 8)  # 8-bit experts: every expert computed by MatMulNBits, routing in standard ops
 # model type -> (the layer attribute holding the block, the expert's gate / up / down linears)
 MOE_LAYOUTS: dict[str, tuple[str, tuple[str, str, str]]] = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
@@ -116,11 +121,10 @@ def moe_support(hf_model: Any) -> tuple[bool, str]:
                            "(one MoE node takes one width)")
         (bits,) = widths
         if bits is not None and bits not in EXPERT_BITS:
-            return False, (f"layer {i} has {bits}-bit experts: ONNX Runtime's QMoE CPU kernel computes them only "
-                           f"with int8 activations, so the graph cannot be checked exactly (experts: float or "
-                           f"{'/'.join(map(str, EXPERT_BITS))}-bit)")
+            return False, (f"layer {i} has {bits}-bit experts (the fused graph writes float or "
+                           f"{'/'.join(map(str, EXPERT_BITS))}-bit experts)")
         if bits is not None and not _blocks(mats):
-            return False, f"the experts of layer {i} have no QMoE block dividing their groups and sizes"
+            return False, f"the experts of layer {i} have no block (16..256) dividing their groups and sizes"
     return True, ""
 
 
@@ -178,20 +182,74 @@ def _shared_expert(w: GraphWriter, x: str, moe: MoEBlock, name: str) -> str | No
     return shared
 
 
+def _every_expert(w: GraphWriter, x: str, logits: str, moe: MoEBlock, name: str) -> str:
+    """8-bit experts (QMoE's 8-bit CPU kernel has int8 activations only, so nothing exact to check it
+    against): every expert computed by MatMulNBits and weighted by its routing weight, zero where the
+    router did not choose it. Exact, at E/k times the routed work (``bench_moe_decode.py``): the gate
+    and up rows of all experts in one matmul, the down columns of all experts stacked along K in another
+    (a block never straddles two experts: blocks divide the intermediate size)."""
+    E, k = len(moe.experts), moe.top_k
+    gates, ups, downs = (list(t) for t in zip(*moe.experts, strict=True))
+    inter = gates[0].out_features
+    gu = w.linear(x, [m for e in moe.experts for m in e[:2]], f"{name}.experts.gate_up_proj")  # (b, s, E*2*I)
+    gu = w.node("Reshape", [gu, w.init(f"{name}/gu_shape", np.array([0, 0, E, 2, inter], np.int64))],
+                [f"{name}/gu_experts"], f"{name}/gu_experts")[0]
+    w.node("Split", [gu], [f"{name}/gate", f"{name}/up"], f"{name}/gu_split", axis=3, num_outputs=2)
+    w.node("QuickGelu", [f"{name}/gate"], [f"{name}/act"], f"{name}/silu", MS, alpha=1.0)
+    h = w.node("Mul", [f"{name}/act", f"{name}/up"], [f"{name}/gated"], f"{name}/gated")[0]  # (b, s, E, 1, I)
+    # routing weights as transformers computes them: softmax over all experts, top-k, optionally renormalized
+    probs = w.node("Softmax", [logits], [f"{name}/probs"], f"{name}/softmax", axis=-1)[0]
+    w.node("TopK", [probs, w.init(f"{name}/k", np.array([k], np.int64))], [f"{name}/top_w", f"{name}/top_i"],
+           f"{name}/topk", axis=-1)
+    top = f"{name}/top_w"
+    if moe.normalize:
+        total = w.node("ReduceSum", [top, w.init(f"{name}/last", np.array([-1], np.int64))], [f"{name}/top_sum"],
+                       f"{name}/top_sum", keepdims=1)[0]
+        top = w.node("Div", [top, total], [f"{name}/top_norm"], f"{name}/top_norm")[0]
+    shape = w.node("Shape", [probs], [f"{name}/probs_shape"], f"{name}/probs_shape")[0]
+    zeros = w.node("ConstantOfShape", [shape], [f"{name}/no_route"], f"{name}/no_route")[0]
+    route = w.node("ScatterElements", [zeros, f"{name}/top_i", top], [f"{name}/route"], f"{name}/route",
+                   axis=-1)[0]  # (b, s, E): the chosen experts' weights, zeros elsewhere
+    route = w.node("Unsqueeze", [route, w.init(f"{name}/route_axes", np.array([3, 4], np.int64))],
+                   [f"{name}/route5"], f"{name}/route5")[0]
+    h = w.node("Mul", [h, route], [f"{name}/weighted"], f"{name}/weighted")[0]
+    h = w.node("Reshape", [h, w.init(f"{name}/flat", np.array([0, 0, E * inter], np.int64))], [f"{name}/flat_h"],
+               f"{name}/flat_h")[0]
+    block = _choose_block(gates + ups + downs, w.config.block_size)
+    parts = [_packed(m, block) for m in downs]  # per expert: (H, I) codes, (H, I/block) scales and zeros
+    hidden = downs[0].out_features
+    qweight = np.concatenate([p[0].reshape(hidden, -1, block) for p in parts], axis=1)  # 8-bit: a byte per code
+    scales = np.concatenate([p[1] for p in parts], axis=1)
+    zeros_ = np.concatenate([p[2] for p in parts], axis=1)
+    attrs: dict[str, Any] = {"K": E * inter, "N": hidden, "bits": 8, "block_size": block}
+    if w.config.accuracy_level:
+        attrs["accuracy_level"] = w.config.accuracy_level
+    out = f"{name}.experts.down_proj/out"
+    w.node("MatMulNBits", [h, w.init(f"{name}.experts.down_proj.qweight", qweight),
+                           w.init(f"{name}.experts.down_proj.scales", scales.reshape(-1)),
+                           w.init(f"{name}.experts.down_proj.qzeros", zeros_.reshape(-1))], [out],
+           f"{name}.experts.down_proj", MS, **attrs)
+    return out
+
+
 def write_moe(w: GraphWriter, x: str, moe: MoEBlock, name: str) -> str:
     """The layer's mixture of experts on ``x`` (batch, sequence, hidden); returns its output's name."""
     # the shared expert's nodes first: ONNX Runtime runs nodes in the order written here, and its
     # MoE kernels write their output into a buffer the planner may give them from a tensor that is
     # read later (measured on 1.31.1: the shared expert then read overwritten inputs)
     shared = _shared_expert(w, x, moe, name)
-    logits = w.linear(x, [moe.router], f"{name}.gate")
-    probs = w.node("Reshape", [logits, w.init(f"{name}/router_shape", np.array([-1, len(moe.experts)], np.int64))],
-                   [f"{name}/router_logits"], f"{name}/router_rows")[0]
+    logits = w.linear(x, [moe.router], f"{name}.gate")  # (batch, sequence, experts)
     attrs: dict[str, Any] = {"k": moe.top_k, "normalize_routing_weights": int(moe.normalize),
                              "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": 1.0,
                              "activation_beta": 0.0}
     routed = f"{name}/experts"
     gates, ups, downs = (list(t) for t in zip(*moe.experts, strict=True))
+    if all(isinstance(m, QuantLinear) and storage_bits(m.bits) not in QMOE_BITS for m in gates + ups + downs):
+        routed = _every_expert(w, x, logits, moe, name)
+        return routed if shared is None else w.node("Add", [routed, shared], [f"{name}/out"], f"{name}/add_shared")[0]
+    # the contrib nodes take the router's logits as (tokens, experts)
+    probs = w.node("Reshape", [logits, w.init(f"{name}/router_shape", np.array([-1, len(moe.experts)], np.int64))],
+                   [f"{name}/router_logits"], f"{name}/router_rows")[0]
     if all(isinstance(m, QuantLinear) for m in gates + ups + downs):
         block = _choose_block(gates + ups + downs, w.config.block_size)
         fc1 = [_packed(m, block) for m in gates], [_packed(m, block) for m in ups]

@@ -2,7 +2,8 @@
 Qwen2-MoE (with and without ``norm_topk_prob``, a dense layer among the sparse ones), float experts
 in ``MoE`` and packed 4-bit experts in ``QMoE``, routers in float, matching transformers and the
 compressed model through a prefill and decode steps on the KV cache; experts GPTQ never calibrated
-exported like the others; 8-bit and mixed-width experts refused with the reason."""
+exported like the others; 8-bit experts computed by MatMulNBits with the routing in standard ops;
+mixed-width experts refused with the reason."""
 from __future__ import annotations
 
 import json
@@ -136,19 +137,39 @@ def test_experts_no_calibration_token_reached_export_like_the_others(tmp_path):
     assert _rel(_decode(onnx_dir / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
 
 
-def test_8bit_and_mixed_width_experts_are_refused_with_the_reason(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_8bit_experts_are_computed_by_matmulnbits_and_match_the_compressed_model(family, tmp_path):
+    """RTN W8: every expert computed and weighted by its scattered routing weight (QMoE's 8-bit CPU
+    kernel has no fp32 compute to check it against): exact with fp32 compute."""
+    cfg = make_config("int4", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
+    w8 = load_compressed(compress(load_model(str(save_tiny(family, tmp_path))), [("int4", cfg)], tmp_path / "w8",
+                                  _ctx()))
+    out = export_causal_lm(w8, tmp_path / "onnx", accuracy_level=0)
+    graph = onnx.load(str(out / "model.onnx")).graph
+    assert not _moe_nodes(out / "model.onnx")
+    down = [n for n in graph.node if n.name == "layers.0.moe.experts.down_proj"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in down[0].attribute}
+    inter = 128 if family == "mixtral" else 64
+    assert down[0].op_type == "MatMulNBits" and attrs["bits"] == 8 and attrs["K"] == 4 * inter  # 4 experts stacked
+    ids = _ids()
+    assert _rel(_decode(out / "model.onnx", ids), _reference(w8, ids)) < PACKED_REL
+    shipped = export_causal_lm(w8, tmp_path / "int8-compute")  # accuracy_level 4: int8 activations
+    metrics = json.loads((shipped / "manifest.json").read_text())["metrics"]
+    assert metrics["parity_int8_compute"]["passed"] and metrics["parity_float"]["passed"]
+
+
+def test_mixed_width_experts_are_refused_with_the_reason(tmp_path):
     cfg = make_config("int4", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
     w8 = load_compressed(compress(load_model(str(save_tiny("mixtral", tmp_path))), [("int4", cfg)], tmp_path / "w8",
                                   _ctx()))
-    ok, why = supports_fused_graph(w8.module.model)
-    assert not ok and why.startswith("layer 0 has 8-bit experts: ONNX Runtime's QMoE CPU kernel")
-    with pytest.raises(BadInputError, match="--graph fused is not available for .*8-bit experts") as e:
-        export_causal_lm(w8, tmp_path / "onnx", graph="fused")
-    assert "\n" not in str(e.value) and not (tmp_path / "onnx").exists()
     # one expert's down projection left in float among packed experts: one MoE node takes one width
     expert = w8.module.model.model.layers[0].block_sparse_moe.experts[2]
     dense = torch.nn.Linear(expert.w2.in_features, expert.w2.out_features, bias=False)
     dense.weight.data = expert.w2.dequantize()
     expert.w2 = dense
-    ok, why = moe_support(w8.module.model)
+    ok, why = supports_fused_graph(w8.module.model)
     assert not ok and why == "the experts of layer 0 mix bit widths [8, None] (one MoE node takes one width)"
+    assert moe_support(w8.module.model) == (ok, why)
+    with pytest.raises(BadInputError, match=r"--graph fused is not available for .*: the experts of layer 0 mix") as e:
+        export_causal_lm(w8, tmp_path / "onnx", graph="fused")
+    assert "\n" not in str(e.value) and not (tmp_path / "onnx").exists()
