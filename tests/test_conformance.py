@@ -489,11 +489,11 @@ ROUTED = ("mixtral", "qwen2-moe", "llama4")
 # 8 bits on a mixture of experts: measured 0.013-0.066 (dense: 0.009-0.012). A token near a routing tie
 # changes experts under any weight change, and moves its logits by far more than the rounding does.
 W8_ROUTED_REL = 0.1
+# mixtures of experts the fused graph writes (export/lm_moe.py: MoE / QMoE nodes)
+MOE_EXPORTED = ("mixtral", "qwen2-moe")
 # model type -> why the KV-cache export is refused
-NO_KV_EXPORT = {"mixtral": "optimum's ONNX exporter has no configuration for it",
-                "qwen2-moe": "optimum's ONNX exporter has no configuration for it",
-                "llama4": "optimum's ONNX exporter has no configuration for it"}
-KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: the fused graph (export/lm_falcon.py)
+NO_KV_EXPORT = {"llama4": "optimum's ONNX exporter has no configuration for it"}
+KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: export/lm_falcon.py; MoE: export/lm_moe.py
 
 
 @pytest.mark.parametrize("family,method,bits,bound", [
@@ -526,6 +526,21 @@ def test_more_decoders_awq_folds_where_the_probe_proves_it(family, spec, referen
     assert _rel(_outputs(load_compressed(out), feeds), want) < W4_REL
 
 
+@pytest.mark.parametrize("family", MOE_EXPORTED)
+def test_moe_export_with_kv_cache_matches_the_float_model(family, spec, reference, tmp_path):
+    """Float: the graph computes what transformers computes; RTN W4: near the float model, and at
+    the packed model's own distance from it (the experts' codes as stored)."""
+    ref, feeds, want = reference(family)
+    out = export_causal_lm(ref, tmp_path / "onnx")
+    assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < ONNX_REL
+    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w4", _ctx(ref)))
+    out = export_causal_lm(w4, tmp_path / "w4-onnx")
+    got = _prefill(out / "model.onnx", feeds["input_ids"])
+    assert _rel(got, want) < W4_REL
+    assert _rel(got, _outputs(w4, feeds)) < W4_GRAPH_REL
+
+
 @pytest.mark.parametrize("family", list(NO_KV_EXPORT))
 def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp_path):
     from edgekit.export.lm import export_causal_lm
@@ -538,8 +553,9 @@ def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp
 
 
 @pytest.mark.parametrize("family,method,bits,bound", [
-    pytest.param(f, m, b, bound, id=f"{f}-{m or 'float'}-{b}") for f in KV_EXPORT
-    for m, b, bound in ((None, 32, ONNX_REL), ("gptq", 4, W4_REL), ("rtn", 8, W8_REL))])
+    pytest.param(f, m, b, W8_ROUTED_REL if (b == 8 and f in ROUTED) else bound, id=f"{f}-{m or 'float'}-{b}",
+                 marks=MATRIX if f in MOE_EXPORTED else ())  # MoE float and RTN W4: test_moe_export_...
+    for f in KV_EXPORT for m, b, bound in ((None, 32, ONNX_REL), ("gptq", 4, W4_REL), ("rtn", 8, W8_REL))])
 def test_more_decoders_kv_cache_export_stays_near_the_float_model(family, method, bits, bound, spec, reference,
                                                                   tmp_path):
     """Float, 8-bit and 4-bit KV-cache exports (the fused graph, parity checked inside) against the

@@ -77,19 +77,23 @@ DEFAULT_ACCURACY_LEVEL = 4
 INT8_COMPUTE_RTOL = 0.15
 
 
+# nodes whose accuracy_level chooses int8 or fp32 activations (QMoE: packed mixture-of-experts layers)
+ACCURACY_OPS = ("MatMulNBits", "QMoE")
+
+
 def with_accuracy_level(proto: Any, level: int | None) -> Any:
-    """A copy of ``proto`` whose MatMulNBits nodes carry ``accuracy_level`` (None: removed)."""
+    """A copy of ``proto`` whose MatMulNBits and QMoE nodes carry ``accuracy_level`` (None: removed)."""
     import copy
 
     return set_accuracy_level(copy.deepcopy(proto), level)
 
 
 def set_accuracy_level(proto: Any, level: int | None) -> Any:
-    """Set (None: remove) ``accuracy_level`` on the MatMulNBits nodes of ``proto``, in place; returns it."""
+    """Set (None: remove) ``accuracy_level`` on the MatMulNBits and QMoE nodes of ``proto``, in place; returns it."""
     from onnx import helper
 
     for node in proto.graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type in ACCURACY_OPS:
             keep = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend(keep)
@@ -506,8 +510,8 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
             proto.graph.initializer.append(numpy_helper.from_array(arr, name))
             tensors[k] = ("", np.empty(0))
         tensors = []
-    # a graph without MatMulNBits computes the same whatever its accuracy level: no twin to check
-    twin_parity = parity and bool(accuracy_level) and any(n.op_type == "MatMulNBits" for n in proto.graph.node)
+    # a graph without MatMulNBits or QMoE computes the same whatever its accuracy level: no twin to check
+    twin_parity = parity and bool(accuracy_level) and any(n.op_type in ACCURACY_OPS for n in proto.graph.node)
     with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder, \
             tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
         if tensors:

@@ -58,6 +58,7 @@ from torch import nn
 
 from edgekit.errors import BadInputError
 from edgekit.export.lm_falcon import FALCON, falcon_kv_heads, falcon_unsupported, write_falcon_layers, write_layer_norm
+from edgekit.export.lm_moe import moe_block, moe_support, write_moe
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.export.rope import (
     RopeSpec,
@@ -99,7 +100,7 @@ GEMMA3 = Arch(norm_offset=1.0, sandwich_norms=True, qk_norm=True, local_rotary=T
 FALCON_ARCH = Arch(activations=("gelu", "gelu_new", "gelu_pytorch_tanh"))
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
 ARCHS: dict[str, Arch] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma2": GEMMA2,
-                          "gemma3_text": GEMMA3, FALCON: FALCON_ARCH}
+                          "gemma3_text": GEMMA3, FALCON: FALCON_ARCH, "mixtral": LLAMA, "qwen2_moe": LLAMA}  # MoE layers: lm_moe
 ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
@@ -155,7 +156,7 @@ def supports_fused_graph(hf_model: Any) -> tuple[bool, str]:
     for name, m in hf_model.named_modules():
         if isinstance(m, QuantLinear) and storage_bits(m.bits) not in KERNEL_BITS:
             return False, f"{name} has {m.bits}-bit weights (the fused graph takes {KERNEL_BITS})"
-    return True, ""
+    return moe_support(hf_model)
 
 
 _ACT_NAMES = {"silu": "SiLU", "gelu_pytorch_tanh": "GELU (tanh)", "gelu": "GELU", "gelu_new": "GELU (tanh)"}
@@ -577,7 +578,8 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
         hidden, residual = write_falcon_layers(w, body.h, cfg, config.fuse_qkv, hidden)
     for i, layer in enumerate(() if falcon else body.layers):
         p = f"layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        mlp: Any = getattr(layer, "mlp", None)  # Mixtral's experts are its block_sparse_moe (lm_moe)
         gamma = w.init(f"{p}.input_layernorm.weight", _norm_weight(layer.input_layernorm, arch))
         if residual is None:
             w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
@@ -631,6 +633,10 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
         w.node("SkipSimplifiedLayerNormalization", [o, residual, gamma2], [f"{p}/ln2", "", "", f"{p}/res2"],
                f"{p}/post_attention_layernorm", MS, epsilon=eps)
         residual = f"{p}/res2"
+        moe = moe_block(layer, cfg.model_type)
+        if moe is not None:  # mixture of experts: routed in one MoE / QMoE node (lm_moe)
+            hidden = write_moe(w, f"{p}/ln2", moe, f"{p}.moe")
+            continue
         if config.fuse_gate_up:
             gu = w.linear(f"{p}/ln2", [mlp.gate_proj, mlp.up_proj], f"{p}.mlp.gate_up_proj")
             w.node("Split", [gu], [f"{p}/gate", f"{p}/up"], f"{p}/mlp/split", axis=-1, num_outputs=2)
