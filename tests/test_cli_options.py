@@ -31,7 +31,7 @@ FLAGS = {"-o", "--out", "--bits", "--method", "--calib", "--calib-method", "--ca
          "--act-order", "--no-act-order", "--gptaq-alpha", "--refit", "--no-refit", "--seqlen", "--device", "--prune",
          "--importance", "--global", "--uniform", "--round-to", "--ignore", "--iterative-steps", "--distill",
          "--epochs", "--temperature", "--distill-alpha", "--data", "--seed", "--shapes", "--inputs", "--preprocess",
-         "--accept-quality-loss", "--max-ppl-ratio", "--max-size-mb", "--avg-bits", "-h", "--help"}
+         "--accept-quality-loss", "--max-ppl-ratio", "--max-size-mb", "--avg-bits", "--smooth-alpha", "-h", "--help"}
 
 
 def _help() -> str:

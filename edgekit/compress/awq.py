@@ -98,7 +98,7 @@ def search_clip(W: torch.Tensor, X: torch.Tensor, bits: int, group_size: int, sy
     return best
 
 
-def _producer(family: Family, block: nn.Module, rel: list[str]) -> tuple[str, nn.Module, float] | None:
+def fold_producer(family: Family, block: nn.Module, rel: list[str]) -> tuple[str, nn.Module, float] | None:
     """The op whose output is the group's input, when ``1/s`` can be folded into it: (path in the
     block, module, norm offset). From the family description (``families.py``); None when the
     group has no foldable producer (then ``s = 1``)."""
@@ -167,12 +167,12 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
         W = torch.cat([lin.weight.detach().float() for lin in linears], dim=0)
         block_prefix = f"{prefix}.{block_index}." if prefix else ""
         rel = [n[len(block_prefix):] for n in names]
-        prod = _producer(family, blocks[block_index], rel)
+        prod = fold_producer(family, blocks[block_index], rel)
         scale = torch.ones(cols, device=W.device)  # the inputs' divisor: 1 without a producer to fold into
         if prod is not None:
             s, _, _ = search_scale(W, X, x_mean, cfg.bits, cfg.group_size, cfg.sym, cfg.awq_grid)
             scale = s
-            _fold(prod[1], s, prod[2])
+            fold_scales(prod[1], s, prod[2])
             if isinstance(prod[1], nn.Linear):  # an already-quantized linear: its row scales absorb 1/s
                 pname = block_prefix + prod[0]
                 if pname in results:
@@ -207,7 +207,7 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
     return visit
 
 
-def _fold(producer: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
+def fold_scales(producer: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
     """Divide the producer's output channels by ``s``. A norm computing ``x_hat * (offset + w) + b``
     gets ``w' = (offset + w) / s - offset`` (Gemma's ``1 + w``) and ``b' = b / s``."""
     w, bias = getattr(producer, "weight", None), getattr(producer, "bias", None)

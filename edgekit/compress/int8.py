@@ -60,6 +60,7 @@ from edgekit.compress.options import option
 from edgekit.compress.qat import train_qat
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.compress.sensitivity import exclusive_input_quants, fall_back
+from edgekit.compress.smooth import SmoothConfig, smooth
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import get_runtime
@@ -119,6 +120,8 @@ class Int8Config:
         models, and models torch.fx cannot trace, e.g. Hugging Face BERT): "auto" ("all" if
         the graph has a Conv, else "linear") | "linear" (only the inputs of MatMul/Gemm
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
+    smooth_alpha: SmoothQuant activation smoothing for causal LMs (``smooth.py``), folded into the
+        float model before its graph is quantized: in [0, 1], or None (off). Ignored for other models.
     """
 
     method: str = field(default="ptq", metadata=option("--method"))
@@ -150,6 +153,9 @@ class Int8Config:
     placement: str = field(default="auto", metadata=option(
         "--placement", help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: "
         "transformers) | all."))
+    smooth_alpha: float | None = field(default=None, metadata=option(
+        "--smooth-alpha", help="INT8 of a causal LM: SmoothQuant activation smoothing, its strength in [0, 1] "
+        "(0.5: outlier range split evenly between activations and weights); off unless given."))
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -187,6 +193,8 @@ class Int8Config:
             raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
         if self.placement not in PLACEMENTS:
             raise bad_choice("INT8 placement", self.placement, PLACEMENTS)
+        if self.smooth_alpha is not None:
+            SmoothConfig(self.smooth_alpha)  # range check, one line
         if not self.per_channel:
             raise BadInputError("per_channel=False is not supported: per-tensor int8 weights lose too much "
                                 "accuracy on depthwise convolutions (use per_channel=True)")
@@ -468,6 +476,9 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
     # The float graph is needed only while quantizing: the result lives in its own folder.
     if ctx.work_dir is not None:
         Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
+    smoothed: dict[str, Any] | None = None
+    if config.smooth_alpha is not None and handle.kind == "causal-lm" and handle.module is not None:
+        handle, smoothed = _smoothed(handle, config, ctx)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder = export_onnx(handle, Path(work) / "fp32-onnx", ExportConfig(skip_parity=True))
         onnx_handle = copy.copy(handle)
@@ -475,7 +486,36 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
         onnx_handle.module = None
         out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
+    out.steps[-1].meta["smoothing"] = smoothed
+    if smoothed is not None:
+        ctx.metrics["int8"]["smoothing"] = {k: v for k, v in smoothed.items() if k != "pairs"}
     return out
+
+
+def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tuple[ModelHandle, dict[str, Any]]:
+    """A copy of the causal LM with SmoothQuant's scales folded in (``smooth.py``), calibrated on the
+    same calibration windows the graph's ranges come from; the float function is unchanged."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    samples = load_split(handle, ctx, "calib", config.calib_samples)
+    names = [s.name for s in handle.inputs]
+    module = copy.deepcopy(handle.module)
+    assert module is not None  # the caller checked
+    module.eval()
+
+    def run(m: nn.Module) -> None:
+        with torch.no_grad():
+            for args in tensor_batches(samples, names, 8):
+                m(*args)
+
+    pairs = smooth(module, run, SmoothConfig(float(config.smooth_alpha or 0.0)))
+    ratios = [p["act_max"] / max(p["act_median"], 1e-12) for p in pairs]
+    record = {"alpha": config.smooth_alpha, "calib_samples": len(samples), "groups": len(pairs),
+              "pairs": sorted({f"{p['producer']} -> {', '.join(p['consumers'])}" for p in pairs}),
+              "max_outlier_ratio": round(max(ratios), 2) if ratios else None,
+              "seconds": {"wall": round(time.perf_counter() - t0, 3), "cpu": round(time.process_time() - c0, 3)}}
+    new = copy.copy(handle)
+    new.module = module
+    return new, record
 
 
 def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: Int8Config, batch_size: int = 16,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edgekit.compress.awq import _fold, search_clip, search_scale
+from edgekit.compress.awq import fold_scales, search_clip, search_scale
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 
 
@@ -54,14 +54,14 @@ def test_fold_into_norm_and_linear_preserves_the_function():
             super().__init__()
             self.weight = norm_w
 
-    _fold(Norm(), s)
+    fold_scales(Norm(), s)
     lin.weight.data.mul_(s)
     torch.testing.assert_close(lin(x * norm_w), ref, rtol=1e-5, atol=1e-6)
     up = nn.Linear(8, 6)
     down = nn.Linear(6, 3)
     y = down(up(x))
     s6 = torch.rand(6) + 0.5
-    _fold(up, s6)
+    fold_scales(up, s6)
     down.weight.data.mul_(s6)
     torch.testing.assert_close(down(up(x)), y, rtol=1e-5, atol=1e-5)
 

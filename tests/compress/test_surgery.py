@@ -232,7 +232,7 @@ def test_export_parity_against_the_float_model(tmp_path, monkeypatch):
 def test_fold_into_a_one_plus_w_norm_is_exact():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from edgekit.compress.awq import _fold
+    from edgekit.compress.awq import fold_scales
 
     torch.manual_seed(3)
     norm = Gemma3RMSNorm(16)
@@ -243,8 +243,8 @@ def test_fold_into_a_one_plus_w_norm_is_exact():
     with torch.no_grad():
         want = lin(norm(x))
         s = torch.rand(16) + 0.5
-        _fold(norm, s, offset=1.0)
+        fold_scales(norm, s, offset=1.0)
         lin.weight.mul_(s)
         torch.testing.assert_close(lin(norm(x)), want, rtol=1e-5, atol=1e-5)
-        _fold(norm, torch.full((16,), 2.0), offset=0.0)  # the Llama rule on a Gemma norm: not the same function
+        fold_scales(norm, torch.full((16,), 2.0), offset=0.0)  # the Llama rule on a Gemma norm: not the same function
         assert not torch.allclose(lin(norm(x)) * 2, want, rtol=1e-2, atol=1e-2)
