@@ -542,3 +542,59 @@ def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_pa
     for n, m in half.module.named_modules():
         if isinstance(m, QuantLinear):
             assert torch.equal(m.qweight, packed[n].qweight) and torch.equal(m.scales, packed[n].scales), n
+
+
+def test_codes_handed_to_after_block_are_not_kept_and_are_the_codes_of_the_whole_model():
+    """``quantize_module(after_block=...)`` hands each block's codes over once and keeps none of them
+    (one byte per weight for the whole model is half a bfloat16 model); they are the codes the walk
+    returns without ``after_block``, bit for bit."""
+    from edgekit.compress.weight_only import quantize_module
+
+    cfg = WeightOnlyConfig(method="rtn", bits=4, group_size=32)
+    whole, _ = quantize_module(tiny_llama().module, cfg)
+    handed: list[dict] = []
+    kept, info = quantize_module(tiny_llama().module, cfg, after_block=handed.append)
+    assert kept == {} and info["blocks"] == 2 and len(handed) == 2  # one hand-over per block
+    assert sorted(n for codes in handed for n in codes) == sorted(whole) and len(whole) == 14
+    for codes in handed:
+        for name, (q, s, z) in codes.items():
+            q0, s0, z0 = whole[name]
+            assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), name
+
+
+def test_a_half_stored_model_reloads_without_a_float32_copy_and_computes_what_the_float32_load_did(calib, tmp_path,
+                                                                                                    monkeypatch):
+    """``load_compressed`` of a model compressed from a bfloat16 checkpoint reads the base model as its
+    file stores it (bfloat16, half a float32 load) and casts only what the steps did not replace; the
+    reloaded model is the one a float32 load of the base gives: every tensor and the logits equal."""
+    import importlib
+
+    from tests.tiny_models import build, byte_tokenizer
+
+    compress_pkg = importlib.import_module("edgekit.compress")  # the package (``edgekit.compress`` is also the function)
+
+    folder = tmp_path / "llama-bf16"
+    build("llama").to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+    out = compress(folder, [("int4", WeightOnlyConfig(method="rtn", bits=4, group_size=32, seqlen=32))],
+                   tmp_path / "w4", StepContext(calib=calib, eval=calib, progress=False))
+    loads: list[bool] = []
+    real = compress_pkg.load_model
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs.get("half_storage", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compress_pkg, "load_model", spy)
+    half = load_compressed(out)
+    monkeypatch.setattr(compress_pkg, "load_model", lambda *a, **k: real(*a, **{**k, "half_storage": False}))
+    full = load_compressed(out)
+    assert loads == [True]
+    state, want = half.module.state_dict(), full.module.state_dict()
+    assert state.keys() == want.keys()
+    for k, v in want.items():
+        assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+    assert not any(t.dtype == torch.bfloat16 for t in state.values())  # norms computed in float32, as compressed
+    ids = torch.from_numpy(half.sample_inputs(2)["input_ids"])
+    with torch.no_grad():
+        assert torch.equal(half.module(ids, torch.ones_like(ids)), full.module(ids, torch.ones_like(ids)))
