@@ -411,13 +411,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
     weights = manifest.path_of(folder, "weights")
     check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
-    # The base model's weights as its files store them (bfloat16 stays bfloat16, memory-mapped): the
-    # layers the steps replace are dropped unread into the heap, and what is left is cast to float32
-    # before the compressed weights load over it, which is what a float32 load would have given.
-    half = bool(manifest.steps) and all(isinstance(s, dict) and s.get("name") in STEPS
-                                        and get_step(s["name"]).half_storage for s in manifest.steps)
-    handle = load_model(manifest.source, half_storage=half, loaders=ARTIFACT_LOADERS)
-    loaded_half = _half_tensors(handle.module) if half and handle.module is not None else set()
+    handle = load_model(manifest.source, loaders=ARTIFACT_LOADERS)
     handle.step_rewrites = step_rewrite
     for rec in manifest.steps:
         record = StepRecord(**rec)
@@ -425,8 +419,6 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         if step.rebuild is not None:
             handle = step.rebuild(handle, make_config(record.name, record.config), record)
         handle.steps.append(record)
-    if loaded_half and handle.module is not None:  # only what the loader kept in half precision, not a step's own
-        _to_float32(handle.module, loaded_half)
     handle.quantized = quantized_precision(handle.steps)
     try:
         from safetensors.torch import load_model as load_st
@@ -442,29 +434,6 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle
-
-
-HALF = ("bfloat16", "float16")
-
-
-def _half_tensors(module: Any) -> set[str]:
-    """Names of ``module``'s bfloat16/float16 parameters and buffers (names, not ids: the steps' rebuild
-    frees tensors, and a new one may take a freed one's id)."""
-    return {n for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-            if str(t.dtype).removeprefix("torch.") in HALF}
-
-
-def _to_float32(module: Any, names: set[str]) -> None:
-    """Cast the parameters and buffers of ``module`` named in ``names`` that are still in half precision
-    to float32, in place."""
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for name, p in m.named_parameters(recurse=False):
-            if f"{prefix}.{name}".lstrip(".") in names and str(p.dtype).removeprefix("torch.") in HALF:
-                p.data = p.data.float()
-        for name, b in list(m.named_buffers(recurse=False)):
-            if (b is not None and f"{prefix}.{name}".lstrip(".") in names
-                    and str(b.dtype).removeprefix("torch.") in HALF):
-                m._buffers[name] = b.float()
 
 
 def step_rewrite(name: str) -> Rewrite | None:

@@ -56,7 +56,7 @@ from edgekit.export.lm_graph import (
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
 from edgekit.kv_cache import KVCacheDecoder
-from edgekit.memory import float32_compute, release_memory
+from edgekit.memory import release_memory
 from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
@@ -862,11 +862,10 @@ def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_
     got = onnx_logits(sess, ids, prompt_len, with_past)
     del sess
     release_memory()
-    # stored as its files store it (bfloat16: half of a float32 load), computed in float32 a layer at a time
-    base = load_model(handle.source, half_storage=True)
+    base = load_model(handle.source)
     if base.module is None:
         return {"skipped": f"the base model {handle.source} has no PyTorch module"}
-    with torch.no_grad(), float32_compute(base.module):
+    with torch.no_grad():
         ref = base.module(t, torch.ones_like(t)).float().numpy()
     del base
 
