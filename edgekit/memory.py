@@ -7,10 +7,13 @@
   file resident while any of its tensors still points into it: after a compression step replaced
   the large weights, the few float tensors left (norms, biases) hold the float model's file in
   memory. This copies those tensors out (Linux: read from ``/proc/self/maps``), so the mapping goes.
+* ``drop_file_pages(tensors)``: the resident pages of memory-mapped weights nothing computes with any
+  more (a block cast to float32, a layer packed) go back to the kernel while the file stays mapped.
 * ``float32_compute(module)``: a model whose weights are stored in bfloat16 or float16 (to hold
   half the memory) runs in float32 all the same, one layer at a time: each module holding
-  half-precision tensors of its own is cast to float32 right before its forward and back right
-  after (half -> float32 -> half is exact), so at most one layer's float32 copy exists at a time
+  half-precision tensors of its own is cast to float32 right before its forward and its original
+  tensors are put back right after (not cast back: a memory-mapped weight stays in its file rather
+  than doubling into the heap), so at most one layer's float32 copy exists at a time
   (embedding tables and LM heads not even that: rows are looked up or multiplied a block at a time).
 
 >>> release_memory()  # doctest: +SKIP
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,24 +100,65 @@ def own_memory(module: Any) -> int:
     return copied
 
 
+MADV_DONTNEED = 4  # Linux: the pages go; a later read of a file-backed page reads it from the file again
+
+
+def drop_file_pages(tensors: list[Any]) -> int:
+    """Let the kernel take back the resident pages of ``tensors`` that live in a memory-mapped
+    safetensors file and that the model no longer computes with (a half-precision weight a float32
+    copy or a packed layer replaced): while any tensor still points into the file, its mapping stays
+    and every page once read counts in the process's memory. Only whole pages inside each tensor's
+    bytes are dropped, so a neighbour's bytes stay where they are; were a dropped tensor read again,
+    its pages would come back from the unchanged file. Returns the bytes dropped (0 off Linux/glibc)."""
+    lib = _libc()
+    ranges = _file_mappings() if lib is not None and tensors else []
+    if not ranges:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    dropped = 0
+    for t in tensors:
+        ptr, size = t.data_ptr(), t.numel() * t.element_size()
+        if not any(lo <= ptr and ptr + size <= hi for lo, hi in ranges):
+            continue
+        start, end = -(-ptr // page) * page, (ptr + size) // page * page
+        if end > start and lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
+            dropped += end - start
+    return dropped
+
+
 def _own_tensors(module: Any) -> list[tuple[str, Any, str]]:
     """(kind, tensor, name) of the parameters and buffers ``module`` holds itself."""
     return ([("param", p, n) for n, p in module.named_parameters(recurse=False)]
             + [("buffer", b, n) for n, b in module.named_buffers(recurse=False) if b is not None])
 
 
-def _cast_own(module: Any, dtypes: dict[str, Any], to: Any | None) -> None:
-    """Cast the tensors of ``module`` named in ``dtypes``: to ``to``, or back to their dtype (None)."""
+def _cast_up(module: Any, names: set[str], kept: dict[str, Any]) -> None:
+    """Cast the half-precision tensors of ``module`` named in ``names`` to float32, keeping each
+    original in ``kept`` (name -> tensor) for ``_restore``."""
+    import torch
+
     for kind, t, name in _own_tensors(module):
-        if name not in dtypes:
-            continue
-        target = to if to is not None else dtypes[name]
-        if t.dtype == target:
+        if name not in names or t.dtype == torch.float32:
             continue
         if kind == "param":
-            t.data = t.data.to(target)
+            kept[name] = t.data
+            t.data = t.data.float()
         else:
-            module._buffers[name] = t.to(target)
+            kept[name] = t
+            module._buffers[name] = t.float()
+
+
+def _restore(module: Any, kept: dict[str, Any]) -> None:
+    """Put back the tensors ``_cast_up`` replaced: the very same storage, not a cast-back copy (a
+    weight memory-mapped from its safetensors file stays there instead of doubling into the heap)."""
+    for kind, t, name in _own_tensors(module):
+        if name not in kept:
+            continue
+        if kind == "param":
+            t.data = kept[name]
+        else:
+            module._buffers[name] = kept[name]
+    kept.clear()
 
 
 LARGE = 2**24  # elements: a table this large computes in float32 a block of rows at a time
@@ -122,7 +167,8 @@ LARGE = 2**24  # elements: a table this large computes in float32 a block of row
 @contextmanager
 def float32_compute(module: Any) -> Iterator[None]:
     """Within the block, every submodule of ``module`` holding bfloat16/float16 tensors of its own
-    computes in float32: cast up right before its forward, back right after (exact both ways). An
+    computes in float32: cast up right before its forward, its own half-precision tensors put back
+    right after (the same storage: a memory-mapped weight is not copied into the heap). An
     embedding table looks its rows up as stored and casts them (exact); a linear layer larger than
     ``LARGE`` elements (an LM head) multiplies a block of output rows at a time, so neither is ever
     copied whole. A module stored in float32 throughout runs unchanged (no hook is installed)."""
@@ -142,8 +188,9 @@ def float32_compute(module: Any) -> Iterator[None]:
             setattr(m, "forward", partial(_blocked_linear, F, weight=m.weight, bias=m.bias))  # noqa: B010 (an instance attribute)
             patched.append(m)
         else:
-            hooks.append(m.register_forward_pre_hook(lambda mod, _a, d=dtypes: _cast_own(mod, d, torch.float32)))
-            hooks.append(m.register_forward_hook(lambda mod, _a, _o, d=dtypes: _cast_own(mod, d, None)))
+            kept: dict[str, Any] = {}
+            hooks.append(m.register_forward_pre_hook(lambda mod, _a, n=set(dtypes), k=kept: _cast_up(mod, n, k)))
+            hooks.append(m.register_forward_hook(lambda mod, _a, _o, k=kept: _restore(mod, k)))
     try:
         yield
     finally:
@@ -171,4 +218,4 @@ def half_stored(module: Any) -> bool:
     return any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
 
 
-__all__ = ["float32_compute", "half_stored", "own_memory", "release_memory"]
+__all__ = ["drop_file_pages", "float32_compute", "half_stored", "own_memory", "release_memory"]

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
 
-from edgekit.memory import float32_compute, half_stored
+from edgekit.memory import drop_file_pages, float32_compute, half_stored
 
 
 def test_float32_compute_runs_half_weights_in_float32_and_puts_them_back():
@@ -17,11 +21,15 @@ def test_float32_compute_runs_half_weights_in_float32_and_puts_them_back():
     model[1].register_forward_hook(lambda m, _a, _o: seen.append(m.weight.dtype))  # runs before the cast back
     ids = torch.arange(10)[None]
     assert half_stored(model) and not half_stored(reference)
+    storage = [p.data_ptr() for p in model.parameters()]
     with torch.no_grad(), float32_compute(model):
         out = model(ids)
-    assert seen == [torch.float32]  # cast up for its own forward
+        out = model(ids)  # twice: the second forward finds the tensors the first one put back
+    assert seen == [torch.float32] * 2  # cast up for its own forward, each time
     assert out.dtype == torch.float32 and torch.equal(out, reference(ids))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # stored as before
+    # the very tensors it had, not cast-back copies: a weight memory-mapped from its file stays there
+    assert [p.data_ptr() for p in model.parameters()] == storage
     with float32_compute(reference):  # a float32 model: nothing installed
         assert not any(m._forward_pre_hooks for m in reference.modules())
 
@@ -41,3 +49,29 @@ def test_large_tables_compute_a_block_of_rows_at_a_time(monkeypatch):
         assert model[0].weight.dtype == model[1].weight.dtype == torch.bfloat16
     torch.testing.assert_close(out, reference(ids), rtol=1e-6, atol=1e-6)
     assert "forward" not in vars(model[1])  # restored
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise on a file mapping: Linux")
+def test_pages_of_a_mapped_weight_go_back_to_the_kernel_and_read_back_from_the_file(tmp_path):
+    """``drop_file_pages`` on a tensor memory-mapped from a ``.safetensors`` file: its whole pages leave
+    the process's resident memory (the file stays mapped), and reading it again gives the same bytes
+    (they come back from the file); tensors outside such a file are left alone."""
+    data = np.random.default_rng(0).integers(0, 256, 16 * 2**20, dtype=np.uint8)
+    path = tmp_path / "weights.safetensors"
+    data.tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=data.size, dtype=torch.uint8)
+    weight = mapped[4096 + 100: 12 * 2**20 + 7]  # not page-aligned at either end
+    assert int(weight.sum()) == int(data[4096 + 100: 12 * 2**20 + 7].sum())  # read: resident now
+    before = _rss_file_kib()
+    dropped = drop_file_pages([weight, torch.ones(2**20)])  # the second is heap memory: not touched
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert dropped == ((4096 + 100 + weight.numel()) // page - -(-(4096 + 100) // page)) * page
+    assert dropped >= 12 * 2**20 - 2 * page - 4096
+    assert before - _rss_file_kib() >= dropped // 1024 * 0.9  # (other files may page in meanwhile)
+    assert np.array_equal(weight.numpy(), data[4096 + 100: 12 * 2**20 + 7])  # read back from the file
+    assert drop_file_pages([]) == 0

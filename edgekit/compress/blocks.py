@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from edgekit.compress.families import family_of, hf_model
 from edgekit.errors import BadInputError
-from edgekit.memory import float32_compute
+from edgekit.memory import drop_file_pages, float32_compute
 from edgekit.progress import progress_bar
 
 Quantized = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # name -> (q, scales, zeros)
@@ -773,14 +773,19 @@ def row_positions(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor | Non
 
 def upcast_half(module: nn.Module) -> None:
     """Cast the bfloat16/float16 parameters and buffers of ``module`` to float32, in place (a block of
-    a model stored in half precision, as the walk reaches it)."""
+    a model stored in half precision, as the walk reaches it). The half-precision originals' pages
+    in a memory-mapped file go back to the kernel (``drop_file_pages``): the model no longer reads them."""
+    replaced = []
     for m in module.modules():
         for p in m.parameters(recurse=False):
             if p.dtype in (torch.bfloat16, torch.float16):
+                replaced.append(p.data)
                 p.data = p.data.float()
         for name, b in m.named_buffers(recurse=False):
             if b is not None and b.dtype in (torch.bfloat16, torch.float16):
+                replaced.append(b)
                 m._buffers[name] = b.float()
+    drop_file_pages(replaced)
 
 
 def _upcast_half_tensor(a: Any) -> Any:

@@ -20,6 +20,8 @@ import torch
 
 from edgekit.export.packing import group_width, num_groups
 
+ROW_BLOCK_ELEMENTS = 2**24  # weights rounded per pass of ``rtn_quantize`` (64 MiB in float32)
+
 
 def qparams(w: torch.Tensor, bits: int, sym: bool, clip: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and integer zero point per row of ``w`` (rows, cols) -> ``(rows,)`` each.
@@ -65,17 +67,22 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool,
     rows, cols = w.shape
     g = group_width(cols, group_size)
     ng = num_groups(cols, group_size)
-    w = w.float()
     q = torch.empty(rows, cols, dtype=torch.uint8, device=w.device)
     scales = torch.empty(rows, ng, dtype=torch.float32, device=w.device)
     zeros = torch.empty(rows, ng, dtype=torch.uint8, device=w.device)
-    for j in range(ng):
-        sl = slice(j * g, min(cols, (j + 1) * g))
-        c = 1.0 if clip is None else clip[:, j]
-        s, z = qparams(w[:, sl], bits, sym, c)
-        q[:, sl] = quantize_int(w[:, sl], s[:, None], z[:, None], bits).to(torch.uint8)
-        scales[:, j] = s
-        zeros[:, j] = z.to(torch.uint8)
+    # rows are independent: a half-precision LM head (Llama-3.2's 128,256 x 2,048) is cast to float32
+    # a block of rows at a time, never whole (the same codes)
+    step = max(1, ROW_BLOCK_ELEMENTS // max(cols, 1))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        wb = w[lo:hi].float()
+        for j in range(ng):
+            sl = slice(j * g, min(cols, (j + 1) * g))
+            c = 1.0 if clip is None else clip[lo:hi, j]
+            s, z = qparams(wb[:, sl], bits, sym, c)
+            q[lo:hi, sl] = quantize_int(wb[:, sl], s[:, None], z[:, None], bits).to(torch.uint8)
+            scales[lo:hi, j] = s
+            zeros[lo:hi, j] = z.to(torch.uint8)
     return q, scales, zeros
 
 

@@ -54,7 +54,7 @@ from edgekit.compress.rtn import dequantize_groups, rtn_quantize
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.evaluate import perplexity
 from edgekit.export.lm import rewrite_packed_graph
-from edgekit.memory import float32_compute
+from edgekit.memory import drop_file_pages, float32_compute
 from edgekit.schema import check_fields
 from edgekit.sources.data import load_samples, random_token_windows, resolve_samples
 from edgekit.sources.handle import ModelHandle, StepRecord
@@ -301,7 +301,9 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
     layers (GPT-2) first become the ``nn.Linear`` they compute (``families.linearize``).
     ``bits``: a bit width per linear where it is not ``config.bits`` (``mixed_bits``).
     ``after_block(codes)``: called with a block's codes once its linears are final (``apply`` packs
-    them there, so a model stored in half precision holds one block in float32 at a time)."""
+    them there, so a model stored in half precision holds one block in float32 at a time); the codes
+    it was handed are then dropped from the returned dict: one byte per weight kept for the whole
+    model would be half the size of its bfloat16 weights."""
     converted = linearize(module)
     prefix, blocks, linears = quantizable_linears(module)
     check_blocks(module, prefix, blocks)
@@ -329,6 +331,13 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                     ", ".join(unpacked[:4]) + (" ..." if len(unpacked) > 4 else ""))
     if converted:
         info["conv1d_as_linear"] = len(converted)
+    def hand_over(names: list[str]) -> None:  # a final block's codes to after_block, then out of memory
+        if after_block is not None:
+            after_block({n: results[n] for n in names})
+            for n in names:  # after_block replaced the layers: their float weights go with the last reference
+                del results[n]
+                linears.pop(n, None)
+
     t0, c0 = time.perf_counter(), time.process_time()
     if config.method == "rtn":
         for block in blocks:
@@ -341,7 +350,7 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                 results[name] = (q.cpu(), s.cpu(), z.cpu())
                 _set_weight(lin, q, s, z, config.group_size)
             if after_block is not None:
-                after_block({n: results[n] for n in names})
+                hand_over(names)
     else:
         if calib is None:
             raise BadInputError(f"method {config.method!r} needs calibration data")
@@ -354,8 +363,7 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
         experts: dict[str, Any] = {}  # mixture of experts: routed rows, experts no calibration token reached
         visit = gptq_visit(module, config, results, bits, experts) if config.method == "gptq" else \
             awq_visit(module, config, results, bits)
-        walker.walk(linears, visit, None if after_block is None else lambda names: after_block(
-            {n: results[n] for n in names}))
+        walker.walk(linears, visit, None if after_block is None else hand_over)
         if experts:
             info["experts"] = experts
         unseen = experts.get("without_calibration_tokens", [])
@@ -425,6 +433,7 @@ def pack_head(module: nn.Module, config: WeightOnlyConfig, layers: dict[str, Any
                 qemb.set_quantized(*rtn_quantize(e.weight.detach(), hbits, hgroup, config.sym))
             check_replacement(emb, e, qemb)
         replace_module(module, head, qhead)
+        drop_file_pages([lin.weight, *([e.weight] if e is not None and not tied else [])])  # replaced: unread from now
         meta["head"] = {"name": head, "in": lin.in_features, "out": lin.out_features, "bits": hbits,
                         "group_size": hgroup, "bias": lin.bias is not None}
         if emb is not None and qemb is not None:
@@ -530,7 +539,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
         with one_thread():  # small copies and a probe per layer: a second thread only waits (gptq.one_thread)
             layers.update(pack_layers(module, codes, config, bits))
 
-    results, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
+    _, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
     meta = pack_head(module, config, layers)
     upcast_half(module)  # what is left in half precision (norms, an unquantized head) computes in float32
     meta.update(info)
@@ -543,7 +552,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                                    f"{meta['packed_bytes'] / 1e6:.2f} MB")
     meta["parity"] = dict(zip(("atol", "rtol"), PARITY_TOLERANCE))
     ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
-                           "seconds": info["seconds"], "layers": len(results), "packed_bytes": meta["packed_bytes"],
+                           "seconds": info["seconds"], "layers": len(layers), "packed_bytes": meta["packed_bytes"],
                            "float_bytes": float_bytes,
                            **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
                               if mixed is not None else {}),

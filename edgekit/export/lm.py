@@ -46,7 +46,13 @@ import numpy as np
 
 from edgekit.artifact import Manifest, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
-from edgekit.export.lm_graph import FusedGraphConfig, fused_decoder_parts, save_parts, supports_fused_graph
+from edgekit.export.lm_graph import (
+    FusedGraphConfig,
+    fused_decoder_parts,
+    save_parts,
+    save_parts_external,
+    supports_fused_graph,
+)
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
 from edgekit.kv_cache import KVCacheDecoder
@@ -502,27 +508,22 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     outputs = [o.name for o in proto.graph.output]
     blocks = _graph_block_size(proto)
     step = decode_step_inputs(graph_inputs(proto)[0])(1, sequence=2, past_sequence_length=0)
+    # past protobuf's 2 GB the weights go to model.onnx.data (the fused graph's a tensor at a time)
     large = proto.ByteSize() + sum(a.nbytes for _, a in tensors) > 2**31 - 2**20
-    if large and tensors:  # external data: the initializers go into the model, which onnx moves to model.onnx.data
-        from onnx import numpy_helper
-
-        for k, (name, arr) in enumerate(tensors):
-            proto.graph.initializer.append(numpy_helper.from_array(arr, name))
-            tensors[k] = ("", np.empty(0))
-        tensors = []
+    write_parts = save_parts_external if large else save_parts
     # a graph without MatMulNBits or QMoE computes the same whatever its accuracy level: no twin to check
     twin_parity = parity and bool(accuracy_level) and any(n.op_type in ACCURACY_OPS for n in proto.graph.node)
     with staged_dir(out_dir, (handle.source, handle.onnx_path)) as folder, \
             tempfile.TemporaryDirectory(prefix="edgekit-lm-parity-") as tmp:
         if tensors:
-            save_parts(proto, tensors, folder / "model.onnx")
+            write_parts(proto, tensors, folder / "model.onnx")
         else:
             onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                             location="model.onnx.data" if large else None)
         twin = os.path.join(tmp, "model.onnx")
         if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy)
             if tensors:
-                save_parts(set_accuracy_level(proto, None), tensors, twin)
+                write_parts(set_accuracy_level(proto, None), tensors, twin)
             else:
                 onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
                                 location="model.onnx.data" if large else None)

@@ -493,6 +493,44 @@ def save_parts(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: s
             f.write(arr.reshape(-1).view(np.uint8).data)
 
 
+EXTERNAL_ALIGN = 4096  # a large tensor's offset in the data file: a page boundary, where ONNX Runtime maps it
+EXTERNAL_ALIGN_FROM = 2**20  # bytes from which a tensor is aligned (as onnx's own external-data writer does)
+EXTERNAL_FROM = 1024  # smaller tensors stay inside the graph (onnx's default size threshold)
+
+
+def save_parts_external(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: str | os.PathLike[str],
+                        location: str = "model.onnx.data") -> None:
+    """``save_parts`` for a model past protobuf's 2 GB limit: each array's bytes are appended, one
+    tensor at a time and straight from its memory, to ``location`` beside ``path`` (large ones at a
+    page boundary; those under ``EXTERNAL_FROM`` bytes stay in the graph), and ``path`` holds the
+    graph with an external-data header per initializer: what
+    ``onnx.save_model(..., save_as_external_data=True)`` writes, without assembling the model's
+    initializers in memory first (``onnx`` holds them as ``TensorProto`` copies and serializes them)."""
+    headers = []
+    with open(os.path.join(os.path.dirname(os.fspath(path)), location), "wb") as f:
+        for name, arr in tensors:
+            arr = np.ascontiguousarray(arr)
+            if arr.nbytes < EXTERNAL_FROM:  # a shape or axes input: ONNX Runtime reads those from the graph only
+                headers.append(numpy_helper.from_array(arr, name))
+                continue
+            if arr.nbytes >= EXTERNAL_ALIGN_FROM and f.tell() % EXTERNAL_ALIGN:
+                f.write(b"\0" * (EXTERNAL_ALIGN - f.tell() % EXTERNAL_ALIGN))
+            offset = f.tell()
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            header = TensorProto(name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype),
+                                 data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(arr.nbytes))):
+                entry = header.external_data.add()
+                entry.key, entry.value = key, value
+            headers.append(header)
+    with open(path, "wb") as f:  # the graph without weights is small: serialized whole, the caller's left as it was
+        f.write(model.SerializeToString())
+        f.write(_field(_MODEL_GRAPH, sum(len(_field(_GRAPH_INITIALIZER, h.ByteSize())) + h.ByteSize()
+                                         for h in headers)))
+        for h in headers:
+            f.write(_field(_GRAPH_INITIALIZER, h.ByteSize()) + h.SerializeToString())
+
+
 def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
                         ) -> tuple[ModelProto, list[tuple[str, np.ndarray]]]:
     """``build_fused_decoder``'s graph without its initializers, and the initializers as
@@ -683,5 +721,5 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
 
 
 __all__ = ["ARCHITECTURES", "ARCHS", "Arch", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
-           "fused_decoder_parts", "save_parts",
+           "fused_decoder_parts", "save_parts", "save_parts_external",
            "supports_fused_graph"]

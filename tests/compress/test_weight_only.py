@@ -542,3 +542,22 @@ def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_pa
     for n, m in half.module.named_modules():
         if isinstance(m, QuantLinear):
             assert torch.equal(m.qweight, packed[n].qweight) and torch.equal(m.scales, packed[n].scales), n
+
+
+def test_codes_handed_to_after_block_are_not_kept_and_are_the_codes_of_the_whole_model():
+    """``quantize_module(after_block=...)`` hands each block's codes over once and keeps none of them
+    (one byte per weight for the whole model is half a bfloat16 model); they are the codes the walk
+    returns without ``after_block``, bit for bit."""
+    from edgekit.compress.weight_only import quantize_module
+
+    cfg = WeightOnlyConfig(method="rtn", bits=4, group_size=32)
+    whole, _ = quantize_module(tiny_llama().module, cfg)
+    handed: list[dict] = []
+    kept, info = quantize_module(tiny_llama().module, cfg, after_block=handed.append)
+    assert kept == {} and info["blocks"] == 2 and len(handed) == 2  # one hand-over per block
+    assert sorted(n for codes in handed for n in codes) == sorted(whole) and len(whole) == 14
+    for codes in handed:
+        for name, (q, s, z) in codes.items():
+            q0, s0, z0 = whole[name]
+            assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), name
+

@@ -130,6 +130,42 @@ def test_graph_written_a_tensor_at_a_time_loads_as_the_assembled_graph(tmp_path)
     assert onnx.load(str(tmp_path / "parts.onnx")) == onnx.load(str(tmp_path / "whole.onnx"))
 
 
+def test_graph_with_external_data_written_a_tensor_at_a_time_loads_as_the_assembled_graph(tmp_path, monkeypatch):
+    """``save_parts_external`` (the export's writer past 2 GB: each initializer's bytes appended to
+    ``model.onnx.data``, the graph with their headers) reads back as the assembled model, with large
+    tensors at page boundaries, and ONNX Runtime computes the same logits from it."""
+    import edgekit.export.lm_graph as lm_graph
+    from edgekit.export.lm_graph import save_parts_external
+
+    monkeypatch.setattr(lm_graph, "EXTERNAL_ALIGN_FROM", 1024)  # align the tiny model's larger tables too
+    model = build("gemma3")
+    skeleton, tensors = fused_decoder_parts(model, FusedGraphConfig())
+    before = skeleton.SerializeToString()
+    (tmp_path / "ext").mkdir()
+    save_parts_external(skeleton, tensors, tmp_path / "ext" / "model.onnx")
+    assert skeleton.SerializeToString() == before  # the caller's graph is left as it was (the twin is written next)
+    whole = build_fused_decoder(model, FusedGraphConfig())
+    onnx.save(whole, str(tmp_path / "whole.onnx"))
+    headers = onnx.load(str(tmp_path / "ext" / "model.onnx"), load_external_data=False).graph.initializer
+    sizes = dict((n, a.nbytes) for n, a in tensors)
+    assert len(headers) == len(tensors) > 0
+    assert all((h.data_location == onnx.TensorProto.EXTERNAL) == (sizes[h.name] >= 1024) for h in headers)
+    where = {h.name: {e.key: e.value for e in h.external_data} for h in headers if sizes[h.name] >= 1024}
+    assert where  # the tiny model's tables and layers
+    assert all(w["location"] == "model.onnx.data" and int(w["length"]) == sizes[n] for n, w in where.items())
+    aligned = [n for n, w in where.items() if sizes[n] >= 1024]
+    assert aligned and all(int(where[n]["offset"]) % 4096 == 0 for n in aligned)
+    assert (tmp_path / "ext" / "model.onnx.data").stat().st_size >= sum(sizes[n] for n in where)
+    got, want = onnx.load(str(tmp_path / "ext" / "model.onnx")), onnx.load(str(tmp_path / "whole.onnx"))
+    assert list(got.graph.node) == list(want.graph.node) and list(got.graph.input) == list(want.graph.input)
+    assert [(t.name, list(t.dims), t.data_type) for t in got.graph.initializer] == \
+        [(t.name, list(t.dims), t.data_type) for t in want.graph.initializer]
+    for a, b in zip(got.graph.initializer, want.graph.initializer, strict=True):
+        assert np.array_equal(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b)), a.name
+    ids = _ids()
+    assert np.array_equal(_decode(tmp_path / "ext" / "model.onnx", ids), _decode(tmp_path / "whole.onnx", ids))
+
+
 def test_mistral_fused_graph_slides_its_window_on_every_layer(tmp_path):
     """Mistral's config has a window and no layer types: every layer slides (before, the fused graph
     attended to the whole past, 0.93 relative error on the logits past the window)."""
