@@ -13,8 +13,10 @@ the size of the exported 4-bit ONNX with its KV cache.
     python benchmarks/bench_llm_quality.py                          # both models, all methods
     python benchmarks/bench_llm_quality.py --models gemma3-270m --methods rtn,gptq --calib-windows 16
 
-Each (model, method) result is cached in benchmarks/results/llm_quality_parts/; the table and
-benchmarks/results/llm_quality.json are assembled from the parts present.
+Each (model, method, evaluation windows) result is kept in benchmarks/results/llm_quality_parts/
+(``<model>-<method>-eval<N>.json``); the table and benchmarks/results/llm_quality.json are assembled
+from the parts present, one block per model, evaluation windows and float reference: parts measured
+on other windows or against another float perplexity are never compared with each other.
 """
 from __future__ import annotations
 
@@ -47,6 +49,25 @@ def model_spec(name: str, work: Path, gguf: str | None = None) -> str:
     if not path.is_file():
         assemble(path)
     return str(path)
+
+
+def part_name(model: str, method: str, eval_windows: int) -> str:
+    """A part's file: a run on other evaluation windows keeps its own, not overwriting this one."""
+    return f"{model}-{method}-eval{eval_windows}.json"
+
+
+def part_groups(parts: list[dict[str, Any]]) -> list[tuple[str, int, float, dict[str, dict[str, Any]]]]:
+    """Parts grouped by (model, evaluation windows, float perplexity), each group by method: only parts
+    scored on the same windows against the same float reference are rows of one comparison."""
+    groups: dict[tuple[str, int, float], dict[str, dict[str, Any]]] = {}
+    for p in parts:
+        key = (p["model"], int(p["eval_windows"]), round(float(p["quality"]["perplexity_float"]), 4))
+        if p["method"] in groups.setdefault(key, {}):
+            raise SystemExit(f"two {p['method']} parts for {key}: keep one")
+        groups[key][p["method"]] = p
+    order = {m: i for i, m in enumerate(MODELS)}
+    keys = sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[0], -k[1], k[2]))
+    return [(*k, {m: groups[k][m] for m in METHODS if m in groups[k]}) for k in keys]
 
 
 def float_reference(model: str, args: argparse.Namespace, work: Path) -> Any:
@@ -115,7 +136,7 @@ def main() -> None:
                 reference = float_reference(model, args, work)
                 for method in args.methods.split(","):
                     part = run_part(model, method, args, work, reference)
-                    (PARTS / f"{model}-{method}.json").write_text(json.dumps(part, indent=1))
+                    (PARTS / part_name(model, method, args.eval_windows)).write_text(json.dumps(part, indent=1))
                     q = part["quality"]
                     print(f"{model} {method}: ppl {q['perplexity']:.2f} (float {q['perplexity_float']:.2f}), "
                           f"cpu {part['quant_cpu_s']} s", flush=True)
@@ -130,26 +151,22 @@ def table(args: argparse.Namespace) -> None:
     print("| model | method | calib windows | PPL | PPL / float | top-1 agreement | logit cosine | packed MB | "
           "quant wall s | quant CPU s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in MODELS:
-        parts = {m: json.loads((PARTS / f"{model}-{m}.json").read_text()) for m in METHODS
-                 if (PARTS / f"{model}-{m}.json").is_file()}
-        if not parts:
-            continue
-        first = next(iter(parts.values()))
-        ppl_f = first["quality"]["perplexity_float"]
-        print(f"| {model} | float | | {ppl_f:.2f} | 1.000 | | | | | |")
+    found = [json.loads(f.read_text()) for f in sorted(PARTS.glob("*.json"))]
+    for model, windows, ppl_f, parts in part_groups([p for p in found if p["model"] in MODELS]):
+        print(f"| {model} ({windows} eval windows) | float | | {ppl_f:.2f} | 1.000 | | | | | |")
         for m, p in parts.items():
             q = p["quality"]
-            print(f"| {model} | {m} | {p['calib_windows'] or ''} | {q['perplexity']:.2f} | {q['perplexity_ratio']:.3f} | "
-                  f"{q['agreement']:.3f} | {q['cosine']:.4f} | {p['packed_bytes'] / 1e6:.1f} | {p['quant_wall_s']} | "
-                  f"{p['quant_cpu_s']} |")
+            print(f"| {model} ({windows} eval windows) | {m} | {p['calib_windows'] or ''} | {q['perplexity']:.2f} | "
+                  f"{q['perplexity_ratio']:.3f} | {q['agreement']:.3f} | {q['cosine']:.4f} | {p['packed_bytes'] / 1e6:.1f} | "
+                  f"{p['quant_wall_s']} | {p['quant_cpu_s']} |")
             rows.append(p)
         if "rtn" in parts and "gptq" in parts:
             gap = parts["rtn"]["quality"]["perplexity"] - ppl_f
             closed = (parts["rtn"]["quality"]["perplexity"] - parts["gptq"]["quality"]["perplexity"]) / gap
-            summary[model] = {"float": ppl_f, "rtn": parts["rtn"]["quality"]["perplexity"],
-                              "gptq": parts["gptq"]["quality"]["perplexity"], "gptq_closes_of_rtn_gap": round(closed, 3),
-                              "onnx_bytes": parts["gptq"].get("onnx_bytes")}
+            summary[f"{model}, {windows} eval windows"] = {
+                "model": model, "eval_windows": windows, "float": ppl_f, "rtn": parts["rtn"]["quality"]["perplexity"],
+                "gptq": parts["gptq"]["quality"]["perplexity"], "gptq_closes_of_rtn_gap": round(closed, 3),
+                "onnx_bytes": parts["gptq"].get("onnx_bytes")}
     for model, s in summary.items():
         print(f"{model}: GPTQ closes {100 * s['gptq_closes_of_rtn_gap']:.0f}% of RTN's gap to float"
               + (f"; ONNX (KV cache) {s['onnx_bytes'] / 1e6:.1f} MB" if s.get("onnx_bytes") else ""))
