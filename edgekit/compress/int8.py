@@ -318,6 +318,12 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     kernels = semantics_for_target(ctx.target if ctx.target is not None else load_target(HOST_TARGET))
     if scheme == "trt":
         kernels = "float-qdq"  # TensorRT's explicit quantization, whatever the target says of its CPU
+    if config.smooth_alpha is not None and not (handle.kind == "causal-lm" and handle.module is not None):
+        # smoothing folds scales into a PyTorch decoder's norms and linears: asked of anything else it
+        # would do nothing, and an option that does nothing is refused rather than ignored
+        raise BadInputError(f"--smooth-alpha applies to causal LMs with their PyTorch weights; {handle.name!r} is "
+                            f"{'an ONNX graph' if handle.module is None else 'a ' + handle.kind + ' model'} "
+                            "(leave --smooth-alpha out)")
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")

@@ -173,6 +173,19 @@ def test_cli_refuses_alpha_outside_0_1(value, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_refuses_smoothing_a_model_that_is_no_causal_lm(tmp_path):
+    """The smoothing has nothing to fold into in a CNN or an MLP: refused, not silently ignored."""
+    from click.testing import CliRunner
+
+    from edgekit.cli import cli
+
+    r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--bits", "8", "--smooth-alpha",
+                                 "0.5", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 2
+    assert r.stderr.count("\n") == 1 and "--smooth-alpha applies to causal LMs" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow  # an ONNX export and graph quantization: about a minute on a loaded 2-core machine
 def test_int8_step_smooths_a_causal_lm_and_records_the_pairs(tmp_path):
     """The INT8 step of a causal LM (through its ONNX graph) folds the scales before export and says so."""
