@@ -182,6 +182,11 @@ def render_report(folder: str | os.PathLike[str], out: str | os.PathLike[str] | 
     """
     run = Path(folder) / "results.json"
     if run.is_file():  # a pipeline run folder: its summary, and the HTML report with plots
+        given = [flag for flag, used in (("--budget-ms", budget_ms is not None), ("--percentile", percentile != "p99"),
+                                         ("--top-k", top_k != 10)) if used]
+        if given:  # the run's own recipe holds its budgets: an option that would change nothing is refused
+            raise BadInputError(f"{', '.join(given)} apply to the report of an engine folder; {str(folder)!r} is a "
+                                "pipeline run, whose budgets and percentiles come from its recipe (leave them out)")
         return _render_run(Path(folder), out)
     data = collect(folder)
     md, summary = render_markdown(data, budget_ms=budget_ms, percentile=percentile, top_k=top_k)

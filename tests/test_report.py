@@ -35,3 +35,19 @@ def test_each_latency_says_device_or_estimate_and_provenance(tmp_path: Path) -> 
     summary = json.loads(out.with_suffix(".json").read_text())
     assert {(p["model"], p["source"], p["provenance"]) for p in summary["profiles"]} == {
         ("here", "measured", None), ("guess", "estimated", None), ("orin", "device", "unverified")}
+
+
+def test_a_pipeline_run_folder_refuses_the_engine_report_options(tmp_path: Path) -> None:
+    """A run's budgets come from its recipe: --budget-ms, --percentile and --top-k would change
+    nothing there, so they are refused (before, silently ignored), and nothing is written."""
+    import pytest
+
+    from edgekit.errors import BadInputError
+
+    (tmp_path / "results.json").write_text(json.dumps({"recipe": {}, "stages": []}))
+    for kwargs, flags in (({"budget_ms": 33.0}, "--budget-ms"), ({"percentile": "p50", "top_k": 3},
+                                                                  "--percentile, --top-k")):
+        with pytest.raises(BadInputError, match=rf"^{flags} apply to the report of an engine folder; .* is a pipeline "
+                                                r"run, whose budgets and percentiles come from its recipe"):
+            render_report(tmp_path, **kwargs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
