@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from edgekit.compress import StepContext, compress, load_compressed, make_config
-from edgekit.export.lm import export_causal_lm, lm_feeds, lm_session, presents_to_past
+from edgekit.export.lm import export_causal_lm
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, fused_decoder_parts, save_parts
 from edgekit.loading import load_model
 
@@ -22,6 +21,7 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from lm_decode import decode_logits, reference_logits, rel_error, token_ids  # noqa: E402
 from tiny_models import build, save_tiny  # noqa: E402
 
 WINDOW = 8  # sliding window of the tiny models' local layers: the prompt runs past it
@@ -30,38 +30,7 @@ FLOAT_REL = 1e-4  # fp32 graph against fp32 PyTorch
 PACKED_REL = 1e-3  # the packed model's dequantized weights, fp32 compute
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _decode(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Logits of a prefill of ``PROMPT`` tokens, then one-token decode steps through the KV cache."""
-    sess = lm_session(path)
-    out = sess.run(None, lm_feeds(sess, ids[:, :PROMPT]))
-    logits = [out[0]]
-    for t in range(PROMPT, ids.shape[1]):
-        out = sess.run(None, lm_feeds(sess, ids[:, t:t + 1], presents_to_past(sess, out)))
-        logits.append(out[0])
-    return np.concatenate(logits, axis=1)
-
-
-def _reference(handle, ids: np.ndarray) -> np.ndarray:
-    t = torch.from_numpy(ids)
-    with torch.no_grad():
-        return handle.module(t, torch.ones_like(t)).float().numpy()
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    assert got.shape == want.shape and np.isfinite(got).all()
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def _ids() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (1, PROMPT + STEPS)).astype(np.int64)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
@@ -83,8 +52,8 @@ def test_gemma_exports_the_fused_graph_and_matches_transformers(family, tmp_path
         assert [n.input[7] for n in attn] == ["cos_cache_local", "cos_cache"]
     tables = [i.name for i in graph.initializer if 260 in i.dims and int(np.prod(i.dims)) >= 260 * 64]
     assert tables == ["lm_head.weight"]  # the tied table once: the head's (hidden, vocab), gathered by column
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(h, ids)) < FLOAT_REL
 
 
 def test_every_norm_of_the_gemma_graph_runs_fused(tmp_path):
@@ -114,8 +83,8 @@ def test_4bit_gemma3_fused_graph_stores_the_tied_table_once_and_matches_the_pack
     assert ops.count("MatMulNBits") == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
     tables = [i.name for i in graph.initializer if i.dims and i.dims[0] == 260 and int(np.prod(i.dims)) * 2 >= 260 * 64]
     assert tables == ["lm_head.qweight"], tables  # 4-bit codes of (vocab, hidden): the embedding reads the head's
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(w4, ids)) < PACKED_REL
 
 
 def test_graph_written_a_tensor_at_a_time_loads_as_the_assembled_graph(tmp_path):
@@ -162,8 +131,9 @@ def test_graph_with_external_data_written_a_tensor_at_a_time_loads_as_the_assemb
         [(t.name, list(t.dims), t.data_type) for t in want.graph.initializer]
     for a, b in zip(got.graph.initializer, want.graph.initializer, strict=True):
         assert np.array_equal(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b)), a.name
-    ids = _ids()
-    assert np.array_equal(_decode(tmp_path / "ext" / "model.onnx", ids), _decode(tmp_path / "whole.onnx", ids))
+    ids = token_ids(PROMPT + STEPS)
+    assert np.array_equal(decode_logits(tmp_path / "ext" / "model.onnx", ids, PROMPT),
+                          decode_logits(tmp_path / "whole.onnx", ids, PROMPT))
 
 
 def test_mistral_fused_graph_slides_its_window_on_every_layer(tmp_path):
@@ -173,5 +143,5 @@ def test_mistral_fused_graph_slides_its_window_on_every_layer(tmp_path):
     out = export_causal_lm(h, tmp_path / "onnx")
     attn = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "GroupQueryAttention"]
     assert [next(a.i for a in n.attribute if a.name == "local_window_size") for n in attn] == [WINDOW, WINDOW]
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(h, ids)) < FLOAT_REL

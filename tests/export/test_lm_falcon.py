@@ -17,7 +17,7 @@ import torch
 from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.errors import BadInputError, CheckFailedError
 from edgekit.export import lm_falcon
-from edgekit.export.lm import export_causal_lm, lm_feeds, lm_session, presents_to_past
+from edgekit.export.lm import export_causal_lm
 from edgekit.export.lm_graph import supports_fused_graph
 from edgekit.loading import load_model
 
@@ -25,6 +25,7 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from lm_decode import decode_logits, reference_logits, rel_error, token_ids  # noqa: E402
 from tiny_models import ROPE_SCALING, build, save_tiny  # noqa: E402
 
 PROMPT, STEPS = 20, 6
@@ -42,38 +43,7 @@ LAYOUTS = {
 KV_HEADS = {"grouped-kv": 2, "grouped-kv-one-norm": 2, "multi-query": 1, "multi-head": 4, "sequential-with-bias": 1}
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _decode(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Logits of a prefill of ``PROMPT`` tokens, then one-token decode steps through the KV cache."""
-    sess = lm_session(path)
-    out = sess.run(None, lm_feeds(sess, ids[:, :PROMPT]))
-    logits = [out[0]]
-    for t in range(PROMPT, ids.shape[1]):
-        out = sess.run(None, lm_feeds(sess, ids[:, t:t + 1], presents_to_past(sess, out)))
-        logits.append(out[0])
-    return np.concatenate(logits, axis=1)
-
-
-def _reference(handle, ids: np.ndarray) -> np.ndarray:
-    t = torch.from_numpy(ids)
-    with torch.no_grad():
-        return handle.module(t, torch.ones_like(t)).float().numpy()
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    assert got.shape == want.shape and np.isfinite(got).all()
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def _ids() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (1, PROMPT + STEPS)).astype(np.int64)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -119,8 +89,8 @@ def test_falcon_exports_the_fused_graph_and_matches_transformers(layout, tmp_pat
     assert ops.count("Add") == (2 * 4 if sequential else 2)  # the biases of 4 float matmuls a layer; parallel sums
     past = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
     assert past["past_key_values.0.key"][1] == KV_HEADS[layout]  # the grouped cache, not one per query head
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(h, ids)) < FLOAT_REL
 
 
 def test_falcon_with_dynamic_rope_scaling_matches_past_its_threshold(tmp_path):
@@ -150,8 +120,8 @@ def test_4bit_falcon_fused_graph_matches_the_packed_and_the_float_model(tmp_path
     assert {a.name: a.i for a in qkv.attribute}["N"] == (4 + 2 * 2) * 16  # 4 query heads, 2 keys, 2 values
     tables = [i.name for i in graph.initializer if i.dims and i.dims[0] == 260 and int(np.prod(i.dims)) * 2 >= 260 * 64]
     assert tables == ["lm_head.qweight"]  # the tied table once
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(w4, ids)) < PACKED_REL
 
 
 def test_falcon_rows_in_the_wrong_layout_fail_parity_and_write_nothing(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 import torch
@@ -18,7 +17,7 @@ from onnx import helper
 
 from edgekit.compress import StepContext, compress, load_compressed, make_config
 from edgekit.errors import BadInputError
-from edgekit.export.lm import export_causal_lm, lm_feeds, lm_session, presents_to_past
+from edgekit.export.lm import export_causal_lm
 from edgekit.export.lm_graph import supports_fused_graph
 from edgekit.export.lm_moe import moe_support
 from edgekit.loading import load_model
@@ -27,6 +26,7 @@ TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from lm_decode import decode_logits, reference_logits, rel_error, token_ids  # noqa: E402
 from tiny_models import save_tiny  # noqa: E402
 
 PROMPT, STEPS = 12, 4
@@ -38,42 +38,11 @@ CASES = [("mixtral", {}), ("qwen2-moe", {}), ("qwen2-moe", {"norm_topk_prob": Tr
 IDS = ["mixtral", "qwen2-moe", "qwen2-moe-normalized-dense-layer"]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one intra-op thread
 
 
 def _ctx() -> StepContext:
     return StepContext(calib="lee-news", eval="wikipedia", train="lee-news", progress=False)
-
-
-def _ids() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (1, PROMPT + STEPS)).astype(np.int64)
-
-
-def _decode(path: Path, ids: np.ndarray) -> np.ndarray:
-    """Logits of a prefill of ``PROMPT`` tokens, then one-token decode steps through the KV cache."""
-    sess = lm_session(path)
-    out = sess.run(None, lm_feeds(sess, ids[:, :PROMPT]))
-    logits = [out[0]]
-    for t in range(PROMPT, ids.shape[1]):
-        out = sess.run(None, lm_feeds(sess, ids[:, t:t + 1], presents_to_past(sess, out)))
-        logits.append(out[0])
-    return np.concatenate(logits, axis=1)
-
-
-def _reference(handle, ids: np.ndarray) -> np.ndarray:
-    t = torch.from_numpy(ids)
-    with torch.no_grad():
-        return handle.module(t, torch.ones_like(t)).float().numpy()
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    assert got.shape == want.shape and np.isfinite(got).all()
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _moe_nodes(path: Path) -> list:
@@ -91,8 +60,8 @@ def test_float_moe_exports_the_fused_graph_and_matches_transformers(family, conf
     attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
     normalized = family == "mixtral" or config.get("norm_topk_prob", False)
     assert attrs["k"] == 2 and attrs["normalize_routing_weights"] == int(normalized)
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(h, ids)) < FLOAT_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(h, ids)) < FLOAT_REL
 
 
 @pytest.mark.parametrize("family,config", CASES[:2], ids=IDS[:2])
@@ -112,8 +81,8 @@ def test_4bit_experts_run_in_qmoe_and_match_the_compressed_model(family, config,
     assert router.data_type == onnx.TensorProto.FLOAT and list(router.dims) == [64, 4]  # (hidden, experts)
     assert list(inits["layers.0.moe.fc1.qweight"].dims) == [4, 2 * w4.module.model.config.intermediate_size
                                                              if family == "mixtral" else 2 * 64, 32]
-    ids = _ids()
-    assert _rel(_decode(exact / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(exact / "model.onnx", ids, PROMPT), reference_logits(w4, ids)) < PACKED_REL
     shipped = export_causal_lm(w4, tmp_path / "int8-compute")  # accuracy_level 4: int8 activations
     metrics = json.loads((shipped / "manifest.json").read_text())["metrics"]
     assert metrics["parity"]["passed"] and metrics["parity_int8_compute"]["passed"]
@@ -133,8 +102,8 @@ def test_experts_no_calibration_token_reached_export_like_the_others(tmp_path):
     onnx_dir = export_causal_lm(w4, tmp_path / "onnx", accuracy_level=0)
     fc1 = {t.name: t for t in onnx.load(str(onnx_dir / "model.onnx")).graph.initializer}["layers.0.moe.fc1.qweight"]
     assert fc1.dims[0] == 16
-    ids = _ids()
-    assert _rel(_decode(onnx_dir / "model.onnx", ids), _reference(w4, ids)) < PACKED_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(onnx_dir / "model.onnx", ids, PROMPT), reference_logits(w4, ids)) < PACKED_REL
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
@@ -151,8 +120,8 @@ def test_8bit_experts_are_computed_by_matmulnbits_and_match_the_compressed_model
     attrs = {a.name: helper.get_attribute_value(a) for a in down[0].attribute}
     inter = 128 if family == "mixtral" else 64
     assert down[0].op_type == "MatMulNBits" and attrs["bits"] == 8 and attrs["K"] == 4 * inter  # 4 experts stacked
-    ids = _ids()
-    assert _rel(_decode(out / "model.onnx", ids), _reference(w8, ids)) < PACKED_REL
+    ids = token_ids(PROMPT + STEPS)
+    assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(w8, ids)) < PACKED_REL
     shipped = export_causal_lm(w8, tmp_path / "int8-compute")  # accuracy_level 4: int8 activations
     metrics = json.loads((shipped / "manifest.json").read_text())["metrics"]
     assert metrics["parity_int8_compute"]["passed"] and metrics["parity_float"]["passed"]
