@@ -19,6 +19,20 @@ from typing import Any
 import click
 
 from edgekit import __version__, interrupts
+from edgekit.cli_options import (
+    CALIB,
+    DATA,
+    EVAL_DATA,
+    QUIET,
+    SEED,
+    TEACHER,
+    VERBOSE,
+    json_option,
+    out_option,
+    output_file,
+    target_option,
+    with_input_options,
+)
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
 from edgekit.options import ConfigOption, config_options, config_values
 from edgekit.paths import has_journal_entries
@@ -171,31 +185,40 @@ EdgekitGroup.group_class = type  # subgroups are EdgekitGroups, whose commands a
 
 
 def _compress_options() -> list[ConfigOption]:
+    from edgekit.compress.options import CompressOptions
     from edgekit.compress.plan import compress_options
 
-    return compress_options()
+    return [*compress_options(), *config_options([("compress", CompressOptions)], "compress")]
 
 
-def _from_configs(command: str, *configs: tuple[str, str]) -> Callable[[], list[ConfigOption]]:
-    """The options of ``command`` declared on ``configs``: (name, "module:Class")."""
+def _from_configs(command: str, *configs: tuple[str, str] | tuple[str, str, tuple[str, ...]]
+                  ) -> Callable[[], list[ConfigOption]]:
+    """The options of ``command`` declared on ``configs``: (name, "module:Class"), or (name,
+    "module:Class", fields) for a command that offers only those fields of the config (`remote
+    build`: three of BuildOptions')."""
 
     def generate() -> list[ConfigOption]:
-        classes = []
-        for name, ref in configs:
+        classes, only = [], {}
+        for name, ref, *fields in configs:
             module, _, attr = ref.partition(":")
             classes.append((name, getattr(importlib.import_module(module), attr)))
-        return config_options(classes, command)
+            if fields:
+                only[name] = set(fields[0])
+        return [o for o in config_options(classes, command)
+                if any(c not in only or f in only[c] for c, f, _ in o.fields)]
 
     return generate
 
 
+_REMOTE = ("remote", "edgekit.ssh:RemoteOptions")
 # command -> (the modules its options come from, how to generate them); each config names its own flags
 GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] = {
     "compress": (("edgekit.compress",), _compress_options),
     "distill": (("edgekit.compress.distill",),
                 _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
-    "finetune": (("edgekit.compress.lora.config",),
-                 _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"))),
+    "finetune": (("edgekit.compress.lora.config", "edgekit.finetune_options"),
+                 _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"),
+                               ("finetune", "edgekit.finetune_options:FinetuneOptions"))),
     "export": (("edgekit.export.config",),
                _from_configs("export", ("export", "edgekit.export.config:ExportConfig"),
                              ("lm", "edgekit.export.config:CausalLMExportOptions"))),
@@ -207,15 +230,20 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
               _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
     "report": (("edgekit.report_options",),
                _from_configs("report", ("report", "edgekit.report_options:ReportOptions"))),
-    "remote build": (("edgekit.ssh",), _from_configs("remote build", ("remote", "edgekit.ssh:RemoteOptions"))),
-    "remote profile": (("edgekit.ssh",), _from_configs("remote profile", ("remote", "edgekit.ssh:RemoteOptions"))),
+    "remote build": (("edgekit.ssh", "edgekit.runtimes.base"),
+                     _from_configs("remote build", ("build", "edgekit.runtimes.base:BuildOptions",
+                                                    ("precision", "runtime", "threads")), _REMOTE)),
+    "remote profile": (("edgekit.ssh", "edgekit.profiling"),
+                       _from_configs("remote profile", ("profile", "edgekit.profiling:ProfileConfig",
+                                                        ("duration_s", "iterations")), _REMOTE)),
     "check": (("edgekit.check_options",), _from_configs("check", ("check", "edgekit.check_options:CheckOptions"))),
     "run": (("edgekit.pipelines.run_options",),
             _from_configs("run", ("run", "edgekit.pipelines.run_options:RunOptions"))),
     "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
                                                          ("extra", "edgekit.runtimes.base:BuildExtras"))),
-    "profile": (("edgekit.profiling", "edgekit.profiling_lm"),
-                _from_configs("profile", ("profile", "edgekit.profiling:ProfileConfig"),
+    "profile": (("edgekit.profiling_options", "edgekit.profiling", "edgekit.profiling_lm"),
+                _from_configs("profile", ("options", "edgekit.profiling_options:ProfileOptions"),
+                              ("profile", "edgekit.profiling:ProfileConfig"),
                               ("generation", "edgekit.profiling_lm:GenerationConfig"))),
 }
 
@@ -318,6 +346,14 @@ def config_fields(config: str, flags: dict[str, Any]) -> dict[str, Any]:
     return config_values(cmd.options, flags, config)
 
 
+def flags_of_steps(flags: dict[str, Any]) -> dict[str, Any]:
+    """``compress``'s flags without those of ``CompressOptions`` (config "compress"): the steps'."""
+    cmd = click.get_current_context().command
+    assert isinstance(cmd, ConfigCommand) and cmd.options is not None
+    own = {o.dest for o in cmd.options if all(name == "compress" for name, _, _ in o.fields)}
+    return {k: v for k, v in flags.items() if k not in own}
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -371,32 +407,6 @@ def _flat_rows(data: Any, prefix: str = "") -> list[list[str]]:
     return [[prefix, _cell(data)]]
 
 
-def _json_flag(what: str) -> Any:
-    """``--json``: print ``what`` as one JSON document on stdout, instead of the tables."""
-    return click.option("--json", "as_json", type=click.Path(), default=None, is_flag=False, flag_value="-",
-                        metavar="[FILE]", callback=_output_file,
-                        help=f"Write {what} as JSON to FILE; without FILE (or with -) print it on stdout instead of "
-                             "the tables.")
-
-
-def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """An output file named on the command line, checked before any work: a folder, a FIFO
-    (no reader: the command would block at its end), a device or a system path is refused."""
-    if value is not None and value != "-":
-        from edgekit.artifact import check_output_file
-
-        check_output_file(value)
-    return value
-
-
-def _json_file_or_stdout(what: str) -> Any:
-    """``--json [FILE]``: write ``what`` to FILE, or with no FILE (or ``-``) print it on stdout as
-    the only output."""
-    return click.option("--json", "json_out", type=click.Path(), default=None, is_flag=False, flag_value="-",
-                        metavar="[FILE]", callback=_output_file,
-                        help=f"Write {what} to FILE; without FILE (or with -) print it on stdout instead of the tables.")
-
-
 def _print_json(doc: Any) -> None:
     """The one JSON document of ``--json`` on stdout."""
     click.echo(json.dumps(doc, indent=2, default=str))
@@ -436,8 +446,8 @@ def _json_stdout(enabled: bool) -> Iterator[None]:
 
 @click.group(cls=EdgekitGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="edgekit")
-@click.option("-q", "--quiet", is_flag=True, help="No progress output (bars or log lines).")
-@click.option("-v", "--verbose", is_flag=True, help="Also show library log messages.")
+@QUIET
+@VERBOSE
 def cli(quiet: bool, verbose: bool) -> None:
     """edgekit: compress a PyTorch model, export it to ONNX, build an engine for a target,
     profile it and check it against a latency budget.
@@ -451,54 +461,16 @@ def cli(quiet: bool, verbose: bool) -> None:
     set_verbosity(-1 if quiet else 1 if verbose else 0)
 
 
-# --- model inputs: --shapes, --inputs, --preprocess (one declaration, shared by the commands) ---
-
-_INPUT_OPTIONS = {
-    "shapes": click.option(
-        "--shapes", default=None, metavar="NAME:DIMS,...",
-        help="Input shapes, trtexec's syntax: input_ids:1x128,attention_mask:1x128 (binds dynamic dimensions; "
-             "default: the batch, 128 tokens for token-id inputs)."),
-    "inputs": click.option(
-        "--inputs", "inputs_file", type=click.Path(), default=None, metavar="FILE.npz",
-        help="Real sample inputs: a .npz with one array per input name (checked against the model's names, "
-             "dtypes and ranks)."),
-    "preprocess": click.option(
-        "--preprocess", default=None, metavar="KEY=VALUE,...",
-        help="Image models: layout=nchw|nhwc, order=rgb|bgr, scale=1|255, mean=M/M/M, std=S/S/S, resize=N, "
-             "size=HxW (default: what the model says, else NCHW RGB in [0, 1])."),
-}
-
-
-def with_input_options(*which: str) -> Any:
-    """Add the model-input options named in ``which`` to a command; the command receives them
-    parsed and checked as one ``input_options`` argument (``edgekit.sources.inputs.InputOptions``
-    or None)."""
-
-    def decorate(f: Any) -> Any:
-        @functools.wraps(f)
-        def command(*args: Any, **kwargs: Any) -> Any:
-            from edgekit.sources.inputs import input_options
-            opts = input_options(shapes=kwargs.pop("shapes", None), inputs=kwargs.pop("inputs_file", None),
-                                 preprocess=kwargs.pop("preprocess", None))
-            return f(*args, input_options=opts, **kwargs)
-
-        for name in reversed(which):
-            command = _INPUT_OPTIONS[name](command)
-        return command
-
-    return decorate
-
-
 # --- export, build, profile, check, report ---
 
 @cli.command()
-@_json_flag("the models")
-def zoo(as_json: str | None) -> None:
+@json_option("the models")
+def zoo(json_out: str | None) -> None:
     """List the built-in models."""
     from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
 
     if _json_done([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
-                    "package": e.package} for name, e in ZOO.items()], as_json):
+                    "package": e.package} for name, e in ZOO.items()], json_out):
         return
     for name, e in ZOO.items():
         click.echo(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}  [{e.kind}]  {e.description}; "
@@ -507,10 +479,10 @@ def zoo(as_json: str | None) -> None:
 
 @cli.command(cls=ConfigCommand, advanced=("inputs_file",))
 @click.argument("model")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (an ONNX artifact).")
+@out_option("the ONNX artifact")
 @with_input_options("shapes", "inputs")
-@_json_flag("the folder, the ONNX file and the parity check")
-def export(model: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
+@json_option("the folder, the ONNX file and the parity check")
+def export(model: str, out: str, input_options: Any, json_out: str | None, **flags: Any) -> None:
     """Export MODEL (zoo name, file, entry point or output folder) to ONNX, checked against PyTorch.
 
     The options after --out are ExportConfig's (a recipe's export step names the same fields)
@@ -538,7 +510,7 @@ def export(model: str, out: str, input_options: Any, as_json: str | None, **flag
         lm_kwargs: dict[str, Any] = {k: fields[k] for k in ("atol", "rtol") if k in fields}
         if lm.accuracy_level is not None:
             lm_kwargs["accuracy_level"] = lm.accuracy_level
-        with _json_stdout(as_json == "-"):
+        with _json_stdout(json_out == "-"):
             handle = load_model(model)
             if handle.kind != "causal-lm":
                 raise BadInputError(f"--kv-cache is for causal language models; {handle.name} is a {handle.kind!r} "
@@ -546,19 +518,19 @@ def export(model: str, out: str, input_options: Any, as_json: str | None, **flag
             folder = export_causal_lm(handle, out, opset=fields.get("opset", LM_OPSET),
                                       parity=not fields.get("skip_parity", False), graph=lm.graph,
                                       block_size=lm.block_size, fmt=lm.weight_format, **lm_kwargs)
-        _print_parity(folder, as_json)
+        _print_parity(folder, json_out)
         return
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         folder = export_onnx(model, out, config, input_options)
-    _print_parity(folder, as_json)
+    _print_parity(folder, json_out)
 
 
-def _print_parity(folder: Path, as_json: str | None = None) -> None:
+def _print_parity(folder: Path, json_out: str | None = None) -> None:
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
-    if _json_done({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity}, as_json):
+    if _json_done({"folder": str(folder), "onnx": str(m.path_of(folder, "onnx")), "parity": parity}, json_out):
         return
     outputs = parity.get("outputs") or {}
     if outputs:
@@ -570,11 +542,11 @@ def _print_parity(folder: Path, as_json: str | None = None) -> None:
 
 @cli.command(cls=ConfigCommand, advanced=("shapes", "inputs_file"))
 @click.argument("model")
-@click.option("--target", "target", default="cpu", show_default=True, help="Target name or YAML file.")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Engine output folder.")
+@target_option(default="cpu", role="the device the engine is built for")
+@out_option("the engine")
 @with_input_options("shapes", "inputs")
-@_json_flag("the engine folder, its config and metrics")
-def build(model: str, target: str, out: str, input_options: Any, as_json: str | None, **flags: Any) -> None:
+@json_option("the engine folder, its config and metrics")
+def build(model: str, target: str, out: str, input_options: Any, json_out: str | None, **flags: Any) -> None:
     """Build an engine for a target from a model, an ONNX file or a previous step's folder.
 
     The options after --out are BuildOptions' (and, for one runtime, BuildExtras'): a recipe's
@@ -583,13 +555,13 @@ def build(model: str, target: str, out: str, input_options: Any, as_json: str | 
     from edgekit.runtimes.base import BuildOptions
 
     options = BuildOptions(**config_fields("options", flags), extra=config_fields("extra", flags))
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         folder = build_engine(model, target, out, options, input_options)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     if _json_done({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
-                   "metrics": m.metrics}, as_json):
+                   "metrics": m.metrics}, json_out):
         return
     for line in m.config.get("messages", []):
         click.echo(line)
@@ -604,37 +576,30 @@ def build(model: str, target: str, out: str, input_options: Any, as_json: str | 
     click.echo(f"{status} (in {folder})" if status else f"built {m.config.get('runtime')} engine for {m.target} in {folder}")
 
 
-@cli.command(cls=ConfigCommand, after="target", advanced=("trtexec_dir", "onnx_file", "target", "generation", "shapes",
-                                                            "inputs_file"))
+@cli.command(cls=ConfigCommand, after="engine_dir", advanced=("shapes", "inputs_file"))
 @click.argument("engine_dir", type=click.Path(), required=False)
-@click.option("--trtexec", "trtexec_dir", type=click.Path(), default=None,
-              help="A folder of trtexec exports made by hand (--exportTimes, --exportProfile, --exportLayerInfo, log; "
-                   "any names): read as a device profile, checked against --onnx and --target.")
-@click.option("--onnx", "onnx_file", type=click.Path(), default=None, help="With --trtexec: the ONNX the engine was built from.")
-@click.option("--target", "target", default=None, help="With --trtexec: the target the results claim (name or YAML).")
-@_json_file_or_stdout("the profile JSON")
-@click.option("--generation/--no-generation", default=True, show_default=True,
-              help="Causal LMs: also measure generation (time to first token, decode tokens/s).")
+@json_option("the profile")
 @with_input_options("shapes", "inputs")
-def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | None, target: str | None,
-            json_out: str | None, generation: bool, input_options: Any, **flags: Any) -> None:
+def profile(engine_dir: str | None, json_out: str | None, input_options: Any, **flags: Any) -> None:
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
     from edgekit.profiling import ProfileConfig, profile_exports
     from edgekit.profiling_lm import GenerationConfig, profile_with_generation
+    from edgekit.profiling_options import TRTEXEC_USAGE, ProfileOptions
 
-    if trtexec_dir is not None or onnx_file is not None:
-        if trtexec_dir is None or onnx_file is None or target is None or engine_dir is not None:
-            raise BadInputError("trtexec exports are read with --trtexec DIR --onnx MODEL.onnx --target TARGET "
-                                "(and no ENGINE_DIR)")
+    o = ProfileOptions(**config_fields("options", flags))
+    if o.reads_exports:
+        assert o.trtexec is not None and o.onnx is not None and o.target is not None
+        if engine_dir is not None:
+            raise BadInputError(f"trtexec exports are read with {TRTEXEC_USAGE} (and no ENGINE_DIR)")
         if input_options is not None and input_options.inputs is not None:
             raise BadInputError("--inputs applies to engines timed here; with --trtexec give --shapes (the shapes "
                                 "trtexec timed)")
         file = None if json_out == "-" else json_out
         top_k = ProfileConfig(**config_fields("profile", flags)).top_k
         with _json_stdout(json_out == "-"):
-            result = profile_exports(trtexec_dir, onnx_file, target, shapes=input_options.shapes if input_options
+            result = profile_exports(o.trtexec, o.onnx, o.target, shapes=input_options.shapes if input_options
                                      else None, top_k=top_k, out_json=file)
         if json_out == "-":
             _print_json(result.to_dict())
@@ -644,12 +609,10 @@ def profile(engine_dir: str | None, trtexec_dir: str | None, onnx_file: str | No
             click.echo(f"wrote {file}")
         return
     if engine_dir is None:
-        raise BadInputError("give an engine folder (edgekit profile ENGINE_DIR), or trtexec exports with --trtexec "
-                            "DIR --onnx MODEL.onnx --target TARGET")
-    if target is not None:
-        raise BadInputError("--target applies with --trtexec (an engine folder records its target)")
+        raise BadInputError(f"give an engine folder (edgekit profile ENGINE_DIR), or trtexec exports with "
+                            f"{TRTEXEC_USAGE}")
     config = ProfileConfig(**config_fields("profile", flags))
-    gen_config = GenerationConfig(**config_fields("generation", flags)) if generation else None
+    gen_config = GenerationConfig(**config_fields("generation", flags)) if o.generation else None
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
         result = profile_with_generation(engine_dir, config, gen_config, out_json=file, input_options=input_options)
@@ -721,10 +684,10 @@ def _print_profile(result: Any, top_k: int) -> None:
 
 @cli.command(cls=ConfigCommand, after="target")
 @click.argument("model")
-@click.option("--target", "target", required=True, help="A target with the tensorrt runtime (name or YAML file).")
-@_json_flag("the findings")
+@target_option(required=True, role="one with the tensorrt runtime")
+@json_option("the findings")
 @with_input_options("shapes")
-def lint(model: str, target: str, as_json: str | None, input_options: Any, **flags: Any) -> int:
+def lint(model: str, target: str, json_out: str | None, input_options: Any, **flags: Any) -> int:
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
     --shapes / --axis give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
@@ -734,7 +697,7 @@ def lint(model: str, target: str, as_json: str | None, input_options: Any, **fla
     o = LintOptions(**config_fields("lint", flags))
     report = lint_model(model, target, tensorrt_version=o.tensorrt_version, dla_core=o.dla_core, precision=o.precision,
                         shapes=input_options.shapes if input_options else None, dims=o.axis_ranges())
-    if _json_done(report.to_dict(), as_json):
+    if _json_done(report.to_dict(), json_out):
         return report.exit_code
     if report.findings:
         _console().print(_table(f"TensorRT {report.tensorrt_version} findings", ["severity", "node", "op", "why",
@@ -746,7 +709,7 @@ def lint(model: str, target: str, as_json: str | None, input_options: Any, **fla
 
 @cli.command(cls=ConfigCommand, after="profile")
 @click.argument("profile", type=click.Path())
-@_json_file_or_stdout("the verdict JSON")
+@json_option("the verdict")
 def check(profile: str, json_out: str | None, **flags: Any) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses.
 
@@ -783,11 +746,11 @@ def check(profile: str, json_out: str | None, **flags: Any) -> int:
 
 @cli.command(cls=ConfigCommand, after="deprecated_out")
 @click.argument("folder", type=click.Path())
-@click.option("--markdown", "out", type=click.Path(), default=None, callback=_output_file, metavar="FILE",
+@click.option("--markdown", "out", type=click.Path(), default=None, callback=output_file, metavar="FILE",
               help="The Markdown report (default FOLDER/report.md); its JSON goes beside it (FILE with .json).")
-@deprecated("-o", "--out", dest="out", new="--markdown", type=click.Path(), callback=_output_file)
-@_json_flag("the report (what the JSON file holds)")
-def report(folder: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+@deprecated("-o", "--out", dest="out", new="--markdown", type=click.Path(), callback=output_file)
+@json_option("the report (what the JSON file holds)")
+def report(folder: str, out: str | None, json_out: str | None, **flags: Any) -> None:
     """Render a Markdown and JSON report of a run folder.
 
     The options after --markdown are ReportOptions'."""
@@ -795,9 +758,9 @@ def report(folder: str, out: str | None, as_json: str | None, **flags: Any) -> N
     from edgekit.report_options import ReportOptions
 
     o = ReportOptions(**config_fields("report", flags))
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         path = render_report(folder, out, budget_ms=o.budget_ms, percentile=o.percentile, top_k=o.top_k)
-    if _json_done(json.loads(path.with_suffix(".json").read_text()), as_json):
+    if _json_done(json.loads(path.with_suffix(".json").read_text()), json_out):
         return
     click.echo(path.read_text())
     click.echo(f"wrote {path} and {path.with_suffix('.json')}")
@@ -805,40 +768,38 @@ def report(folder: str, out: str | None, as_json: str | None, **flags: Any) -> N
 
 # --- compress ---
 
-@cli.command(cls=ConfigCommand, advanced=("seed", "shapes", "inputs_file", "preprocess", "accept_quality_loss", "max_ppl_ratio"))
+@cli.command(cls=ConfigCommand, advanced=("seed", "shapes", "inputs_file", "preprocess"))
 @click.argument("model")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a compressed model).")
-@click.option("--distill", is_flag=True, help="After pruning, distill from the unpruned model.")
-@click.option("--calib", default=None, help="Calibration data (built-in name, folder, .npy/.npz, text file, entry point).")
-@click.option("--data", "train_data", default=None, help="Training data for QAT / distillation (as `edgekit distill "
-              "--data`).")
-@deprecated("--train", dest="train_data", new="--data")
-@click.option("--target", default=None, help="Target name or YAML (decides the INT8 Q/DQ scheme).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampling and training.")
+@out_option("the compressed model")
+@CALIB
+@DATA
+@deprecated("--train", dest="data", new="--data")
+@target_option(role="decides the INT8 Q/DQ scheme")
+@SEED
 @with_input_options("shapes", "inputs", "preprocess")
-@click.option("--accept-quality-loss", is_flag=True, help="Write the model even when its quality against the float model is beyond the sanity bound (default: exit 1, nothing written).")
-@click.option("--max-ppl-ratio", type=float, default=None, help="Quality gate: the compressed model's perplexity may be at most this many times the float model's (default 1.5 at 4 bits, 1.1 at 8 bits).")
-@_json_flag("the result (folder, steps, metrics)")
-def compress(model: str, out: str, distill: bool, calib: str | None, train_data: str | None, target: str | None,
-             seed: int, input_options: Any, accept_quality_loss: bool, max_ppl_ratio: float | None, as_json: str | None,
-             **step_flags: Any) -> None:
+@json_option("the result (folder, steps, metrics)")
+def compress(model: str, out: str, calib: str | None, data: str | None, target: str | None, seed: int,
+             input_options: Any, json_out: str | None, **flags: Any) -> None:
     """Compress MODEL: INT8 PTQ/QAT, 4-bit GPTQ/AWQ/RTN, structured pruning, distillation.
 
     The step options below come from the steps' configs; a recipe names the same fields.
     The result is measured against the float model on held-out data (perplexity ratio,
     agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
+    from edgekit.compress.options import CompressOptions
     from edgekit.compress.plan import compress_from_flags
     from edgekit.measure import engine_latency
 
-    with _json_stdout(as_json == "-"):
-        folder = compress_from_flags(model, out, step_flags, distill=distill, calib=calib, train=train_data, target=target,
-                                     seed=seed, inputs=input_options, accept_quality_loss=accept_quality_loss,
-                                     max_ppl_ratio=max_ppl_ratio, latency=engine_latency)
+    o = CompressOptions(**config_fields("compress", flags))
+    with _json_stdout(json_out == "-"):
+        folder = compress_from_flags(model, out, flags_of_steps(flags), distill=o.distill, calib=calib, train=data,
+                                     target=target, seed=seed, inputs=input_options,
+                                     accept_quality_loss=o.accept_quality_loss, max_ppl_ratio=o.max_ppl_ratio,
+                                     latency=engine_latency)
     from edgekit.artifact import read_manifest
 
     m = read_manifest(folder)
     steps = [s["name"] for s in m.steps]
-    if _json_done({"folder": str(folder), "steps": steps, "metrics": m.metrics}, as_json):
+    if _json_done({"folder": str(folder), "steps": steps, "metrics": m.metrics}, json_out):
         return
     rows = _flat_rows(m.metrics)
     if rows:
@@ -850,15 +811,15 @@ def compress(model: str, out: str, distill: bool, calib: str | None, train_data:
 
 @cli.command("distill", cls=ConfigCommand, advanced=("eval_data",))
 @click.argument("model", required=False)
-@click.option("--teacher", required=True, help="Teacher model (any model spec or artifact folder).")
+@TEACHER
 @deprecated("--student", dest="model", new="MODEL (the first argument)")
-@click.option("--data", default=None, help="Training data (built-in name, .npz, text file...; default: the student's).")
-@click.option("--eval-data", "eval_data", default=None, help="Evaluation data (default: the eval split of --data).")
+@DATA
+@EVAL_DATA
 @deprecated("--eval", dest="eval_data", new="--eval-data")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a model artifact).")
-@_json_flag("the folder, the training history and the final evaluation")
+@out_option("the distilled model")
+@json_option("the folder, the training history and the final evaluation")
 def distill_command(model: str | None, teacher: str, data: str | None, eval_data: str | None, out: str,
-                    as_json: str | None, **flags: Any) -> None:
+                    json_out: str | None, **flags: Any) -> None:
     """Distill TEACHER into MODEL (the student: e.g. a pruned artifact folder or a smaller model):
     temperature-scaled KD loss (x T^2) plus the hard-label loss. Checkpoints go to OUT.work;
     running the same command again resumes."""
@@ -868,13 +829,13 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
     if model is None:
         raise BadInputError("give the student model: edgekit distill MODEL --teacher TEACHER -o OUT")
     config = DistillConfig(**config_fields("distill", flags))
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         distill(teacher, model, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
     meta = m.steps[-1]["meta"] if m.steps else {}
     if _json_done({"folder": out, "steps": [s["name"] for s in m.steps], "validation": meta.get("validation"),
                    "history": meta.get("fit", {}).get("history", []), "eval": meta.get("eval", {}),
-                   "metrics": m.metrics}, as_json):
+                   "metrics": m.metrics}, json_out):
         return
     rows = [[e["epoch"] + 1, f"{e['train_loss']:.4f}", f"{e.get('val', float('nan')):.4f}", e["seconds"]]
             for e in meta.get("fit", {}).get("history", [])]
@@ -888,12 +849,11 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
 
 # --- pipelines: run and sweep ---
 
-@cli.command("run", cls=ConfigCommand, after="dry_run")
+@cli.command("run", cls=ConfigCommand)
 @click.argument("recipe", type=click.Path())
-@click.option("-o", "--out", "run_dir", type=click.Path(), default=None, help="Run folder (default runs/<recipe name>).")
-@click.option("--dry-run", is_flag=True, help="Validate the recipe and print the resolved plan; run nothing.")
-@_json_flag("the results (what results.json holds; with --dry-run, the plan)")
-def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None, **flags: Any) -> int:
+@out_option("the run (results, reports, cached steps)", default="runs/<recipe name>")
+@json_option("the results (what results.json holds; with --dry-run, the plan)")
+def run_cmd(recipe: str, out: str | None, json_out: str | None, **flags: Any) -> int:
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails.
 
     The options after --dry-run are RunOptions'."""
@@ -903,10 +863,10 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None
 
     o = RunOptions(**config_fields("run", flags))
     parsed = load_recipe(recipe)
-    if dry_run:
-        check_run_folders(parsed, run_dir or Path("runs") / parsed.name, o.cache_dir)  # what the run would refuse
+    if o.dry_run:
+        check_run_folders(parsed, out or Path("runs") / parsed.name, o.cache_dir)  # what the run would refuse
         if _json_done({"recipe": parsed.name, "plan": plan(parsed), "budget_ms": parsed.budget_ms,
-                       "percentile": parsed.percentile}, as_json):
+                       "percentile": parsed.percentile}, json_out):
             return 0
         for row in plan(parsed):
             budget = "" if row["budget_ms"] is None else f" [budget {row['budget_ms']:g} ms]"
@@ -915,10 +875,10 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None
         click.echo(f"plan OK: {len(parsed.stages)} stages x {len(parsed.targets)} target(s); end-to-end budget "
                    f"{parsed.budget_ms if parsed.budget_ms is not None else '-'} ms at {parsed.percentile}")
         return 0
-    with _json_stdout(as_json == "-"):
-        result = run_recipe(parsed, run_dir or Path("runs") / parsed.name, cache_dir=o.cache_dir, force=o.force,
+    with _json_stdout(json_out == "-"):
+        result = run_recipe(parsed, out or Path("runs") / parsed.name, cache_dir=o.cache_dir, force=o.force,
                             wait=o.wait, remeasure=o.remeasure)
-    if _json_done(result.to_dict(), as_json):
+    if _json_done(result.to_dict(), json_out):
         return 0 if result.passed else 1
     _console().print(_table(f"recipe {parsed.name}", STAGE_COLUMNS, stage_table(result)))
     for name, t in result.targets.items():
@@ -933,9 +893,9 @@ def run_cmd(recipe: str, run_dir: str | None, dry_run: bool, as_json: str | None
 
 @cli.command(cls=ConfigCommand)
 @click.argument("recipe", type=click.Path())
-@click.option("-o", "--out", type=click.Path(), default=None, help="Sweep folder (default runs/<recipe>-sweep).")
-@_json_flag("the rows (what sweep.json holds)")
-def sweep(recipe: str, out: str | None, as_json: str | None, **flags: Any) -> None:
+@out_option("the sweep (table, plots, HTML)", default="runs/<recipe>-sweep")
+@json_option("the rows (what sweep.json holds)")
+def sweep(recipe: str, out: str | None, json_out: str | None, **flags: Any) -> None:
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML.
 
     The options after --out are SweepOptions'."""
@@ -944,11 +904,11 @@ def sweep(recipe: str, out: str | None, as_json: str | None, **flags: Any) -> No
 
     o = SweepOptions(**config_fields("sweep", flags))
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         rows = run_sweep(recipe, list(o.grid), folder, combos=o.combinations(), jobs=o.jobs, executor=o.executor,
                          address=o.address, force=o.force, max_points=o.max_points,
                          announce=lambda line: click.echo(line, err=True))
-    if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, as_json):
+    if _json_done({"folder": str(folder), "rows": [dataclasses.asdict(r) for r in rows]}, json_out):
         return
     _console().print(_table(f"sweep {Path(recipe).name}", SWEEP_COLUMNS, sweep_table(rows)))
     click.echo(f"wrote {folder}/sweep.json, sweep.md, sweep.html and plots")
@@ -957,49 +917,49 @@ def sweep(recipe: str, out: str | None, as_json: str | None, **flags: Any) -> No
 # --- targets, TensorRT and remote devices ---
 
 @cli.group("targets", invoke_without_command=True)
-@_json_flag("the targets")
+@json_option("the targets")
 @click.option("--probe", is_flag=True, help="Measure this machine now (kernel rates of ONNX Runtime at 1 thread, "
               "memory and L2 bandwidth, caches, per-node overhead) for the `cpu` target, and cache it.")
 @click.pass_context
-def targets_group(ctx: click.Context, as_json: str | None, probe: bool) -> None:
+def targets_group(ctx: click.Context, json_out: str | None, probe: bool) -> None:
     """List the built-in targets (`edgekit targets` or `edgekit targets list`), or show one
     (`edgekit targets show NAME`). `--probe` measures this machine for the `cpu` target
     (the first `edgekit estimate --target cpu` does so once by itself); the result is cached
     per machine and used until `--probe` measures again."""
-    if as_json is not None and as_json in targets_group.commands and ctx.invoked_subcommand is None:
-        raise BadInputError(f"--json takes a FILE, not the command {as_json!r}: put it after the command "
-                            f"(edgekit targets {as_json} ... --json)")
+    if json_out is not None and json_out in targets_group.commands and ctx.invoked_subcommand is None:
+        raise BadInputError(f"--json takes a FILE, not the command {json_out!r}: put it after the command "
+                            f"(edgekit targets {json_out} ... --json)")
     if probe:
         if ctx.invoked_subcommand is not None:
             raise BadInputError(f"--probe is an option of `edgekit targets` alone, not of `targets "
                                 f"{ctx.invoked_subcommand}` (run `edgekit targets --probe`)")
-        _probe(as_json)
+        _probe(json_out)
     elif ctx.invoked_subcommand is None:
-        _list_targets(as_json)
+        _list_targets(json_out)
 
 
-def _probe(as_json: str | None) -> None:
+def _probe(json_out: str | None) -> None:
     from edgekit.estimate.probe import describe, probe_machine
 
-    with _json_stdout(as_json == "-"):
+    with _json_stdout(json_out == "-"):
         probed = probe_machine(refresh=True)
-    if _json_done({**probed.probe.to_dict(), "path": str(probed.path)}, as_json):
+    if _json_done({**probed.probe.to_dict(), "path": str(probed.path)}, json_out):
         return
     _console().print(_table("this machine, measured for the cpu target (one thread)", ["figure", "value"],
                             [list(r) for r in describe(probed)]))
 
 
 @targets_group.command("list")
-@_json_flag("the targets")
-def targets_list(as_json: str | None) -> None:
+@json_option("the targets")
+def targets_list(json_out: str | None) -> None:
     """List the built-in targets: dense peaks, memory, DLA cores, TensorRT versions, runtimes."""
-    _list_targets(as_json)
+    _list_targets(json_out)
 
 
-def _list_targets(as_json: str | None) -> None:
+def _list_targets(json_out: str | None) -> None:
     from edgekit.targets import list_targets, load_target
 
-    if _json_done([load_target(name).to_dict() for name in list_targets()], as_json):
+    if _json_done([load_target(name).to_dict() for name in list_targets()], json_out):
         return
     header = ("name", "kind", "SM", "INT8", "FP16", "GB/s", "GB", "DLA", "TensorRT", "runtimes")
     rows = [header]
@@ -1016,14 +976,14 @@ def _list_targets(as_json: str | None) -> None:
 
 @targets_group.command("show")
 @click.argument("name")
-@_json_flag("the target")
-def targets_show(name: str, as_json: str | None) -> None:
+@json_option("the target")
+def targets_show(name: str, json_out: str | None) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
     from edgekit.targets import load_target
 
     t = load_target(name)
     d = t.to_dict()
-    if _json_done(d, as_json):
+    if _json_done(d, json_out):
         return
     rows = _flat_rows({k: v for k, v in d.items() if k not in ("provenance", "sources") and v not in (None, (), [], {})})
     _console().print(_table(f"{t.name}: {t.description}", ["field", "value"], rows))
@@ -1038,42 +998,43 @@ def remote_group() -> None:
     """Build or profile on another machine over SSH (edgekit must be installed there)."""
 
 
-@remote_group.command("build", cls=ConfigCommand, key="remote build", after="threads")
+@remote_group.command("build", cls=ConfigCommand, key="remote build")
 @click.argument("model")
-@click.option("--target", required=True, help="Target name or YAML file.")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Local engine folder to fetch into.")
-@click.option("--precision", default=None, help="As `edgekit build --precision` (on the device).")
-@click.option("--runtime", default=None, help="As `edgekit build --runtime` (on the device).")
-@click.option("--threads", type=int, default=None, help="As `edgekit build --threads` (on the device).")
-def remote_build_cmd(model: str, target: str, out: str, precision: str | None, runtime: str | None,
-                     threads: int | None, **flags: Any) -> None:
+@target_option(required=True, role="the device's")
+@out_option("the engine, fetched from the device")
+def remote_build_cmd(model: str, target: str, out: str, **flags: Any) -> None:
     """Run `edgekit build` on the device and fetch the engine folder (sha256-verified).
 
-    The options after --threads are RemoteOptions'."""
+    The options after --out are BuildOptions' (given to `edgekit build` on the device) and
+    RemoteOptions'."""
     from edgekit.remote import remote_build
+    from edgekit.runtimes.base import BuildOptions
     from edgekit.ssh import RemoteOptions
 
+    build = config_fields("build", flags)
+    BuildOptions(**build)  # checked here, before connecting; the device's edgekit applies its defaults
     o = RemoteOptions(**config_fields("remote", flags))
-    folder = remote_build(model, target, out, o.remote_host(), precision=precision, runtime=runtime, threads=threads)
+    folder = remote_build(model, target, out, o.remote_host(), precision=build.get("precision"),
+                          runtime=build.get("runtime"), threads=build.get("threads"))
     click.echo(f"built on {o.host}; fetched into {folder}")
 
 
-@remote_group.command("profile", cls=ConfigCommand, key="remote profile", after="iterations")
+@remote_group.command("profile", cls=ConfigCommand, key="remote profile", after="engine_dir")
 @click.argument("engine_dir", type=click.Path())
-@_json_file_or_stdout("the profile JSON")
-@click.option("--duration-s", type=float, default=None, help="As `edgekit profile --duration-s` (on the device).")
-@click.option("--iterations", type=int, default=None, help="As `edgekit profile --iterations` (on the device).")
-def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float | None, iterations: int | None,
-                       **flags: Any) -> None:
+@json_option("the profile")
+def remote_profile_cmd(engine_dir: str, json_out: str | None, **flags: Any) -> None:
     """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile.
 
-    The options after --iterations are RemoteOptions'."""
+    The options are ProfileConfig's (given to `edgekit profile` on the device) and RemoteOptions'."""
+    from edgekit.profiling import ProfileConfig
     from edgekit.remote import remote_profile
     from edgekit.ssh import RemoteOptions
 
+    timing = config_fields("profile", flags)
+    ProfileConfig(**timing)  # checked here, before connecting; the device's edgekit applies its defaults
     o = RemoteOptions(**config_fields("remote", flags))
-    args = (["--duration-s", str(duration_s)] if duration_s is not None else []) + \
-        (["--iterations", str(iterations)] if iterations is not None else [])
+    args = [a for name in ("duration_s", "iterations") if name in timing
+            for a in (f"--{name.replace('_', '-')}", str(timing[name]))]
     file = None if json_out == "-" else json_out
     with _json_stdout(json_out == "-"):
         result = remote_profile(engine_dir, o.remote_host(), json_out=file, extra_args=args)
@@ -1089,8 +1050,8 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, duration_s: float 
 
 @cli.command("estimate", cls=ConfigCommand, after="target", advanced=("inputs_file",))
 @click.argument("model")
-@click.option("--target", required=True, help="Target name or YAML file (`edgekit targets` lists them).")
-@_json_file_or_stdout("the estimate JSON")
+@target_option(required=True, role="the device whose latency is estimated")
+@json_option("the estimate")
 @with_input_options("shapes", "inputs")
 def estimate_cmd(model: str, target: str, json_out: str | None, input_options: Any, **flags: Any) -> None:
     """Latency ESTIMATE of a model on a target, with its range (not a measurement).
@@ -1124,42 +1085,30 @@ def estimate_cmd(model: str, target: str, json_out: str | None, input_options: A
 
 # --- finetune ---
 
-@cli.command(cls=ConfigCommand, after="eval_data",
-             advanced=("eval_data", "requant", "bits", "method", "group_size", "resume", "seed"))
+@cli.command(cls=ConfigCommand, after="eval_data", advanced=("eval_data", "seed"))
 @click.argument("model")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output folder (a fine-tuned model).")
-@click.option("--data", default=None, help="Training data (built-in name, folder, .npz, text file, entry point); "
-              "default: the model's.")
-@click.option("--eval-data", default=None, help="Validation data (default: the eval split of --data or the model's).")
-@click.option("--requant", type=click.Choice(["int4", "int8"]), default=None,
-              help="Re-quantize the merged float model with this step.")
-@click.option("--bits", type=int, default=None, help="--requant int4: bit width (default 4).")
-@click.option("--method", default=None, help="--requant int4: gptq | awq | rtn; int8: ptq.")
-@click.option("--group-size", type=int, default=None, help="--requant int4: group size.")
-@click.option("--resume/--fresh", default=True, show_default=True, help="Continue from OUT.work's checkpoint if it matches.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the adapters' initialization and the "
-              "data order.")
-@_json_flag("the folder, the steps and the metrics")
-def finetune(model: str, out: str, data: str | None, eval_data: str | None, requant: str | None, bits: int | None,
-             method: str | None, group_size: int | None, resume: bool, seed: int, as_json: str | None, **flags: Any) -> None:
+@out_option("the fine-tuned model")
+@DATA
+@EVAL_DATA
+@SEED
+@json_option("the folder, the steps and the metrics")
+def finetune(model: str, out: str, data: str | None, eval_data: str | None, seed: int, json_out: str | None,
+             **flags: Any) -> None:
     """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data.
 
     The training options are LoraConfig's fields (a recipe's lora step names the same)."""
     from edgekit.artifact import read_manifest
     from edgekit.finetune import finetune as run_finetune
 
+    from edgekit.finetune_options import FinetuneOptions
+
     config = config_fields("lora", flags)
-    requant_config: dict[str, Any] = {}
-    if requant == "int4":
-        requant_config = {k: v for k, v in (("bits", bits), ("method", method), ("group_size", group_size))
-                          if v is not None}
-    elif requant == "int8" and method is not None:
-        requant_config = {"method": method}
-    with _json_stdout(as_json == "-"):
-        folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=requant,
-                              requant_config=requant_config, seed=seed, resume=resume)
+    o = FinetuneOptions(**config_fields("finetune", flags))
+    with _json_stdout(json_out == "-"):
+        folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=o.requant,
+                              requant_config=o.requant_config(), seed=seed, resume=o.resume)
     m = read_manifest(folder)
-    if _json_done({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics}, as_json):
+    if _json_done({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics}, json_out):
         return
     lm = m.metrics.get("lora", {})
     rows = []

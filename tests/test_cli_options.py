@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from edgekit.cli import cli
+from edgekit.cli import GeneratedOption, cli
 from edgekit.compress import STEPS, Step, StepContext, config_to_dict
 from edgekit.compress.options import option
 from edgekit.compress.plan import compress_options, plan_steps
@@ -25,13 +25,13 @@ from edgekit.sources.handle import ModelHandle, StepRecord
 
 # `edgekit compress --help-all` (the flags users know: those of before the options were generated,
 # with --alpha renamed --distill-alpha and --train --data), plus what came since: --precision (the
-# half step), --json and --help-all
+# half step), --json, --help-all and the off side of the paired flags (--no-distill, --no-accept-quality-loss)
 FLAGS = {"-o", "--out", "--bits", "--method", "--calib", "--calib-method", "--calib-samples", "--target",
          "--max-accuracy-drop", "--placement", "--keep-float", "--rounding", "--group-size", "--sym", "--asym",
          "--act-order", "--no-act-order", "--gptaq-alpha", "--refit", "--no-refit", "--seqlen", "--device", "--prune",
          "--importance", "--global", "--uniform", "--round-to", "--ignore", "--iterative-steps", "--distill",
          "--epochs", "--temperature", "--distill-alpha", "--data", "--seed", "--shapes", "--inputs", "--preprocess",
-         "--accept-quality-loss", "--max-ppl-ratio", "--max-size-mb", "--avg-bits", "--smooth-alpha", "-h", "--help"}
+         "--accept-quality-loss", "--no-accept-quality-loss", "--no-distill", "--max-ppl-ratio", "--max-size-mb", "--avg-bits", "--smooth-alpha", "-h", "--help"}
 
 
 def _help() -> str:
@@ -386,3 +386,67 @@ def test_help_of_every_command_imports_no_torch(tmp_path: Path):
                           "--distill-alpha", "2", "-o", str(tmp_path / "o")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and bad.stderr == "error: alpha (weight of the soft loss) must be in [0, 1], got 2.0\n"
+
+
+# the options several commands share (edgekit/cli_options.py): the same flag, type, default and
+# help wherever they appear; -o, --json and --target say what the command writes or targets
+SHARED_SAME = ("--data", "--eval-data", "--calib", "--seed", "--teacher", "--shapes", "--inputs", "--preprocess")
+SHARED_PREFIX = {"-o": "Output folder: ", "--json": "Write ", "--target": "Target name or YAML file"}
+
+
+def test_shared_options_read_alike_in_every_command():
+    seen: dict[str, set[tuple]] = {}
+    for path, cmd in _commands(cli):
+        ctx = click.Context(cmd, info_name=path[-1])
+        for p in cmd.get_params(ctx):
+            # a config's own field of the same name (distill's --seed: DistillConfig.seed; profile's
+            # --target: ProfileOptions') is that config's
+            if not isinstance(p, click.Option) or p.hidden or isinstance(p, GeneratedOption):
+                continue
+            flag = next((d for d in p.opts if d in (*SHARED_SAME, *SHARED_PREFIX)), None)
+            if flag is None:
+                continue
+            help_text = p.help or ""
+            if flag in SHARED_PREFIX:
+                assert help_text.startswith(SHARED_PREFIX[flag]), (path, flag, help_text)
+                help_text = SHARED_PREFIX[flag]
+            default = None if flag == "--target" else p.default  # build's is cpu, the others' none
+            seen.setdefault(flag, set()).add((tuple(p.opts), p.type.name, p.metavar, default, help_text))
+    assert set(seen) == {*SHARED_SAME, *SHARED_PREFIX}
+    assert {flag: kinds for flag, kinds in seen.items() if len(kinds) > 1} == {}
+
+
+def test_options_of_their_own_classes_reach_the_api(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    calls = _capture(monkeypatch, "edgekit.compress.plan", "compress_from_flags")
+    for args in ([], ["--prune", "0.5", "--distill", "--accept-quality-loss", "--max-ppl-ratio", "1.2"]):
+        assert isinstance(CliRunner().invoke(cli, ["compress", "M", "-o", "O", *args]).exception, _Called)
+    assert [{k: c[1][k] for k in ("distill", "accept_quality_loss", "max_ppl_ratio", "train", "seed")} for c in calls] \
+        == [{"distill": False, "accept_quality_loss": False, "max_ppl_ratio": None, "train": None, "seed": 0},
+            {"distill": True, "accept_quality_loss": True, "max_ppl_ratio": 1.2, "train": None, "seed": 0}]
+    given = [{k: v for k, v in c[0][2].items() if v not in (None, ())} for c in calls]
+    assert given == [{}, {"prune": 0.5}] and "distill" not in calls[1][0][2]  # the steps' flags alone
+
+    calls = _capture(monkeypatch, "edgekit.finetune", "finetune")
+    for args in ([], ["--requant", "int4", "--bits", "3", "--fresh", "--seed", "5"]):
+        assert isinstance(CliRunner().invoke(cli, ["finetune", "M", "-o", "O", *args]).exception, _Called)
+    assert [{k: c[1][k] for k in ("requant", "requant_config", "resume", "seed")} for c in calls] == [
+        {"requant": None, "requant_config": {}, "resume": True, "seed": 0},
+        {"requant": "int4", "requant_config": {"bits": 3}, "resume": False, "seed": 5}]
+    r = CliRunner().invoke(cli, ["finetune", "M", "-o", str(tmp_path / "o"), "--bits", "3"])
+    assert r.exit_code == 2 and r.stderr == "error: --bits set the 4-bit re-quantization: give --requant int4\n"
+
+    # remote build checks the build fields before it connects
+    calls = _capture(monkeypatch, "edgekit.remote", "remote_build")
+    r = CliRunner().invoke(cli, ["remote", "build", "M.onnx", "--target", "T", "-o", "O", "--host", "me@orin",
+                                 "--runtime", "nope"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: unknown runtime 'nope'") and calls == []
+    calls = _capture(monkeypatch, "edgekit.remote", "remote_profile")
+    for args in ([], ["--duration-s", "2", "--iterations", "50"]):
+        r = CliRunner().invoke(cli, ["remote", "profile", "E", "--host", "me@orin", *args])
+        assert isinstance(r.exception, _Called), r.output
+    assert [c[1]["extra_args"] for c in calls] == [[], ["--duration-s", "2.0", "--iterations", "50"]]
+    r = CliRunner().invoke(cli, ["remote", "profile", "E", "--host", "me@orin", "--iterations", "0"])
+    assert r.exit_code == 2 and r.stderr == "error: iterations must be >= 1, got 0\n"
+
+    r = CliRunner().invoke(cli, ["profile", "E", "--target", "cpu"])
+    assert r.exit_code == 2 and r.stderr == "error: --target applies with --trtexec (an engine folder records its target)\n"

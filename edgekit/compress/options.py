@@ -17,15 +17,43 @@ distill``'s ``--lr``) is no flag of ``compress``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from edgekit.options import OPTION, ConfigOption, Flag, config_options, config_values, field_flags, option
+from edgekit.schema import check_fields
 
 COMMAND = "compress"
 
 StepOption = ConfigOption  # one option of `edgekit compress` and the step fields it sets
 step_values = config_values
 
-__all__ = ["COMMAND", "OPTION", "Flag", "StepOption", "field_flags", "option", "step_options", "step_values"]
+__all__ = ["COMMAND", "OPTION", "CompressOptions", "Flag", "StepOption", "field_flags", "option", "step_options",
+           "step_values"]
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    """What ``edgekit compress`` is asked besides the steps' own fields: the choices no single
+    step owns (``compress_from_flags`` takes them as keywords).
+
+    distill: after pruning, distill the pruned model from its unpruned self (adds the distill step).
+    accept_quality_loss: write the model even when its quality is beyond the sanity bound.
+    max_ppl_ratio: the quality gate's perplexity bound against the float model (None: the chain's).
+    """
+
+    distill: bool = field(default=False, metadata=option(
+        "--distill/--no-distill", basic=True, help="After pruning, distill from the unpruned model."))
+    accept_quality_loss: bool = field(default=False, metadata=option(
+        "--accept-quality-loss/--no-accept-quality-loss",
+        help="Write the model even when its quality against the float model is beyond the sanity bound (default: "
+             "exit 1, nothing written)."))
+    max_ppl_ratio: float | None = field(default=None, metadata=option(
+        "--max-ppl-ratio",
+        help="Quality gate: the compressed model's perplexity may be at most this many times the float model's "
+             "(default 1.5 at 4 bits, 1.1 at 8 bits)."))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def step_options(steps: Iterable[tuple[str, type]]) -> list[StepOption]:

@@ -11,9 +11,10 @@ from edgekit.pipelines.run_options import RunOptions
 
 def test_flags():
     opts = {o.dest: o for o in config_options([("run", RunOptions)], "run")}
-    assert list(opts) == ["force", "remeasure", "wait", "cache"]
-    assert all(opts[d].is_pair and opts[d].default is False for d in ("force", "remeasure", "wait"))
-    assert opts["cache"].fields[0][1] == "cache_dir" and [d for d, o in opts.items() if o.basic] == ["force", "remeasure"]
+    assert list(opts) == ["force", "remeasure", "wait", "cache", "dry_run"]
+    assert all(opts[d].is_pair and opts[d].default is False for d in ("force", "remeasure", "wait", "dry_run"))
+    assert opts["cache"].fields[0][1] == "cache_dir"
+    assert [d for d, o in opts.items() if o.basic] == ["force", "remeasure", "dry_run"]
 
 
 def test_the_module_is_light():
