@@ -230,29 +230,36 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
               _from_configs("sweep", ("sweep", "edgekit.pipelines.sweep_options:SweepOptions"))),
     "report": (("edgekit.report_options",),
                _from_configs("report", ("report", "edgekit.report_options:ReportOptions"))),
-    "remote build": (("edgekit.ssh", "edgekit.runtimes.base"),
-                     _from_configs("remote build", ("build", "edgekit.runtimes.base:BuildOptions",
+    "remote build": (("edgekit.ssh", "edgekit.runtimes.build_options"),
+                     _from_configs("remote build", ("build", "edgekit.runtimes.build_options:BuildOptions",
                                                     ("precision", "runtime", "threads")), _REMOTE)),
-    "remote profile": (("edgekit.ssh", "edgekit.profiling"),
-                       _from_configs("remote profile", ("profile", "edgekit.profiling:ProfileConfig",
+    "remote profile": (("edgekit.ssh", "edgekit.profiling_options"),
+                       _from_configs("remote profile", ("profile", "edgekit.profiling_options:ProfileConfig",
                                                         ("duration_s", "iterations")), _REMOTE)),
     "check": (("edgekit.check_options",), _from_configs("check", ("check", "edgekit.check_options:CheckOptions"))),
     "run": (("edgekit.pipelines.run_options",),
             _from_configs("run", ("run", "edgekit.pipelines.run_options:RunOptions"))),
-    "build": (("edgekit.runtimes.base",), _from_configs("build", ("options", "edgekit.runtimes.base:BuildOptions"),
-                                                         ("extra", "edgekit.runtimes.base:BuildExtras"))),
-    "profile": (("edgekit.profiling_options", "edgekit.profiling", "edgekit.profiling_lm"),
+    "build": (("edgekit.runtimes.build_options",),
+              _from_configs("build", ("options", "edgekit.runtimes.build_options:BuildOptions"),
+                            ("extra", "edgekit.runtimes.build_options:BuildExtras"))),
+    "profile": (("edgekit.profiling_options",),
                 _from_configs("profile", ("options", "edgekit.profiling_options:ProfileOptions"),
-                              ("profile", "edgekit.profiling:ProfileConfig"),
-                              ("generation", "edgekit.profiling_lm:GenerationConfig"))),
+                              ("profile", "edgekit.profiling_options:ProfileConfig"),
+                              ("generation", "edgekit.profiling_options:GenerationConfig"))),
 }
 
 
+# the commands whose configs import torch (the compress steps'): their --help reads the options
+# from the help cache; every other command's configs are light, so its --help reads them directly
+# (tests/test_cli_options.py checks both sides)
+HEAVY_CONFIGS = frozenset({"compress", "distill", "finetune"})
+
+
 def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
-    """A generated command's options: to parse, from its configs; for its help, from the
-    help cache unless the configs are imported already (so --help imports no torch)."""
+    """A generated command's options: to parse, from its configs; for the help of a command
+    whose configs import torch, from the help cache unless they are imported already."""
     modules, generate = GENERATED[command]
-    if for_help and not all(m in sys.modules for m in modules):
+    if for_help and command in HEAVY_CONFIGS and not all(m in sys.modules for m in modules):
         from edgekit.options import help_options
 
         cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
@@ -1008,7 +1015,7 @@ def remote_build_cmd(model: str, target: str, out: str, **flags: Any) -> None:
     The options after --out are BuildOptions' (given to `edgekit build` on the device) and
     RemoteOptions'."""
     from edgekit.remote import remote_build
-    from edgekit.runtimes.base import BuildOptions
+    from edgekit.runtimes.build_options import BuildOptions
     from edgekit.ssh import RemoteOptions
 
     build = config_fields("build", flags)
@@ -1026,7 +1033,7 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, **flags: Any) -> N
     """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile.
 
     The options are ProfileConfig's (given to `edgekit profile` on the device) and RemoteOptions'."""
-    from edgekit.profiling import ProfileConfig
+    from edgekit.profiling_options import ProfileConfig
     from edgekit.remote import remote_profile
     from edgekit.ssh import RemoteOptions
 

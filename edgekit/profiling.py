@@ -10,7 +10,6 @@ PyTorch-native engine and TensorRT (parsed from trtexec's JSON).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -23,8 +22,12 @@ import numpy as np
 from edgekit.artifact import Manifest, atomic_write_json, check_output_file, machine_info, now_iso
 from edgekit.build import load_engine, load_engine_inputs
 from edgekit.errors import BadInputError, EdgekitError
-from edgekit.limits import MAX_DIM
-from edgekit.options import option
+from edgekit.profiling_options import MAX_DURATION_S as MAX_DURATION_S
+from edgekit.profiling_options import MAX_ITERATIONS as MAX_ITERATIONS
+from edgekit.profiling_options import MAX_REPEATS as MAX_REPEATS
+from edgekit.profiling_options import MAX_WARMUP_MS as MAX_WARMUP_MS
+from edgekit.profiling_options import NOISE_CV as NOISE_CV
+from edgekit.profiling_options import ProfileConfig as ProfileConfig
 from edgekit.progress import progress_enabled
 from edgekit.runtimes import RUNTIMES, get_runtime
 from edgekit.runtimes.base import (
@@ -47,63 +50,8 @@ STAT_KEYS = ("min", "mean", "p50", "p90", "p95", "p99", "max")
 ORDERED_STATS = ("min", "p50", "p90", "p95", "p99", "max")
 PROFILE_SOURCES = ("measured", "device", "trtexec", "estimated")
 PROFILE_MAX_BYTES = 64 << 20
-MAX_WARMUP_MS = 600_000.0  # 10 minutes
-MAX_DURATION_S = 3600.0
-MAX_ITERATIONS = 10_000_000
 # trtexec warns above this coefficient of variation of GPU compute time.
 CV_WARNING = 0.025
-# Above this coefficient of variation a measurement is repeated (at most max_repeats more
-# times) and, if every attempt stays above it, reported as noisy: a budget verdict says so.
-NOISE_CV = 0.10
-MAX_REPEATS = 5
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    warmup_ms: float = field(default=200.0, metadata=option("--warmup-ms", help="Untimed runs first, for this long."))
-    duration_s: float = field(default=3.0, metadata=option(
-        "--duration-s", help="Time inferences for at least this long."))
-    iterations: int = field(default=100, metadata=option("--iterations", help="Minimum timed inferences."))
-    max_iterations: int = 100_000
-    threads: int | None = field(default=None, metadata=option("--threads", help="Intra-op threads (default: all "
-                                                                                  "cores)."))
-    batch: int = field(default=1, metadata=option("--batch", basic=True, bounds=(1, MAX_DIM),
-                                                         help="Batch of the timed inputs."))
-    node_profile: bool = field(default=True, metadata=option(
-        "--nodes/--no-nodes", help="Also time each node (a second, profiled run)."))
-    node_iterations: int = 20
-    top_k: int = field(default=15, metadata=option("--top-k", help="Nodes in the table."))
-    noise_cv: float = NOISE_CV  # coefficient of variation above which a measurement is repeated, then noisy
-    max_repeats: int = 2  # further attempts when noisy
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # types from the annotations, before the range checks below
-        if not (0 < self.noise_cv <= 10 and math.isfinite(self.noise_cv)):
-            raise BadInputError(f"noise_cv is a coefficient of variation, 0 < noise_cv <= 10, got {self.noise_cv}")
-        if not 0 <= self.max_repeats <= MAX_REPEATS:
-            raise BadInputError(f"max_repeats must be 0 to {MAX_REPEATS}, got {self.max_repeats}")
-        # Upper bounds: a profile that would time for days is a typo (or a hostile recipe).
-        if not (0 <= self.warmup_ms <= MAX_WARMUP_MS and math.isfinite(self.warmup_ms)):
-            raise BadInputError(f"warm-up must be 0 to {MAX_WARMUP_MS:g} ms, got {self.warmup_ms}")
-        if not (0 <= self.duration_s <= MAX_DURATION_S and math.isfinite(self.duration_s)):
-            raise BadInputError(f"duration must be 0 to {MAX_DURATION_S:g} s, got {self.duration_s}")
-        if not 1 <= self.max_iterations <= MAX_ITERATIONS:
-            raise BadInputError(f"max_iterations must be 1 to {MAX_ITERATIONS}, got {self.max_iterations}")
-        if self.iterations < 1:
-            raise BadInputError(f"iterations must be >= 1, got {self.iterations}")
-        if self.iterations > self.max_iterations:
-            raise BadInputError(f"iterations ({self.iterations}) exceeds max_iterations ({self.max_iterations})")
-        if self.node_iterations < 1:
-            raise BadInputError(f"node_iterations must be >= 1, got {self.node_iterations}")
-        if self.top_k < 0:
-            raise BadInputError(f"top_k must be >= 0 (0: every node), got {self.top_k}")
-        if self.threads is not None and not 1 <= self.threads <= 4096:
-            raise BadInputError(f"threads must be >= 1, got {self.threads}" if self.threads < 1 else
-                                f"threads must be at most 4096, got {self.threads}")
-        if not 1 <= self.batch <= MAX_DIM:
-            raise BadInputError(f"batch must be 1 to {MAX_DIM}, got {self.batch}")
-
-
 @dataclass
 class LatencyStats:
     min: float

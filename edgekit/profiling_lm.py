@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,6 @@ from edgekit.artifact import check_output_file, read_manifest
 from edgekit.build import load_engine
 from edgekit.check import load_profile
 from edgekit.errors import BadInputError
-from edgekit.limits import MAX_DIM
-from edgekit.options import option
 from edgekit.profiling import (
     CV_WARNING,
     LatencyStats,
@@ -40,6 +38,10 @@ from edgekit.profiling import (
     peak_rss_mb,
     profile_engine,
 )
+from edgekit.profiling_options import DEFAULT_CONTEXTS as DEFAULT_CONTEXTS
+from edgekit.profiling_options import DEFAULT_NEW_TOKENS as DEFAULT_NEW_TOKENS
+from edgekit.profiling_options import DEFAULT_PROMPT_LENGTHS as DEFAULT_PROMPT_LENGTHS
+from edgekit.profiling_options import GenerationConfig as GenerationConfig
 from edgekit.runtimes.base import TokenDecoder
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import DEFAULT_PAST
@@ -47,100 +49,6 @@ from edgekit.sources.models import DEFAULT_PAST
 GENERATION_METHOD = ("prefill: warm-up by time, then >= iterations and >= duration; decode: greedy generations "
                      "of new_tokens one-token steps through the IO-bound KV cache after a context, >= decode_runs "
                      "and >= duration, every step a sample; wall and process CPU time")
-
-
-DEFAULT_PROMPT_LENGTHS = (128, 512)
-DEFAULT_CONTEXTS = (128, 1024)
-DEFAULT_NEW_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Which generation metrics to measure, and how long.
-
-    ``prompt_lengths``, ``contexts``, ``new_tokens``: None takes the defaults (prompts of 128 and 512
-    tokens, 128 new tokens after contexts of 128 and 1024), cut to the context the model declares
-    (``within_context``); lengths given explicitly must fit in it.
-    """
-
-    prompt_lengths: tuple[int, ...] | None = field(default=None, metadata=option(
-        "--prompt-lengths", sep=",", metavar="N,...", help="Causal LMs: prompt lengths whose prefill (time to first "
-        "token) is timed (default 128,512, cut to the context the model declares; longer ones are refused)."))
-    contexts: tuple[int, ...] | None = field(default=None, metadata=option(
-        "--contexts", sep=",", metavar="N,...", help="Causal LMs: context lengths after which decode tokens/s is "
-        "measured (default 128,1024, cut to leave room for the new tokens within the model's context)."))
-    new_tokens: int | None = field(default=None, metadata=option(
-        "--new-tokens", help="Causal LMs: tokens generated per run (default 128, at most a quarter of the model's "
-        "context)."))
-    # the same flags as a profile's (edgekit.profiling.ProfileConfig), which carries their help
-    warmup_ms: float = field(default=200.0, metadata=option("--warmup-ms"))
-    duration_s: float = field(default=3.0, metadata=option("--duration-s"))
-    iterations: int = 5  # minimum timed prefills per prompt length
-    decode_runs: int = 2  # minimum timed generations per context
-    threads: int | None = field(default=None, metadata=option("--threads"))
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("prompt_lengths", "contexts"):
-            values = getattr(self, name)
-            if values is not None and (not values or any(not isinstance(v, int) or v < 1 for v in values)):
-                raise BadInputError(f"{name.replace('_', ' ')} must be whole numbers >= 1, got {values!r}")
-            if values is not None and max(values) > MAX_DIM:  # tokens, like any dimension: beyond it a typo
-                raise BadInputError(f"{name.replace('_', ' ')} must be at most {MAX_DIM} tokens, got {max(values)}")
-        if self.new_tokens is not None and not 1 <= self.new_tokens <= MAX_DIM:
-            raise BadInputError(f"new tokens must be >= 1, got {self.new_tokens}" if self.new_tokens < 1 else
-                                f"new tokens must be at most {MAX_DIM}, got {self.new_tokens}")
-        if not (self.warmup_ms >= 0 and math.isfinite(self.warmup_ms)):
-            raise BadInputError(f"warm-up must be >= 0 ms, got {self.warmup_ms}")
-        if not (self.duration_s >= 0 and math.isfinite(self.duration_s)):
-            raise BadInputError(f"duration must be >= 0 s, got {self.duration_s}")
-        if self.iterations < 1 or self.decode_runs < 1:
-            raise BadInputError(f"iterations and decode runs must be >= 1, got {self.iterations} and {self.decode_runs}")
-        if self.threads is not None and self.threads < 1:
-            raise BadInputError(f"threads must be >= 1, got {self.threads}")
-
-    @property
-    def max_length(self) -> int:
-        """The longest sequence the measurement runs (prompt, or context plus new tokens)."""
-        prompts = self.prompt_lengths or DEFAULT_PROMPT_LENGTHS
-        return max(max(prompts), max(self.contexts or DEFAULT_CONTEXTS) + (self.new_tokens or DEFAULT_NEW_TOKENS))
-
-    def within_context(self, tokens: int | None, model: str = "the model") -> tuple[GenerationConfig, list[str]]:
-        """This config with every length set, fitting a model that declares ``tokens`` positions (None:
-        unknown, the defaults as they are), and what was cut. Defaults are cut to the context with a
-        warning (new tokens to a quarter of it, prompts to it, contexts to what leaves room for the new
-        tokens); a length given explicitly beyond it is ``BadInputError``: timings of positions the model
-        was never defined for describe no use of it."""
-        new = self.new_tokens or DEFAULT_NEW_TOKENS
-        prompts = self.prompt_lengths or DEFAULT_PROMPT_LENGTHS
-        contexts = self.contexts or DEFAULT_CONTEXTS
-        warnings: list[str] = []
-        if tokens is not None:
-            declared = f"the {tokens} positions {model} declares"
-            if self.new_tokens is None:
-                new = min(new, max(1, tokens // 4))
-            if self.prompt_lengths is not None and max(prompts) > tokens:
-                raise BadInputError(f"--prompt-lengths {_csv(prompts)} exceeds {declared}; choose prompt lengths "
-                                    f"up to {tokens}")
-            room = tokens - new
-            if room < 1:
-                raise BadInputError(f"--new-tokens {new} leaves no context within {declared}; choose fewer than "
-                                    f"{tokens}")
-            if self.contexts is not None and max(contexts) > room:
-                raise BadInputError(f"--contexts {_csv(contexts)} with {new} new tokens runs {max(contexts) + new} "
-                                    f"tokens, beyond {declared}; choose contexts up to {room} (or fewer new tokens)")
-            fitted = (tuple(sorted({min(p, tokens) for p in prompts})), tuple(sorted({min(c, room) for c in contexts})))
-            if (fitted[0], fitted[1], new) != (prompts, contexts, self.new_tokens or DEFAULT_NEW_TOKENS):
-                warnings.append(f"the default lengths are cut to {declared}: prompts {_csv(fitted[0])}, contexts "
-                                f"{_csv(fitted[1])}, {new} new tokens")
-            prompts, contexts = fitted
-        resolved = GenerationConfig(**{**asdict(self), "prompt_lengths": prompts, "contexts": contexts,
-                                       "new_tokens": new})
-        return resolved, warnings
-
-
-def _csv(values: tuple[int, ...]) -> str:
-    return ",".join(str(v) for v in values)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import re
 import types
 from dataclasses import dataclass, field
@@ -450,3 +451,39 @@ def test_options_of_their_own_classes_reach_the_api(monkeypatch: pytest.MonkeyPa
 
     r = CliRunner().invoke(cli, ["profile", "E", "--target", "cpu"])
     assert r.exit_code == 2 and r.stderr == "error: --target applies with --trtexec (an engine folder records its target)\n"
+
+
+LIGHT_ALONE = """
+import os, sys
+from edgekit.cli import HEAVY_CONFIGS, cli
+for args in {commands!r}:
+    try:
+        cli.main([*args, "--help"], standalone_mode=False)
+    except SystemExit:
+        pass
+heavy = sorted(m for m in ("torch", "onnx", "onnxruntime", "transformers") if m in sys.modules)
+print("HEAVY", heavy, "CACHED", sorted(os.listdir(os.environ["EDGEKIT_CACHE"])))
+"""
+
+
+def test_help_of_a_command_with_light_configs_needs_no_cache(tmp_path: Path):
+    """Without the help cache, --help of every command but those in HEAVY_CONFIGS reads its
+    configs directly and imports no torch or ONNX (nor writes the cache); the configs of
+    HEAVY_CONFIGS do import torch (else they belong with the others)."""
+    import subprocess
+    import sys
+
+    from edgekit.cli import GENERATED, HEAVY_CONFIGS
+
+    env = {**os.environ, "EDGEKIT_CACHE": str(tmp_path)}
+    light = [list(path) for path, _ in _commands(cli) if " ".join(path) not in HEAVY_CONFIGS]
+    r = subprocess.run([sys.executable, "-c", LIGHT_ALONE.format(commands=light)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--trtexec" in r.stdout and "--dla-core" not in r.stdout and "--host" in r.stdout  # profile, build, remote
+    assert r.stdout.strip().splitlines()[-1] == "HEAVY [] CACHED []"
+    for command in sorted(HEAVY_CONFIGS):
+        modules = " ".join(f"import {m};" for m in GENERATED[command][0])
+        r = subprocess.run([sys.executable, "-c", f"import sys; {modules} print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.stdout.strip() == "True", (command, r.stderr)
