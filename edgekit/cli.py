@@ -2,12 +2,15 @@
 
 Exit codes: 0 ok; 1 a check failed (budget, parity, accuracy); 2 bad input or a missing
 capability. Errors are one line on stderr, never a traceback.
+
+A command imports the API it calls inside its function ("deferred:" names the heaviest package
+that import loads: numpy, ONNX or torch), so that ``--help`` and every other command do not pay
+for it; what is imported at the top is light (click and edgekit's own light modules).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import json
 import os
@@ -34,8 +37,9 @@ from edgekit.cli_options import (
     with_input_options,
 )
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
-from edgekit.options import ConfigOption, config_options, config_values
+from edgekit.options import ConfigOption, config_options, config_values, help_options
 from edgekit.paths import has_journal_entries
+from edgekit.progress import set_verbosity
 
 
 class EdgekitGroup(click.Group):
@@ -45,7 +49,7 @@ class EdgekitGroup(click.Group):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
         if has_journal_entries():  # staging folders of edgekit processes that were killed outright
-            from edgekit.artifact import recover_abandoned_outputs
+            from edgekit.artifact import recover_abandoned_outputs  # deferred: numpy
 
             recover_abandoned_outputs()
         try:
@@ -185,8 +189,8 @@ EdgekitGroup.group_class = type  # subgroups are EdgekitGroups, whose commands a
 
 
 def _compress_options() -> list[ConfigOption]:
-    from edgekit.compress.options import CompressOptions
-    from edgekit.compress.plan import compress_options
+    from edgekit.compress.options import CompressOptions  # deferred: numpy
+    from edgekit.compress.plan import compress_options  # deferred: torch
 
     return [*compress_options(), *config_options([("compress", CompressOptions)], "compress")]
 
@@ -213,11 +217,11 @@ def _from_configs(command: str, *configs: tuple[str, str] | tuple[str, str, tupl
 _REMOTE = ("remote", "edgekit.ssh:RemoteOptions")
 # command -> (the modules its options come from, how to generate them); each config names its own flags
 GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] = {
-    "compress": (("edgekit.compress",), _compress_options),
-    "distill": (("edgekit.compress.distill",),
-                _from_configs("distill", ("distill", "edgekit.compress.distill:DistillConfig"))),
+    "compress": (("edgekit.compress.plan",), _compress_options),
+    "distill": (("edgekit.compress.distill_config",),
+                _from_configs("distill", ("training", "edgekit.compress.distill_config:DistillConfig"))),
     "finetune": (("edgekit.compress.lora.config", "edgekit.finetune_options"),
-                 _from_configs("finetune", ("lora", "edgekit.compress.lora.config:LoraConfig"),
+                 _from_configs("finetune", ("training", "edgekit.compress.lora.config:LoraConfig"),
                                ("finetune", "edgekit.finetune_options:FinetuneOptions"))),
     "export": (("edgekit.export.config",),
                _from_configs("export", ("export", "edgekit.export.config:ExportConfig"),
@@ -249,10 +253,11 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
 }
 
 
-# the commands whose configs import torch (the compress steps'): their --help reads the options
-# from the help cache; every other command's configs are light, so its --help reads them directly
-# (tests/test_cli_options.py checks both sides)
-HEAVY_CONFIGS = frozenset({"compress", "distill", "finetune"})
+# the commands whose configs import torch (compress: every registered step's config, some in the
+# modules of their torch code): their --help reads the options from the help cache; every other
+# command's configs are light, so its --help reads them directly (tests/test_cli_options.py
+# checks both sides)
+HEAVY_CONFIGS = frozenset({"compress"})
 
 
 def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
@@ -260,8 +265,6 @@ def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
     whose configs import torch, from the help cache unless they are imported already."""
     modules, generate = GENERATED[command]
     if for_help and command in HEAVY_CONFIGS and not all(m in sys.modules for m in modules):
-        from edgekit.options import help_options
-
         cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
         if command in cached:
             return cached[command]
@@ -426,7 +429,7 @@ def _json_done(doc: Any, json_out: str | None) -> bool:
         _print_json(doc)
         return True
     if json_out:
-        from edgekit.artifact import atomic_write_json
+        from edgekit.artifact import atomic_write_json  # deferred: numpy
 
         atomic_write_json(json_out, json.loads(json.dumps(doc, default=str)))
         click.echo(f"wrote {json_out}")
@@ -461,8 +464,6 @@ def cli(quiet: bool, verbose: bool) -> None:
 
     Long work reports progress: rich bars on a terminal; in a log, one line per phase and
     one at least every 30 s with the elapsed time and an estimate of what remains."""
-    from edgekit.progress import set_verbosity
-
     if quiet and verbose:
         raise click.UsageError("--quiet and --verbose contradict each other; give one")
     set_verbosity(-1 if quiet else 1 if verbose else 0)
@@ -474,7 +475,7 @@ def cli(quiet: bool, verbose: bool) -> None:
 @json_option("the models")
 def zoo(json_out: str | None) -> None:
     """List the built-in models."""
-    from edgekit.sources.zoo import DEFAULT_MODEL, ZOO
+    from edgekit.sources.zoo import DEFAULT_MODEL, ZOO  # deferred: torch
 
     if _json_done([{"name": name, "default": name == DEFAULT_MODEL, "kind": e.kind, "description": e.description,
                     "package": e.package} for name, e in ZOO.items()], json_out):
@@ -494,8 +495,8 @@ def export(model: str, out: str, input_options: Any, json_out: str | None, **fla
 
     The options after --out are ExportConfig's (a recipe's export step names the same fields)
     and, for a causal LM's KV-cache export, CausalLMExportOptions'."""
-    from edgekit.export.config import CausalLMExportOptions, ExportConfig
-    from edgekit.loading import export_onnx
+    from edgekit.export.config import CausalLMExportOptions, ExportConfig  # deferred: numpy
+    from edgekit.loading import export_onnx  # deferred: ONNX
 
     fields = config_fields("export", flags)
     config = ExportConfig(**fields)  # the values given are checked before anything is read or written
@@ -504,10 +505,10 @@ def export(model: str, out: str, input_options: Any, json_out: str | None, **fla
         raise BadInputError("--shapes and --inputs do not apply to the KV-cache export (it traces its own prefill "
                             "and decode steps); give them to build or profile")
     if lm.kv_cache:
-        from edgekit.artifact import check_output_dir
-        from edgekit.export.config import LM_OPSET
-        from edgekit.export.lm import export_causal_lm
-        from edgekit.loading import load_model
+        from edgekit.artifact import check_output_dir  # deferred: numpy
+        from edgekit.export.config import LM_OPSET  # deferred: numpy
+        from edgekit.export.lm import export_causal_lm  # deferred: torch
+        from edgekit.loading import load_model  # deferred: ONNX
 
         if "dynamo" in fields:
             raise BadInputError("--dynamo/--legacy choose the exporter of a PyTorch model; the KV-cache export "
@@ -533,7 +534,7 @@ def export(model: str, out: str, input_options: Any, json_out: str | None, **fla
 
 
 def _print_parity(folder: Path, json_out: str | None = None) -> None:
-    from edgekit.artifact import read_manifest
+    from edgekit.artifact import read_manifest  # deferred: numpy
 
     m = read_manifest(folder)
     parity = m.metrics.get("parity") or {}
@@ -558,13 +559,13 @@ def build(model: str, target: str, out: str, input_options: Any, json_out: str |
 
     The options after --out are BuildOptions' (and, for one runtime, BuildExtras'): a recipe's
     build step names the same fields."""
-    from edgekit.build import build_engine
-    from edgekit.runtimes.base import BuildOptions
+    from edgekit.build import build_engine  # deferred: ONNX
+    from edgekit.runtimes.base import BuildOptions  # deferred: numpy
 
     options = BuildOptions(**config_fields("options", flags), extra=config_fields("extra", flags))
     with _json_stdout(json_out == "-"):
         folder = build_engine(model, target, out, options, input_options)
-    from edgekit.artifact import read_manifest
+    from edgekit.artifact import read_manifest  # deferred: numpy
 
     m = read_manifest(folder)
     if _json_done({"folder": str(folder), "target": m.target, "files": m.files, "config": m.config,
@@ -591,9 +592,9 @@ def profile(engine_dir: str | None, json_out: str | None, input_options: Any, **
     """Measure latency percentiles and per-node times of an engine (the trtexec method); for a causal LM
     with a KV cache also time to first token, decode tokens/s and peak memory. With --trtexec DIR --onnx
     MODEL.onnx --target T: read trtexec exports made by hand, checked against the model and target."""
-    from edgekit.profiling import ProfileConfig, profile_exports
-    from edgekit.profiling_lm import GenerationConfig, profile_with_generation
-    from edgekit.profiling_options import TRTEXEC_USAGE, ProfileOptions
+    from edgekit.profiling import ProfileConfig, profile_exports  # deferred: ONNX
+    from edgekit.profiling_lm import GenerationConfig, profile_with_generation  # deferred: ONNX
+    from edgekit.profiling_options import TRTEXEC_USAGE, ProfileOptions  # deferred: numpy
 
     o = ProfileOptions(**config_fields("options", flags))
     if o.reads_exports:
@@ -698,8 +699,8 @@ def lint(model: str, target: str, json_out: str | None, input_options: Any, **fl
     """Check an ONNX file (or an edgekit folder holding one) against the target's TensorRT, offline.
     --shapes / --axis give the optimization profile (else the folder's recorded one).
     Exit 0: nothing that would fail on the device; 1: findings that would; 2: bad input."""
-    from edgekit.runtimes.tensorrt.lint import lint_model
-    from edgekit.runtimes.tensorrt.lint_options import LintOptions
+    from edgekit.runtimes.tensorrt.lint import lint_model  # deferred: ONNX
+    from edgekit.runtimes.tensorrt.lint_options import LintOptions  # deferred: numpy
 
     o = LintOptions(**config_fields("lint", flags))
     report = lint_model(model, target, tensorrt_version=o.tensorrt_version, dla_core=o.dla_core, precision=o.precision,
@@ -721,9 +722,9 @@ def check(profile: str, json_out: str | None, **flags: Any) -> int:
     """Exit 0 when PROFILE (JSON or engine folder) meets the budget, 1 when it misses.
 
     The options are CheckOptions'."""
-    from edgekit.check import check_budget, check_verified
-    from edgekit.check_options import CheckOptions
-    from edgekit.profiling_lm import check_generation
+    from edgekit.check import check_budget, check_verified  # deferred: ONNX
+    from edgekit.check_options import CheckOptions  # deferred: numpy
+    from edgekit.profiling_lm import check_generation  # deferred: ONNX
 
     o = CheckOptions(**config_fields("check", flags))
     o.require_a_budget()
@@ -737,7 +738,7 @@ def check(profile: str, json_out: str | None, **flags: Any) -> int:
         verdicts.append(("verified", check_verified(profile)))
     code = 0 if all(v.passed for _, v in verdicts) else 1
     if json_out:
-        from edgekit.artifact import atomic_write_json
+        from edgekit.artifact import atomic_write_json  # deferred: numpy
 
         record = {**verdicts[0][1].to_dict(), "message": verdicts[0][1].message()}
         for key, v in verdicts[1:]:
@@ -761,8 +762,8 @@ def report(folder: str, out: str | None, json_out: str | None, **flags: Any) -> 
     """Render a Markdown and JSON report of a run folder.
 
     The options after --markdown are ReportOptions'."""
-    from edgekit.report import render_report
-    from edgekit.report_options import ReportOptions
+    from edgekit.report import render_report  # deferred: ONNX
+    from edgekit.report_options import ReportOptions  # deferred: numpy
 
     o = ReportOptions(**config_fields("report", flags))
     with _json_stdout(json_out == "-"):
@@ -792,9 +793,9 @@ def compress(model: str, out: str, calib: str | None, data: str | None, target: 
     The step options below come from the steps' configs; a recipe names the same fields.
     The result is measured against the float model on held-out data (perplexity ratio,
     agreement, cosine); beyond the sanity bound the command exits 1 and writes nothing."""
-    from edgekit.compress.options import CompressOptions
-    from edgekit.compress.plan import compress_from_flags
-    from edgekit.measure import engine_latency
+    from edgekit.compress.options import CompressOptions  # deferred: numpy
+    from edgekit.compress.plan import compress_from_flags  # deferred: torch
+    from edgekit.measure import engine_latency  # deferred: ONNX
 
     o = CompressOptions(**config_fields("compress", flags))
     with _json_stdout(json_out == "-"):
@@ -802,7 +803,7 @@ def compress(model: str, out: str, calib: str | None, data: str | None, target: 
                                      target=target, seed=seed, inputs=input_options,
                                      accept_quality_loss=o.accept_quality_loss, max_ppl_ratio=o.max_ppl_ratio,
                                      latency=engine_latency)
-    from edgekit.artifact import read_manifest
+    from edgekit.artifact import read_manifest  # deferred: numpy
 
     m = read_manifest(folder)
     steps = [s["name"] for s in m.steps]
@@ -830,12 +831,12 @@ def distill_command(model: str | None, teacher: str, data: str | None, eval_data
     """Distill TEACHER into MODEL (the student: e.g. a pruned artifact folder or a smaller model):
     temperature-scaled KD loss (x T^2) plus the hard-label loss. Checkpoints go to OUT.work;
     running the same command again resumes."""
-    from edgekit.artifact import read_manifest
-    from edgekit.compress.distill import DistillConfig, distill
+    from edgekit.artifact import read_manifest  # deferred: numpy
+    from edgekit.compress.distill import DistillConfig, distill  # deferred: torch
 
     if model is None:
         raise BadInputError("give the student model: edgekit distill MODEL --teacher TEACHER -o OUT")
-    config = DistillConfig(**config_fields("distill", flags))
+    config = DistillConfig(**config_fields("training", flags))
     with _json_stdout(json_out == "-"):
         distill(teacher, model, data, config, out, eval_data=eval_data)
     m = read_manifest(Path(out))
@@ -864,9 +865,16 @@ def run_cmd(recipe: str, out: str | None, json_out: str | None, **flags: Any) ->
     """Run a multi-stage recipe: per-stage profile and budget, exit 1 when a budget or gate fails.
 
     The options after --dry-run are RunOptions'."""
-    from edgekit.pipelines.recipe import load_recipe
-    from edgekit.pipelines.run import STAGE_COLUMNS, check_run_folders, plan, run_recipe, stage_table, target_verdict
-    from edgekit.pipelines.run_options import RunOptions
+    from edgekit.pipelines.recipe import load_recipe  # deferred: torch
+    from edgekit.pipelines.run import (  # deferred: torch
+        STAGE_COLUMNS,
+        check_run_folders,
+        plan,
+        run_recipe,
+        stage_table,
+        target_verdict,
+    )
+    from edgekit.pipelines.run_options import RunOptions  # deferred: numpy
 
     o = RunOptions(**config_fields("run", flags))
     parsed = load_recipe(recipe)
@@ -906,8 +914,8 @@ def sweep(recipe: str, out: str | None, json_out: str | None, **flags: Any) -> N
     """Run a recipe over a grid of settings; table, Pareto frontier, plots and HTML.
 
     The options after --out are SweepOptions'."""
-    from edgekit.pipelines.sweep import SWEEP_COLUMNS, run_sweep, sweep_table
-    from edgekit.pipelines.sweep_options import SweepOptions
+    from edgekit.pipelines.sweep import SWEEP_COLUMNS, run_sweep, sweep_table  # deferred: torch
+    from edgekit.pipelines.sweep_options import SweepOptions  # deferred: numpy
 
     o = SweepOptions(**config_fields("sweep", flags))
     folder = Path(out) if out else Path("runs") / f"{Path(recipe).stem}-sweep"
@@ -946,7 +954,7 @@ def targets_group(ctx: click.Context, json_out: str | None, probe: bool) -> None
 
 
 def _probe(json_out: str | None) -> None:
-    from edgekit.estimate.probe import describe, probe_machine
+    from edgekit.estimate.probe import describe, probe_machine  # deferred: numpy
 
     with _json_stdout(json_out == "-"):
         probed = probe_machine(refresh=True)
@@ -964,7 +972,7 @@ def targets_list(json_out: str | None) -> None:
 
 
 def _list_targets(json_out: str | None) -> None:
-    from edgekit.targets import list_targets, load_target
+    from edgekit.targets import list_targets, load_target  # deferred: numpy
 
     if _json_done([load_target(name).to_dict() for name in list_targets()], json_out):
         return
@@ -986,7 +994,7 @@ def _list_targets(json_out: str | None) -> None:
 @json_option("the target")
 def targets_show(name: str, json_out: str | None) -> None:
     """Print one target (a built-in name or a YAML file) with the source of its numbers."""
-    from edgekit.targets import load_target
+    from edgekit.targets import load_target  # deferred: numpy
 
     t = load_target(name)
     d = t.to_dict()
@@ -1014,9 +1022,9 @@ def remote_build_cmd(model: str, target: str, out: str, **flags: Any) -> None:
 
     The options after --out are BuildOptions' (given to `edgekit build` on the device) and
     RemoteOptions'."""
-    from edgekit.remote import remote_build
-    from edgekit.runtimes.build_options import BuildOptions
-    from edgekit.ssh import RemoteOptions
+    from edgekit.remote import remote_build  # deferred: ONNX
+    from edgekit.runtimes.build_options import BuildOptions  # deferred: numpy
+    from edgekit.ssh import RemoteOptions  # deferred: numpy
 
     build = config_fields("build", flags)
     BuildOptions(**build)  # checked here, before connecting; the device's edgekit applies its defaults
@@ -1033,9 +1041,9 @@ def remote_profile_cmd(engine_dir: str, json_out: str | None, **flags: Any) -> N
     """Upload ENGINE_DIR, run `edgekit profile` on the device, fetch the profile.
 
     The options are ProfileConfig's (given to `edgekit profile` on the device) and RemoteOptions'."""
-    from edgekit.profiling_options import ProfileConfig
-    from edgekit.remote import remote_profile
-    from edgekit.ssh import RemoteOptions
+    from edgekit.profiling_options import ProfileConfig  # deferred: numpy
+    from edgekit.remote import remote_profile  # deferred: ONNX
+    from edgekit.ssh import RemoteOptions  # deferred: numpy
 
     timing = config_fields("profile", flags)
     ProfileConfig(**timing)  # checked here, before connecting; the device's edgekit applies its defaults
@@ -1067,8 +1075,8 @@ def estimate_cmd(model: str, target: str, json_out: str | None, input_options: A
     kernel against the target's roofs; the range comes from the estimator's validation
     errors on that target and operator mix (JSON: total_ms, low_ms, high_ms, basis).
     The options after --target are EstimateOptions'."""
-    from edgekit.estimate.calibrate import estimate_with_calibration
-    from edgekit.estimate.options import EstimateOptions
+    from edgekit.estimate.calibrate import estimate_with_calibration  # deferred: ONNX
+    from edgekit.estimate.options import EstimateOptions  # deferred: numpy
 
     o = EstimateOptions(**config_fields("estimate", flags))
     with _json_stdout(json_out == "-"):
@@ -1084,7 +1092,7 @@ def estimate_cmd(model: str, target: str, json_out: str | None, input_options: A
         click.echo("")
     click.echo(est.render(o.top_k))
     if json_out:
-        from edgekit.artifact import atomic_write_json
+        from edgekit.artifact import atomic_write_json  # deferred: numpy
 
         atomic_write_json(json_out, doc, protect=(model,))
         click.echo(f"wrote {json_out}")
@@ -1104,12 +1112,12 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, seed
     """LoRA / QLoRA fine-tune MODEL (zoo name, file, or a compress output folder) on --data.
 
     The training options are LoraConfig's fields (a recipe's lora step names the same)."""
-    from edgekit.artifact import read_manifest
-    from edgekit.finetune import finetune as run_finetune
+    from edgekit.artifact import read_manifest  # deferred: numpy
+    from edgekit.compress import LORA_STEP  # deferred: numpy
+    from edgekit.finetune import finetune as run_finetune  # deferred: torch
+    from edgekit.finetune_options import FinetuneOptions  # deferred: numpy
 
-    from edgekit.finetune_options import FinetuneOptions
-
-    config = config_fields("lora", flags)
+    config = config_fields("training", flags)
     o = FinetuneOptions(**config_fields("finetune", flags))
     with _json_stdout(json_out == "-"):
         folder = run_finetune(model, data, config, out, eval_data=eval_data, requant=o.requant,
@@ -1117,7 +1125,7 @@ def finetune(model: str, out: str, data: str | None, eval_data: str | None, seed
     m = read_manifest(folder)
     if _json_done({"folder": str(folder), "steps": [s["name"] for s in m.steps], "metrics": m.metrics}, json_out):
         return
-    lm = m.metrics.get("lora", {})
+    lm = m.metrics.get(LORA_STEP, {})
     rows = []
     for key in ("before", "after", "after_merge"):
         if key in lm:

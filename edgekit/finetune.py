@@ -31,17 +31,16 @@ from typing import Any
 
 from edgekit.artifact import atomic_write_bytes, read_manifest, staged_dir, work_folder, write_manifest
 from edgekit.build import build_engine
-from edgekit.compress import StepContext, compress, load_compressed, make_config
+from edgekit.compress import LORA_STEP, StepContext, compress, load_compressed, make_config
 from edgekit.compress.lora import LoadedData, LoraConfig
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import evaluate
 from edgekit.export.onnx import ExportConfig
+from edgekit.finetune_options import REQUANT_STEPS
 from edgekit.loading import export_onnx, load_model
 from edgekit.runtimes.base import BuildOptions
 from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle
-
-REQUANT_STEPS = ("int4", "int8")
 
 
 def _config(config: LoraConfig | dict[str, Any] | None) -> LoraConfig:
@@ -50,7 +49,7 @@ def _config(config: LoraConfig | dict[str, Any] | None) -> LoraConfig:
     if isinstance(config, LoraConfig):
         return config
     if isinstance(config, dict):
-        made = make_config("lora", config)
+        made = make_config(LORA_STEP, config)
         assert isinstance(made, LoraConfig)
         return made
     raise BadInputError(f"finetune config must be a LoraConfig or a dict, got {type(config).__name__}")
@@ -74,7 +73,7 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: str | os.PathLik
     PosixPath('out/q4-lora')
     """
     cfg = _config(config)
-    steps: list[tuple[str, Any]] = [("lora", cfg)]
+    steps: list[tuple[str, Any]] = [(LORA_STEP, cfg)]
     if requant is not None:
         if requant not in REQUANT_STEPS:
             raise bad_choice("re-quantization step", requant, REQUANT_STEPS)
@@ -115,7 +114,7 @@ def _finetune_into(folder: Path, handle: ModelHandle, steps: list[tuple[str, Any
 
         atomic_write_bytes(folder / "adapter.safetensors", save(adapter))
         manifest.files["adapter"] = "adapter.safetensors"
-    manifest.config["lora"] = dataclasses.asdict(cfg)
+    manifest.config[LORA_STEP] = dataclasses.asdict(cfg)
     manifest.config["train"] = getattr(train, "source", None)
     manifest.config["eval"] = getattr(val, "source", None)
     if final_eval:

@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgekit.compress import INT8_STEP, WEIGHT_ONLY_STEP
 from edgekit.errors import BadInputError
 from edgekit.options import option
 from edgekit.schema import check_fields
 
-# the steps that re-quantize a merged model (edgekit.compress's registry names them; checked
-# against it by tests/test_finetune_options.py so that the two cannot drift)
-REQUANT_STEPS = ("int4", "int8")
+REQUANT_STEPS = (WEIGHT_ONLY_STEP, INT8_STEP)  # the compress steps that re-quantize a merged model
 
 
 @dataclass(frozen=True)
@@ -22,18 +21,18 @@ class FinetuneOptions:
     """Re-quantization after the merge, and resuming.
 
     requant: the compress step that re-quantizes the merged float model (None: keep it float).
-    bits / method / group_size: that step's fields (``bits`` and ``group_size``: the 4-bit step only).
+    bits / method / group_size: that step's fields (``bits`` and ``group_size``: weight-only only).
     resume: continue from the checkpoint in ``OUT.work`` when it matches this run.
     """
 
     requant: str | None = field(default=None, metadata=option(
         "--requant", choices=REQUANT_STEPS, help="Re-quantize the merged float model with this compress step."))
     bits: int | None = field(default=None, metadata=option(
-        "--bits", help="--requant int4: bit width (default 4)."))
+        "--bits", help=f"--requant {WEIGHT_ONLY_STEP}: bit width (default 4)."))
     method: str | None = field(default=None, metadata=option(
-        "--method", help="--requant int4: gptq | awq | rtn; --requant int8: ptq."))
+        "--method", help=f"--requant {WEIGHT_ONLY_STEP}: gptq | awq | rtn; --requant {INT8_STEP}: ptq."))
     group_size: int | None = field(default=None, metadata=option(
-        "--group-size", help="--requant int4: group size."))
+        "--group-size", help=f"--requant {WEIGHT_ONLY_STEP}: group size."))
     resume: bool = field(default=True, metadata=option(
         "--resume/--fresh", help="Continue from OUT.work's checkpoint if it matches (--fresh: start over)."))
 
@@ -42,10 +41,10 @@ class FinetuneOptions:
         if self.requant is not None and self.requant not in REQUANT_STEPS:
             raise BadInputError(f"unknown re-quantization step {self.requant!r} (choose from "
                                 f"{', '.join(REQUANT_STEPS)})")
-        four_bit = [f"--{n.replace('_', '-')}" for n in ("bits", "group_size") if getattr(self, n) is not None]
-        if four_bit and self.requant != REQUANT_STEPS[0]:
-            raise BadInputError(f"{' and '.join(four_bit)} set the 4-bit re-quantization: give --requant "
-                                f"{REQUANT_STEPS[0]}")
+        weight_only = [f"--{n.replace('_', '-')}" for n in ("bits", "group_size") if getattr(self, n) is not None]
+        if weight_only and self.requant != WEIGHT_ONLY_STEP:
+            raise BadInputError(f"{' and '.join(weight_only)} set the weight-only re-quantization: give --requant "
+                                f"{WEIGHT_ONLY_STEP}")
         if self.method is not None and self.requant is None:
             raise BadInputError(f"--method chooses the re-quantization's method: give --requant "
                                 f"({' or '.join(REQUANT_STEPS)})")

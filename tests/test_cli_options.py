@@ -366,17 +366,17 @@ print("HEAVY", heavy)
 
 
 def test_help_of_every_command_imports_no_torch(tmp_path: Path):
-    """The first --help of an install fills the help cache (importing the configs once); every
-    --help after it, of any command, reads the options from there."""
+    """The first --help of compress fills the help cache (importing the steps' configs once); every
+    --help after it, of any command, imports no torch (compress's options come from there)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "EDGEKIT_CACHE": str(tmp_path)}
     commands = [list(path) for path, _ in _commands(cli)]
-    first = subprocess.run([sys.executable, "-m", "edgekit.cli", "distill", "--help"], env=env, capture_output=True,
+    first = subprocess.run([sys.executable, "-m", "edgekit.cli", "compress", "--help"], env=env, capture_output=True,
                            text=True, timeout=300)
-    assert first.returncode == 0 and "--teacher" in first.stdout
+    assert first.returncode == 0 and "--bits" in first.stdout
     r = subprocess.run([sys.executable, "-c", LIGHT.format(commands=commands)], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -434,7 +434,7 @@ def test_options_of_their_own_classes_reach_the_api(monkeypatch: pytest.MonkeyPa
         {"requant": None, "requant_config": {}, "resume": True, "seed": 0},
         {"requant": "int4", "requant_config": {"bits": 3}, "resume": False, "seed": 5}]
     r = CliRunner().invoke(cli, ["finetune", "M", "-o", str(tmp_path / "o"), "--bits", "3"])
-    assert r.exit_code == 2 and r.stderr == "error: --bits set the 4-bit re-quantization: give --requant int4\n"
+    assert r.exit_code == 2 and r.stderr == "error: --bits set the weight-only re-quantization: give --requant int4\n"
 
     # remote build checks the build fields before it connects
     calls = _capture(monkeypatch, "edgekit.remote", "remote_build")

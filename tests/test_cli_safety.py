@@ -724,7 +724,7 @@ def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path
     from edgekit.errors import BadInputError
 
     calls: list[str] = []
-    monkeypatch.setattr(sys.modules["edgekit.compress"], "measure_reference", lambda *a, **k: calls.append("work"))
+    monkeypatch.setattr(sys.modules["edgekit.compress.quality"], "measure_reference", lambda *a, **k: calls.append("work"))
     with pytest.raises(BadInputError, match=rf"^cannot write {re.escape(str(full))}/c: the output needs about "
                                             r"[0-9.]+ (B|KiB) and .* has 0 B free"):
         compress(tiny_mlp, [("half", {"dtype": "fp16"})], full / "c", StepContext(progress=False))

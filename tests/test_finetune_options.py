@@ -21,8 +21,8 @@ def test_requant_config_is_what_was_given():
 
 
 @pytest.mark.parametrize("given, message", [
-    ({"bits": 3}, "--bits set the 4-bit re-quantization: give --requant int4"),
-    ({"requant": "int8", "group_size": 32}, "--group-size set the 4-bit re-quantization: give --requant int4"),
+    ({"bits": 3}, "--bits set the weight-only re-quantization: give --requant int4"),
+    ({"requant": "int8", "group_size": 32}, "--group-size set the weight-only re-quantization: give --requant int4"),
     ({"method": "gptq"}, "--method chooses the re-quantization's method: give --requant (int4 or int8)"),
     ({"requant": "int2"}, "unknown re-quantization step 'int2' (choose from int4, int8)"),
 ])

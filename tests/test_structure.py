@@ -25,13 +25,13 @@ NOT_RUNTIME_NAMES = {("edgekit.sources.pt2", "torch")}
 
 # Step names outside edgekit/compress/ still to be replaced by registry data (module, name); then
 # delete the line. The command line's options are being regenerated from the configs.
-KNOWN_STEP_NAMES = {("edgekit.cli", "int4"), ("edgekit.cli", "int8")}
+KNOWN_STEP_NAMES: set[tuple[str, str]] = set()
 # Step names that are also precisions: compared with a precision they are not about steps.
 PRECISION_NAMES = {"int8", "int4"}
 
 # Modules whose in-function imports of edgekit's own modules still need a reason or the top of
 # the file (the command line's options are being regenerated from the configs); then delete.
-KNOWN_UNEXPLAINED_IMPORTS = {"edgekit.cli"}
+KNOWN_UNEXPLAINED_IMPORTS: set[str] = set()
 
 # Module cycles still to be cut (each set is one strongly connected group of modules).
 KNOWN_CYCLES: list[set[str]] = []

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgekit.artifact import (
     MANIFEST,
@@ -38,17 +38,22 @@ from edgekit.artifact import (
     work_folder,
     write_manifest,
 )
-from edgekit.compress.quality import QualityBounds, check_quality, compare, loosest, measure_reference
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error_from
-from edgekit.export.onnx import Rewrite
-from edgekit.export.packing import validate_packed
-from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.progress import StepProgress
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
-from edgekit.sources.models import ArtifactLoader, borrow_io, load_model, load_onnx_file
 from edgekit.sources.weights import check_safetensors
+
+if TYPE_CHECKING:
+    from edgekit.compress.quality import QualityBounds
+    from edgekit.export.onnx import Rewrite
+    from edgekit.sources.models import ArtifactLoader
+
+# The registry and the driver import torch and ONNX (quality, the model loaders, the ONNX
+# checks) inside the functions that use them: the step configs' light modules
+# (``options.py``, ``distill_config.py``, ``lora/config.py``) are read by the command line,
+# which imports this package first, to build its options without torch.
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
 # steps named by flags: structure first (prune, distill), then fine-tune, then quantize.
@@ -60,6 +65,16 @@ STEPS: dict[str, str] = {
     "int4": "edgekit.compress.weight_only:STEP",
     "half": "edgekit.compress.half:STEP",
 }
+
+# The steps the layers around compress name by what they do (the plan's --bits/--method and
+# --distill, finetune's LoRA and re-quantization, a sweep's quantizers): they ask here instead of
+# spelling a name; tests/compress/test_compress.py checks each against its step's declarations.
+INT8_STEP = "int8"  # INT8 weights and activations (Q/DQ)
+WEIGHT_ONLY_STEP = "int4"  # weight-only quantization to packed codes (2 to 8 bits)
+PRUNE_STEP = "prune"
+DISTILL_STEP = "distill"
+LORA_STEP = "lora"
+QUANTIZING_STEPS = (INT8_STEP, WEIGHT_ONLY_STEP)  # the steps that leave float weights quantized
 
 
 @dataclass
@@ -219,6 +234,8 @@ def default_bounds(steps: Sequence[tuple[str, Any]]) -> QualityBounds | None:
     >>> default_bounds([("prune", make_config("prune", {"ratio": 0.3}))]) is None
     True
     """
+    from edgekit.compress.quality import loosest  # deferred: torch (see the imports above)
+
     steps_ = [(get_step(n), c) for n, c in steps]
     if any(step.deliberate for step, _ in steps_):
         return None
@@ -313,6 +330,9 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
 
     >>> compress("efficientnet-lite0", [("int8", {"method": "ptq"})], "out/int8")  # doctest: +SKIP
     """
+    from edgekit.compress import quality as gate  # deferred: torch (see the imports above)
+    from edgekit.sources.models import load_model  # deferred: ONNX, torch
+
     if not steps:
         raise BadInputError("no compression step given (use --bits, --prune, --distill or a recipe)")
     configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
@@ -329,7 +349,7 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
     metrics: dict[str, Any] = {}
     bounds = ctx.quality_bounds if ctx.quality_bounds is not None else default_bounds(configs)
     if ctx.quality_reference is None:  # the float model's outputs, before any step (or given: the same base model)
-        ctx.quality_reference = measure_reference(handle, ctx)
+        ctx.quality_reference = gate.measure_reference(handle, ctx)
     reference = ctx.quality_reference
     with StepProgress("compress", total=len(configs), enabled=None if ctx.progress else False) as progress:
         for i, (name, config) in enumerate(configs):  # in a log: a line per step done, and one every 30 s
@@ -340,8 +360,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
             metrics[f"{name}_seconds"] = round(time.perf_counter() - t0, 3)
             progress.update(i + 1)
     metrics.update(ctx.metrics)
-    quality = compare(handle, reference)
-    broken = check_quality(quality, bounds)
+    quality = gate.compare(handle, reference)
+    broken = gate.check_quality(quality, bounds)
     quality["bounds"] = dataclasses.asdict(bounds) if bounds is not None else None
     quality["passed"] = not broken
     metrics["quality"] = quality
@@ -383,6 +403,8 @@ def save_model_files(handle: ModelHandle, folder: Path) -> dict[str, str]:
     if handle.onnx_path is not None and handle.module is None:
         import onnx
 
+        from edgekit.onnx_checks import verify_onnx_runs  # deferred: ONNX Runtime
+
         model = onnx.load(str(handle.onnx_path))
         large = model.ByteSize() > 2**31 - 2**20
         onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=large,
@@ -394,6 +416,9 @@ def save_model_files(handle: ModelHandle, folder: Path) -> dict[str, str]:
 
 def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     """Rebuild a compressed model from its artifact folder (base model + step chain + weights)."""
+    from edgekit.export.packing import validate_packed  # deferred: torch
+    from edgekit.sources.models import borrow_io, load_model, load_onnx_file  # deferred: ONNX, torch
+
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.kind != "model":

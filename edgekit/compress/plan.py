@@ -16,7 +16,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from edgekit.compress import STEPS, StepContext, compress, default_bounds, get_step, make_config
+from edgekit.compress import (
+    DISTILL_STEP,
+    INT8_STEP,
+    PRUNE_STEP,
+    QUANTIZING_STEPS,
+    STEPS,
+    WEIGHT_ONLY_STEP,
+    StepContext,
+    compress,
+    default_bounds,
+    get_step,
+    make_config,
+)
 from edgekit.compress.int8 import QAT_METHODS
 from edgekit.compress.options import StepOption, step_options, step_values
 from edgekit.compress.packing import SUPPORTED_BITS
@@ -28,7 +40,7 @@ from edgekit.sources.inputs import InputOptions
 from edgekit.targets import load_target
 
 # the steps the plan's own choices name: the quantizers --bits/--method pick from, and --distill's
-INT8, WEIGHT_ONLY, DISTILL, PRUNE = "int8", "int4", "distill", "prune"
+INT8, WEIGHT_ONLY, DISTILL, PRUNE = INT8_STEP, WEIGHT_ONLY_STEP, DISTILL_STEP, PRUNE_STEP
 
 
 def compress_options() -> list[StepOption]:
@@ -67,7 +79,7 @@ def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
     return [(name, step_values(options, flags, name, chosen[name])) for name in STEPS if name in chosen]
 
 
-QUANTIZE_STEPS = (INT8, WEIGHT_ONLY)  # the steps --bits chooses between
+QUANTIZE_STEPS = QUANTIZING_STEPS  # the steps --bits chooses between
 
 
 def quantize_step(bits: int | None, method: str | None) -> tuple[str, dict[str, Any]] | None:

@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from edgekit.compress import STEPS, get_step, quantized_precision
+from edgekit.compress import (
+    DISTILL_STEP,
+    INT8_STEP,
+    LORA_STEP,
+    PRUNE_STEP,
+    QUANTIZING_STEPS,
+    STEPS,
+    WEIGHT_ONLY_STEP,
+    get_step,
+    quantized_precision,
+)
 from edgekit.sources.handle import StepRecord
 
 
@@ -37,3 +47,17 @@ def test_the_last_quantizing_step_decides():
 def test_prune_leaves_the_model_unchanged_at_ratio_zero():
     assert get_step("prune").unchanged_at == {"ratio": 0}
     assert all(get_step(n).unchanged_at == {} for n in STEPS if n != "prune")
+
+
+def test_the_steps_named_by_role_do_what_their_role_says():
+    """The layers around compress name a step by its role (INT8_STEP, LORA_STEP, ...): each is
+    registered, and its declarations say what the role does."""
+    from edgekit.compress.distill_config import DistillConfig
+    from edgekit.compress.lora.config import LoraConfig
+    from edgekit.compress.prune import PruneConfig
+
+    assert get_step(INT8_STEP).quantizes_to({}) == "int8"
+    assert [get_step(WEIGHT_ONLY_STEP).quantizes_to({"bits": b}) for b in (2, 4, 8)] == ["int4", "int4", "int8"]
+    assert [n for n in STEPS if get_step(n).quantizes_to({}) is not None] == list(QUANTIZING_STEPS)
+    assert (get_step(LORA_STEP).config, get_step(DISTILL_STEP).config, get_step(PRUNE_STEP).config) == \
+        (LoraConfig, DistillConfig, PruneConfig)
