@@ -37,7 +37,7 @@ from edgekit.cli_options import (
     with_input_options,
 )
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
-from edgekit.options import ConfigOption, config_options, config_values, help_options
+from edgekit.options import ConfigOption, cached_help_options, config_options, config_values, help_options
 from edgekit.paths import has_journal_entries
 from edgekit.progress import set_verbosity
 
@@ -254,19 +254,22 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
 
 
 # the commands whose configs import torch (compress: every registered step's config, some in the
-# modules of their torch code): their --help reads the options from the help cache; every other
-# command's configs are light, so its --help reads them directly (tests/test_cli_options.py
+# modules of their torch code); every other command's configs are light (tests/test_cli_options.py
 # checks both sides)
 HEAVY_CONFIGS = frozenset({"compress"})
 
 
 def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
-    """A generated command's options: to parse, from its configs; for the help of a command
-    whose configs import torch, from the help cache unless they are imported already."""
+    """A generated command's options: to parse, from its configs. For its help (unless the
+    configs are imported already): from the help cache (cheapest: no config module at all);
+    without one, a light command's from its configs (no torch), and compress's generated once
+    with every other command's into a new cache."""
     modules, generate = GENERATED[command]
-    if for_help and command in HEAVY_CONFIGS and not all(m in sys.modules for m in modules):
-        cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
-        if command in cached:
+    if for_help and not all(m in sys.modules for m in modules):
+        cached = cached_help_options()
+        if cached is None and command in HEAVY_CONFIGS:
+            cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
+        if cached is not None and command in cached:
             return cached[command]
     return generate()
 

@@ -266,19 +266,31 @@ def _install_key() -> str:
     return hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
 
 
-def help_options(generate: Callable[[], Mapping[str, Sequence[ConfigOption]]]) -> dict[str, list[ConfigOption]]:
-    """Every generated command's options (command -> options) for its help: read from the
-    cache of this edgekit's code, else ``generate``d (importing the configs, once) and cached.
-    A cache that cannot be read or written only costs the import."""
-    folder = cache_path() / "cli"
-    install = _install_key()
-    path = folder / f"options-{install}-{options_fingerprint()}.json"
+def _help_cache_file() -> Path:
+    return cache_path() / "cli" / f"options-{_install_key()}-{options_fingerprint()}.json"
+
+
+def cached_help_options() -> dict[str, list[ConfigOption]] | None:
+    """Every generated command's options (command -> options) from the help cache of this
+    edgekit's code; None when it is missing, stale or damaged."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(_help_cache_file().read_text(encoding="utf-8"))
         if isinstance(doc, dict):
             return {str(k): [ConfigOption.from_dict(d) for d in v] for k, v in doc.items()}
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # missing, stale or damaged: generate it again
+    return None
+
+
+def help_options(generate: Callable[[], Mapping[str, Sequence[ConfigOption]]]) -> dict[str, list[ConfigOption]]:
+    """Every generated command's options (command -> options) for its help: read from the
+    cache of this edgekit's code, else ``generate``d (importing the configs, once) and cached.
+    A cache that cannot be read or written only costs the import."""
+    cached = cached_help_options()
+    if cached is not None:
+        return cached
+    path = _help_cache_file()
+    folder, install = path.parent, _install_key()
     options = {k: list(v) for k, v in generate().items()}
     try:
         folder.mkdir(parents=True, exist_ok=True)
