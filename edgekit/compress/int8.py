@@ -105,7 +105,9 @@ class Int8Config:
         "nearest" (plain round-to-nearest on the int8 grid).
     keep_float: layers whose weights stay float from the start (not quantized, no bias
         correction): layer names, or "first" (the first quantizable layer, e.g. a CNN's stem
-        conv) and "last" (the last one, e.g. the classifier).
+        conv) and "last" (the last one, e.g. the classifier). Quantized from an ONNX graph (a causal LM,
+        an ONNX file): also a layer path's last parts ("lm_head", "down_proj"), "ffn-down" (the
+        feed-forward down projections: a causal LM's default, ``int8_onnx.LM_KEEP_FLOAT``) or "none".
     fallback_samples: how many calib-split samples after the first ``calib_samples`` the
         fallback measures on (fewer if the split is smaller; the calibration samples
         themselves when none are left).
