@@ -140,8 +140,8 @@ class Int8Config:
     rounding: str = field(default="gptq", metadata=option(
         "--rounding", help="INT8 weights: gptq (default: output-error-aware rounding) | nearest."))
     keep_float: tuple[str, ...] = field(default=(), metadata=option(
-        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name "
-        "(repeatable; costs speed)."))
+        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name; from an ONNX "
+        "graph also a name's last parts (lm_head), ffn-down (a causal LM's default) or none (repeatable; costs speed)."))
     fallback_samples: int = 128
     fallback_candidates: int | None = 12
     equalize: bool = True

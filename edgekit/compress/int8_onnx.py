@@ -70,7 +70,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgekit.compress import StepContext, config_to_dict, qdq, step_rewrite
 from edgekit.compress.calibration import (
-    HIST_SAMPLE,
     MIN_CALIB_SAMPLES,
     HistogramObserver,
     choose_range,
@@ -1011,13 +1010,13 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     dst = Path(workdir.name) / "model.int8.onnx"
     # The observation pass returns every calibrated tensor of a batch at once: a model with large
     # activations (a detector at 800 x 608: ~2 GB per image) names a smaller batch in its handle.
-    # A causal LM's linears see up to a million values per window (SmolLM2-135M: 50M over its 121 inputs):
-    # their histograms take a bounded sample, the extremes still from every value (benchmarks/RESULTS.md, issue 31)
-    sample = HIST_SAMPLE if handle.kind == "causal-lm" else None
+    # every value into the histograms, a causal LM's too: a bounded sample (calibration.HIST_SAMPLE) saved no
+    # CPU time on SmolLM2-135M (198 vs 196 s for 32 windows: ONNX Runtime's forward passes are the cost) and
+    # moved validation perplexity by 1% (benchmarks/RESULTS.md, issue 31)
     keep = float_layers_to_keep(handle, config)
     info, run = quantize_and_verify(src, dst, samples, names, config.calib_method, config.percentile, scheme,
                                     batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement,
-                                    keep_float=keep, hist_sample=sample)
+                                    keep_float=keep)
     metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples),
                                "ptq_seconds": round(time.perf_counter() - t0, 3), **info}
     if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
@@ -1056,8 +1055,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
 
 # What a causal LM keeps in float unless ``keep_float`` says otherwise: its feed-forward down projections,
 # whose inputs (the gated FFN width) carry outliers one per-tensor int8 scale cannot hold. SmolLM2-135M,
-# validation windows: every linear in INT8 1.51x the float perplexity, the LM head also in float 1.48x,
-# the down projections in float 1.063x (benchmarks/RESULTS.md, issue 31). "none" quantizes every linear.
+# validation windows: every linear in INT8 1.52x the float perplexity, the LM head also in float 1.49x,
+# the down projections in float 1.067x (benchmarks/RESULTS.md, issue 31). "none" quantizes every linear.
 LM_KEEP_FLOAT = (FFN_DOWN,)
 
 
