@@ -437,7 +437,11 @@ def _check_float_layers(model: onnx.ModelProto, src: Path, placement: str, nodes
         return
     if placement != "linear":
         raise BadInputError(f"keeping layers of {src.name} in float needs placement 'linear' (got {placement!r})")
-    resolve_float_layers(model, nodes, keep_float, src, layers)
+    # before simplification a tied LM head reads its weight through a Transpose of the embedding (an initializer
+    # only once constants are folded): every MatMul / Gemm is a candidate here
+    names = {n.name for n in nodes}
+    candidates = nodes + [n for n in model.graph.node if n.op_type in LINEAR_OPS and n.name not in names]
+    resolve_float_layers(model, candidates, keep_float, src, layers)
 
 
 @dataclass

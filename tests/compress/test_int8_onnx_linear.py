@@ -429,3 +429,25 @@ def test_the_observed_graph_computes_only_the_calibrated_tensors(tmp_path):
     assert [o.name for o in observed.graph.output] == ["e", "h1", "h"]
     assert [n.name for n in observed.graph.node] == ["embed", "up", "relu", "down", "residual"]  # no lm_head
     assert model.SerializeToString() == before
+
+
+def test_a_tied_lm_head_can_be_kept_in_float(tmp_path):
+    """A tied head reads the embedding through a Transpose: a weight only after constant folding. Naming
+    it passes the check made before calibration, and it stays float in the written graph."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(_tiny_bigram_lm(tmp_path / "lm.onnx", hidden=32)))
+    head = next(n for n in model.graph.node if n.name == "lm_head")
+    model.graph.node.insert(len(model.graph.node) - 1, helper.make_node("Transpose", ["embed"], ["embed_t"],
+                                                                        name="tie", perm=[1, 0]))
+    head.input[1] = "embed_t"
+    onnx.save(model, str(tmp_path / "tied.onnx"))
+    ids = np.random.default_rng(0).integers(0, 260, (16, 12)).astype(np.int64)
+    samples = Samples("random", "calib", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    info = quantize_onnx_file(tmp_path / "tied.onnx", tmp_path / "q.onnx", samples, ["input_ids", "attention_mask"],
+                              None, 99.99, HOST_SCHEME, placement="linear", keep_float=("lm_head",))
+    assert info["float_layers"] == ["lm_head"] and info["quantized_nodes"] == 2
+    written = onnx.load(str(tmp_path / "q.onnx"))
+    head = next(n for n in written.graph.node if n.name == "lm_head")
+    assert not _dequantized(written, head.input[0]) and not _dequantized(written, head.input[1])
