@@ -105,7 +105,9 @@ class Int8Config:
         "nearest" (plain round-to-nearest on the int8 grid).
     keep_float: layers whose weights stay float from the start (not quantized, no bias
         correction): layer names, or "first" (the first quantizable layer, e.g. a CNN's stem
-        conv) and "last" (the last one, e.g. the classifier).
+        conv) and "last" (the last one, e.g. the classifier). Quantized from an ONNX graph (a causal LM,
+        an ONNX file): also a layer path's last parts ("lm_head", "down_proj"), "ffn-down" (the
+        feed-forward down projections: a causal LM's default, ``int8_onnx.LM_KEEP_FLOAT``) or "none".
     fallback_samples: how many calib-split samples after the first ``calib_samples`` the
         fallback measures on (fewer if the split is smaller; the calibration samples
         themselves when none are left).
@@ -138,8 +140,8 @@ class Int8Config:
     rounding: str = field(default="gptq", metadata=option(
         "--rounding", help="INT8 weights: gptq (default: output-error-aware rounding) | nearest."))
     keep_float: tuple[str, ...] = field(default=(), metadata=option(
-        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name "
-        "(repeatable; costs speed)."))
+        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name; from an ONNX "
+        "graph also a name's last parts (lm_head), ffn-down (a causal LM's default) or none (repeatable; costs speed)."))
     fallback_samples: int = 128
     fallback_candidates: int | None = 12
     equalize: bool = True

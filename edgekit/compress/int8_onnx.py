@@ -19,6 +19,15 @@ Where the Q/DQ go (``placement``):
   QLinearAdd ... end to end in integers).
 - "auto" (the default): "all" when the graph has a Conv, else "linear".
 
+With "linear", layers named in ``keep_float`` stay float (weights and the inputs only they read):
+"first", "last", or a layer's module path or its last parts (``lm_head``, ``down_proj``: every
+block's), from the name scopes the dynamo exporter records on each node, else the node names.
+
+Calibration observes only the inputs that get Q/DQ, in one streaming pass of ONNX Runtime over a
+copy of the graph cut down to what computes them (a causal LM's vocabulary-sized head is not run),
+and chooses each range from its histogram (``calibrate_graph``); ``write_int8_graph`` then inserts
+the Q/DQ, so that one calibration can serve several variants.
+
 Graphs as they come:
 
 - Already quantized parts stay as they are; only the float parts are quantized. Integer
@@ -44,10 +53,12 @@ on where there is any (every output: cosine, largest and mean absolute differenc
 """
 from __future__ import annotations
 
+import ast
 import copy
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,6 +115,8 @@ class OnnxInt8Options(Protocol):
     def eval_samples(self) -> int | None: ...
     @property
     def placement(self) -> str: ...
+    @property
+    def keep_float(self) -> tuple[str, ...]: ...
 
 LINEAR_OPS = ("MatMul", "Gemm")
 WEIGHT_OPS = ("MatMul", "Gemm", "Conv")  # input 1 is the weight
@@ -236,7 +249,7 @@ def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the grap
     float rounding. Then ``fold_conv_affine`` for what those fusions leave. Graphs that already hold
     quantized parts (their stored integers must stay as they are), or too large to pass through one
     protobuf, are returned as they are. Returns (graph, nodes folded by ``fold_conv_affine``)."""
-    if find_quantized(model) or model.ByteSize() > 2**31 - 2**24:
+    if find_quantized(model) or _weight_bytes(model) > 2**31 - 2**24:
         return model, 0
     src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
     onnx.save_model(model, str(src))
@@ -352,11 +365,14 @@ def _region_refusal(src: Path, found: QuantizedGraph, placement: str) -> BadInpu
 
 
 def quantize_onnx_file(src: Path, dst: Path, samples: Samples, input_names: list[str], method: str | None,
-                       percentile: float, scheme: str, batch_size: int = 8, placement: str = "auto") -> dict[str, Any]:
-    """Calibrate ``src`` on ``samples`` and write the QDQ model to ``dst`` (Q/DQ per ``placement``),
-    loaded and run once by ONNX Runtime on the first calibration batch.
-    ``method`` None: "mse" for the linear placement, "percentile" for "all"."""
-    info, _ = quantize_and_verify(src, dst, samples, input_names, method, percentile, scheme, batch_size, placement)
+                       percentile: float, scheme: str, batch_size: int = 8, placement: str = "auto",
+                       keep_float: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Calibrate ``src`` on ``samples`` and write the QDQ model to ``dst`` (Q/DQ per ``placement``;
+    the ``keep_float`` layers left in float: ``resolve_float_layers``), loaded and run once by ONNX
+    Runtime on the first calibration batch. ``method`` None: "mse" for the linear placement,
+    "percentile" for "all"."""
+    info, _ = quantize_and_verify(src, dst, samples, input_names, method, percentile, scheme, batch_size, placement,
+                                  keep_float)
     return info
 
 
@@ -406,25 +422,64 @@ def load_graph(src: Path) -> onnx.ModelProto:
         raise BadInputError(f"{src} is not a valid ONNX model: {first_line(e)}") from None
 
 
-def check_quantizable(src: Path, placement: str) -> None:
-    """Refuse, before any calibration data is read, a graph with nothing float left to quantize."""
+def check_quantizable(src: Path, placement: str, keep_float: tuple[str, ...] = ()) -> None:
+    """Refuse, before any calibration data is read, a graph with nothing float left to quantize, or
+    layers to keep in float that it does not have."""
     model = load_graph(src)
     found = find_quantized(model)
     prepare_graph(model)
-    plan_placement(model, placement, src, found)
+    _check_float_layers(model, src, *plan_placement(model, placement, src, found), keep_float)
 
 
-def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: list[str], method: str | None,
-                        percentile: float, scheme: str, batch_size: int = 8,
-                        placement: str = "auto") -> tuple[dict[str, Any], VerifiedRun]:
-    """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
+def _check_float_layers(model: onnx.ModelProto, src: Path, placement: str, nodes: list[onnx.NodeProto],
+                        keep_float: tuple[str, ...], layers: dict[str, str] | None = None) -> None:
+    if not keep_float or keep_float == ("none",):
+        return
+    if placement != "linear":
+        raise BadInputError(f"keeping layers of {src.name} in float needs placement 'linear' (got {placement!r})")
+    # before simplification a tied LM head reads its weight through a Transpose of the embedding (an initializer
+    # only once constants are folded): every MatMul / Gemm is a candidate here
+    names = {n.name for n in nodes}
+    candidates = nodes + [n for n in model.graph.node if n.op_type in LINEAR_OPS and n.name not in names]
+    resolve_float_layers(model, candidates, keep_float, src, layers)
+
+
+@dataclass
+class CalibratedGraph:
+    """A prepared float graph and its calibrated activation ranges, before any Q/DQ is written: one
+    calibration serves several quantized variants (``write_int8_graph`` with other float layers)."""
+
+    model: onnx.ModelProto
+    src: Path
+    placement: str
+    quantizable: list[onnx.NodeProto]
+    ranges: dict[str, tuple[Any, Any]]
+    first: dict[str, np.ndarray]  # the batch the quantized graph is verified on
+    method: str
+    found: QuantizedGraph
+    stored: set[str]  # integer weights the file held already
+    notes: dict[str, Any]
+    calibration: dict[str, Any]  # what the observation pass cost
+    layers: dict[str, str]  # node name -> the layer it came from (``layer_names``, read before simplifying)
+
+
+def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method: str | None, percentile: float,
+                    scheme: str, batch_size: int = 8, placement: str = "auto", hist_sample: int | None = None,
+                    keep_float: tuple[str, ...] = ()) -> CalibratedGraph:
+    """Load, prepare and simplify ``src``, then observe the tensors that get Q/DQ over ``samples`` in one
+    streaming pass and choose their ranges (``method`` None: "mse" for the linear placement,
+    "percentile" for "all"). ``hist_sample``: values per tensor and run that go into its histogram
+    (None: every value; see ``calibration.HIST_SAMPLE``). ``keep_float``: layer names checked before
+    any calibration work (``resolve_float_layers``)."""
     model = load_graph(src)
     found = find_quantized(model)  # what the file holds, before any rewriting
     notes = prepare_graph(model)
-    plan_placement(model, placement, src, found)  # nothing to quantize: refused before any work
+    # nothing to quantize, or a layer to keep in float that is not there: refused before any work
+    _check_float_layers(model, src, *plan_placement(model, placement, src, found), keep_float)
     stored = {i.name for i in model.graph.initializer if i.data_type in (TensorProto.INT8, TensorProto.UINT8)}
     had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
     nodes_before = len(model.graph.node)
+    layers = layer_names(list(model.graph.node))  # ONNX Runtime's simplified graph keeps no node metadata
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
         model, folded = simplify_graph(model, Path(tmp), str(src))
     if had_bn and not any(n.op_type == "BatchNormalization" for n in model.graph.node):
@@ -432,13 +487,8 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     elif len(model.graph.node) < nodes_before:
         notes["simplified"] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node),
                                "affine_folded_into_conv": folded}
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
-    except ONNX_LOAD_ERRORS:
-        pass  # shapes only decide the dtype filter below; ORT infers its own
+    types = _float_types(model)
     inits = {i.name for i in model.graph.initializer}
-    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(model.graph.value_info) +
-             list(model.graph.input) + list(model.graph.output)}
     placement, quantizable = plan_placement(model, placement, src, found)
     if placement == "linear":
         candidates = [n.input[0] for n in quantizable]
@@ -453,34 +503,173 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
                 types.get(t, TensorProto.FLOAT) == TensorProto.FLOAT:
             tensors.append(t)
     fixed = static_batch(model, input_names)
-    observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src)
+    t0, c0 = time.perf_counter(), time.process_time()
+    observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src,
+                                hist_sample)
     fmt = qdq.act_format(scheme)
-    symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     ranges = {}
     for t, obs in observers.items():
         if obs.count == 0:
             continue
-        lo, hi = choose_range(obs, method, percentile, qmin, qmax, symmetric)
+        lo, hi = choose_range(obs, method, percentile, fmt.qmin, fmt.qmax, fmt.symmetric)
         ranges[t] = (np.float32(lo), np.float32(hi))
-    if placement == "linear":
-        onnx.save(insert_linear_qdq(model, quantizable, ranges, scheme), str(dst))
+    cost = {"tensors": len(tensors), "values_observed": int(sum(o.count for o in observers.values())),
+            "hist_sample": hist_sample, "wall_s": round(time.perf_counter() - t0, 2),
+            "cpu_s": round(time.process_time() - c0, 2)}
+    return CalibratedGraph(model, src, placement, quantizable, ranges, first, method, found, stored, notes, cost,
+                           layers)
+
+
+def _float_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every value ONNX shape inference can tell (decides which tensors are float)."""
+    try:
+        # on a copy of the graph without its weights: inference then copies kilobytes, not the model
+        light = onnx.ModelProto()
+        _structure_copy(model, light)
+        inferred = onnx.shape_inference.infer_shapes(light)
+    except ONNX_LOAD_ERRORS:
+        return {vi.name: vi.type.tensor_type.elem_type for vi in list(model.graph.input) + list(model.graph.output)}
+    return {vi.name: vi.type.tensor_type.elem_type for vi in list(inferred.graph.value_info) +
+            list(inferred.graph.input) + list(inferred.graph.output)}
+
+
+def _structure_copy(model: onnx.ModelProto, into: onnx.ModelProto) -> None:
+    """``model`` into ``into`` with every initializer's data left out (kept: name, type, dims)."""
+    into.ir_version = model.ir_version
+    into.opset_import.extend(model.opset_import)
+    g = into.graph
+    g.name = model.graph.name
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    g.value_info.extend(model.graph.value_info)
+    for i in model.graph.initializer:
+        # a weight's type and shape as a graph input: what shape inference needs of it, without its data
+        g.input.append(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)))
+    into.functions.extend(model.functions)
+
+
+def layer_names(nodes: list[onnx.NodeProto]) -> dict[str, str]:
+    """Node name -> the layer it came from: the module path the dynamo exporter records in the node's
+    name scopes (``model.model.layers.0.mlp.down_proj``), else the node's own name (graphs from other exporters)."""
+    out = {}
+    for n in nodes:
+        scopes = next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        path = n.name
+        if scopes:
+            try:
+                parts = [str(x) for x in ast.literal_eval(scopes)]
+            except (ValueError, SyntaxError):
+                parts = []
+            if len(parts) >= 2 and parts[-2]:
+                path = parts[-2]
+        out[n.name] = path
+    return out
+
+
+# ``keep_float`` word for the feed-forward down projections, whatever a family calls them
+FFN_DOWN = "ffn-down"
+
+
+def resolve_float_layers(model: onnx.ModelProto, nodes: list[onnx.NodeProto], keep: tuple[str, ...], src: Path,
+                         layers: dict[str, str] | None = None) -> list[str]:
+    """Node names of ``nodes`` (the quantizable linears of ``model``, in graph order) that ``keep``
+    names: "first", "last", "none" (nothing), "ffn-down" (``ffn_down_layers``), or a layer path or its
+    last parts ("lm_head", "mlp.down_proj": every block's). ``layers``: node name -> layer path (default:
+    ``layer_names(nodes)``). A name that matches no layer is refused with the valid ones."""
+    names = {**layer_names(nodes), **(layers or {})}
+    out: list[str] = []
+    for k in keep:
+        if k == "none":
+            continue
+        if k == "first":
+            hits = [nodes[0].name]
+        elif k == "last":
+            hits = [nodes[-1].name]
+        elif k == FFN_DOWN:
+            hits = ffn_down_layers(model, nodes)
+        else:
+            hits = [n.name for n in nodes if names[n.name] == k or names[n.name].endswith("." + k)]
+        if not hits and k != FFN_DOWN:  # a graph without a narrowing linear simply has none to keep
+            short = list(dict.fromkeys(names[n.name].rsplit(".", 1)[-1] for n in nodes))
+            raise BadInputError(f"{src.name} has no layer {k!r} to keep in float; choose from first, last, none, "
+                                f"{FFN_DOWN}, a layer path or its last parts: {', '.join(short[:12])}"
+                                f"{' ...' if len(short) > 12 else ''}")
+        out += [h for h in hits if h not in out]
+    return out
+
+
+def ffn_down_layers(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[str]:
+    """The feed-forward down projections among ``nodes``: the linears that read the widest input of
+    them all and narrow it (Llama's ``down_proj``, GPT-2's ``c_proj``, OPT's ``fc2``; their inputs, the
+    gated or activated FFN width, carry a decoder's largest activation outliers). Found from the
+    weights' shapes, so no family table is needed."""
+    inits = {i.name: i for i in model.graph.initializer}
+    dequantized = {c.output: inits[c.quantized] for c in weight_dequant_chains(model) if c.form == "DequantizeLinear"}
+    widths: dict[str, tuple[int, int]] = {}
+    for n in nodes:
+        w = inits.get(n.input[1]) or dequantized.get(n.input[1])
+        if w is None or len(w.dims) != 2:
+            continue
+        rows, cols = int(w.dims[0]), int(w.dims[1])
+        trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
+        widths[n.name] = (cols, rows) if trans_b else (rows, cols)  # (in, out)
+    if not widths:
+        return []
+    widest = max(i for i, _ in widths.values())
+    return [n.name for n in nodes if n.name in widths and widths[n.name][0] == widest and widths[n.name][1] < widest]
+
+
+def write_int8_graph(cal: CalibratedGraph, dst: Path, scheme: str, keep_float: tuple[str, ...] = (),
+                     verify: bool = True, copy_graph: bool = False) -> tuple[dict[str, Any], VerifiedRun | None]:
+    """Q/DQ from ``cal``'s ranges into its graph (``copy_graph``: into a copy, so that ``cal`` serves
+    another variant), written to ``dst``; ``keep_float`` (``resolve_float_layers``; placement "linear"
+    only) leaves those layers, and the inputs only they read, in float. Loaded and run once by ONNX
+    Runtime (``verify``)."""
+    model = copy.deepcopy(cal.model) if copy_graph else cal.model
+    _check_float_layers(model, cal.src, cal.placement, cal.quantizable, keep_float, cal.layers)
+    float_nodes = resolve_float_layers(model, _same_nodes(model, cal.quantizable), keep_float, cal.src, cal.layers)
+    names = {**layer_names(cal.quantizable), **cal.layers}
+    quantized = [n for n in _same_nodes(model, cal.quantizable) if n.name not in float_nodes]
+    if cal.placement == "linear":
+        onnx.save(insert_linear_qdq(model, quantized, cal.ranges, scheme), str(dst))
     else:
-        _quantize_all(model, ranges, scheme, dst, sorted(find_quantized(model).region))
+        _quantize_all(model, cal.ranges, scheme, dst, sorted(find_quantized(model).region))
     fitted: dict[str, int] = {}
     if not qdq.weight_grid(scheme, depthwise=False).full:
         written = onnx.load(str(dst))
-        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, stored).items() if v}
+        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, cal.stored).items() if v}
         if fitted:
             onnx.save(written, str(dst))
-    run = verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
-    info: dict[str, Any] = {"placement": placement, "calib_method": method, "calibrated_tensors": len(ranges),
-                            "quantized_nodes": len(quantizable)}
+    run = verify_onnx_runs(dst, cal.first, label=f"the INT8 graph of {cal.src.name}") if verify else None
+    info: dict[str, Any] = {"placement": cal.placement, "calib_method": cal.method, "calibrated_tensors": len(cal.ranges),
+                            "quantized_nodes": len(quantized), "calibration": cal.calibration}
+    if float_nodes:
+        info["float_layers"] = [names[n] for n in float_nodes]
     if fitted:
         info["weights_fitted_to_kernels"] = fitted
-    if found:
-        info["already_quantized"] = {**found.to_dict(), "kept": found.describe()}
-    if notes:
-        info["preprocessed"] = notes
+    if cal.found:
+        info["already_quantized"] = {**cal.found.to_dict(), "kept": cal.found.describe()}
+    if cal.notes:
+        info["preprocessed"] = cal.notes
+    return info, run
+
+
+def _same_nodes(model: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The nodes of ``model`` named as ``nodes`` (the same nodes in a copy of the graph)."""
+    by_name = {n.name: n for n in model.graph.node}
+    return [by_name.get(n.name, n) for n in nodes]
+
+
+def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: list[str], method: str | None,
+                        percentile: float, scheme: str, batch_size: int = 8, placement: str = "auto",
+                        keep_float: tuple[str, ...] = (), hist_sample: int | None = None
+                        ) -> tuple[dict[str, Any], VerifiedRun]:
+    """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
+    cal = calibrate_graph(src, samples, input_names, method, percentile, scheme, batch_size, placement, hist_sample,
+                          keep_float)
+    info, run = write_int8_graph(cal, dst, scheme, keep_float)
+    assert run is not None
     return info, run
 
 
@@ -489,35 +678,36 @@ OBSERVE_BYTES = 256 * 2**20
 
 
 def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
-             batch_size: int, static: bool, src: Path) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
+             batch_size: int, static: bool, src: Path, hist_sample: int | None = None
+             ) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
     """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
     first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
-    exactly ``batch_size`` samples, so a smaller last batch is left out."""
-    augmented = copy.deepcopy(model)
-    have = {o.name for o in augmented.graph.output}
-    for t in tensors:
-        if t not in have:
-            augmented.graph.output.append(helper.make_empty_tensor_value_info(t))
+    exactly ``batch_size`` samples, so a smaller last batch is left out.
+
+    The observed graph is ``model`` with ``tensors`` as its only outputs and only the nodes that
+    compute them (a causal LM's vocabulary-sized head, which reads the last calibrated tensor, is
+    not run), written without copying the weights in memory."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
     so.enable_cpu_mem_arena = False  # every intermediate is an output here: give their memory back after each run
-    # every value: the histogram sample (calibration.HIST_SAMPLE) was measured on the PyTorch path, and
+    # every value by default: the histogram sample (calibration.HIST_SAMPLE) was measured on the PyTorch path, and
     # these graphs' default percentile ranges rest on their tails (benchmarks/RESULTS.md, issue 26)
-    observers = {t: HistogramObserver(t, sample=None) for t in tensors}
+    observers = {t: HistogramObserver(t, sample=hist_sample) for t in tensors}
     first: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
         aug_path = Path(tmp) / "augmented.onnx"
-        onnx.save(augmented, str(aug_path), save_as_external_data=augmented.ByteSize() > 2**31 - 2**24)
+        _save_observed(model, tensors, aug_path)
         try:
             sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
         except ort_errors() as e:
             raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
         out_names = [o.name for o in sess.get_outputs()]
+        graph_inputs = {i.name for i in sess.get_inputs()}
 
         def observe(feeds: dict[str, np.ndarray]) -> int:
             try:
-                outs = sess.run(None, feeds)
+                outs = sess.run(None, {k: v for k, v in feeds.items() if k in graph_inputs})
             except ort_errors() as e:
                 shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
                 raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
@@ -544,6 +734,48 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
             first = first or feeds
             observe(feeds)
     return observers, first
+
+
+def _save_observed(model: onnx.ModelProto, tensors: list[str], path: Path) -> None:
+    """Write ``model`` with ``tensors`` as its outputs and only the nodes they need; ``model`` is
+    left as it was (its node and output lists are swapped for the write; the weights are not copied,
+    and ONNX Runtime drops the ones no kept node reads)."""
+    graph = model.graph
+    needed = set(tensors)
+    kept: list[onnx.NodeProto] = []
+    for n in reversed(graph.node):  # the graph is topologically sorted: consumers after producers
+        if any(o in needed for o in n.output):
+            kept.append(n)
+            needed.update(i for i in n.input if i)
+            needed.update(_outer_names(n))
+    kept.reverse()
+    nodes, outputs = list(graph.node), list(graph.output)
+    del graph.node[:], graph.output[:]
+    graph.node.extend(kept)
+    graph.output.extend(helper.make_empty_tensor_value_info(t) for t in tensors)
+    try:
+        onnx.save(model, str(path), save_as_external_data=_weight_bytes(model) > 2**31 - 2**24)
+    finally:
+        del graph.node[:], graph.output[:]
+        graph.node.extend(nodes)
+        graph.output.extend(outputs)
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers' stored data (without serializing the model, as ``ByteSize`` does)."""
+    return sum(len(i.raw_data) or 4 * (len(i.float_data) + len(i.int32_data)) + 8 * len(i.int64_data)
+               for i in model.graph.initializer)
+
+
+def _outer_names(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs (If / Loop / Scan bodies) read, the enclosing graph's among them."""
+    out: set[str] = set()
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in g.node:
+                out.update(i for i in n.input if i)
+                out.update(_outer_names(n))
+    return out
 
 
 def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], scheme: str, dst: Path,
@@ -770,7 +1002,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
         raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")
     t0 = time.perf_counter()
     src = Path(handle.onnx_path)
-    check_quantizable(src, config.placement)
+    check_quantizable(src, config.placement, float_layers_to_keep(handle, config))
     view = data_view(handle)
     samples = load_split(view, ctx, "calib", config.calib_samples)
     need = min(MIN_CALIB_SAMPLES, config.calib_samples)
@@ -782,8 +1014,13 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     dst = Path(workdir.name) / "model.int8.onnx"
     # The observation pass returns every calibrated tensor of a batch at once: a model with large
     # activations (a detector at 800 x 608: ~2 GB per image) names a smaller batch in its handle.
+    # every value into the histograms, a causal LM's too: a bounded sample (calibration.HIST_SAMPLE) saved no
+    # CPU time on SmolLM2-135M (198 vs 196 s for 32 windows: ONNX Runtime's forward passes are the cost) and
+    # moved validation perplexity by 1% (benchmarks/RESULTS.md, issue 31)
+    keep = float_layers_to_keep(handle, config)
     info, run = quantize_and_verify(src, dst, samples, names, config.calib_method, config.percentile, scheme,
-                                    batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement)
+                                    batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement,
+                                    keep_float=keep)
     metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples),
                                "ptq_seconds": round(time.perf_counter() - t0, 3), **info}
     if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
@@ -810,13 +1047,28 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
         new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
     new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config),
                                            {"scheme": scheme, "kernels": kernels or host_semantics(),
-                                            "from": "onnx", "float_layers": [],
+                                            "from": "onnx", "float_layers": info.get("float_layers", []),
+                                            "keep_float": list(keep),
                                             "placement": info["placement"], "calib_method": info["calib_method"]})]
     new.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     ctx.metrics["int8"] = metrics
     return new
 
 
+
+
+# What a causal LM keeps in float unless ``keep_float`` says otherwise: its feed-forward down projections,
+# whose inputs (the gated FFN width) carry outliers one per-tensor int8 scale cannot hold. SmolLM2-135M,
+# validation windows: every linear in INT8 1.52x the float perplexity, the LM head also in float 1.49x,
+# the down projections in float 1.067x (benchmarks/RESULTS.md, issue 31). "none" quantizes every linear.
+LM_KEEP_FLOAT = (FFN_DOWN,)
+
+
+def float_layers_to_keep(handle: ModelHandle, config: OnnxInt8Options) -> tuple[str, ...]:
+    """``config.keep_float``, else a causal LM's ``LM_KEEP_FLOAT`` (and nothing for other models)."""
+    if config.keep_float:
+        return tuple(config.keep_float)
+    return LM_KEEP_FLOAT if handle.kind == "causal-lm" else ()
 
 
 # The drift of the logits as ``output_drift`` reports an output's (compare_lm's per-window keys).

@@ -93,7 +93,10 @@ def quantized(encoder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 def test_auto_placement_is_linear_without_conv(quantized):
     _, info = quantized
+    calibration = info.pop("calibration")
     assert info == {"placement": "linear", "calib_method": "mse", "calibrated_tensors": 5, "quantized_nodes": 7}
+    # an ONNX file of no known kind: every value into the histograms (the sample is for causal LMs)
+    assert calibration["tensors"] == 5 and calibration["hist_sample"] is None and calibration["values_observed"] > 0
 
 
 def test_qdq_only_around_weight_matmuls(quantized):
@@ -307,7 +310,11 @@ def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(t
     cfg = make_config("int8", {"calib_samples": 16, **({} if eval_samples is None else {"eval_samples": eval_samples})})
     out = compress(handle, [("int8", cfg)], tmp_path / "int8", StepContext(calib="lee-news", eval="wikipedia",
                                                                              progress=False))
-    metrics = json.loads((out / "manifest.json").read_text())["metrics"]["int8"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    metrics = manifest["metrics"]["int8"]
+    # a causal LM keeps its feed-forward down projection in float by default (W2: 128 -> 32), and says so
+    assert manifest["steps"][-1]["meta"]["keep_float"] == ["ffn-down"]
+    assert manifest["steps"][-1]["meta"]["float_layers"] == ["down"] and metrics["quantized_nodes"] == 2
     assert EVAL_WINDOWS == 8 and metrics["compared_on"]["data"] == "eval data"
     assert metrics["compared_on"]["samples"] == windows and "integer kernels" in metrics["compared_on"]["kernels"]
     int8 = metrics["int8"]
@@ -316,3 +323,131 @@ def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(t
     assert int8["perplexity_reference"] > 1 and 0.9 < int8["perplexity_ratio"] < 1.1
     drift = metrics["outputs"]["logits"]
     assert 0.95 < drift["min_cosine"] <= drift["mean_cosine"] <= 1.0 and drift["max_abs_diff"] == int8["max_abs_diff"]
+    # the linears' inputs were observed (3 tensors, 32 tokens x 16 windows each), not the logits
+    assert metrics["calibration"]["tensors"] == 3 and metrics["calibration"]["values_observed"] == 16 * 32 * (32 + 128 + 32)
+
+
+# --- layers kept in float, the observation graph, the histogram sample ---------------------------------------
+
+
+def _dequantized(model, tensor: str) -> bool:
+    return any(n.op_type == "DequantizeLinear" and tensor in n.output for n in model.graph.node)
+
+
+def test_layers_kept_in_float_stay_float_in_the_graph(encoder, tmp_path):
+    """``keep_float`` names layers (or "first" / "last"): their weights stay float initializers and the
+    inputs only they read get no Q/DQ; every other weight MatMul is quantized as before."""
+    import onnx
+
+    dst = tmp_path / "q.onnx"
+    info = quantize_onnx_file(encoder, dst, _samples(32, 1), ["x"], None, 99.99, HOST_SCHEME, placement="linear",
+                              keep_float=("ffn_down", "last"))
+    model = onnx.load(str(dst))
+    nodes = {n.name: n for n in model.graph.node}
+    floats = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    for name in ("ffn_down", "head"):
+        assert nodes[name].input[1] in floats and not _dequantized(model, nodes[name].input[0])
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "ffn_up"):
+        assert _dequantized(model, nodes[name].input[0]) and _dequantized(model, nodes[name].input[1])
+    assert info["float_layers"] == ["ffn_down", "head"] and info["quantized_nodes"] == 5
+    x = _samples(8, 7).inputs["x"]
+    ref, got = _run(encoder, x), _run(dst, x)
+    cos = (ref * got).sum(-1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(got, axis=-1))
+    assert cos.min() > 0.99
+
+
+def test_an_unknown_float_layer_is_refused_before_calibration(encoder, tmp_path, monkeypatch):
+    from edgekit.compress import int8_onnx
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated before the layer names were checked")
+
+    monkeypatch.setattr(int8_onnx, "_observe", no_calibration)
+    with pytest.raises(BadInputError) as e:
+        quantize_onnx_file(encoder, tmp_path / "q.onnx", _samples(16, 1), ["x"], None, 99.99, HOST_SCHEME,
+                           placement="linear", keep_float=("down_proj",))
+    msg = str(e.value)
+    assert "\n" not in msg and "no layer 'down_proj'" in msg and "ffn_down" in msg and "first, last" in msg
+    assert not (tmp_path / "q.onnx").exists()
+    with pytest.raises(BadInputError, match="needs placement 'linear'"):
+        quantize_onnx_file(encoder, tmp_path / "q.onnx", _samples(16, 1), ["x"], None, 99.99, HOST_SCHEME,
+                           placement="all", keep_float=("last",))
+
+
+def test_ffn_down_finds_the_feed_forward_down_projection_by_its_shape(encoder, tmp_path):
+    """"ffn-down" names the linears that narrow the widest input back (here ffn_down: 32 -> 16; the Gemm
+    head reads 16), whatever the family calls them; "none" keeps nothing in float."""
+    info = quantize_onnx_file(encoder, tmp_path / "q.onnx", _samples(16, 1), ["x"], None, 99.99, HOST_SCHEME,
+                              placement="linear", keep_float=("ffn-down",))
+    assert info["float_layers"] == ["ffn_down"] and info["quantized_nodes"] == 6
+    info = quantize_onnx_file(encoder, tmp_path / "q.onnx", _samples(16, 1), ["x"], None, 99.99, HOST_SCHEME,
+                              placement="linear", keep_float=("none",))
+    assert "float_layers" not in info and info["quantized_nodes"] == 7
+
+
+def test_layers_are_named_by_the_exporters_module_paths():
+    """The dynamo exporter records each node's module path (``pkg.torch.onnx.name_scopes``): "down_proj"
+    names every block's, a longer path one block's, and nodes without it go by their own name."""
+    import onnx
+    from onnx import helper
+
+    from edgekit.compress.int8_onnx import layer_names, resolve_float_layers
+
+    def linear(name: str, path: str | None) -> object:
+        n = helper.make_node("MatMul", ["x", "w"], [name + "_out"], name=name)
+        if path is not None:
+            p = n.metadata_props.add()
+            p.key, p.value = "pkg.torch.onnx.name_scopes", repr(["", "model", path, name])
+        return n
+
+    nodes = [linear("node_linear", "model.model.layers.0.mlp.down_proj"),
+             linear("node_linear_1", "model.model.layers.1.mlp.down_proj"),
+             linear("node_linear_2", "model.lm_head"), linear("plain", None)]
+    assert layer_names(nodes)["node_linear_2"] == "model.lm_head" and layer_names(nodes)["plain"] == "plain"
+    src, model = Path("m.onnx"), onnx.ModelProto()
+    assert resolve_float_layers(model, nodes, ("down_proj",), src) == ["node_linear", "node_linear_1"]
+    assert resolve_float_layers(model, nodes, ("layers.1.mlp.down_proj", "lm_head"), src) == ["node_linear_1",
+                                                                                              "node_linear_2"]
+    assert resolve_float_layers(model, nodes, ("first", "plain"), src) == ["node_linear", "plain"]
+    assert resolve_float_layers(model, nodes, ("none",), src) == []
+    with pytest.raises(BadInputError, match="no layer 'proj'.*: down_proj, lm_head, plain$"):
+        resolve_float_layers(model, nodes, ("proj",), src)
+
+
+def test_the_observed_graph_computes_only_the_calibrated_tensors(tmp_path):
+    """Calibration runs the graph with the calibrated tensors as its only outputs: a causal LM's
+    vocabulary-sized head (after the last calibrated tensor) is not computed, and the graph being
+    quantized is left as it was."""
+    import onnx
+
+    from edgekit.compress.int8_onnx import _save_observed
+
+    model = onnx.load(str(_tiny_bigram_lm(tmp_path / "lm.onnx")))
+    before = model.SerializeToString()
+    _save_observed(model, ["e", "h1", "h"], tmp_path / "observed.onnx")
+    observed = onnx.load(str(tmp_path / "observed.onnx"))
+    assert [o.name for o in observed.graph.output] == ["e", "h1", "h"]
+    assert [n.name for n in observed.graph.node] == ["embed", "up", "relu", "down", "residual"]  # no lm_head
+    assert model.SerializeToString() == before
+
+
+def test_a_tied_lm_head_can_be_kept_in_float(tmp_path):
+    """A tied head reads the embedding through a Transpose: a weight only after constant folding. Naming
+    it passes the check made before calibration, and it stays float in the written graph."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(_tiny_bigram_lm(tmp_path / "lm.onnx", hidden=32)))
+    head = next(n for n in model.graph.node if n.name == "lm_head")
+    model.graph.node.insert(len(model.graph.node) - 1, helper.make_node("Transpose", ["embed"], ["embed_t"],
+                                                                        name="tie", perm=[1, 0]))
+    head.input[1] = "embed_t"
+    onnx.save(model, str(tmp_path / "tied.onnx"))
+    ids = np.random.default_rng(0).integers(0, 260, (16, 12)).astype(np.int64)
+    samples = Samples("random", "calib", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    info = quantize_onnx_file(tmp_path / "tied.onnx", tmp_path / "q.onnx", samples, ["input_ids", "attention_mask"],
+                              None, 99.99, HOST_SCHEME, placement="linear", keep_float=("lm_head",))
+    assert info["float_layers"] == ["lm_head"] and info["quantized_nodes"] == 2
+    written = onnx.load(str(tmp_path / "q.onnx"))
+    head = next(n for n in written.graph.node if n.name == "lm_head")
+    assert not _dequantized(written, head.input[0]) and not _dequantized(written, head.input[1])

@@ -1,0 +1,248 @@
+"""INT8 (``--bits 8``) of a decoder LLM: where its time and memory go, and which variant to default to.
+
+``--part phases``: ``compress(model, [("int8", ...)])`` through the Python API, as ``edgekit
+compress MODEL --bits 8`` runs it, with each phase timed (CPU s: ``time.process_time()`` of this
+process, all threads; wall s) and its peak resident memory (a sampler thread reading
+``/proc/self/statm`` every 20 ms): loading the model, the gate's float reference, smoothing, the float
+ONNX export, simplifying the graph, calibration (the observation pass), inserting Q/DQ, the
+verification run, the step's own comparison with the float graph and the gate's comparison. The
+config is the step's default but for ``--calib`` (and ``--alpha``), so the phase run also reports the
+default on the eval windows (wikipedia, what the gate measures).
+
+``--part variants``: perplexity of INT8 variants (smoothing alpha, layers kept in float, histogram
+sample or every value) on **validation** windows: windows of the calibration split (lee-news) after
+the ones calibrated on, never the eval split.
+
+    python benchmarks/bench_llm_int8.py --part phases [--model smollm2-135m] [--calib 32]
+    python benchmarks/bench_llm_int8.py --part variants [--calib 32] [--val 16] [--alphas off,0.5,0.8] [--full-hist]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("EDGEKIT_PROGRESS", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PhaseClock:
+    """CPU s, wall s and peak RSS per named phase; phases nest (a phase's figures include its children)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.peaks: list[int] = []  # one running peak per open phase
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            r = rss()
+            self.peaks = [max(p, r) for p in self.peaks]
+
+    def wrap(self, module: Any, name: str, label: str) -> None:
+        fn = getattr(module, name, None)
+        if fn is None:  # a phase this version of the code does not have
+            return
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            depth = len(self.peaks)
+            self.peaks.append(rss())
+            c, w = time.process_time(), time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                peak = max(self.peaks.pop(), rss())
+                self.peaks = [max(p, peak) for p in self.peaks]
+                self.rows.append({"phase": label, "depth": depth, "cpu_s": round(time.process_time() - c, 2),
+                                  "wall_s": round(time.perf_counter() - w, 2), "peak_rss_mb": round(peak / 2**20)})
+                print(f"  {label}: {self.rows[-1]}", file=sys.stderr, flush=True)
+
+        setattr(module, name, timed)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def machine_row() -> dict[str, Any]:
+    import onnxruntime
+    import torch
+    import transformers
+    from machine_info import machine
+    return {**machine(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "transformers": transformers.__version__}
+
+
+def part_phases(args: argparse.Namespace) -> dict[str, Any]:
+    from edgekit.compress import StepContext, compress
+    from edgekit.compress.int8 import Int8Config
+
+    clock = PhaseClock()
+    c = importlib.import_module("edgekit.compress")
+    i8 = importlib.import_module("edgekit.compress.int8")
+    io = importlib.import_module("edgekit.compress.int8_onnx")
+    clock.wrap(c, "load_model", "load model")
+    clock.wrap(c, "measure_reference", "gate: float reference (PyTorch)")
+    clock.wrap(c, "compare", "gate: INT8 graph on the eval windows")
+    clock.wrap(i8, "_smoothed", "smoothing")
+    clock.wrap(i8, "export_onnx", "float ONNX export")
+    clock.wrap(io, "check_quantizable", "check quantizable (load graph)")
+    clock.wrap(io, "simplify_graph", "simplify graph (ORT basic)")
+    clock.wrap(io, "_observe", "calibration pass (observers)")
+    clock.wrap(io, "insert_linear_qdq", "insert Q/DQ")
+    clock.wrap(io, "verify_onnx_runs", "verify INT8 graph runs")
+    clock.wrap(io, "compare_lm", "step: INT8 vs float graph (compare_lm)")
+    clock.wrap(io, "quantize_and_verify", "quantize_and_verify (all of it)")
+    config = Int8Config(calib_samples=args.calib, **({"smooth_alpha": args.alpha} if args.alpha is not None else {}))
+    ctx = StepContext(accept_quality_loss=True, progress=False)
+    c0, w0 = time.process_time(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-llm-int8-") as tmp:
+        out = compress(args.model, [("int8", config)], Path(tmp) / "out", ctx)
+        manifest = json.loads((out / "manifest.json").read_text())
+    total = {"cpu_s": round(time.process_time() - c0, 2), "wall_s": round(time.perf_counter() - w0, 2)}
+    clock.stop()
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    metrics = ctx.metrics.get("int8", {})
+    quality = manifest.get("quality") or manifest.get("metrics", {}).get("quality")
+    return {"model": args.model, "calib_samples": args.calib, "alpha": args.alpha, "total": total,
+            "peak_rss_mb": round(peak), "phases": clock.rows, "int8": metrics, "quality": quality}
+
+
+FLOAT_SETS = ((), ("lm_head",), ("down_proj",), ("down_proj", "lm_head"))
+
+
+def window_ppl(session: Any, samples: Any) -> float:
+    import math
+
+    import numpy as np
+
+    from edgekit.evaluate import window_nll
+
+    nll, n = 0.0, 0
+    for b in samples.batches(1):
+        logits = session.run(None, {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})[0]
+        v = window_nll(np.asarray(logits), b["input_ids"]).astype(np.float64)
+        nll, n = nll + float(v.sum()), n + v.size
+    return math.exp(nll / max(n, 1))
+
+
+def part_variants(args: argparse.Namespace) -> dict[str, Any]:
+    """Validation perplexity of INT8 variants: smoothing alpha x layers kept in float (one export and one
+    calibration per alpha; every float set written from the same ranges)."""
+    from edgekit.compress import StepContext
+    from edgekit.compress import int8 as i8
+    from edgekit.compress import int8_onnx as io
+    from edgekit.compress.calibration import HIST_SAMPLE
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.runtimes.int8_kernels import host_semantics, session_for
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    handle = load_model(args.model)
+    names = [s.name for s in handle.inputs]
+    split = load_samples("lee-news", handle, split="calib", limit=args.calib + args.val)
+    calib = split.subset(slice(0, args.calib))
+    val = split.subset(slice(args.calib, args.calib + args.val))  # calib-split windows never calibrated on
+    scheme = i8.resolve_scheme(i8.Int8Config(), None)
+    rows: list[dict[str, Any]] = []
+    float_ppl = None
+    alphas = [None if a == "off" else float(a) for a in args.alphas.split(",")]
+    samples = [HIST_SAMPLE] + ([None] if args.full_hist else [])
+    with tempfile.TemporaryDirectory(prefix="bench-llm-int8-") as tmp:
+        for alpha in alphas:
+            c0, w0 = time.process_time(), time.perf_counter()
+            h = handle
+            if alpha is not None:
+                ctx = StepContext(calib=calib, progress=False)  # type: ignore[arg-type]
+                h, _ = i8._smoothed(handle, i8.Int8Config(calib_samples=args.calib, smooth_alpha=alpha), ctx)
+            folder = export_onnx(h, Path(tmp) / f"fp32-{alpha}", ExportConfig(skip_parity=True))
+            src = Path(folder) / "model.onnx"
+            export_s = {"cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - w0, 1)}
+            if float_ppl is None:
+                import onnxruntime as ort
+                float_ppl = window_ppl(ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]), val)
+                print(f"float validation perplexity {float_ppl:.3f}", file=sys.stderr, flush=True)
+            for sample in samples if alpha is None else samples[:1]:
+                cal = io.calibrate_graph(src, calib, names, None, 99.99, scheme, placement="linear",
+                                         hist_sample=sample)
+                for keep in FLOAT_SETS:
+                    dst = Path(tmp) / "int8.onnx"
+                    c1 = time.process_time()
+                    io.write_int8_graph(cal, dst, scheme, keep, verify=False, copy_graph=True)
+                    ppl = window_ppl(session_for(dst, host_semantics()), val)
+                    row = {"alpha": alpha, "hist_sample": sample, "float": "+".join(keep) or "none",
+                           "val_ppl": round(ppl, 3), "val_ratio": round(ppl / float_ppl, 4),
+                           "calibration": cal.calibration, "export": export_s,
+                           "write_eval_cpu_s": round(time.process_time() - c1, 1)}
+                    rows.append(row)
+                    print(f"  {row}", file=sys.stderr, flush=True)
+            del cal
+    last = args.calib + args.val - 1
+    return {"model": args.model, "scheme": scheme, "calib_windows": f"lee-news calib split, windows 0-{args.calib - 1}",
+            "validation_windows": f"lee-news calib split, windows {args.calib}-{last} (never calibrated on)",
+            "float_val_ppl": round(float_ppl or 0.0, 3), "rows": rows}
+
+
+def print_variants(result: dict[str, Any]) -> None:
+    print(f"validation: {result['validation_windows']}; float perplexity {result['float_val_ppl']}")
+    print("| alpha | histogram | kept in float | val perplexity | x float |\n|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['alpha'] or 'off'} | {r['hist_sample'] or 'every value'} | {r['float']} | {r['val_ppl']} | "
+              f"{r['val_ratio']} |")
+
+
+def print_phases(result: dict[str, Any]) -> None:
+    print("| phase | CPU s | wall s | peak RSS MB |\n|---|---|---|---|")
+    for r in result["phases"]:
+        print(f"| {'  ' * r['depth']}{r['phase']} | {r['cpu_s']} | {r['wall_s']} | {r['peak_rss_mb']} |")
+    print(f"| total | {result['total']['cpu_s']} | {result['total']['wall_s']} | {result['peak_rss_mb']} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=("phases", "variants"), default="phases")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--calib", type=int, default=32)
+    p.add_argument("--alpha", type=float, default=None, help="phases: the smoothing alpha (default: the step's)")
+    p.add_argument("--alphas", default="off,0.5,0.8", help="variants: smoothing alphas to compare")
+    p.add_argument("--val", type=int, default=16, help="variants: validation windows after the calibration ones")
+    p.add_argument("--full-hist", action="store_true", help="variants: also calibrate on every value (alpha off)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    info = machine_row()
+    if args.part == "phases":
+        result = part_phases(args)
+        print_phases(result)
+    else:
+        result = part_variants(args)
+        print_variants(result)
+    result = {"machine": info, "load_after": os.getloadavg(), **result}
+    print(json.dumps({k: result[k] for k in ("total", "peak_rss_mb", "quality") if k in result}, indent=1, default=str))
+    print(f"load average after: {result['load_after']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
