@@ -451,3 +451,32 @@ def test_a_tied_lm_head_can_be_kept_in_float(tmp_path):
     written = onnx.load(str(tmp_path / "q.onnx"))
     head = next(n for n in written.graph.node if n.name == "lm_head")
     assert not _dequantized(written, head.input[0]) and not _dequantized(written, head.input[1])
+
+
+def test_a_calib_split_smaller_than_asked_is_used_whole_and_said(tmp_path):
+    """SmolLM2's lee-news calib split holds 90 windows of 512 tokens and the default asks 128: the
+    default command calibrates on all of them and says so, instead of refusing."""
+    import json
+    import sys
+
+    from edgekit.compress import StepContext, compress, make_config
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.handle import InputSpec, ModelHandle
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import byte_tokenizer
+
+    path = _tiny_bigram_lm(tmp_path / "lm.onnx")
+    seq = ("batch", "sequence")
+    handle = ModelHandle("bigram-lm", str(path), kind="causal-lm", onnx_path=path, outputs=["logits"],
+                         inputs=[InputSpec("input_ids", seq, "int64"), InputSpec("attention_mask", seq, "int64")],
+                         tokenizer=byte_tokenizer(), evaluator="perplexity", extra={"seqlen": 8192})
+    held = len(load_samples("lee-news", handle, split="calib"))
+    with pytest.raises(BadInputError, match="asked for"):
+        load_samples("lee-news", handle, split="calib", limit=held + 1)
+    cfg = make_config("int8", {"calib_samples": held + 1, "eval_samples": 1})
+    out = compress(handle, [("int8", cfg)], tmp_path / "int8", StepContext(calib="lee-news", eval="wikipedia",
+                                                                             progress=False))
+    metrics = json.loads((out / "manifest.json").read_text())["metrics"]["int8"]
+    assert metrics["calib_samples"] == held >= 2
+    assert metrics["calib_note"] == f"the calib split holds {held} samples, fewer than the {held + 1} asked: all used"
