@@ -695,6 +695,9 @@ def lm_session(path: str | os.PathLike[str], threads: int = 1, fp32_compute: boo
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    # parity runs a few short prompts beside the PyTorch model: without the arena each run's buffers go
+    # back, instead of the arena keeping every run's high-water mark until the session closes
+    so.enable_cpu_mem_arena = False
     if fp32_compute:
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
