@@ -80,19 +80,46 @@ def build_model(name: str, folder: Path) -> None:
     tmp.rename(folder)
 
 
+def sample_rss(pid: int, samples: list[tuple[float, int, int]], t0: float, period: float = 0.2) -> None:
+    """Append (seconds, anonymous MiB, file-backed MiB) of process ``pid`` every ``period`` s until it ends:
+    where in a command its peak is, and whether it is heap or memory-mapped weights."""
+    while True:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
+                       if k in ("RssAnon", "RssFile")}
+        except (OSError, ValueError):
+            return
+        if len(kib) < 2:
+            return
+        samples.append((round(time.perf_counter() - t0, 1), kib["RssAnon"] // 1024, kib["RssFile"] // 1024))
+        time.sleep(period)
+
+
 def measure(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``cmd`` (niced); its own peak RSS and CPU time (``os.wait4``), wall time, load average."""
+    """Run ``cmd`` (niced); its own peak RSS and CPU time (``os.wait4``), wall time, load average, and its
+    RSS (heap and file-backed apart) sampled every 0.2 s: the samples at the peak, and a timeline."""
+    import threading
+
     load0 = os.getloadavg()
     t0 = time.perf_counter()
+    samples: list[tuple[float, int, int]] = []
     with open(log, "w") as f:
         proc = subprocess.Popen(["nice", "-n", "5", *cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+        sampler = threading.Thread(target=sample_rss, args=(proc.pid, samples, t0), daemon=True)
+        sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
+    sampler.join(timeout=1)
     wall = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({code}); see {log}")
+    top = max(samples, key=lambda s: s[1] + s[2], default=(0.0, 0, 0))
+    every = max(1, len(samples) // 200)  # a timeline of ~200 points
     return {"peak_rss_mib": round(usage.ru_maxrss / 1024), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-            "wall_s": round(wall, 1), "load_before": round(load0[0], 2), "load_after": round(os.getloadavg()[0], 2)}
+            "wall_s": round(wall, 1), "load_before": round(load0[0], 2), "load_after": round(os.getloadavg()[0], 2),
+            "sampled_peak": {"at_s": top[0], "anon_mib": top[1], "file_mib": top[2]},
+            "rss_timeline": samples[::every], "t0": t0}
 
 
 def parameters(folder: Path) -> int:
@@ -112,7 +139,6 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
     folder = work / name
     code_root = str(Path(args.code).resolve()) if args.code else str(ROOT)  # the edgekit tree to measure
     env = {**os.environ, "PYTHONPATH": code_root, "HF_HUB_OFFLINE": "1"}
-    edgekit = [sys.executable, "-m", "edgekit.cli"]
     out = work / f"{name}-{step}{args.label}"
     log = work / f"{name}-{step}{args.label}.log"
     shutil.rmtree(out, ignore_errors=True)
@@ -125,10 +151,13 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
         # --quality-windows eval windows (the CLI's 8 by default): the gate holds one window's logits
         # at a time, so the window count changes the time, not the peak
         cfg = {"method": step, "bits": 4, **({"calib_samples": args.calib_samples} if step == "gptq" else {})}
-        code = ("from edgekit.compress import StepContext, compress; "
+        code = ("import sys, time; from edgekit.compress import StepContext, compress; "
+                # the phases' ends on the monotonic clock the sampler uses (the float reference, the comparison)
+                f"{PHASE_MARKS}; "
                 f"compress({str(folder)!r}, [('int4', {cfg!r})], {str(out)!r}, StepContext(progress=False, "
                 f"accept_quality_loss=True, quality_windows={args.quality_windows}))")
         rec = measure([sys.executable, "-c", code], log, env)
+        rec["phases_end_s"] = phase_ends(log, rec.pop("t0"))
         man = json.loads((out / "manifest.json").read_text())
         meta = man["steps"][-1]["meta"]
         rec.update({"quant_cpu_s": meta.get("cpu_seconds"), "quant_wall_s": meta.get("seconds"),
@@ -136,11 +165,43 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
                     "quality": man["metrics"].get("quality")})
     elif step == "export":
         src = work / f"{name}-rtn{args.label}"
-        rec = measure(edgekit + ["-q", "export", str(src), "--kv-cache", "-o", str(out)], log, env)
+        # `edgekit -q export SRC --kv-cache -o OUT`, with the ends of its phases marked (EXPORT_MARKS)
+        code = (f"import sys, time; import edgekit.export.lm; from edgekit.cli import main; {EXPORT_MARKS}; "
+                f"sys.argv = ['edgekit', '-q', 'export', {str(src)!r}, '--kv-cache', '-o', {str(out)!r}]; main()")
+        rec = measure([sys.executable, "-c", code], log, env)
+        rec["phases_end_s"] = phase_ends(log, rec.pop("t0"))
         rec["onnx_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
     else:
         raise SystemExit(f"unknown step {step!r} (choose from {', '.join(STEPS)})")
     return rec
+
+
+# wraps compress()'s two quality-gate functions to print when each returned (time.perf_counter: CLOCK_MONOTONIC,
+# the same clock in every process), so the sampled peak can be placed in a phase
+PHASE_MARKS = ("m = sys.modules['edgekit.compress']; "
+               "mark = lambda f, n: (lambda *a: (r := f(*a), print('phase', n, time.perf_counter(), flush=True))[0]); "
+               "m.measure_reference = mark(m.measure_reference, 'reference'); m.compare = mark(m.compare, 'steps')")
+
+
+# the fused-graph export's phases: the graph built, the file written, parity against PyTorch, against float
+EXPORT_MARKS = ("m = sys.modules['edgekit.export.lm']; "
+                "mark = lambda f, n: (lambda *a, **k: (r := f(*a, **k), print('phase', n, time.perf_counter(), "
+                "flush=True))[0]); "
+                "m.fused_decoder_parts = mark(m.fused_decoder_parts, 'graph'); "
+                "m.verify_onnx_runs = mark(m.verify_onnx_runs, 'written'); "
+                "m.check_lm_parity = mark(m.check_lm_parity, 'parity'); "
+                "m.check_against_float = mark(m.check_against_float, 'parity_float')")
+
+
+def phase_ends(log: Path, t0: float) -> dict[str, float]:
+    """Seconds after the command's start at which each marked phase ended (``PHASE_MARKS``)."""
+    out: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "phase":
+            key = parts[1] if parts[1] not in out else f"{parts[1]}_2"  # parity runs twice (fp32 twin, int8)
+            out[key] = round(float(parts[2]) - t0, 1)
+    return out
 
 
 def versions() -> dict[str, str]:
@@ -149,19 +210,33 @@ def versions() -> dict[str, str]:
     return {p: md.version(p) for p in ("torch", "transformers", "onnx", "onnxruntime", "safetensors")}
 
 
+def block_mib(name: str) -> float:
+    """One decoder layer's weights in float32 (MiB): what the block walk holds cast up at a time."""
+    c = SHAPES[name]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    attn = c["hidden_size"] * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    return (attn + 3 * c["hidden_size"] * c["intermediate_size"]) * 4 / 2**20
+
+
+def goal_mib(r: dict[str, Any]) -> float:
+    """Issue 30's bound: 1.5x the bf16 model plus one block."""
+    return 1.5 * r["parameters"] * 2 / 2**20 + block_mib(r["model"])
+
+
 def table() -> None:
     rows = [json.loads(p.read_text()) for p in sorted(PARTS.glob("*.json"))]
     rows.sort(key=lambda r: (r["parameters"], STEPS.index(r["step"]), r.get("label", "after") != "before"))
-    print("| model | parameters | bf16 MiB | step | code | peak MiB | x bf16 | CPU s | wall s | load | notes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | parameters | bf16 MiB | step | code | peak MiB | x bf16 | goal MiB (1.5x + block) | CPU s | wall s "
+          "| load | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bf16 = r["parameters"] * 2 / 2**20
         note = f"{r['calib_windows']} calibration windows" if r.get("calib_windows") else ""
         if r.get("quality_windows"):
             note += f"quality gate on {r['quality_windows']} windows"
         print(f"| {r['model']} | {r['parameters'] / 1e9:.2f}B | {bf16:,.0f} | {r['step']} | {r.get('label', 'after')} | "
-              f"{r['peak_rss_mib']:,} | {r['peak_rss_mib'] / bf16:.2f} | {r['cpu_s']} | {r['wall_s']} | "
-              f"{r['load_before']} | {note} |")
+              f"{r['peak_rss_mib']:,} | {r['peak_rss_mib'] / bf16:.2f} | {goal_mib(r):,.0f} | {r['cpu_s']} | "
+              f"{r['wall_s']} | {r['load_before']}-{r['load_after']} | {note} |")
     plot([r for r in rows if r.get("label", "after") == "after"])
 
 
@@ -178,8 +253,8 @@ def plot(rows: list[dict[str, Any]]) -> None:
             continue
         a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=step)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=step)
-    xs = sorted({r["parameters"] / 1e9 for r in rows})
-    a1.plot(xs, [1.5 * x * 2 / 1.073741824 for x in xs], "k--", label="1.5x bf16 model")
+    goals = sorted({(r["parameters"] / 1e9, goal_mib(r) / 1024) for r in rows})
+    a1.plot([g[0] for g in goals], [g[1] for g in goals], "k--", label="goal: 1.5x bf16 + one block")
     a1.set(xlabel="parameters (billions)", ylabel="peak RSS (GiB)", title="peak memory per command")
     a2.set(xlabel="parameters (billions)", ylabel="CPU s", title="CPU time per command", yscale="log")
     for a in (a1, a2):
@@ -232,6 +307,7 @@ def main() -> None:
             n = parameters(work / name)
             for step in args.steps.split(","):
                 rec = run_step(name, step, args, work)
+                rec.pop("t0", None)
                 rec.update({"model": name, "step": step, "parameters": n, "machine": machine(), "versions": versions(),
                             "label": args.label.lstrip("-") or "after", "code": args.code or "this tree",
                             "quality_windows": args.quality_windows if step in ("rtn", "gptq") else None,

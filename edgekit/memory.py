@@ -8,13 +8,18 @@
   the large weights, the few float tensors left (norms, biases) hold the float model's file in
   memory. This copies those tensors out (Linux: read from ``/proc/self/maps``), so the mapping goes.
 * ``drop_file_pages(tensors)``: the resident pages of memory-mapped weights nothing computes with any
-  more (a block cast to float32, a layer packed) go back to the kernel while the file stays mapped.
+  more (a block cast to float32, a layer packed), or that were read once and will be read again later
+  (a layer's forward, the check for NaN at load), go back to the kernel while the file stays mapped;
+  a later read finds them in the page cache (or the file). Pages the process wrote to (a private
+  mapping's copy-on-write pages) are never dropped: that would undo the write.
 * ``float32_compute(module)``: a model whose weights are stored in bfloat16 or float16 (to hold
   half the memory) runs in float32 all the same, one layer at a time: each module holding
   half-precision tensors of its own is cast to float32 right before its forward and its original
   tensors are put back right after (not cast back: a memory-mapped weight stays in its file rather
   than doubling into the heap), so at most one layer's float32 copy exists at a time
   (embedding tables and LM heads not even that: rows are looked up or multiplied a block at a time).
+  With ``drop_pages=True`` each layer's memory-mapped weights also leave the process's resident memory
+  once its forward returns, so a forward of the whole model holds one layer's pages at a time.
 
 >>> release_memory()  # doctest: +SKIP
 """
@@ -105,25 +110,50 @@ MADV_DONTNEED = 4  # Linux: the pages go; a later read of a file-backed page rea
 
 def drop_file_pages(tensors: list[Any]) -> int:
     """Let the kernel take back the resident pages of ``tensors`` that live in a memory-mapped
-    safetensors file and that the model no longer computes with (a half-precision weight a float32
-    copy or a packed layer replaced): while any tensor still points into the file, its mapping stays
-    and every page once read counts in the process's memory. Only whole pages inside each tensor's
-    bytes are dropped, so a neighbour's bytes stay where they are; were a dropped tensor read again,
-    its pages would come back from the unchanged file. Returns the bytes dropped (0 off Linux/glibc)."""
+    safetensors file (a half-precision weight a float32 copy or a packed layer replaced, or one read
+    now and read again later): while any tensor still points into the file, its mapping stays and
+    every page once read counts in the process's memory. Only whole pages inside each tensor's bytes
+    are dropped, so a neighbour's bytes stay where they are; read again, they come back from the
+    unchanged file. A tensor with a page this process wrote to (copy-on-write: no longer the file's)
+    is left whole. Returns the bytes dropped (0 off Linux/glibc)."""
     lib = _libc()
     ranges = _file_mappings() if lib is not None and tensors else []
     if not ranges:
         return 0
     page = os.sysconf("SC_PAGE_SIZE")
     dropped = 0
+    seen: set[tuple[int, int]] = set()
     for t in tensors:
         ptr, size = t.data_ptr(), t.numel() * t.element_size()
         if not any(lo <= ptr and ptr + size <= hi for lo, hi in ranges):
             continue
         start, end = -(-ptr // page) * page, (ptr + size) // page * page
-        if end > start and lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
+        if end <= start or (start, end) in seen or _written_pages(start, end, page):
+            continue
+        seen.add((start, end))
+        if lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
             dropped += end - start
     return dropped
+
+
+PAGEMAP_PRESENT, PAGEMAP_FILE = 1 << 63, 1 << 61  # /proc/self/pagemap entry bits (Linux >= 4.2)
+
+
+def _written_pages(start: int, end: int, page: int) -> bool:
+    """Whether a page in [start, end) of a private file mapping is resident but no longer the file's
+    (written to: an anonymous copy); True when this cannot be read (nothing is dropped then)."""
+    import numpy as np
+
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(start // page * 8)
+            entries = np.frombuffer(f.read((end - start) // page * 8), dtype=np.uint64)
+    except OSError:
+        return True
+    if entries.size != (end - start) // page:
+        return True
+    present = (entries & np.uint64(PAGEMAP_PRESENT)) != 0
+    return bool((present & ((entries & np.uint64(PAGEMAP_FILE)) == 0)).any())
 
 
 def _own_tensors(module: Any) -> list[tuple[str, Any, str]]:
@@ -148,9 +178,12 @@ def _cast_up(module: Any, names: set[str], kept: dict[str, Any]) -> None:
             module._buffers[name] = t.float()
 
 
-def _restore(module: Any, kept: dict[str, Any]) -> None:
+def _restore(module: Any, kept: dict[str, Any], drop_pages: bool = False) -> None:
     """Put back the tensors ``_cast_up`` replaced: the very same storage, not a cast-back copy (a
-    weight memory-mapped from its safetensors file stays there instead of doubling into the heap)."""
+    weight memory-mapped from its safetensors file stays there instead of doubling into the heap);
+    ``drop_pages``: and let their resident pages go (``drop_file_pages``)."""
+    if drop_pages:
+        drop_file_pages(list(kept.values()))
     for kind, t, name in _own_tensors(module):
         if name not in kept:
             continue
@@ -165,13 +198,16 @@ LARGE = 2**24  # elements: a table this large computes in float32 a block of row
 
 
 @contextmanager
-def float32_compute(module: Any) -> Iterator[None]:
+def float32_compute(module: Any, drop_pages: bool = False) -> Iterator[None]:
     """Within the block, every submodule of ``module`` holding bfloat16/float16 tensors of its own
     computes in float32: cast up right before its forward, its own half-precision tensors put back
     right after (the same storage: a memory-mapped weight is not copied into the heap). An
     embedding table looks its rows up as stored and casts them (exact); a linear layer larger than
     ``LARGE`` elements (an LM head) multiplies a block of output rows at a time, so neither is ever
-    copied whole. A module stored in float32 throughout runs unchanged (no hook is installed)."""
+    copied whole. A module stored in float32 throughout runs unchanged (no hook is installed).
+    ``drop_pages``: once a layer's forward returns, its memory-mapped half-precision weights' pages go
+    back to the kernel (``drop_file_pages``; embedding and large tables excepted: they are read a
+    row block at a time, and a tied table is read again by the head)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -190,7 +226,7 @@ def float32_compute(module: Any) -> Iterator[None]:
         else:
             kept: dict[str, Any] = {}
             hooks.append(m.register_forward_pre_hook(lambda mod, _a, n=set(dtypes), k=kept: _cast_up(mod, n, k)))
-            hooks.append(m.register_forward_hook(lambda mod, _a, _o, k=kept: _restore(mod, k)))
+            hooks.append(m.register_forward_hook(lambda mod, _a, _o, k=kept: _restore(mod, k, drop_pages)))
     try:
         yield
     finally:

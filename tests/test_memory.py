@@ -75,3 +75,40 @@ def test_pages_of_a_mapped_weight_go_back_to_the_kernel_and_read_back_from_the_f
     assert before - _rss_file_kib() >= dropped // 1024 * 0.9  # (other files may page in meanwhile)
     assert np.array_equal(weight.numpy(), data[4096 + 100: 12 * 2**20 + 7])  # read back from the file
     assert drop_file_pages([]) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise on a file mapping: Linux")
+def test_written_pages_of_a_private_mapping_are_never_dropped(tmp_path):
+    """A tensor of a private file mapping the process wrote to holds copy-on-write pages that are no
+    longer the file's: dropping them would undo the write, so ``drop_file_pages`` leaves it whole."""
+    data = np.zeros(4 * 2**20, dtype=np.uint8)
+    path = tmp_path / "weights.safetensors"
+    data.tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=data.size, dtype=torch.uint8)
+    written, clean = mapped[: 2 * 2**20], mapped[2 * 2**20:]
+    written[5 * 4096 + 3] = 7  # one page copied on write
+    assert int(clean.sum()) == 0  # read: resident, still the file's
+    assert drop_file_pages([written]) == 0 and int(written[5 * 4096 + 3]) == 7
+    assert drop_file_pages([clean]) == 2 * 2**20 and int(clean.sum()) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise on a file mapping: Linux")
+def test_float32_compute_can_let_each_layers_mapped_pages_go(tmp_path):
+    """``float32_compute(drop_pages=True)``: a layer whose bfloat16 weight is memory-mapped from a
+    ``.safetensors`` file computes in float32 as before, and its weight's pages leave resident memory
+    once its forward returns (read again from the file on the next forward: the same output)."""
+    rows, cols = 1024, 2048  # 4 MiB of bfloat16
+    w = torch.randn(rows, cols).to(torch.bfloat16)
+    path = tmp_path / "layer.safetensors"
+    w.view(torch.uint8).numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=rows * cols, dtype=torch.bfloat16).view(rows, cols)
+    layer = nn.Linear(cols, rows, bias=False, dtype=torch.bfloat16)
+    layer.weight.data = mapped
+    x = torch.randn(3, cols)
+    want = x @ w.float().T
+    for _ in range(2):
+        with torch.no_grad(), float32_compute(layer, drop_pages=True):
+            before = _rss_file_kib()
+            out = layer(x)
+        assert torch.equal(out, want) and layer.weight.data_ptr() == mapped.data_ptr()
+        assert _rss_file_kib() - before < 1024  # the 4 MiB read for the forward went back

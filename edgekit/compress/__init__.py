@@ -436,14 +436,22 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
     weights = manifest.path_of(folder, "weights")
     check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
-    handle = load_model(manifest.source, loaders=ARTIFACT_LOADERS)
+    records = [StepRecord(**rec) for rec in manifest.steps]
+    steps = [get_step(record.name) for record in records]
+    # a base stored in bfloat16/float16 loads as stored (memory-mapped) where every step takes it so: the
+    # layers the steps replace are never read; what is left (norms, biases) is cast to float32 before the
+    # compressed weights load into it, so nothing of a float32 weight is rounded to half precision
+    half = bool(steps) and all(step.half_storage for step in steps)
+    handle = load_model(manifest.source, loaders=ARTIFACT_LOADERS, half_storage=half)
     handle.step_rewrites = step_rewrite
-    for rec in manifest.steps:
-        record = StepRecord(**rec)
-        step = get_step(record.name)
+    for record, step in zip(records, steps, strict=True):
         if step.rebuild is not None:
             handle = step.rebuild(handle, make_config(record.name, record.config), record)
         handle.steps.append(record)
+    if half and handle.module is not None:
+        from edgekit.compress.blocks import upcast_half  # deferred: torch (see the imports above)
+
+        upcast_half(handle.module)
     handle.quantized = quantized_precision(handle.steps)
     try:
         from safetensors.torch import load_model as load_st

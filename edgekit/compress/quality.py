@@ -10,6 +10,14 @@ After the chain, ``compare`` runs the compressed model on the same inputs and re
 * ``agreement``: how often the top prediction (argmax of the last axis) is the float one's,
 * ``cosine``: mean cosine similarity of output rows (logits, embeddings, class scores).
 
+For a causal LM of a family edgekit knows, neither pass holds a window's logits (tokens x vocabulary:
+311 MB for a 512-token window of a 152k vocabulary) at once: the model runs up to its LM head, and the
+head's logits are computed ``LOGITS_BLOCK`` elements (a block of positions) at a time, each block's
+log-softmax NLL, argmax and kept rows taken before the next (``lm_statistics``). A model stored in half
+precision computes in float32 a layer at a time, each layer's memory-mapped weights leaving resident
+memory once its forward returns (``float32_compute(drop_pages=True)``), so the float reference holds one
+layer of the file, not all of it.
+
 ``check_quality`` turns a report into a verdict against ``QualityBounds``: by default a chain
 that quantizes to 4 bits or fewer may cost at most 1.5x the float perplexity (a dropped scale or
 a broken fold costs orders of magnitude), 8 bits at most 1.1x; cosine and agreement floors
@@ -32,9 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from edgekit.compress.families import family_of, hf_model
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
-from edgekit.memory import float32_compute, own_memory, release_memory
+from edgekit.memory import drop_file_pages, float32_compute, own_memory, release_memory
 from edgekit.onnx_checks import ort_errors, ort_failure
 from edgekit.schema import check_fields
 from edgekit.sources.data import resolve_samples
@@ -43,6 +52,7 @@ from edgekit.sources.handle import ModelHandle, data_view
 EVAL_WINDOWS = 8  # causal LM: eval-split windows (the int4 step's measurement used as many)
 EVAL_SAMPLES = 32  # other models: eval samples
 COSINE_ROWS = 64  # output rows kept per model for the cosine (a 262k-vocabulary row is 1 MB)
+LOGITS_BLOCK = 1 << 24  # elements of a causal LM's logits computed at a time (64 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,116 @@ def _token_nll(logits: torch.Tensor, ids: np.ndarray) -> np.ndarray:
     return window_nll(logits.numpy(), ids)
 
 
+class _HeadInput(Exception):
+    """Raised by the LM head's pre-hook: the model ran up to the head; its input is ``hidden``."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+def lm_head(module: torch.nn.Module) -> tuple[torch.nn.Module, float | None] | None:
+    """(LM head, final soft-capping or None) of a causal LM of a family edgekit knows, whose logits
+    are the head's output (soft-capped where the config says so: Gemma 2); None for anything else
+    (an unknown family may transform its logits further: it is measured whole)."""
+    hf = hf_model(module)
+    if hf is None or not family_of(module).known:
+        return None
+    for m in module.modules():
+        get = getattr(m, "get_output_embeddings", None)
+        if not callable(get):
+            continue
+        try:
+            head = get()
+        except (NotImplementedError, AttributeError):
+            continue
+        if isinstance(head, torch.nn.Module):
+            cfg = hf.config
+            cap = getattr(cfg, "final_logit_softcapping", None) or getattr(
+                getattr(cfg, "text_config", None), "final_logit_softcapping", None)
+            return head, float(cap) if cap else None
+    return None
+
+
+@dataclass
+class WindowStats:
+    """What the quality gate keeps of one batch of windows' logits."""
+
+    nll: np.ndarray | None  # (b, t - 1) per-token NLL (causal LM)
+    top: np.ndarray  # (rows,) argmax of each flattened output row
+    rows: np.ndarray  # (len(index), vocab) the output rows at ``index``
+
+
+def lm_statistics(module: torch.nn.Module, head: torch.nn.Module, softcap: float | None,
+                  feeds: dict[str, np.ndarray], names: list[str], index: np.ndarray | None) -> WindowStats | None:
+    """Per-token NLL, argmax and the rows at ``index`` (flattened positions; None: ``COSINE_ROWS``
+    spread over the batch) of a causal LM's logits on ``feeds``, ``LOGITS_BLOCK`` elements at a time:
+    the model runs up to ``head``, then the head runs on a block of positions at a time. None when the
+    model's forward never reached ``head`` (measure its output whole instead)."""
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names]
+    # first among the head's pre-hooks: float32_compute's cast up does not run for a forward that stops here
+    hook = head.register_forward_pre_hook(lambda _m, a: _raise(_HeadInput(a[0].detach())), prepend=True)
+    try:
+        with torch.no_grad():
+            module(*args)
+        return None
+    except _HeadInput as stop:
+        hidden = stop.hidden  # (b, t, d)
+    finally:
+        hook.remove()
+    ids = feeds["input_ids"]
+    b, t = hidden.shape[:2]
+    out_features = getattr(head, "out_features", None)
+    out_rows = out_features if isinstance(out_features, int) else None
+    step = max(1, LOGITS_BLOCK // out_rows) if out_rows else t
+    nll = np.empty((b, max(t - 1, 0)), dtype=np.float32)
+    top = np.empty(b * t, dtype=np.int64)
+    if index is None:
+        index = np.linspace(0, b * t - 1, min(COSINE_ROWS, b * t)).astype(np.int64)
+    rows: list[np.ndarray | None] = [None] * len(index)
+    for i in range(b):
+        for s in range(0, t, step):
+            e = min(s + step, t)
+            with torch.no_grad():
+                logits = head(hidden[i:i + 1, s:e])[0].float()  # (e - s, vocab)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            top[i * t + s:i * t + e] = logits.argmax(-1).numpy()
+            last = min(e, t - 1)
+            if last > s:
+                target = torch.from_numpy(np.ascontiguousarray(ids[i, s + 1:last + 1])).long()
+                nll[i, s:last] = torch.nn.functional.cross_entropy(logits[:last - s], target, reduction="none").numpy()
+            for k in np.nonzero((index >= i * t + s) & (index < i * t + e))[0]:
+                rows[k] = logits[int(index[k]) - i * t - s].numpy().copy()
+            del logits
+    return WindowStats(nll, top, np.stack([r for r in rows if r is not None]))
+
+
+def _raise(e: Exception) -> None:
+    raise e
+
+
+def _stats(handle: ModelHandle, run: Any, head: tuple[torch.nn.Module, float | None] | None,
+           feeds: dict[str, np.ndarray], index: np.ndarray | None, per_feed: int) -> WindowStats:
+    """One feed's statistics: a block of positions at a time (``lm_statistics``) where the model is a
+    causal LM of a known family, else from its whole output."""
+    lm = handle.kind == "causal-lm" and "input_ids" in feeds
+    if lm and head is not None and handle.module is not None:
+        stats = lm_statistics(handle.module, head[0], head[1], feeds, [s.name for s in handle.inputs] or list(feeds),
+                              index if index is not None else _spread(feeds["input_ids"].size, per_feed))
+        if stats is not None:
+            return stats
+    out = run(feeds)
+    flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
+    idx = index if index is not None else _spread(flat.shape[0], per_feed)
+    return WindowStats(_token_nll(out, feeds["input_ids"]) if lm else None, flat.argmax(-1).numpy(),
+                       flat[torch.from_numpy(idx)].numpy())
+
+
+def _spread(n: int, k: int) -> np.ndarray:
+    """``k`` (at most ``n``) row indices spread evenly over ``n`` rows."""
+    return np.linspace(0, n - 1, min(k, n)).astype(np.int64)
+
+
 def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     """The float model's outputs on held-out data (through its PyTorch module or ONNX graph)."""
     source, feeds = _held_out(handle, ctx)
@@ -150,16 +270,18 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     top, rows, index = [], [], []
     per_feed = max(1, COSINE_ROWS // len(feeds))
     run = _runner(handle)
-    for f in feeds:
-        with float32_compute(handle.module) if handle.module is not None else nullcontext():
-            out = run(f)  # weights stored in half precision: float32 a layer at a time
-        if nll is not None:
-            nll.append(_token_nll(out, f["input_ids"]))
-        flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
-        top.append(flat.argmax(-1).numpy())
-        idx = np.linspace(0, flat.shape[0] - 1, min(per_feed, flat.shape[0])).astype(np.int64)
-        index.append(idx)
-        rows.append(flat[torch.from_numpy(idx)].numpy())
+    head = lm_head(handle.module) if lm and handle.module is not None else None
+    # weights stored in half precision: float32 a layer at a time, each layer's file pages let go after it
+    with float32_compute(handle.module, drop_pages=True) if handle.module is not None else nullcontext():
+        for f in feeds:
+            st = _stats(handle, run, head, f, None, per_feed)
+            if nll is not None and st.nll is not None:
+                nll.append(st.nll)
+            top.append(st.top)
+            index.append(_spread(st.top.size, per_feed))
+            rows.append(st.rows)
+    if handle.module is not None:  # what the pass read of a memory-mapped file (the LM head's table) goes too
+        drop_file_pages([*handle.module.parameters(), *handle.module.buffers()])
     release_memory()  # the last window's logits
     return Reference(source, feeds, nll, top, np.concatenate(rows), index)
 
@@ -171,14 +293,15 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     nll: list[np.ndarray] = []
     agree, count, rows = 0, 0, []
     run = _runner(handle)
+    lm = handle.kind == "causal-lm" and bool(ref.feeds) and "input_ids" in ref.feeds[0]
+    head = lm_head(handle.module) if lm and handle.module is not None else None
     for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):
-        out = run(f)
-        if ref.nll is not None:
-            nll.append(_token_nll(out, f["input_ids"]))
-        flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
-        agree += int((flat.argmax(-1).numpy() == top).sum())
+        st = _stats(handle, run, head, f, idx, len(idx))
+        if ref.nll is not None and st.nll is not None:
+            nll.append(st.nll)
+        agree += int((st.top == top).sum())
         count += top.size
-        rows.append(flat[torch.from_numpy(idx)].numpy())
+        rows.append(st.rows)
     got = np.concatenate(rows).astype(np.float64)
     want = ref.rows.astype(np.float64)
     cos = (got * want).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1), 1e-30)
@@ -212,4 +335,4 @@ def check_quality(report: dict[str, Any], bounds: QualityBounds | None) -> list[
 
 
 __all__ = ["QualityBounds", "BOUNDS_4BIT", "BOUNDS_8BIT", "BOUNDS_HALF", "loosest", "measure_reference", "compare",
-           "check_quality", "Reference"]
+           "check_quality", "Reference", "WindowStats", "lm_head", "lm_statistics"]

@@ -48,6 +48,7 @@ from edgekit.artifact import Manifest, staged_dir, write_manifest
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, bad_choice
 from edgekit.export.lm_graph import (
     FusedGraphConfig,
+    Initializer,
     fused_decoder_parts,
     save_parts,
     save_parts_external,
@@ -56,7 +57,7 @@ from edgekit.export.lm_graph import (
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
 from edgekit.kv_cache import KVCacheDecoder
-from edgekit.memory import release_memory
+from edgekit.memory import float32_compute, release_memory
 from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
@@ -482,17 +483,33 @@ def export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], *, with_past:
     (default) takes the fused graph where the architecture has one. ``block_size``: the fused
     graph's MatMulNBits block (default: the quantization group).
 
+    The fused graph's weights are written to a temporary file layer by layer as they are made, and
+    copied from there into the graph's file one tensor at a time: memory holds the packed model, never
+    a second packed copy of it beside it.
+
     >>> export_causal_lm(load_model("out/w4"), "out/w4-onnx")  # doctest: +SKIP
     """
+    graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
+    with tempfile.TemporaryDirectory(prefix="edgekit-lm-weights-") as spill:
+        return _export_causal_lm(handle, out_dir, graph, os.path.join(spill, "weights.bin"), with_past=with_past,
+                                 fmt=fmt, accuracy_level=accuracy_level, opset=opset, parity=parity, atol=atol,
+                                 rtol=rtol, block_size=block_size)
+
+
+def _export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], graph: str, spill: str, *, with_past: bool,
+                      fmt: str, accuracy_level: int | None, opset: int, parity: bool, atol: float, rtol: float,
+                      block_size: int | None) -> Path:
+    """``export_causal_lm`` once the graph kind is chosen; ``spill``: where the fused graph's weights are
+    written layer by layer as they are made (``fused_decoder_parts``), read back into the graph's file."""
     import onnx
 
-    graph = choose_graph(handle, graph, with_past=with_past, fmt=fmt)
     task = "text-generation-with-past" if with_past else "text-generation"
     t0 = time.perf_counter()
-    tensors: list[tuple[str, np.ndarray]] = []  # the fused graph's initializers, written after it (save_parts)
+    tensors: list[tuple[str, Initializer]] = []  # the fused graph's initializers, written after it (save_parts)
     if graph == "fused":
         proto, tensors = fused_decoder_parts(_hf_model(handle.module), FusedGraphConfig(
-            block_size=block_size, accuracy_level=accuracy_level, opset=opset))
+            block_size=block_size, accuracy_level=accuracy_level, opset=opset), spill=spill)
+        release_memory()  # each layer's arrays were freed once spilled: their pages go back
         export_s = time.perf_counter() - t0
     else:
         if block_size is not None:
@@ -678,6 +695,9 @@ def lm_session(path: str | os.PathLike[str], threads: int = 1, fp32_compute: boo
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    # parity runs a few short prompts beside the PyTorch model: without the arena each run's buffers go
+    # back, instead of the arena keeping every run's high-water mark until the session closes
+    so.enable_cpu_mem_arena = False
     if fp32_compute:
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -868,10 +888,12 @@ def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_
     got = onnx_logits(sess, ids, prompt_len, with_past)
     del sess
     release_memory()
-    base = load_model(handle.source)
+    # a base stored in bfloat16 loads as stored and computes in float32 a layer at a time, each layer's
+    # pages of the file let go after it: the float model is never whole in memory beside the compressed one
+    base = load_model(handle.source, half_storage=True)
     if base.module is None:
         return {"skipped": f"the base model {handle.source} has no PyTorch module"}
-    with torch.no_grad():
+    with torch.no_grad(), float32_compute(base.module, drop_pages=True):
         ref = base.module(t, torch.ones_like(t)).float().numpy()
     del base
 

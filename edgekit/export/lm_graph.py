@@ -211,25 +211,66 @@ def blocked_weights(layer: QuantLinear, block: int) -> tuple[np.ndarray, np.ndar
     return B.numpy(), scales.numpy(), zeros.numpy()
 
 
-class _Writer:
-    """Nodes and initializers of the graph being written."""
+SPILL_FROM = 2**20  # bytes: an initializer this large goes to the spill file as it is made (``fused_decoder_parts``)
 
-    def __init__(self, config: FusedGraphConfig) -> None:
+
+@dataclass(frozen=True)
+class SpilledArray:
+    """An initializer's values written to a spill file as the graph was built: read back (memory-mapped,
+    one tensor at a time) only when the graph's file is written."""
+
+    path: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def load(self) -> np.ndarray:
+        """The values, memory-mapped read-only from the spill file (unmapped once dropped)."""
+        return np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r", offset=self.offset, shape=self.shape)
+
+
+Initializer = np.ndarray | SpilledArray  # a (name, Initializer) pair: what the writers take
+
+
+def _values(t: Initializer) -> np.ndarray:
+    return t.load() if isinstance(t, SpilledArray) else np.ascontiguousarray(t)
+
+
+class _Writer:
+    """Nodes and initializers of the graph being written. With a ``spill`` file (opened for binary
+    writing), initializers of ``SPILL_FROM`` bytes and more are written to it as they are made, each
+    layer's weights leaving memory before the next layer's are made."""
+
+    def __init__(self, config: FusedGraphConfig, spill: Any = None) -> None:
         self.config = config
         self.nodes: list[Any] = []
-        self.inits: list[tuple[str, np.ndarray]] = []  # (name, values): TensorProtos only as they are written
-        self.shared: dict[str, np.ndarray] = {}
+        self.inits: list[tuple[str, Initializer]] = []  # (name, values): TensorProtos only as they are written
+        self.shared: dict[str, Initializer] = {}
+        self.spill = spill
 
     def init(self, name: str, arr: np.ndarray, shared: bool = False) -> str:
         """An initializer. ``shared``: a table another node reads too (a tied embedding and LM
         head); writing that name again with the same values reuses it, so it is stored once."""
         if name in self.shared:
-            if not np.array_equal(self.shared[name], arr):
+            if self.spill is not None:
+                self.spill.flush()  # a spilled table is read back from the file
+            kept = self.shared[name]
+            if not np.array_equal(kept.load() if isinstance(kept, SpilledArray) else kept, arr):
                 raise ValueError(f"initializer {name} written twice with different values")
             return name
+        dense = np.ascontiguousarray(arr)
+        values: Initializer = dense
+        if self.spill is not None and dense.nbytes >= SPILL_FROM:
+            offset = self.spill.tell()
+            self.spill.write(dense.reshape(-1).view(np.uint8).data)
+            values = SpilledArray(self.spill.name, offset, dense.dtype.str, tuple(dense.shape))
         if shared:
-            self.shared[name] = arr
-        self.inits.append((name, np.ascontiguousarray(arr)))
+            self.shared[name] = values if isinstance(values, SpilledArray) else arr
+        self.inits.append((name, values))
         return name
 
     def node(self, op: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs: Any) -> list[str]:
@@ -448,7 +489,7 @@ def build_fused_decoder(hf_model: Any, config: FusedGraphConfig | None = None) -
     """
     model, tensors = fused_decoder_parts(hf_model, config)
     for k, (name, arr) in enumerate(tensors):  # one at a time: the weights are never held twice
-        model.graph.initializer.append(numpy_helper.from_array(arr, name))
+        model.graph.initializer.append(numpy_helper.from_array(_values(arr), name))
         tensors[k] = ("", np.empty(0))
     return model
 
@@ -471,7 +512,7 @@ def _field(number: int, length: int) -> bytes:
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 
 
-def save_parts(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: str | os.PathLike[str]) -> None:
+def save_parts(model: ModelProto, tensors: list[tuple[str, Initializer]], path: str | os.PathLike[str]) -> None:
     """Write ``model`` with ``tensors`` ((name, array) pairs) as its initializers to one ONNX file,
     the arrays' bytes straight from their memory.
 
@@ -483,8 +524,8 @@ def save_parts(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: s
     """
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-        for name, arr in tensors:
-            arr = np.ascontiguousarray(arr)
+        for name, t in tensors:
+            arr = _values(t)  # a spilled one: mapped for its write only
             header = TensorProto(name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype))
             head = header.SerializeToString() + _field(_TENSOR_RAW_DATA, arr.nbytes)
             tensor_len = len(head) + arr.nbytes
@@ -498,7 +539,7 @@ EXTERNAL_ALIGN_FROM = 2**20  # bytes from which a tensor is aligned (as onnx's o
 EXTERNAL_FROM = 1024  # smaller tensors stay inside the graph (onnx's default size threshold)
 
 
-def save_parts_external(model: ModelProto, tensors: list[tuple[str, np.ndarray]], path: str | os.PathLike[str],
+def save_parts_external(model: ModelProto, tensors: list[tuple[str, Initializer]], path: str | os.PathLike[str],
                         location: str = "model.onnx.data") -> None:
     """``save_parts`` for a model past protobuf's 2 GB limit: each array's bytes are appended, one
     tensor at a time and straight from its memory, to ``location`` beside ``path`` (large ones at a
@@ -508,8 +549,8 @@ def save_parts_external(model: ModelProto, tensors: list[tuple[str, np.ndarray]]
     initializers in memory first (``onnx`` holds them as ``TensorProto`` copies and serializes them)."""
     headers = []
     with open(os.path.join(os.path.dirname(os.fspath(path)), location), "wb") as f:
-        for name, arr in tensors:
-            arr = np.ascontiguousarray(arr)
+        for name, t in tensors:
+            arr = _values(t)
             if arr.nbytes < EXTERNAL_FROM:  # a shape or axes input: ONNX Runtime reads those from the graph only
                 headers.append(numpy_helper.from_array(arr, name))
                 continue
@@ -531,10 +572,21 @@ def save_parts_external(model: ModelProto, tensors: list[tuple[str, np.ndarray]]
             f.write(_field(_GRAPH_INITIALIZER, h.ByteSize()) + h.SerializeToString())
 
 
-def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
-                        ) -> tuple[ModelProto, list[tuple[str, np.ndarray]]]:
+def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None, spill: str | os.PathLike[str] | None = None,
+                        ) -> tuple[ModelProto, list[tuple[str, Initializer]]]:
     """``build_fused_decoder``'s graph without its initializers, and the initializers as
-    (name, array) pairs, for ``save_parts`` to write the file without assembling the model."""
+    (name, array) pairs, for ``save_parts`` to write the file without assembling the model.
+    ``spill``: a file path; initializers of ``SPILL_FROM`` bytes and more are written there as each
+    layer is made (``SpilledArray`` in the pairs), so memory never holds the whole packed graph beside
+    the model it is made from."""
+    if spill is None:
+        return _fused_decoder_parts(hf_model, config, None)
+    with open(spill, "wb") as f:
+        return _fused_decoder_parts(hf_model, config, f)
+
+
+def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: Any,
+                         ) -> tuple[ModelProto, list[tuple[str, Initializer]]]:
     config = config or FusedGraphConfig()
     ok, why = supports_fused_graph(hf_model)
     if not ok:
@@ -548,7 +600,7 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
     kv_heads = falcon_kv_heads(cfg) if falcon else (getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     eps = float(cfg.layer_norm_epsilon if falcon else cfg.rms_norm_eps)
-    w = _Writer(config)
+    w = _Writer(config, spill)
     b, s, past, total = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [b, s]),
@@ -721,5 +773,5 @@ def fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None = None,
 
 
 __all__ = ["ARCHITECTURES", "ARCHS", "Arch", "BLOCK_SIZES", "FusedGraphConfig", "blocked_weights", "build_fused_decoder",
-           "fused_decoder_parts", "save_parts", "save_parts_external",
+           "fused_decoder_parts", "save_parts", "save_parts_external", "SpilledArray", "Initializer",
            "supports_fused_graph"]

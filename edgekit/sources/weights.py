@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.errors import BadInputError
+from edgekit.memory import drop_file_pages
 
 MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the safetensors library's own limit
 # bits per element of each safetensors dtype
@@ -369,7 +370,8 @@ def check_finite_parameters(module: Any, where: str) -> None:
     """Refuse a model whose parameters hold NaN or infinity (a corrupt or bit-flipped file).
     Each weight is checked ``FINITE_CHECK_CHUNK`` elements at a time: ``torch.isfinite`` of a
     whole table makes float and boolean temporaries the size of it (Gemma-3's 262,144 x 640
-    embedding: ~1 GB)."""
+    embedding: ~1 GB). A weight memory-mapped from its file leaves resident memory once checked
+    (``drop_file_pages``): reading the model here does not make the whole file resident at once."""
     import torch
 
     for name, p in module.named_parameters():
@@ -378,6 +380,7 @@ def check_finite_parameters(module: Any, where: str) -> None:
         flat = p.detach().reshape(-1)
         if all(bool(torch.isfinite(flat[i:i + FINITE_CHECK_CHUNK]).all())
                for i in range(0, flat.numel(), FINITE_CHECK_CHUNK)):
+            drop_file_pages([p])
             continue
         bad = sum(int((~torch.isfinite(flat[i:i + FINITE_CHECK_CHUNK])).sum())
                   for i in range(0, flat.numel(), FINITE_CHECK_CHUNK))

@@ -26,6 +26,25 @@ def test_nibble_order_is_low_first():
     assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[0b00111001]]
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packing_in_uint8_gives_the_bytes_of_wide_integer_packing(bits):
+    """``pack_codes`` packs in uint8 (no int32 copy of an LM head's codes): each byte is the low 8 bits of
+    the codes shifted and OR-ed in wide integers, for in-range codes, the padded last byte, and codes
+    too large for the width alike; the input is left as it was."""
+    import numpy as np
+
+    per = 8 // (4 if bits == 3 else bits)
+    width = 8 // per
+    g = torch.Generator().manual_seed(bits)
+    for high in (2**width, 256):
+        q = torch.randint(0, high, (1, 7), generator=g, dtype=torch.int64).to(torch.uint8)
+        before = q.clone()
+        wide = np.pad(q.numpy().astype(np.int64), ((0, 0), (0, (-7) % per))).reshape(1, -1, per)
+        want = (np.bitwise_or.reduce([wide[..., i] << (width * i) for i in range(per)]) & 0xFF).astype(np.uint8)
+        got = pack_codes(q, bits)
+        assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want) and torch.equal(q, before)
+
+
 def test_rtn_grid_asym_and_sym():
     w = torch.tensor([[-1.0, 0.0, 0.5, 2.0]])
     s, z = qparams(w, 4, sym=False)

@@ -544,6 +544,38 @@ def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_pa
             assert torch.equal(m.qweight, packed[n].qweight) and torch.equal(m.scales, packed[n].scales), n
 
 
+def test_compressed_model_of_a_half_stored_base_reloads_every_stored_tensor_bit_for_bit(calib, tmp_path):
+    """``load_compressed`` of a model compressed from a bfloat16 folder loads the base as stored (its
+    replaced layers are never read), casts what is left to float32 before the artifact's weights load
+    into it, so AWQ's float32 scales folded into the norms are not rounded to bfloat16 on the way;
+    the exported graph then passes its parity against the PyTorch model and the float model (loaded in
+    bfloat16, computed in float32 a layer at a time)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from edgekit.export.lm import export_causal_lm
+    from tests.tiny_models import build, byte_tokenizer
+
+    folder = tmp_path / "llama-bf16"
+    build("llama").to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save_pretrained(folder)
+    cfg = WeightOnlyConfig(method="awq", bits=4, group_size=32, seqlen=32)
+    out = compress(str(folder), [("int4", cfg)], tmp_path / "w4", StepContext(calib=calib, eval=calib, progress=False))
+    stored = load_file(str(out / json.loads((out / "manifest.json").read_text())["files"]["weights"]))
+    handle = load_compressed(out)
+    state = handle.module.state_dict()
+    assert not any(t.dtype in (torch.bfloat16, torch.float16) for t in state.values())
+    norms = [k for k in stored if "norm" in k and stored[k].is_floating_point()]
+    assert norms and any(not torch.equal(stored[k], stored[k].to(torch.bfloat16).float()) for k in norms)  # AWQ's
+    for name, t in stored.items():
+        assert torch.equal(state[name], t), name
+    onnx_dir = export_causal_lm(handle, tmp_path / "onnx")
+    metrics = json.loads((onnx_dir / "manifest.json").read_text())["metrics"]
+    assert metrics["parity"]["passed"] and metrics["parity_float"]["passed"]
+    assert metrics["parity_float"]["relative_error"] <= metrics["parity_float"]["tolerance"]
+
+
 def test_codes_handed_to_after_block_are_not_kept_and_are_the_codes_of_the_whole_model():
     """``quantize_module(after_block=...)`` hands each block's codes over once and keeps none of them
     (one byte per weight for the whole model is half a bfloat16 model); they are the codes the walk

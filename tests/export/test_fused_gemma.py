@@ -145,3 +145,27 @@ def test_mistral_fused_graph_slides_its_window_on_every_layer(tmp_path):
     assert [next(a.i for a in n.attribute if a.name == "local_window_size") for n in attn] == [WINDOW, WINDOW]
     ids = token_ids(PROMPT + STEPS)
     assert rel_error(decode_logits(out / "model.onnx", ids, PROMPT), reference_logits(h, ids)) < FLOAT_REL
+
+
+def test_weights_spilled_as_each_layer_is_made_write_the_same_files(tmp_path, monkeypatch):
+    """``fused_decoder_parts(spill=...)`` writes every initializer of ``SPILL_FROM`` bytes and more to the
+    spill file as it is made (the export then never holds a second copy of the packed model): the graph's
+    file, single or with external data, is byte for byte the one written from arrays in memory, the tied
+    table (read back from the spill file to check it) stored once."""
+    import edgekit.export.lm_graph as lm_graph
+    from edgekit.export.lm_graph import SpilledArray, save_parts_external
+
+    monkeypatch.setattr(lm_graph, "SPILL_FROM", 1024)
+    model = build("gemma3")
+    skeleton, tensors = fused_decoder_parts(model, FusedGraphConfig())
+    spilled_skeleton, spilled = fused_decoder_parts(model, FusedGraphConfig(), spill=tmp_path / "weights.bin")
+    assert [n for n, _ in spilled] == [n for n, _ in tensors]
+    assert all(isinstance(t, SpilledArray) == (a.nbytes >= 1024) for (_, t), (_, a) in zip(spilled, tensors, strict=True))
+    assert sum(isinstance(t, SpilledArray) for _, t in spilled) >= 10 and "lm_head.weight" in dict(spilled)
+    assert (tmp_path / "weights.bin").stat().st_size == sum(a.nbytes for _, a in tensors if a.nbytes >= 1024)
+    for sub, write in (("single", save_parts), ("external", save_parts_external)):
+        for kind, (sk, ts) in (("memory", (skeleton, tensors)), ("spilled", (spilled_skeleton, spilled))):
+            (tmp_path / sub / kind).mkdir(parents=True)
+            write(sk, ts, tmp_path / sub / kind / "model.onnx")
+        for f in (tmp_path / sub / "memory").iterdir():
+            assert f.read_bytes() == (tmp_path / sub / "spilled" / f.name).read_bytes(), (sub, f.name)

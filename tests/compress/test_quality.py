@@ -1,0 +1,65 @@
+"""The quality gate's causal-LM statistics a block of positions at a time (``edgekit.compress.quality``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgekit.compress import quality
+from edgekit.compress.quality import lm_head, lm_statistics
+from edgekit.evaluate import window_nll
+from edgekit.memory import float32_compute
+from tests.tiny_models import build
+
+
+def _whole(model: torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(NLL, argmax, logits rows) from the model's whole output, as the gate computed them before."""
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids)).logits.float()
+    flat = logits.reshape(-1, logits.shape[-1])
+    return window_nll(logits.numpy(), ids), flat.argmax(-1).numpy(), flat.numpy()
+
+
+@pytest.mark.parametrize("family,softcap", [("llama", None), ("gemma2", 30.0), ("qwen2", None)])
+def test_blocks_of_positions_give_the_whole_windows_statistics(family, softcap, monkeypatch):
+    """Logits computed 5 positions at a time (``LOGITS_BLOCK`` shrunk to 5 rows of the vocabulary), with
+    their NLL, argmax and kept rows taken per block: the numbers of the whole window's logits (float
+    tolerance), Gemma 2's final soft-capping included; the head's forward runs on blocks, never the window."""
+    model = build(family, **({"final_logit_softcapping": softcap} if family == "gemma2" else {}))
+    head, cap = lm_head(model)
+    assert head is model.lm_head and cap == softcap
+    monkeypatch.setattr(quality, "LOGITS_BLOCK", 5 * head.out_features)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 23)).astype(np.int64)
+    seen: list[int] = []
+    head.register_forward_hook(lambda _m, a, _o: seen.append(a[0].shape[1]))
+    index = np.array([0, 7, 22, 23, 40, 45])
+    got = lm_statistics(model, head, cap, {"input_ids": ids}, ["input_ids"], index)
+    assert got is not None and seen == [5, 5, 5, 5, 3] * 2  # two windows of 23 positions, 5 at a time
+    nll, top, flat = _whole(model, ids)
+    assert got.nll is not None and got.nll.shape == (2, 22) and got.rows.shape == (6, head.out_features)
+    np.testing.assert_allclose(got.nll, nll, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.top, top)
+    np.testing.assert_allclose(got.rows, flat[index], rtol=1e-5, atol=1e-5)
+
+
+def test_half_stored_model_blocks_match_its_float32_copy(monkeypatch):
+    """A bfloat16 model under ``float32_compute(drop_pages=True)``: the blocked statistics equal those of
+    the same weights stored in float32, and the weights are stored as before afterwards."""
+    model = build("llama").to(torch.bfloat16)
+    full = build("llama").to(torch.bfloat16).float()
+    head, cap = lm_head(model)
+    monkeypatch.setattr(quality, "LOGITS_BLOCK", 4 * head.out_features)
+    ids = np.random.default_rng(1).integers(0, 256, (1, 17)).astype(np.int64)
+    with float32_compute(model, drop_pages=True):
+        got = lm_statistics(model, head, cap, {"input_ids": ids}, ["input_ids"], np.arange(17))
+    assert got is not None and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    nll, top, flat = _whole(full, ids)
+    np.testing.assert_allclose(got.nll, nll, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.top, top)
+    np.testing.assert_allclose(got.rows, flat, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_family_is_measured_whole():
+    """A family edgekit does not describe may transform its logits after the head: no blocked path."""
+    assert lm_head(build("mixtral")) is None
+    assert lm_head(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
