@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -724,7 +725,8 @@ def test_a_full_disk_is_one_line_before_the_work(tmp_path: Path, tiny_onnx: Path
     from edgekit.errors import BadInputError
 
     calls: list[str] = []
-    monkeypatch.setattr(sys.modules["edgekit.compress.quality"], "measure_reference", lambda *a, **k: calls.append("work"))
+    gate = importlib.import_module("edgekit.compress.quality")  # loaded on first use by the driver: load it here
+    monkeypatch.setattr(gate, "measure_reference", lambda *a, **k: calls.append("work"))
     with pytest.raises(BadInputError, match=rf"^cannot write {re.escape(str(full))}/c: the output needs about "
                                             r"[0-9.]+ (B|KiB) and .* has 0 B free"):
         compress(tiny_mlp, [("half", {"dtype": "fp16"})], full / "c", StepContext(progress=False))
