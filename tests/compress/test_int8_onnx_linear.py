@@ -288,15 +288,10 @@ def _tiny_bigram_lm(path: Path, vocab: int = 260, hidden: int = 32) -> Path:
     return path
 
 
-@pytest.mark.parametrize("eval_samples,windows", [(None, 8), (3, 3)])
-def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(tmp_path, eval_samples, windows):
-    """The eval split holds thousands of 32-token Wikipedia windows: by default the first 8 (the compress
-    gate's) are compared, one at a time, with per-token metrics (not one argmax over a whole window)."""
-    import json
+def _bigram_handle(tmp_path: Path, seqlen: int):
+    """The tiny bigram LM as an ONNX-only causal-LM handle (byte tokenizer, windows of ``seqlen`` tokens)."""
     import sys
 
-    from edgekit.compress import StepContext, compress, make_config
-    from edgekit.compress.quality import EVAL_WINDOWS
     from edgekit.sources.handle import InputSpec, ModelHandle
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -304,9 +299,21 @@ def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(t
 
     path = _tiny_bigram_lm(tmp_path / "lm.onnx")
     seq = ("batch", "sequence")
-    handle = ModelHandle("bigram-lm", str(path), kind="causal-lm", onnx_path=path, outputs=["logits"],
-                         inputs=[InputSpec("input_ids", seq, "int64"), InputSpec("attention_mask", seq, "int64")],
-                         tokenizer=byte_tokenizer(), evaluator="perplexity", extra={"seqlen": 32})
+    return ModelHandle("bigram-lm", str(path), kind="causal-lm", onnx_path=path, outputs=["logits"],
+                       inputs=[InputSpec("input_ids", seq, "int64"), InputSpec("attention_mask", seq, "int64")],
+                       tokenizer=byte_tokenizer(), evaluator="perplexity", extra={"seqlen": seqlen})
+
+
+@pytest.mark.parametrize("eval_samples,windows", [(None, 8), (3, 3)])
+def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(tmp_path, eval_samples, windows):
+    """The eval split holds thousands of 32-token Wikipedia windows: by default the first 8 (the compress
+    gate's) are compared, one at a time, with per-token metrics (not one argmax over a whole window)."""
+    import json
+
+    from edgekit.compress import StepContext, compress, make_config
+    from edgekit.compress.quality import EVAL_WINDOWS
+
+    handle = _bigram_handle(tmp_path, seqlen=32)
     cfg = make_config("int8", {"calib_samples": 16, **({} if eval_samples is None else {"eval_samples": eval_samples})})
     out = compress(handle, [("int8", cfg)], tmp_path / "int8", StepContext(calib="lee-news", eval="wikipedia",
                                                                              progress=False))
@@ -457,20 +464,11 @@ def test_a_calib_split_smaller_than_asked_is_used_whole_and_said(tmp_path):
     """SmolLM2's lee-news calib split holds 90 windows of 512 tokens and the default asks 128: the
     default command calibrates on all of them and says so, instead of refusing."""
     import json
-    import sys
 
     from edgekit.compress import StepContext, compress, make_config
     from edgekit.sources.data import load_samples
-    from edgekit.sources.handle import InputSpec, ModelHandle
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tiny_models import byte_tokenizer
-
-    path = _tiny_bigram_lm(tmp_path / "lm.onnx")
-    seq = ("batch", "sequence")
-    handle = ModelHandle("bigram-lm", str(path), kind="causal-lm", onnx_path=path, outputs=["logits"],
-                         inputs=[InputSpec("input_ids", seq, "int64"), InputSpec("attention_mask", seq, "int64")],
-                         tokenizer=byte_tokenizer(), evaluator="perplexity", extra={"seqlen": 8192})
+    handle = _bigram_handle(tmp_path, seqlen=8192)
     held = len(load_samples("lee-news", handle, split="calib"))
     with pytest.raises(BadInputError, match="asked for"):
         load_samples("lee-news", handle, split="calib", limit=held + 1)
