@@ -37,7 +37,7 @@ from edgekit.cli_options import (
     with_input_options,
 )
 from edgekit.errors import BadInputError, EdgekitError, os_error_message
-from edgekit.options import ConfigOption, cached_help_options, config_options, config_values, help_options
+from edgekit.options import ConfigOption, config_options, config_values, help_options
 from edgekit.paths import has_journal_entries
 from edgekit.progress import set_verbosity
 
@@ -189,8 +189,7 @@ EdgekitGroup.group_class = type  # subgroups are EdgekitGroups, whose commands a
 
 
 def _compress_options() -> list[ConfigOption]:
-    from edgekit.compress.options import CompressOptions  # deferred: numpy
-    from edgekit.compress.plan import compress_options  # deferred: torch
+    from edgekit.compress.options import CompressOptions, compress_options  # deferred: numpy
 
     return [*compress_options(), *config_options([("compress", CompressOptions)], "compress")]
 
@@ -217,7 +216,7 @@ def _from_configs(command: str, *configs: tuple[str, str] | tuple[str, str, tupl
 _REMOTE = ("remote", "edgekit.ssh:RemoteOptions")
 # command -> (the modules its options come from, how to generate them); each config names its own flags
 GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] = {
-    "compress": (("edgekit.compress.plan",), _compress_options),
+    "compress": (("edgekit.compress.options",), _compress_options),
     "distill": (("edgekit.compress.distill_config",),
                 _from_configs("distill", ("training", "edgekit.compress.distill_config:DistillConfig"))),
     "finetune": (("edgekit.compress.lora.config", "edgekit.finetune_options"),
@@ -253,23 +252,15 @@ GENERATED: dict[str, tuple[tuple[str, ...], Callable[[], list[ConfigOption]]]] =
 }
 
 
-# the commands whose configs import torch (compress: every registered step's config, some in the
-# modules of their torch code); every other command's configs are light (tests/test_cli_options.py
-# checks both sides)
-HEAVY_CONFIGS = frozenset({"compress"})
-
-
 def _options_for(command: str, for_help: bool) -> list[ConfigOption]:
     """A generated command's options: to parse, from its configs. For its help (unless the
     configs are imported already): from the help cache (cheapest: no config module at all);
-    without one, a light command's from its configs (no torch), and compress's generated once
-    with every other command's into a new cache."""
+    without one, every command's are generated from their configs (light modules: no torch or
+    ONNX) into a new cache."""
     modules, generate = GENERATED[command]
     if for_help and not all(m in sys.modules for m in modules):
-        cached = cached_help_options()
-        if cached is None and command in HEAVY_CONFIGS:
-            cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
-        if cached is not None and command in cached:
+        cached = help_options(lambda: {name: gen() for name, (_, gen) in GENERATED.items()})
+        if command in cached:
             return cached[command]
     return generate()
 

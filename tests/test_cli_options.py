@@ -18,9 +18,9 @@ import torch
 from click.testing import CliRunner
 
 from edgekit.cli import GeneratedOption, cli
-from edgekit.compress import STEPS, Step, StepContext, config_to_dict
-from edgekit.compress.options import option
-from edgekit.compress.plan import compress_options, plan_steps
+from edgekit.compress import STEP_CONFIGS, STEPS, Step, StepContext, config_to_dict
+from edgekit.compress.options import compress_options, option
+from edgekit.compress.plan import plan_steps
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
@@ -85,7 +85,7 @@ def test_plan_rules_and_messages(tmp_path: Path):
     assert not (tmp_path / "o").exists()
 
 
-# --- a new step: its module, one registry line, nothing else ---
+# --- a new step: its module, its registry lines (the step and its config), nothing else ---
 
 @dataclass(frozen=True)
 class ScaleConfig:
@@ -107,6 +107,7 @@ STEP = Step("scale", ScaleConfig, _scale, "multiply every weight (a test step)")
 
 def test_a_new_step_gets_its_flags_and_plan_from_its_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setitem(STEPS, "scale", f"{__name__}:STEP")
+    monkeypatch.setitem(STEP_CONFIGS, "scale", f"{__name__}:ScaleConfig")
     assert "--scale-by FLOAT" in _help() and "Test: scale the weights." in _help()
     assert plan_steps(scale_by=2.0, calib_samples=8) == [("scale", {"factor": 2.0, "calib_samples": 8})]
     r = CliRunner().invoke(cli, ["compress", "edgekit.pipelines.examples:tiny_mlp", "--scale-by", "0.5",
@@ -125,6 +126,8 @@ def test_declarations_must_agree(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setitem(globals(), "STEP_CLASH", dataclasses.replace(STEP, config=Clash))
     monkeypatch.setitem(STEPS, "clash", f"{__name__}:STEP_CLASH")
+    monkeypatch.setitem(STEP_CONFIGS, "clash", f"{__name__}:Clash")
+    monkeypatch.setitem(globals(), "Clash", Clash)
     with pytest.raises(TypeError, match=r"^the flag of distill.seqlen, int4.seqlen, clash.seqlen is declared "
                                         r"differently .*help texts \['Another text.', 'Token window"):
         compress_options()
@@ -135,6 +138,8 @@ def test_declarations_must_agree(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setitem(globals(), "STEP_ONOFF", dataclasses.replace(STEP, config=OnOff))
     monkeypatch.setitem(STEPS, "clash", f"{__name__}:STEP_ONOFF")
+    monkeypatch.setitem(STEP_CONFIGS, "clash", f"{__name__}:OnOff")
+    monkeypatch.setitem(globals(), "OnOff", OnOff)
     with pytest.raises(TypeError, match=r"a bool field's flag is an '--on/--off' pair"):
         compress_options()
     with pytest.raises(ValueError, match=r"option\(\) takes flag declarations"):
@@ -458,7 +463,7 @@ def test_options_of_their_own_classes_reach_the_api(monkeypatch: pytest.MonkeyPa
 
 LIGHT_ALONE = """
 import os, sys
-from edgekit.cli import HEAVY_CONFIGS, cli
+from edgekit.cli import cli
 for args in {commands!r}:
     try:
         cli.main([*args, "--help"], standalone_mode=False)
@@ -469,24 +474,39 @@ print("HEAVY", heavy, "CACHED", sorted(os.listdir(os.environ["EDGEKIT_CACHE"])))
 """
 
 
-def test_help_of_a_command_with_light_configs_needs_no_cache(tmp_path: Path):
-    """Without the help cache, --help of every command but those in HEAVY_CONFIGS reads its
-    configs directly and imports no torch or ONNX (nor writes the cache); the configs of
-    HEAVY_CONFIGS do import torch (else they belong with the others)."""
+@pytest.mark.parametrize("first", ["compress", "build"])
+def test_help_without_the_cache_imports_no_torch(tmp_path: Path, first: str):
+    """Without the help cache, --help of any command (compress's too: every step config lives in a
+    light module) reads the configs and imports no torch or ONNX, and writes the cache once."""
     import subprocess
     import sys
 
-    from edgekit.cli import GENERATED, HEAVY_CONFIGS
-
     env = {**os.environ, "EDGEKIT_CACHE": str(tmp_path)}
-    light = [list(path) for path, _ in _commands(cli) if " ".join(path) not in HEAVY_CONFIGS]
-    r = subprocess.run([sys.executable, "-c", LIGHT_ALONE.format(commands=light)], env=env, capture_output=True,
+    commands = sorted((list(path) for path, _ in _commands(cli)), key=lambda p: p != [first])
+    r = subprocess.run([sys.executable, "-c", LIGHT_ALONE.format(commands=commands)], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "--trtexec" in r.stdout and "--dla-core" not in r.stdout and "--host" in r.stdout  # profile, build, remote
-    assert r.stdout.strip().splitlines()[-1] == "HEAVY [] CACHED []"
-    for command in sorted(HEAVY_CONFIGS):
-        modules = " ".join(f"import {m};" for m in GENERATED[command][0])
-        r = subprocess.run([sys.executable, "-c", f"import sys; {modules} print('torch' in sys.modules)"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.stdout.strip() == "True", (command, r.stderr)
+    assert "--bits" in r.stdout and "--smooth-alpha" not in r.stdout  # compress (basic flags only)
+    heavy, cached = r.stdout.strip().splitlines()[-1].split(" CACHED ")
+    assert heavy == "HEAVY []" and cached.startswith("['cli']")
+
+
+def test_step_configs_import_no_torch():
+    """Every step's config module, the compress options built from them and a recipe's configs
+    load without torch or ONNX (the step modules themselves are not imported)."""
+    import subprocess
+    import sys
+
+    from edgekit.compress import STEP_CONFIGS, STEPS
+
+    code = ("import sys; from edgekit.compress import STEP_CONFIGS, STEPS, make_config; "
+            "from edgekit.compress.options import compress_options; "
+            "assert len(compress_options()) > 20; [make_config(n) for n in STEP_CONFIGS]; "
+            "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'transformers') if m in sys.modules), "
+            "sorted(m for m in sys.modules if m in {s.split(':')[0] for s in STEPS.values()} "
+            "and not hasattr(sys.modules[m], '__path__')))")  # a package's __init__ (lora's) is light
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[] []"
+    assert set(STEP_CONFIGS) == set(STEPS)

@@ -51,9 +51,8 @@ if TYPE_CHECKING:
     from edgekit.sources.models import ArtifactLoader
 
 # The registry and the driver import torch and ONNX (quality, the model loaders, the ONNX
-# checks) inside the functions that use them: the step configs' light modules
-# (``options.py``, ``distill_config.py``, ``lora/config.py``) are read by the command line,
-# which imports this package first, to build its options without torch.
+# checks) inside the functions that use them: the step configs' light modules (``STEP_CONFIGS``)
+# are read by the command line, which imports this package first, to build its options without torch.
 
 # name -> "module:attribute" of its Step. Order here is the order `edgekit compress` applies
 # steps named by flags: structure first (prune, distill), then fine-tune, then quantize.
@@ -64,6 +63,18 @@ STEPS: dict[str, str] = {
     "int8": "edgekit.compress.int8:STEP",
     "int4": "edgekit.compress.weight_only:STEP",
     "half": "edgekit.compress.half:STEP",
+}
+
+# name -> "module:Class" of its step's config, each in a module that imports no torch or ONNX: the
+# command line builds its flags and recipes are checked from these without loading the steps
+# (tests/compress/test_compress.py checks that each is its Step's ``config``).
+STEP_CONFIGS: dict[str, str] = {
+    "prune": "edgekit.compress.prune_config:PruneConfig",
+    "distill": "edgekit.compress.distill_config:DistillConfig",
+    "lora": "edgekit.compress.lora.config:LoraConfig",
+    "int8": "edgekit.compress.int8_config:Int8Config",
+    "int4": "edgekit.compress.weight_only_config:WeightOnlyConfig",
+    "half": "edgekit.compress.half_config:HalfConfig",
 }
 
 # The steps the layers around compress name by what they do (the plan's --bits/--method and
@@ -212,6 +223,17 @@ def get_step(name: str) -> Step:
     return step
 
 
+def config_class(name: str) -> type:
+    """The config class of the step named ``name``, without importing the step (``STEP_CONFIGS``)."""
+    if name not in STEP_CONFIGS:
+        raise bad_choice("compression step", name, STEPS)
+    mod, attr = STEP_CONFIGS[name].split(":")
+    config = getattr(importlib.import_module(mod), attr)
+    if not isinstance(config, type):
+        raise TypeError(f"{STEP_CONFIGS[name]} is not a class")
+    return config
+
+
 def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> Any:
     """Build a step's config from a plain mapping: known options, checked types, then the
     config's own range checks. ``where`` is the context for messages (``stage 'mlp'``).
@@ -219,10 +241,10 @@ def make_config(name: str, values: Mapping[str, Any] | None = None, where: str =
     >>> make_config("prune", {"ratio": 0.3}).ratio
     0.3
     """
-    step = get_step(name)
+    config = config_class(name)
     if where:  # in a recipe or manifest: the path of each key
-        return from_mapping(step.config, {} if values is None else values, Loc(where, name))
-    return from_mapping(step.config, {} if values is None else values, Loc(), noun=f"{name} option")
+        return from_mapping(config, {} if values is None else values, Loc(where, name))
+    return from_mapping(config, {} if values is None else values, Loc(), noun=f"{name} option")
 
 
 def default_bounds(steps: Sequence[tuple[str, Any]]) -> QualityBounds | None:

@@ -33,18 +33,17 @@ import torch
 import torch.nn as nn
 
 from edgekit.compress import StepContext
+from edgekit.compress.int8_config import CALIB_METHODS
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
 from edgekit.sources.data import Samples, check_arrays, load_samples
 from edgekit.sources.handle import ModelHandle
 
-METHODS = ("minmax", "percentile", "entropy", "mse")
 BINS = 4096  # over [-R, R]; 2048 bins per side, as TensorRT's entropy calibrator uses
 # Values per batch that go into a tensor's histogram: above this, a seeded uniform sample of them (weighted
 # by how many values each stands for); the extremes still come from every value. torch.histc was half of
 # EfficientNet-Lite0's calibration time; the sample keeps the histogram's shape (benchmarks/RESULTS.md).
 HIST_SAMPLE = 1 << 17
-MIN_CALIB_SAMPLES = 8
 
 
 class HistogramObserver:
@@ -181,8 +180,8 @@ def _mse_range(obs: HistogramObserver, qmin: int, qmax: int, symmetric: bool) ->
 def choose_range(obs: HistogramObserver, method: str, percentile: float = 99.99,
                  qmin: int = 0, qmax: int = 255, symmetric: bool = False) -> tuple[float, float]:
     """Clipping range (lo <= 0 <= hi) of one observed tensor by ``method``."""
-    if method not in METHODS:
-        raise bad_choice("calibration method", method, METHODS)
+    if method not in CALIB_METHODS:
+        raise bad_choice("calibration method", method, CALIB_METHODS)
     if obs.count == 0:
         raise BadInputError(f"layer {obs.name!r} saw no data during calibration")
     lo, hi = min(obs.min, 0.0), max(obs.max, 0.0)

@@ -18,36 +18,19 @@ torch.bfloat16
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
-from edgekit.compress.options import option
+from edgekit.compress.half_config import HalfConfig
 from edgekit.compress.quality import BOUNDS_HALF
-from edgekit.errors import BadInputError, bad_choice
-from edgekit.schema import check_fields
+from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle, StepRecord
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # HalfConfig.dtype -> storage type
 CAST = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # the layers whose weights are stored in half
-
-
-@dataclass(frozen=True)
-class HalfConfig:
-    """dtype: "fp16" (float16) or "bf16" (bfloat16), the storage of the cast layers' weights
-    and biases."""
-
-    dtype: str = field(default="fp16", metadata=option(
-        "--precision", selects=True, basic=True, deprecated=("--half",),
-        help="Store the weights of linear, conv and embedding layers as fp16 | bf16 (norms stay float32)."))
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.dtype not in DTYPES:
-            raise bad_choice("half-precision type", self.dtype, DTYPES)
 
 
 def _inputs_down(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

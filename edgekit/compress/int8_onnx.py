@@ -70,13 +70,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgekit.compress import StepContext, config_to_dict, qdq, step_rewrite
 from edgekit.compress.calibration import (
-    MIN_CALIB_SAMPLES,
     HistogramObserver,
     choose_range,
     load_split,
     qparams,
     score,
 )
+from edgekit.compress.int8_config import MIN_CALIB_SAMPLES, PLACEMENTS
 from edgekit.compress.quality import EVAL_WINDOWS
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import compare_lm
@@ -95,7 +95,6 @@ from edgekit.sources.onnx_file import (
 
 OP_TYPES = ["Conv", "MatMul", "Gemm", "Add", "Mul", "GlobalAveragePool", "AveragePool", "MaxPool",
             "Relu", "Clip", "Concat", "Reshape", "Flatten", "Transpose", "Sigmoid", "Resize"]
-PLACEMENTS = ("auto", "linear", "all")
 
 
 class OnnxInt8Options(Protocol):

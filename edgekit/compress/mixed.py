@@ -32,10 +32,9 @@ from torch import nn
 
 from edgekit.compress.blocks import linear_at
 from edgekit.compress.rtn import dequantize_groups, rtn_quantize
+from edgekit.compress.weight_only_config import HIGH_BITS
 from edgekit.errors import BadInputError
 from edgekit.export.packing import num_groups, packed_width
-
-HIGH_BITS = 8
 
 
 @dataclass(frozen=True)

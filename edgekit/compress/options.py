@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from edgekit.compress import STEPS, config_class
 from edgekit.options import OPTION, ConfigOption, Flag, config_options, config_values, field_flags, option
 from edgekit.schema import check_fields
 
@@ -27,8 +28,8 @@ COMMAND = "compress"
 StepOption = ConfigOption  # one option of `edgekit compress` and the step fields it sets
 step_values = config_values
 
-__all__ = ["COMMAND", "OPTION", "CompressOptions", "Flag", "StepOption", "field_flags", "option", "step_options",
-           "step_values"]
+__all__ = ["COMMAND", "OPTION", "CompressOptions", "Flag", "StepOption", "compress_options", "field_flags", "option",
+           "step_options", "step_values"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,9 @@ def step_options(steps: Iterable[tuple[str, type]]) -> list[StepOption]:
     ['prune', 'importance']
     """
     return config_options(steps, COMMAND)
+
+
+def compress_options() -> list[StepOption]:
+    """The options of the registered steps' configs: the step flags of ``edgekit compress``,
+    from the configs' light modules (``STEP_CONFIGS``: no step, and no torch, is imported)."""
+    return step_options((name, config_class(name)) for name in STEPS)

@@ -26,26 +26,20 @@ from edgekit.compress import (
     StepContext,
     compress,
     default_bounds,
-    get_step,
     make_config,
 )
-from edgekit.compress.int8 import QAT_METHODS
-from edgekit.compress.options import StepOption, step_options, step_values
-from edgekit.compress.packing import SUPPORTED_BITS
+from edgekit.compress.int8_config import QAT_METHODS
+from edgekit.compress.options import compress_options, step_values
 from edgekit.compress.quality import QualityBounds
-from edgekit.compress.weight_only import METHODS as WEIGHT_ONLY_METHODS
+from edgekit.compress.weight_only_config import METHODS as WEIGHT_ONLY_METHODS
 from edgekit.errors import BadInputError
+from edgekit.export.config import SUPPORTED_BITS
 from edgekit.sources.handle import ModelHandle
 from edgekit.sources.inputs import InputOptions
 from edgekit.targets import load_target
 
 # the steps the plan's own choices name: the quantizers --bits/--method pick from, and --distill's
 INT8, WEIGHT_ONLY, DISTILL, PRUNE = INT8_STEP, WEIGHT_ONLY_STEP, DISTILL_STEP, PRUNE_STEP
-
-
-def compress_options() -> list[StepOption]:
-    """The options of the registered steps' configs: the step flags of ``edgekit compress``."""
-    return step_options((name, get_step(name).config) for name in STEPS)
 
 
 def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -34,13 +34,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edgekit.compress.calibration import HistogramObserver, choose_range, qparams, run_module
+from edgekit.compress.int8_config import SCHEMES
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.sources.data import Samples
 
 if TYPE_CHECKING:  # imported where used: exporting is the only path that needs onnx
     import onnx
-
-SCHEMES = ("u8s8", "u8s7", "s8s8", "trt")
 
 
 def _register_meta_kernels() -> None:

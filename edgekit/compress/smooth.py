@@ -21,7 +21,6 @@ activations completely; ``alpha`` around 0.5 balances the two ranges.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,22 +29,11 @@ from torch import nn
 from edgekit.compress.awq import fold_producer, fold_scales
 from edgekit.compress.blocks import find_blocks
 from edgekit.compress.families import family_of
+from edgekit.compress.int8_config import SmoothConfig
 from edgekit.compress.wiring import probe_family
 from edgekit.errors import BadInputError
 
 FLOOR = 1e-5  # smallest channel maximum used in the scales: a channel never seen nonzero keeps a finite scale
-
-
-@dataclass(frozen=True)
-class SmoothConfig:
-    """alpha: how much of each channel's activation range moves into the weights, in [0, 1]."""
-
-    alpha: float = 0.5
-
-    def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= float(self.alpha) <= 1.0:
-            raise BadInputError(f"smoothing alpha must be a number in [0, 1] (0.5 balances activations and weights), "
-                                f"got {self.alpha!r}")
 
 
 def smoothing_scales(act_max: torch.Tensor, weights: Iterable[torch.Tensor], alpha: float) -> torch.Tensor:

@@ -18,6 +18,9 @@ LM_OPSET = 21  # the KV-cache export's default (blocked DequantizeLinear needs 2
 LM_TOLERANCE = 2e-3  # the KV-cache export's default atol and rtol (export_causal_lm's)
 LM_GRAPHS = ("auto", "fused", "traced")
 LM_WEIGHT_FORMATS = ("matmulnbits", "qdq")
+# the bit widths of packed low-bit layers (packing.py), here so that the configs the command line reads
+# (compress's weight-only step) check them without PyTorch
+SUPPORTED_BITS = (2, 3, 4, 8)
 
 
 @dataclass(frozen=True)

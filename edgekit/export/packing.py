@@ -41,8 +41,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from edgekit.errors import BadInputError
+from edgekit.export.config import SUPPORTED_BITS
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 Device = torch.device | str | None
 # QuantLinear.forward dequantizes the whole weight when it has at most this many elements (64 MiB in
 # float32), else a block of output rows at a time (Gemma 3's 262,144 x 640 LM head: 640 MiB at once).

@@ -14,6 +14,7 @@ from edgekit.compress import (
     get_step,
     quantized_precision,
 )
+from edgekit.errors import BadInputError
 from edgekit.sources.handle import StepRecord
 
 
@@ -61,3 +62,16 @@ def test_the_steps_named_by_role_do_what_their_role_says():
     assert [n for n in STEPS if get_step(n).quantizes_to({}) is not None] == list(QUANTIZING_STEPS)
     assert (get_step(LORA_STEP).config, get_step(DISTILL_STEP).config, get_step(PRUNE_STEP).config) == \
         (LoraConfig, DistillConfig, PruneConfig)
+
+
+def test_each_step_config_is_registered_in_its_light_module():
+    """``STEP_CONFIGS`` (read by the command line without importing the steps) names each step's
+    own config class; an unknown name is refused with the known ones."""
+    from edgekit.compress import STEP_CONFIGS, config_class
+
+    assert list(STEP_CONFIGS) == list(STEPS)
+    for name in STEPS:
+        assert config_class(name) is get_step(name).config, name
+        assert get_step(name).config.__module__ == STEP_CONFIGS[name].split(":")[0]
+    with pytest.raises(BadInputError, match="unknown compression step 'int3'"):
+        config_class("int3")
