@@ -71,8 +71,9 @@ def bench_int8(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from bench_int8 import export, peer_quantize, run_all, session
 
     from edgekit.compress import StepContext
-    from edgekit.compress.calibration import run_module, score
-    from edgekit.compress.int8 import Int8Config, apply
+    from edgekit.compress.int8.calibration import run_module, score
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.step import apply
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 
@@ -121,15 +122,15 @@ def bench_int8(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     edgekit_once()
     pr.disable()
     split = profile_split(pr, {
-        "calibration pass (observe)": ("int8.py:calibrate",),
+        "calibration pass (observe)": ("int8/step.py:calibrate",),
         "equalization": ("equalize.py:equalize",),
         "weight scale search": ("qdq.py:update_weight_scales",),
-        "GPTQ Hessians (fx pass)": ("int8_gptq.py:input_hessians",),
-        "GPTQ solve": ("int8_gptq.py:gptq_round",),
+        "GPTQ Hessians (fx pass)": ("int8/rounding.py:input_hessians",),
+        "GPTQ solve": ("int8/rounding.py:gptq_round",),
         "bias correction pass": ("equalize.py:correct_bias",),
         "trace + prepare": ("qdq.py:prepare_qdq",),
         "evaluation (8 samples)": ("calibration.py:run_module",),
-        "total": ("int8.py:apply",),
+        "total": ("int8/step.py:apply",),
     })
     return {"calib_images": len(calib), "eval_images": len(ev), "variants": rows, "profile_s": split,
             "profile_top_self_s": top_functions(pr)}
@@ -140,7 +141,8 @@ def bench_int8(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def bench_gptq(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress import StepContext
-    from edgekit.compress.weight_only import WeightOnlyConfig, calibration_inputs, quantize_module
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import calibration_inputs, quantize_module
     from edgekit.sources.models import load_model
 
     runs = []
@@ -154,11 +156,11 @@ def bench_gptq(args: argparse.Namespace) -> dict[str, Any]:
         pr.disable()
         split = profile_split(pr, {
             "column solve (gptq_quantize)": ("gptq.py:gptq_quantize",),
-            "value Hessian (attention-mixed inputs)": ("weight_only.py:attention_mixed",),
+            "value Hessian (attention-mixed inputs)": ("weight_only/step.py:attention_mixed",),
             "Hessian accumulation (add_batch/add_pair)": ("gptq.py:add_batch", "gptq.py:add_pair"),
-            "group inputs (partial block forwards)": ("weight_only.py:_group_inputs",),
-            "block forwards (next block, float track)": ("weight_only.py:_run",),
-            "total": ("weight_only.py:quantize_module",),
+            "group inputs (partial block forwards)": ("weight_only/step.py:_group_inputs",),
+            "block forwards (next block, float track)": ("weight_only/step.py:_run",),
+            "total": ("weight_only/step.py:quantize_module",),
         })
         runs.append({"windows": w, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "blocks": info["blocks"],
                      "profile_s": split, "profile_top_self_s": top_functions(pr)})
@@ -178,8 +180,8 @@ def bench_gptq(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_export(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from edgekit.compress import StepContext
-    from edgekit.compress.weight_only import WeightOnlyConfig
-    from edgekit.compress.weight_only import apply as int4_apply
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import apply as int4_apply
     from edgekit.export.lm import export_causal_lm
     from edgekit.sources.models import load_model
 

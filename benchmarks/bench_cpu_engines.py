@@ -196,7 +196,7 @@ def time_variants(runs: dict[str, Run], feeds: dict[str, np.ndarray], rounds: in
 
 def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from edgekit.build import build_engine
-    from edgekit.compress.calibration import score
+    from edgekit.compress.int8.calibration import score
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.runtimes.base import BuildOptions
     from edgekit.runtimes.int8_kernels import host_semantics, session_for

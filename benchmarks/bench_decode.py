@@ -94,7 +94,7 @@ def float_handle(name: str, work: Path) -> Any:
 
 def packed_handle(name: str, work: Path, packed: str | None, method: str) -> tuple[Any, str]:
     from edgekit.compress import StepContext, compress, load_compressed
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
 
     folder = Path(packed) if packed else work / f"{name}-{method}-w4g128"
     if not (folder / "manifest.json").exists():

@@ -62,7 +62,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def run_cell(model_type: str, step: str, model: Any, want: torch.Tensor, tmp: Path) -> dict[str, Any]:
     """One cell: ``{"status": pass|refused|fail|traceback, "detail": ..., "rel": ...}``."""
-    from edgekit.compress.weight_only import WeightOnlyConfig, quantize_module
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import quantize_module
     from edgekit.errors import CheckFailedError, EdgekitError
 
     ids = _windows()
@@ -104,8 +105,9 @@ def routing_diagnosis(model: Any, want: torch.Tensor, method: str = "rtn") -> di
     """Where a mixture of experts' 4-bit error comes from: the relative logit error with the model's
     own routing, with every router returning the float model's scores (the same experts for every
     token), and the share of tokens per router whose top-k expert set changed."""
-    from edgekit.compress.blocks import expert_routers
-    from edgekit.compress.weight_only import WeightOnlyConfig, quantize_module
+    from edgekit.compress.weight_only.blocks import expert_routers
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import quantize_module
 
     ids = _windows()
     routers = expert_routers(model)

@@ -147,7 +147,7 @@ def _int8(spec: str) -> tuple[Path, str]:
 
     from edgekit.artifact import read_manifest
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.int8 import Int8Config
+    from edgekit.compress.int8.config import Int8Config
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.targets import load_target
     from edgekit.targets.cpu_isa import host_int8_kernel

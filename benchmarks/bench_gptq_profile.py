@@ -95,7 +95,8 @@ class PhaseClock:
 
 
 def instrument(clock: PhaseClock) -> None:
-    from edgekit.compress import blocks, gptq, rtn, weight_only
+    from edgekit.compress.weight_only import blocks, gptq, rtn
+    from edgekit.compress.weight_only import step as weight_only
 
     clock.wrap(blocks.BlockWalker, "_capture_block0", "block 0 inputs (embedding)")
     clock.wrap(blocks.BlockWalker, "_plan", "probe forward (first batch)")
@@ -134,7 +135,8 @@ def main() -> None:
 
     from edgekit.compress import StepContext
     from edgekit.compress.families import hf_model
-    from edgekit.compress.weight_only import WeightOnlyConfig, apply
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import apply
     from edgekit.sources.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -151,7 +153,8 @@ def main() -> None:
     import contextlib
     import copy
 
-    from edgekit.compress import gptq, weight_only
+    from edgekit.compress.weight_only import gptq
+    from edgekit.compress.weight_only import step as weight_only
     from edgekit.sources.data import load_samples
 
     if args.solve_threads == "all":

@@ -46,7 +46,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from machine_info import machine
 
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
 
     torch.set_num_threads(args.threads)
     overrides, seed = VARIANTS[name]

@@ -80,7 +80,8 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
     import torch
 
     from edgekit.compress import StepContext, compress, load_compressed
-    from edgekit.compress.weight_only import WeightOnlyConfig, apply, packed_bytes
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import apply, packed_bytes
 
     base = load_smollm2()
     windows = eval_windows(base, n_eval)
@@ -236,7 +237,8 @@ def run_minilm(n_calib: int = 64, n_eval: int = 256) -> None:
     import torch
 
     from edgekit.compress import StepContext
-    from edgekit.compress.weight_only import WeightOnlyConfig, apply, packed_bytes
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import apply, packed_bytes
     from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
 

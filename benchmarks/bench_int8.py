@@ -74,7 +74,7 @@ def integer_nodes(path: Path) -> tuple[int, int]:
 
 
 def metrics_for(out: np.ndarray, ref: np.ndarray, labels: np.ndarray | None, evaluator: str | None) -> dict[str, float]:
-    from edgekit.compress.calibration import score
+    from edgekit.compress.int8.calibration import score
 
     return score(out, ref, labels, evaluator)
 
@@ -245,7 +245,8 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, An
     import torch
 
     from edgekit.compress import StepContext
-    from edgekit.compress.int8 import Int8Config, apply
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.step import apply
     from edgekit.errors import BadInputError
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
@@ -438,7 +439,7 @@ def bench_minilm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from edgekit.compress.int8_onnx import quantize_onnx_file, weight_linear_nodes
+    from edgekit.compress.int8.onnx_graph import quantize_onnx_file, weight_linear_nodes
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 

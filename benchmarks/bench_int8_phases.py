@@ -41,11 +41,12 @@ def lscpu_flags() -> str:
 
 
 def run_once(sample: int | None, calib: Any, val: Any, names: list[str], module: Any, ref: Any) -> dict[str, Any]:
-    from edgekit.compress import calibration, qdq
-    from edgekit.compress.calibration import run_module, score
-    from edgekit.compress.equalize import correct_bias, equalize
-    from edgekit.compress.int8 import Int8Config, calibrate
-    from edgekit.compress.int8_gptq import round_model
+    from edgekit.compress.int8 import calibration, qdq
+    from edgekit.compress.int8.calibration import run_module, score
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.equalize import correct_bias, equalize
+    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.step import calibrate
 
     row: dict[str, Any] = {"hist_sample": sample}
 
@@ -92,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from edgekit.compress.calibration import run_module
+    from edgekit.compress.int8.calibration import run_module
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 

@@ -305,7 +305,8 @@ def main() -> None:
 
     from edgekit.artifact import cache_dir
     from edgekit.compress import StepContext
-    from edgekit.compress.weight_only import WeightOnlyConfig, calibration_inputs
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import calibration_inputs
     from edgekit.evaluate import perplexity
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model

@@ -95,12 +95,12 @@ def machine_row() -> dict[str, Any]:
 
 def part_phases(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.int8 import Int8Config
+    from edgekit.compress.int8.config import Int8Config
 
     clock = PhaseClock()
     c = importlib.import_module("edgekit.compress")
-    i8 = importlib.import_module("edgekit.compress.int8")
-    io = importlib.import_module("edgekit.compress.int8_onnx")
+    i8 = importlib.import_module("edgekit.compress.int8.step")
+    io = importlib.import_module("edgekit.compress.int8.onnx_graph")
     clock.wrap(c, "load_model", "load model")
     clock.wrap(c, "measure_reference", "gate: float reference (PyTorch)")
     clock.wrap(c, "compare", "gate: INT8 graph on the eval windows")
@@ -152,8 +152,8 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
     calibration per alpha; every float set written from the same ranges)."""
     from edgekit.compress import StepContext
     from edgekit.compress import int8 as i8
-    from edgekit.compress import int8_onnx as io
-    from edgekit.compress.calibration import HIST_SAMPLE
+    from edgekit.compress.int8 import onnx_graph as io
+    from edgekit.compress.int8.calibration import HIST_SAMPLE
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.runtimes.int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples

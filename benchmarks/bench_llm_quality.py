@@ -85,7 +85,7 @@ def float_reference(model: str, args: argparse.Namespace, work: Path) -> Any:
 
 def run_part(model: str, method: str, args: argparse.Namespace, work: Path, reference: Any) -> dict[str, Any]:
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
 
     cfg = WeightOnlyConfig(method=method, bits=4, group_size=128, calib_samples=args.calib_windows, seqlen=512)
     ctx = StepContext(calib="lee-news", progress=False, accept_quality_loss=True, quality_windows=args.eval_windows,

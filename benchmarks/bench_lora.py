@@ -60,7 +60,8 @@ def load_smollm2() -> Any:
 
 def quantize(handle: Any, bits: int, group_size: int = 128) -> Any:
     from edgekit.compress import StepContext
-    from edgekit.compress.weight_only import STEP, WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import STEP
 
     ctx = StepContext(progress=False)
     return STEP.apply(handle, WeightOnlyConfig(method="rtn", bits=bits, group_size=group_size), ctx)

@@ -37,7 +37,7 @@ def run_budget(budget: float, args: argparse.Namespace) -> dict[str, Any]:
     from machine_info import machine
 
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -64,7 +64,7 @@ def run_budget(budget: float, args: argparse.Namespace) -> dict[str, Any]:
     weights = sum(v["in"] * v["out"] for v in layers.values())
     avg = mixed["avg_bits"] if mixed else (8 if budget >= 8 else None)
     if avg is None:  # every group at the low width: its stored bits per weight, as mixed precision counts them
-        from edgekit.compress.mixed import layer_bytes
+        from edgekit.compress.weight_only.mixed import layer_bytes
 
         avg = round(8 * sum(layer_bytes(v["out"], v["in"], v["bits"], v["group_size"], v["bias"])
                             for v in layers.values()) / weights, 4)

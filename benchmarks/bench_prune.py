@@ -42,8 +42,9 @@ INT8_PARITY = {"atol": 5e-3, "rtol": 5e-2}
 from edgekit.compress import StepContext, compress  # noqa: E402
 from edgekit.compress.distill import DistillConfig, evaluate_pair  # noqa: E402
 from edgekit.compress.distill import apply as distill_apply  # noqa: E402
-from edgekit.compress.prune import PruneConfig, count_macs, example_inputs  # noqa: E402
 from edgekit.compress.prune import apply as prune_apply  # noqa: E402
+from edgekit.compress.prune import count_macs, example_inputs  # noqa: E402
+from edgekit.compress.prune_config import PruneConfig  # noqa: E402
 from edgekit.loading import load_model  # noqa: E402
 
 

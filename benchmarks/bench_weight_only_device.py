@@ -34,7 +34,8 @@ def main() -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgekit.compress.weight_only import WeightOnlyConfig, quantize_module
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import quantize_module
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,

@@ -229,7 +229,7 @@ def test_int8(family, spec, reference):
     ref, feeds, want = reference(family)
     cfg = make_config("int8", {"calib_samples": 16, "fallback_samples": 8, "fallback_candidates": 2,
                                "eval_samples": 8})
-    from edgekit.compress.int8 import apply
+    from edgekit.compress.int8.step import apply
 
     h = apply(load_model(spec(family)), cfg, _ctx(ref))
     assert _rel(_outputs(h, feeds), want) < 0.1

@@ -110,7 +110,7 @@ def test_moe_error_over_the_bound_is_rerouting(model_type):
 def test_routers_wrapped_in_a_gate_module_or_counted_as_moe_num_experts_stay_float(model_type, routers):
     """JetMoE's ``router.layer``, HunYuan's ``gate.wg`` and Aria's ``moe_num_experts`` were missed, and
     their routers rounded to 4 bits (JetMoE 0.42 -> 0.27 with the router float)."""
-    from edgekit.compress.blocks import expert_routers, quantizable_linears
+    from edgekit.compress.weight_only.blocks import expert_routers, quantizable_linears
 
     model = tiny_causal_lm(model_type)
     assert expert_routers(model) == routers

@@ -60,8 +60,8 @@ STEPS: dict[str, str] = {
     "prune": "edgekit.compress.prune:STEP",
     "distill": "edgekit.compress.distill:STEP",
     "lora": "edgekit.compress.lora:STEP",
-    "int8": "edgekit.compress.int8:STEP",
-    "int4": "edgekit.compress.weight_only:STEP",
+    "int8": "edgekit.compress.int8.step:STEP",
+    "int4": "edgekit.compress.weight_only.step:STEP",
     "half": "edgekit.compress.half:STEP",
 }
 
@@ -72,8 +72,8 @@ STEP_CONFIGS: dict[str, str] = {
     "prune": "edgekit.compress.prune_config:PruneConfig",
     "distill": "edgekit.compress.distill_config:DistillConfig",
     "lora": "edgekit.compress.lora.config:LoraConfig",
-    "int8": "edgekit.compress.int8_config:Int8Config",
-    "int4": "edgekit.compress.weight_only_config:WeightOnlyConfig",
+    "int8": "edgekit.compress.int8.config:Int8Config",
+    "int4": "edgekit.compress.weight_only.config:WeightOnlyConfig",
     "half": "edgekit.compress.half_config:HalfConfig",
 }
 
@@ -471,7 +471,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
             handle = step.rebuild(handle, make_config(record.name, record.config), record)
         handle.steps.append(record)
     if half and handle.module is not None:
-        from edgekit.compress.blocks import upcast_half  # deferred: torch (see the imports above)
+        from edgekit.compress.weight_only.blocks import upcast_half  # deferred: torch (see the imports above)
 
         upcast_half(handle.module)
     handle.quantized = quantized_precision(handle.steps)

@@ -28,10 +28,10 @@ from edgekit.compress import (
     default_bounds,
     make_config,
 )
-from edgekit.compress.int8_config import QAT_METHODS
+from edgekit.compress.int8.config import QAT_METHODS
 from edgekit.compress.options import compress_options, step_values
 from edgekit.compress.quality import QualityBounds
-from edgekit.compress.weight_only_config import METHODS as WEIGHT_ONLY_METHODS
+from edgekit.compress.weight_only.config import METHODS as WEIGHT_ONLY_METHODS
 from edgekit.errors import BadInputError
 from edgekit.export.config import SUPPORTED_BITS
 from edgekit.sources.handle import ModelHandle

@@ -1,6 +1,6 @@
 """Packed low-bit linear layers (``QuantLinear``, ``QuantEmbedding``) and their on-disk layout.
 
-Shared by the 4-bit compression step (``compress.weight_only`` packs into it; ``compress.packing``
+Shared by the 4-bit compression step (``compress.weight_only`` packs into it; ``compress.weight_only.packing``
 re-exports these names) and the ONNX writers (``export.lm``, ``export.lm_graph`` read it).
 
 Layout (the tensors of one packed layer in ``model.safetensors``; ``N`` = out_features

@@ -248,7 +248,7 @@ class RecordedRun:
 class Runtime(Protocol):
     name: str
     input_format: str  # "onnx": build() gets an ONNX path; "module": it gets the ModelHandle
-    # the Q/DQ form an INT8 graph must take to run well here (edgekit.compress.qdq.SCHEMES, e.g. "trt":
+    # the Q/DQ form an INT8 graph must take to run well here (edgekit.compress.int8.config.SCHEMES, e.g. "trt":
     # TensorRT's symmetric int8), or None when any form runs; the int8 step's default scheme reads it
     int8_scheme: str | None
 

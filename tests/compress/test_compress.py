@@ -55,7 +55,7 @@ def test_the_steps_named_by_role_do_what_their_role_says():
     registered, and its declarations say what the role does."""
     from edgekit.compress.distill_config import DistillConfig
     from edgekit.compress.lora.config import LoraConfig
-    from edgekit.compress.prune import PruneConfig
+    from edgekit.compress.prune_config import PruneConfig
 
     assert get_step(INT8_STEP).quantizes_to({}) == "int8"
     assert [get_step(WEIGHT_ONLY_STEP).quantizes_to({"bits": b}) for b in (2, 4, 8)] == ["int4", "int4", "int8"]

@@ -10,7 +10,8 @@ from test_prune import tiny_cnn, tiny_cnn_wide, tiny_llama
 
 from edgekit.compress import StepContext, compress, load_compressed
 from edgekit.compress.distill import DistillConfig, distill, evaluate_pair, kd_loss
-from edgekit.compress.prune import PruneConfig, example_inputs
+from edgekit.compress.prune import example_inputs
+from edgekit.compress.prune_config import PruneConfig
 from edgekit.errors import BadInputError
 from edgekit.sources.data import Samples
 

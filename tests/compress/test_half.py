@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from edgekit.cli import cli
 from edgekit.compress import StepContext, compress, get_step, load_compressed, make_config
-from edgekit.compress.half import HalfConfig, apply
+from edgekit.compress.half import apply
+from edgekit.compress.half_config import HalfConfig
 from edgekit.compress.plan import plan_steps
 from edgekit.compress.quality import QualityBounds
 from edgekit.errors import BadInputError

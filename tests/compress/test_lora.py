@@ -157,8 +157,8 @@ def test_data_too_small_for_one_batch() -> None:
 
 
 def test_plain_lora_on_packed_model_asks_for_qlora_and_qlora_needs_packed() -> None:
-    from edgekit.compress.weight_only import STEP as INT4
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import STEP as INT4
 
     packed = INT4.apply(tiny_llama(), WeightOnlyConfig(**_int4()), StepContext(progress=False))
     ctx = _ctx(text_samples(8, 0), text_samples(4, 1, "eval"))
@@ -282,7 +282,7 @@ def test_resume_after_interrupt_matches_uninterrupted_run(tmp_path: Path, monkey
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgekit.compress.packing import quantize_linear
+    from edgekit.compress.weight_only.packing import quantize_linear
 
     if chunked:  # the LM-head path: dequantize in row chunks
         monkeypatch.setattr(packed, "CHUNK_ABOVE", 0)
@@ -314,7 +314,7 @@ def test_frozen_dequant_matmul_gradient_matches_plain_linear(chunked: bool, monk
 
 
 def test_repack_with_zero_update_keeps_codes() -> None:
-    from edgekit.compress.packing import quantize_linear
+    from edgekit.compress.weight_only.packing import quantize_linear
 
     torch.manual_seed(0)
     q = quantize_linear(nn.Linear(40, 6), bits=3, group_size=16)  # last group shorter, 3-bit unpacked
@@ -324,7 +324,7 @@ def test_repack_with_zero_update_keeps_codes() -> None:
 
 
 def test_qlora_packed_fold_roundtrip_and_merge(tmp_path: Path) -> None:
-    from edgekit.compress.packing import QuantLinear
+    from edgekit.compress.weight_only.packing import QuantLinear
 
     ctx = _ctx(text_samples(24, 0), text_samples(6, 1, "eval"))
     cfg = lora.LoraConfig(r=4, steps=12, lr=2e-2, batch_size=4, qlora=True, dropout=0.0)
@@ -371,7 +371,7 @@ def test_qlora_packed_fold_exports_matmulnbits(tmp_path: Path) -> None:
 
 
 def test_lora_merged_then_requantized_int4(tmp_path: Path) -> None:
-    from edgekit.compress.packing import QuantLinear
+    from edgekit.compress.weight_only.packing import QuantLinear
     from edgekit.finetune import finetune
 
     out = finetune(tiny_llama(), text_samples(16, 0), {"r": 4, "steps": 4, "lr": 1e-2, "batch_size": 4},
@@ -445,8 +445,8 @@ def test_cli_finetune_bad_rank_and_happy_path(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_qlora_smoke(tmp_path: Path) -> None:
-    from edgekit.compress.weight_only import STEP as INT4
-    from edgekit.compress.weight_only import WeightOnlyConfig
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import STEP as INT4
     from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from edgekit.compress import StepContext, compress, load_compressed, make_config
-from edgekit.compress.prune import PruneConfig, apply, count_macs, example_inputs, find_output_layers
+from edgekit.compress.prune import apply, count_macs, example_inputs, find_output_layers
+from edgekit.compress.prune_config import PruneConfig
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import InputSpec, ModelHandle
 

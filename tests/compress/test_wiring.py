@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgekit.compress.blocks import find_blocks
 from edgekit.compress.families import Family, family_of, linearize
+from edgekit.compress.weight_only.blocks import find_blocks
 from edgekit.compress.wiring import probe_family
 from edgekit.errors import BadInputError
 

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from edgekit.cli import cli
 from edgekit.compress import StepContext
-from edgekit.compress.weight_only import WeightOnlyConfig, apply
+from edgekit.compress.weight_only.config import WeightOnlyConfig
+from edgekit.compress.weight_only.step import apply
 from edgekit.errors import BadInputError
 from edgekit.export.lm import INT8_COMPUTE_RTOL, check_lm_parity, export_causal_lm, generate_greedy, lm_session
 from edgekit.export.lm_graph import FusedGraphConfig, build_fused_decoder, supports_fused_graph

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekit.cli import cli
-from edgekit.compress.int8 import Int8Config, resolve_scheme
-from edgekit.compress.int8_onnx import dequant_chains_to_dq, quantize_onnx_file
+from edgekit.compress.int8.config import Int8Config
+from edgekit.compress.int8.onnx_graph import dequant_chains_to_dq, quantize_onnx_file
+from edgekit.compress.int8.step import resolve_scheme
 from edgekit.errors import BadInputError, CheckFailedError
 from edgekit.onnx_checks import ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
@@ -254,7 +255,7 @@ def test_export_skipping_parity_still_runs_the_graph(tiny_mlp, tmp_path, monkeyp
 
 def test_compress_verifies_the_committed_graph(tmp_path, monkeypatch):
     """A quantizer that writes a graph ONNX Runtime refuses: exit 1 naming node and op; nothing committed."""
-    from edgekit.compress import int8_onnx
+    from edgekit.compress.int8 import onnx_graph as int8_onnx
 
     src = _float_mlp(tmp_path / "mlp.onnx")
     np.savez(tmp_path / "calib.npz", x=_samples(64, 3).inputs["x"])

@@ -76,7 +76,7 @@ def test_cyclic_parallel_declaration_is_rejected():
 
 
 def test_step_needing_float_after_packing_is_rejected():
-    pytest.importorskip("edgekit.compress.weight_only")
+    pytest.importorskip("edgekit.compress.weight_only.step")
     pytest.importorskip("edgekit.compress.prune")
     data = _recipe()
     data["stages"][1]["steps"] = [{"int4": {"method": "rtn", "group_size": 16}}, {"prune": {"ratio": 0.5}}]
@@ -306,7 +306,7 @@ def test_grid_parsing_and_overrides():
     assert grid == {"bits": [32, 8], "prune.ratio": [0, 0.5]}
     assert len(combinations(grid)) == 4
     pytest.importorskip("edgekit.compress.prune")
-    pytest.importorskip("edgekit.compress.int8")
+    pytest.importorskip("edgekit.compress.int8.step")
     data = _recipe()
     data["stages"][1]["steps"] = [{"prune": {"ratio": 0.3}}, {"int8": {"method": "ptq"}}]
     base = apply_overrides(data, {"prune.ratio": 0, "bits": 32})

@@ -152,10 +152,10 @@ def test_a_failing_int8_graph_is_kept_where_the_message_says(tmp_path):
     """Built for an x86 CPU without VNNI, a graph compressed with 8-bit weights for a VNNI CPU fails parity on
     that CPU's integer kernels (its own or their model); the graph is kept beside the output, as said."""
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.int8 import Int8Config
+    from edgekit.compress.int8.config import Int8Config
     from edgekit.errors import CheckFailedError
     from edgekit.sources.data import Samples
-    from tests.compress.test_int8 import residual_model
+    from tests.compress.int8.test_int8 import residual_model
 
     x = np.random.default_rng(0).standard_normal((64, 3, 16, 16)).astype(np.float32)
     ctx = StepContext(target=load_target("cpu-avx512-vnni"), calib=Samples("s", "calib", {"input": x[:32]}),

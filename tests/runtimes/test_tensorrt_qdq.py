@@ -240,7 +240,7 @@ def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_cost
     from edgekit.artifact import read_manifest
     from edgekit.cli import cli
     from edgekit.compress import StepContext, compress
-    from edgekit.compress.int8 import Int8Config
+    from edgekit.compress.int8.config import Int8Config
     from edgekit.runtimes.tensorrt import device
     from edgekit.runtimes.tensorrt.lint import lint_onnx
 
@@ -253,7 +253,7 @@ def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_cost
                     tmp_path / "int8", StepContext(progress=False))
     # this machine's scheme (7-bit weights where its int8 kernels sum in int16 pairs): the Orin bundle is made
     # from it on any x86 machine, its parity judged with Q/DQ in float as TensorRT computes them
-    from edgekit.compress.int8 import resolve_scheme
+    from edgekit.compress.int8.step import resolve_scheme
 
     assert read_manifest(int8).metrics["int8"]["scheme"] == resolve_scheme(Int8Config(), None)
     res = CliRunner().invoke(cli, ["build", str(int8), "--target", "jetson-agx-orin-64", "--precision", "int8",

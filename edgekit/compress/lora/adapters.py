@@ -22,7 +22,7 @@ from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.config import LoraConfig
 from edgekit.compress.lora.nf4 import dequantize_nf4, is_nf4
 from edgekit.compress.lora.packed import LoraQuantLinear, repack
-from edgekit.compress.packing import QuantLinear
+from edgekit.compress.weight_only.packing import QuantLinear
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle
 

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from edgekit.compress.packing import QuantLinear
-from edgekit.compress.rtn import quantize_int
+from edgekit.compress.weight_only.packing import QuantLinear
+from edgekit.compress.weight_only.rtn import quantize_int
 from edgekit.export.packing import group_width
 
 # Packed layers larger than this many weights (an LM head: 49152 x 576) are dequantized in

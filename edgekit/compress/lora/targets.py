@@ -9,7 +9,7 @@ from torch import nn
 from edgekit.compress.families import is_conv1d
 from edgekit.compress.lora.nf4 import is_nf4
 from edgekit.compress.lora.packed import LoraQuantLinear
-from edgekit.compress.packing import QuantLinear
+from edgekit.compress.weight_only.packing import QuantLinear
 from edgekit.errors import BadInputError
 from edgekit.sources.handle import ModelHandle
 

@@ -1,0 +1,12 @@
+"""INT8 weights and activations (the "int8" step): post-training quantization and QAT to a
+Q/DQ graph that the target's engines fuse.
+
+Where things are: ``config.py`` (``Int8Config``, ``SmoothConfig`` and the choices they check;
+no torch: the command line reads it), ``calibration.py`` (observers, ranges, calibration data
+and metrics), ``qdq.py`` (the fake-quant graph and its ONNX rewrite), ``equalize.py``
+(cross-layer equalization, bias correction), ``smooth.py`` (SmoothQuant for causal LMs),
+``rounding.py`` (GPTQ rounding on the int8 grid), ``sensitivity.py`` (the float fallback),
+``qat.py`` (quantization-aware training), ``onnx_graph.py`` (INT8 of an ONNX graph: ONNX-only
+models, and models torch.fx cannot trace) and ``step.py`` (the step). Imports point down in
+that order.
+"""

@@ -1,0 +1,155 @@
+"""The options of the weight-only step (GPTQ, AWQ, AWQ+GPTQ or RTN to packed 2- to 8-bit codes),
+in a module that imports no PyTorch: the command line builds ``edgekit compress``'s flags from
+``WeightOnlyConfig`` (and recipes are checked against it) without loading the step, which
+lives in ``step.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgekit.compress.options import option
+from edgekit.errors import BadInputError, bad_choice
+from edgekit.export.config import SUPPORTED_BITS
+from edgekit.schema import check_fields
+
+METHODS = ("gptq", "awq", "awq-gptq", "rtn")
+HEAD_CHOICES = ("int8", "int4", "none")
+DEVICES = ("cpu", "cuda")
+VALUE_HESSIANS = ("attention", "input")
+HIGH_BITS = 8  # what mixed precision keeps the most sensitive groups at (mixed.py)
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    """Options of the ``int4`` step (the CLI's ``compress --bits``).
+
+    method: "gptq" | "awq" | "awq-gptq" (AWQ's scales, then GPTQ on the scaled weights) | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
+    scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
+    shorter group is allowed when it does not divide a layer's width (SmolLM2's 576 at 128).
+    sym: symmetric grid (zero point 2**(bits-1)). act_order / static_groups / damp /
+    block_size: GPTQ's options; act-order (columns by decreasing Hessian diagonal) is on by
+    default: with groups it uses static groups, so the packed layout and the engine speed
+    are unchanged, and it measured better on SmolLM2 (RESULTS.md). mse_grid: GPTQ fits each
+    group's grid by an Lp-error search over range shrink ratios instead of min-max. None
+    (default) = on with groups (SmolLM2 W4 g128 27.29 -> 27.09), off per channel, where
+    clipping a whole row's outliers measured far worse (W4 per-channel 29.19 -> 34.97). refit: once GPTQ fixed the codes, re-solve each row's
+    group scales by least squares under the layer's Hessian (default; 27.09 -> 26.57).
+    gptaq_alpha: GPTAQ's asymmetric calibration (Li et al., 2025): each layer is solved to
+    reproduce the *float* model's output from its (quantized-upstream) inputs, moved ``alpha``
+    of the way from the paper's target; costs one more forward of each block on the float
+    model's activations, whose group inputs are kept while the block is solved (default 0.25,
+    as in GPTAQ; 27.09 -> 26.24, with refit 26.22; 0 = the paper's GPTQ).
+    true_sequential: each linear group sees inputs from the already-quantized groups of
+    its block. value_hessian: GPTQ's Hessian for attention value projections (Llama family):
+    "attention" (default) from the attention-mixed inputs ``P X`` of each key/value head,
+    i.e. the error measured where the values are used; "input" from the layer's inputs
+    ``X`` as in the paper. Measured on SmolLM2 (W4 g128): the paper's Hessian weights every
+    token alike, so GPTQ moves the value error onto the attention-sink token's massive
+    channels, which nearly every query reads: perplexity worse than RTN; see RESULTS.md. calib_samples / seqlen: calibration windows (seqlen None: the model's): the
+    text's first non-overlapping windows, topped up, when it holds fewer, with windows at
+    random offsets (seeded; the GPTQ reference samples all its windows so).
+    awq_grid / awq_clip: AWQ's scale-exponent grid points and clipping search.
+    head: the LM head and tied embedding: "int8" (default; 4 bits there cost ~6 PPL on
+    SmolLM2), "int4" or "none" (kept float). device: where the solver runs.
+    eval_windows: for a causal LM, perplexity before and after on this many windows of the
+    eval split (the model's default eval text, e.g. Wikipedia; 0: skip), in the step metrics,
+    when the step is applied on its own (``compress`` measures against the float model itself).
+    """
+
+    method: str = field(default="gptq", metadata=option(
+        "--method", basic=True, help="ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only)."))
+    bits: int = field(
+        default=4, metadata=option("--bits", basic=True, show_default=False,
+                                     help="8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn)."))
+    group_size: int = field(
+        default=128, metadata=option("--group-size", basic=True, help="Weight-only: group size (-1 = per channel)."))
+    sym: bool = field(default=False, metadata=option("--sym/--asym", help="Weight-only: symmetric or asymmetric grid."))
+    act_order: bool = field(default=True, metadata=option(
+        "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal (default on; "
+        "static groups keep the packed layout)."))
+    static_groups: bool = False
+    damp: float = 0.01
+    block_size: int = 128
+    mse_grid: bool | None = None
+    refit: bool = field(default=True, metadata=option(
+        "--refit/--no-refit", help="GPTQ: re-solve the group scales by least squares once the codes are "
+        "fixed (default on)."))
+    gptaq_alpha: float = field(default=0.25, metadata=option(
+        "--gptaq-alpha", help="GPTQ: how far each layer matches the float model's output instead of its "
+        "own on quantized inputs (GPTAQ's alpha, 0-1; default 0.25; 0 = the paper's GPTQ)."))
+    true_sequential: bool = True
+    value_hessian: str = "attention"
+    value_query_stride: int = 1
+    gptaq_windows: int | None = None
+    calib_samples: int = field(default=128, metadata=option("--calib-samples"))
+    seqlen: int | None = field(default=512, metadata=option(
+        "--seqlen", help="Token window for language models: calibration (GPTQ/AWQ) and distillation."))
+    awq_grid: int = 20
+    awq_clip: bool = True
+    head: str = "int8"
+    device: str = field(default="cpu", metadata=option("--device", help="cpu | cuda (GPTQ/AWQ)."))
+    eval_windows: int = 8
+    max_size_mb: float | None = field(default=None, metadata=option(
+        "--max-size-mb", help="Weight-only: mixed precision within this model size (MB, packed): the groups of "
+        "linears whose rounding costs the loss most keep 8 bits."))
+    avg_bits: float | None = field(default=None, metadata=option(
+        "--avg-bits", help="Weight-only: mixed precision at this average of stored bits per weight over the "
+        "block linears (scales and zero points included; 4-bit g128 is about 4.3)."))
+    sensitivity_windows: int = 8
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types from the annotations, before the range checks below
+        if self.method not in METHODS:
+            raise bad_choice("weight-only method", self.method, METHODS)
+        if self.bits not in SUPPORTED_BITS:
+            raise BadInputError(f"unsupported bit width {self.bits!r} (choose from {', '.join(map(str, SUPPORTED_BITS))})")
+        gs = self.group_size
+        if not (gs == -1 or (isinstance(gs, int) and gs >= 16 and gs & (gs - 1) == 0)):
+            raise BadInputError(f"unsupported group size {gs!r} (choose -1 for per-channel, or a power of two "
+                                "from 16: 16, 32, 64, 128, 256, ...)")
+        if not 0 <= self.damp < 1:
+            raise BadInputError(f"damp must be in [0, 1), got {self.damp!r}")
+        if not 0 <= self.gptaq_alpha <= 1:
+            raise BadInputError(f"gptaq_alpha must be in [0, 1], got {self.gptaq_alpha!r}")
+        if self.block_size < 1:
+            raise BadInputError(f"block_size must be positive, got {self.block_size!r}")
+        if self.calib_samples < 1:
+            raise BadInputError(f"calib_samples must be at least 1, got {self.calib_samples!r}")
+        if self.seqlen is not None and self.seqlen < 2:
+            raise BadInputError(f"seqlen must be at least 2, got {self.seqlen!r}")
+        if self.value_hessian not in VALUE_HESSIANS:
+            raise bad_choice("value-projection Hessian", self.value_hessian, VALUE_HESSIANS)
+        if self.awq_grid < 1:
+            raise BadInputError(f"awq_grid must be at least 1, got {self.awq_grid!r}")
+        if self.head not in HEAD_CHOICES:
+            raise bad_choice("head quantization", self.head, HEAD_CHOICES)
+        if self.device not in DEVICES:
+            raise bad_choice("device", self.device, DEVICES)
+        if not isinstance(self.eval_windows, int) or self.eval_windows < 0:
+            raise BadInputError(f"eval_windows must be a whole number >= 0, got {self.eval_windows!r}")
+        if self.max_size_mb is not None and self.avg_bits is not None:
+            raise BadInputError("give one size budget: --max-size-mb or --avg-bits, not both")
+        if self.max_size_mb is not None and not self.max_size_mb > 0:
+            raise BadInputError(f"max_size_mb must be positive, got {self.max_size_mb!r}")
+        if self.avg_bits is not None and not self.bits < self.avg_bits <= 2 * HIGH_BITS:
+            raise BadInputError(f"avg_bits must be above the low bit width ({self.bits}) and at most {2 * HIGH_BITS}, "
+                                f"got {self.avg_bits!r}")
+        if self.mixed and self.bits >= HIGH_BITS:
+            raise BadInputError(f"mixed precision keeps some layers at {HIGH_BITS} bits; --bits must be lower, "
+                                f"got {self.bits}")
+        if self.value_query_stride < 1:
+            raise BadInputError(f"value_query_stride must be at least 1, got {self.value_query_stride!r}")
+        if self.gptaq_windows is not None and self.gptaq_windows < 1:
+            raise BadInputError(f"gptaq_windows must be at least 1, got {self.gptaq_windows!r}")
+        if self.sensitivity_windows < 1:
+            raise BadInputError(f"sensitivity_windows must be at least 1, got {self.sensitivity_windows!r}")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a size budget asks for mixed precision."""
+        return self.max_size_mb is not None or self.avg_bits is not None
+
+    @property
+    def grid_search(self) -> bool:
+        """Whether GPTQ searches each group's range (``mse_grid``, resolved for the group size)."""
+        return self.group_size != -1 if self.mse_grid is None else self.mse_grid

@@ -1,0 +1,93 @@
+"""Packed low-bit layers: layout, round trips, on-the-fly dequantization (issue 4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from edgekit.compress.weight_only.packing import QuantEmbedding, QuantLinear, pack_codes, quantize_linear, unpack_codes
+from edgekit.compress.weight_only.rtn import dequantize_groups, qparams, rtn_quantize
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_unpack_round_trip(bits):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 2**bits, (5, 37), generator=g, dtype=torch.int64).to(torch.uint8)
+    packed = pack_codes(q, bits)
+    expect_cols = {2: 10, 3: 19, 4: 19, 8: 37}[bits]
+    assert packed.dtype == torch.uint8 and packed.shape == (5, expect_cols)
+    assert torch.equal(unpack_codes(packed, bits, 37), q)
+
+
+def test_nibble_order_is_low_first():
+    q = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
+    assert pack_codes(q, 4).tolist() == [[0x21, 0x43]]
+    assert pack_codes(q[:, :3], 4).tolist() == [[0x21, 0x03]]
+    assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[0b00111001]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_packing_in_uint8_gives_the_bytes_of_wide_integer_packing(bits):
+    """``pack_codes`` packs in uint8 (no int32 copy of an LM head's codes): each byte is the low 8 bits of
+    the codes shifted and OR-ed in wide integers, for in-range codes, the padded last byte, and codes
+    too large for the width alike; the input is left as it was."""
+    import numpy as np
+
+    per = 8 // (4 if bits == 3 else bits)
+    width = 8 // per
+    g = torch.Generator().manual_seed(bits)
+    for high in (2**width, 256):
+        q = torch.randint(0, high, (1, 7), generator=g, dtype=torch.int64).to(torch.uint8)
+        before = q.clone()
+        wide = np.pad(q.numpy().astype(np.int64), ((0, 0), (0, (-7) % per))).reshape(1, -1, per)
+        want = (np.bitwise_or.reduce([wide[..., i] << (width * i) for i in range(per)]) & 0xFF).astype(np.uint8)
+        got = pack_codes(q, bits)
+        assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want) and torch.equal(q, before)
+
+
+def test_rtn_grid_asym_and_sym():
+    w = torch.tensor([[-1.0, 0.0, 0.5, 2.0]])
+    s, z = qparams(w, 4, sym=False)
+    assert s.item() == pytest.approx(3.0 / 15) and z.item() == 5
+    s, z = qparams(w, 4, sym=True)
+    assert s.item() == pytest.approx(4.0 / 15) and z.item() == 8
+    q, sc, zs = rtn_quantize(w, 4, -1, False)
+    assert (dequantize_groups(q, sc, zs, -1) - w).abs().max() <= sc.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize("group_size,sym", [(128, False), (128, True), (-1, False), (64, False)])
+def test_quant_linear_matches_fake_quant(group_size, sym):
+    torch.manual_seed(0)
+    lin = nn.Linear(320, 48)  # 320 = 2.5 groups of 128: a partial last group
+    ql = quantize_linear(lin, bits=4, group_size=group_size, sym=sym)
+    q, s, z = rtn_quantize(lin.weight.detach(), 4, group_size, sym)
+    ref = dequantize_groups(q, s, z, group_size)
+    assert torch.equal(ql.dequantize(), ref)
+    x = torch.randn(3, 7, 320)
+    torch.testing.assert_close(ql(x), nn.functional.linear(x, ref, lin.bias), rtol=1e-5, atol=1e-5)
+    rel = (ref - lin.weight).norm() / lin.weight.norm()
+    assert rel < 0.15
+    assert ql.qweight.shape == (48, 160) and ql.qweight.dtype == torch.uint8
+    assert ql.scales.dtype == torch.float32
+
+
+def test_quant_linear_state_dict_round_trip_and_grad_flows_to_input():
+    torch.manual_seed(1)
+    ql = quantize_linear(nn.Linear(64, 16, bias=True), bits=3, group_size=32)
+    fresh = QuantLinear(64, 16, bits=3, group_size=32, bias=True)
+    fresh.load_state_dict(ql.state_dict(), strict=True)
+    x = torch.randn(2, 64, requires_grad=True)
+    y = fresh(x)
+    assert torch.equal(y, ql(x))
+    y.sum().backward()
+    assert x.grad is not None and not any(p.requires_grad for p in fresh.parameters())
+
+
+def test_quant_embedding_tied_gathers_rows():
+    torch.manual_seed(2)
+    head = quantize_linear(nn.Linear(32, 50, bias=False), bits=8, group_size=16)
+    emb = QuantEmbedding(50, 32, bits=8, group_size=16)
+    emb.tie_to(head)
+    ids = torch.tensor([[0, 7, 49], [3, 3, 1]])
+    torch.testing.assert_close(emb(ids), head.dequantize()[ids])
+    assert emb.qweight is head.qweight
