@@ -6,8 +6,8 @@ does not: run it before and after, and compare the tables (or the JSON files).
 Four outputs, each through the public API: INT8 PTQ of the Fashion-MNIST CNN on its PyTorch path
 (the fake-quant weights, and its Q/DQ ONNX export), INT8 of the same CNN's exported ONNX graph (the
 ONNX-graph path), and 4-bit round-to-nearest weight-only quantization of a tiny seeded Llama (the
-packed weights, and its ONNX export). ONNX files are hashed without the exporter's source-line
-metadata (``graph_sha256``), safetensors files by their content (``tensors_sha256``). ``--against`` compares
+packed weights, and its ONNX export). ONNX files are hashed without the exporter's provenance
+metadata (``graph_sha256``: Python stack traces and class paths), safetensors files by their content (``tensors_sha256``). ``--against`` compares
 with an earlier run's JSON and exits 1 when a hash differs.
 """
 from __future__ import annotations
@@ -56,15 +56,19 @@ def tiny_llama() -> Any:
                        dynamic_axes={"input_ids": seq, "attention_mask": seq, "logits": seq})
 
 
+# Node metadata that PyTorch's exporter records for debugging: each op's Python stack trace (file
+# paths and line numbers) and the Python classes (module paths) it was traced through. They change
+# whenever code moves, while the graph, its weights and every other field stay as they are.
+EXPORTER_PROVENANCE = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.class_hierarchy", "namespace")
+
+
 def graph_sha256(path: Path) -> str:
-    """An ONNX file's SHA-256 without the per-node ``pkg.torch.onnx.stack_trace`` metadata that
-    PyTorch's exporter records: those name the source file and line of each op, so they change
-    whenever the code moves, while the graph, its weights and every other field stay as they are."""
+    """An ONNX file's SHA-256 without the exporter's provenance metadata (``EXPORTER_PROVENANCE``)."""
     import onnx
 
     model = onnx.load(str(path))
     for node in model.graph.node:
-        kept = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
+        kept = [p for p in node.metadata_props if p.key not in EXPORTER_PROVENANCE]
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
