@@ -18,8 +18,8 @@ uint8 weights), and 1-thread CPU ms per batch-1 image of FP32 and INT8, interlea
 
 ``--test-report [LAYERS]`` reports instead a setting chosen here, once, on the **test** images (the eval
 split's 363): ``compress`` of EfficientNet-Lite0 with ``int8`` for target ``cpu`` (the command
-``edgekit compress efficientnet-lite0 --bits 8``; ``LAYERS``: comma-separated ``u8u8_layers`` or
-``none``, left out: the default), its quality gate's engine figures (agreement and KL of this machine's ONNX Runtime
+``edgekit compress efficientnet-lite0 --bits 8``; ``LAYERS``: comma-separated ``u8u8_layers``; left
+out or ``none``: none, the default), its quality gate's engine figures (agreement and KL of this machine's ONNX Runtime
 engine against FP32 on the eval split), then ``build_engine(..., "cpu")`` of it and of the FP32 model and
 their 1-thread CPU ms, interleaved as above.
 
@@ -107,8 +107,7 @@ def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
     from edgekit.targets import load_target
 
     t0, c0 = time.perf_counter(), time.process_time()
-    config = Int8Config() if layers is None else Int8Config(
-        u8u8_layers=() if layers == "none" else tuple(k for k in layers.split(",") if k))
+    config = Int8Config(u8u8_layers=tuple(k for k in (layers or "").split(",") if k and k != "none"))
     tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-test-"))
     folder = compress("efficientnet-lite0", [("int8", config)], tmp / "int8", StepContext(target=load_target("cpu")))
     compress_cpu_s = time.process_time() - c0
@@ -142,7 +141,7 @@ def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
            "compress_cpu_s": round(compress_cpu_s, 1), "compress_seconds": m.get("seconds")}
     print(row)
     print(f"\n| setting | engine agreement (test) | engine KL | fake-quant agreement | CPU ms INT8 / FP32 | speed vs FP32 |"
-          f"\n|---|---|---|---|---|---|\n| u8u8_layers={list(config.u8u8_layers) if config.u8u8_layers is not None else 'default'}"
+          f"\n|---|---|---|---|---|---|\n| u8u8_layers={list(config.u8u8_layers)}"
           f" ({len(row['u8u8_layers'] or [])} layers) | {100 * row['engine']['top1_agreement']:.1f}% | "
           f"{row['engine']['mean_kl']:.4f} | {100 * row['fake_quant']['top1_agreement']:.1f}% | {row['int8_cpu_ms']:.2f} / "
           f"{row['fp32_cpu_ms']:.2f} | {row['speedup_cpu']:.2f}x |")
@@ -161,7 +160,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=24, help="batch-1 images per timing round")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "int8_avx2_recovery.json"))
     ap.add_argument("--test-report", nargs="?", const="", default=None, metavar="LAYERS",
-                    help="report on the test images instead: compress + build with these u8u8_layers (none: default)")
+                    help="report on the test images instead: compress + build with these u8u8_layers (default: none)")
     args = ap.parse_args()
     if args.test_report is not None:
         out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_test.json")

@@ -124,8 +124,10 @@ class Int8Config:
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
     u8u8_layers: scheme "u8s7" only (x86 without VNNI): layers whose weights keep all 8 bits, stored as
         uint8 with zero point 128 so ONNX Runtime runs them on its exact u8 x u8 kernels instead of 7-bit
-        weights on the u8 x s8 ones (``qdq.promote_u8u8``): layer names or "first"; None: the default
-        (``U8U8_DEFAULT``); () : none. Ignored under the other schemes (their weights have 8 bits).
+        weights on the u8 x s8 ones (``qdq.promote_u8u8``): layer names or "first"; none by default (on
+        EfficientNet-Lite0 the scan's most sensitive layers lowered the validation KL but not the
+        agreement: benchmarks/RESULTS.md, issue 26). The fallback (``max_accuracy_drop``) promotes
+        sensitive layers so before it floats any. Ignored under the other schemes (their weights have 8 bits).
     smooth_alpha: SmoothQuant activation smoothing for causal LMs (``smooth.py``), folded into the
         float model before its graph is quantized: in [0, 1], or None (off). Ignored for other models.
     """
@@ -159,7 +161,7 @@ class Int8Config:
     placement: str = field(default="auto", metadata=option(
         "--placement", help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: "
         "transformers) | all."))
-    u8u8_layers: tuple[str, ...] | None = None
+    u8u8_layers: tuple[str, ...] = ()
     smooth_alpha: float | None = field(default=None, metadata=option(
         "--smooth-alpha", help="INT8 of a causal LM: SmoothQuant activation smoothing, its strength in [0, 1] "
         "(0.5: outlier range split evenly between activations and weights); off unless given."))
@@ -200,10 +202,9 @@ class Int8Config:
             raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
         if self.placement not in PLACEMENTS:
             raise bad_choice("INT8 placement", self.placement, PLACEMENTS)
-        if self.u8u8_layers is not None:
-            if isinstance(self.u8u8_layers, str) or not all(isinstance(k, str) and k for k in self.u8u8_layers):
-                raise BadInputError(f"u8u8_layers must be a list of layer names (or 'first'), got {self.u8u8_layers!r}")
-            object.__setattr__(self, "u8u8_layers", tuple(self.u8u8_layers))
+        if isinstance(self.u8u8_layers, str) or not all(isinstance(k, str) and k for k in self.u8u8_layers):
+            raise BadInputError(f"u8u8_layers must be a list of layer names (or 'first'), got {self.u8u8_layers!r}")
+        object.__setattr__(self, "u8u8_layers", tuple(self.u8u8_layers))
         if self.smooth_alpha is not None:
             SmoothConfig(self.smooth_alpha)  # range check, one line
         if not self.per_channel:
@@ -247,18 +248,11 @@ def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
 # Data
 
 
-# Scheme "u8s7": layers given exact 8-bit weights by default (``Int8Config.u8u8_layers``), chosen on
-# validation images (benchmarks/RESULTS.md, issue 26); names a model does not have are skipped.
-U8U8_DEFAULT: tuple[str, ...] = ()
-
-
 def resolve_u8u8_layers(config: Int8Config, plan: qdq.QuantPlan, scheme: str) -> list[str]:
     """Layer names from ``Int8Config.u8u8_layers`` under ``scheme`` ("first": the first quantizable
     layer); none under schemes other than "u8s7". A name the model lacks is refused, naming the layers."""
     if scheme != "u8s7":
         return []
-    if config.u8u8_layers is None:
-        return [name for name in U8U8_DEFAULT if name in plan.layers]
     order = list(plan.layers)
     out: list[str] = []
     for k in config.u8u8_layers:
@@ -358,6 +352,10 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         raise BadInputError(f"--smooth-alpha applies to causal LMs with their PyTorch weights; {handle.name!r} is "
                             f"{'an ONNX graph' if handle.module is None else 'a ' + handle.kind + ' model'} "
                             "(leave --smooth-alpha out)")
+    if config.u8u8_layers and (handle.module is None or handle.kind == "causal-lm"):
+        # layer names of the fake-quant PyTorch graph: a graph quantized from ONNX has none of them
+        raise BadInputError(f"u8u8_layers applies to models quantized through their PyTorch graph; {handle.name!r} is "
+                            "quantized from its ONNX graph (leave u8u8_layers out)")
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
@@ -379,9 +377,10 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         gm, plan = qdq.prepare_qdq(work, scheme)
     except qdq.TraceError as e:
         # Not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph.
-        if config.method != "ptq" or config.max_accuracy_drop is not None:
+        if config.method != "ptq" or config.max_accuracy_drop is not None or config.u8u8_layers:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
-                                "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop)") from None
+                                "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop, "
+                                "no u8u8_layers)") from None
         return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers

@@ -786,11 +786,12 @@ def u8u8_candidates(gm: nn.Module, plan: QuantPlan) -> list[str]:
 
 
 def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[str, ...]) -> list[str]:
-    """Give ``names`` exact 8-bit weights after calibration (scheme "u8s7" only): each layer's weights
-    go back to float (GPTQ's rounding and bias correction were for the 7-bit grid: both are undone), get
-    per-channel scales on the 8-bit grid (clip search) and are rounded to nearest on it. Exported, they
-    are stored as uint8 (``rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted
-    (those in ``u8u8_candidates``); no change to any other layer, nothing under another scheme."""
+    """Give ``names`` exact 8-bit weights (scheme "u8s7" only): per-channel scales on the 8-bit grid
+    (clip search). Before calibration (``int8.apply``) that is all, and GPTQ rounding and bias correction
+    then work on that grid; after them (the fallback) the layer's float weights and uncorrected bias come
+    back first (both were for the 7-bit grid) and it is rounded to nearest. Exported, the weights are
+    stored as uint8 (``rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted (those
+    in ``u8u8_candidates``); no change to any other layer, nothing under another scheme."""
     if plan.scheme != "u8s7":
         return []
     can = set(u8u8_candidates(gm, plan))

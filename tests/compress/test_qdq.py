@@ -116,7 +116,7 @@ def test_the_same_8bit_weights_as_int8_would_overflow_the_pair_sums(tmp_path):
 def test_no_promotion_under_the_vnni_scheme(tmp_path):
     """Scheme "u8s8": the option changes nothing, the graph is byte for byte today's."""
     paths = []
-    for i, layers in enumerate((None, ("first", "5"))):
+    for i, layers in enumerate(((), ("first", "5"))):
         q = apply(tiny_cnn_model(), Int8Config(calib_method="minmax", u8u8_layers=layers), _ctx(VNNI))
         assert q.steps[-1].meta["scheme"] == "u8s8" and q.steps[-1].meta["u8u8_layers"] == []
         assert not any(w.u8u8 for w in qdq.weight_quants(q.module))
@@ -166,3 +166,20 @@ def test_u8u8_layers_are_checked():
         Int8Config(u8u8_layers="first")  # type: ignore[arg-type]
     with pytest.raises(BadInputError, match="layer for exact 8-bit weights 'nope'.*'first'"):
         apply(tiny_cnn_model(), Int8Config(u8u8_layers=("nope",)), _ctx(AVX2))
+
+
+
+def test_u8u8_layers_resolve_only_under_u8s7():
+    from edgekit.compress.int8 import resolve_u8u8_layers
+
+    gm, plan = qdq.prepare_qdq(make_tiny_cnn().module, "u8s7")
+    assert resolve_u8u8_layers(Int8Config(), plan, "u8s7") == []  # none by default
+    assert resolve_u8u8_layers(Int8Config(u8u8_layers=("first", "5", "0")), plan, "u8s7") == ["0", "5"]
+    assert resolve_u8u8_layers(Int8Config(u8u8_layers=("5",)), plan, "u8s8") == []
+
+
+def test_u8u8_layers_are_refused_for_a_model_quantized_from_its_onnx_graph(tiny_onnx):
+    from edgekit.sources.models import load_onnx_file
+
+    with pytest.raises(BadInputError, match="u8u8_layers applies to models quantized through their PyTorch graph"):
+        apply(load_onnx_file(tiny_onnx), Int8Config(u8u8_layers=("conv",)), _ctx(AVX2))
