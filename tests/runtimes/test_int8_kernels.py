@@ -103,6 +103,30 @@ def test_conv_model_matches_numpy(cin, cout, k, x_zp, stride, group, tmp_path):
         assert np.abs(host.astype(np.int64) - pairs).max() <= 1
 
 
+def test_uint8_weights_are_exact_where_the_same_int8_weights_saturate(tmp_path):
+    """The same 8-bit weight codes stored as uint8 with zero point 128 (a layer promoted to exact 8-bit
+    weights under scheme "u8s7"): the model leaves the node to the host's u8 x u8 kernels, which compute
+    the exact sums on every CPU; stored as int8, the int16 pair sums of x86 without VNNI saturate."""
+    m, w, inits = _qlinearconv(16, 12, 1, 0)  # pointwise, weights over the whole int8 range
+    x = RNG.integers(160, 256, size=(2, 16, 7, 7)).astype(np.uint8)  # high codes: pairs beyond int16
+    exact = _requantize(_numpy_conv(x, w, 0, 1, 1, 1, False), inits)
+    saturated = _requantize(_numpy_conv(x, w, 0, 1, 1, 1, True), inits)
+    assert np.abs(saturated - exact).max() > 5
+    for t in m.graph.initializer:
+        if t.name == "w":
+            t.CopyFrom(numpy_helper.from_array((w.astype(np.int16) + 128).astype(np.uint8), "w"))
+        elif t.name == "wz":
+            t.CopyFrom(numpy_helper.from_array(np.full(12, 128, np.uint8), "wz"))
+    path = tmp_path / "conv_u8.onnx"
+    path.write_bytes(m.SerializeToString())
+    for saturate in (True, False):
+        _, count = emulate(fused_graph(path), saturate=saturate)
+        assert count == 0  # not rewritten: the host's u8 x u8 kernels are the model
+    for semantics in ("int16-pairs", "int32"):
+        got = session_for(path, semantics).run(None, {"x": x})[0].astype(np.int64)
+        assert np.abs(got - exact).max() <= 1  # one output step: float rounding at a .5 boundary
+
+
 def test_depthwise_convolutions_are_left_to_the_host():
     """Depthwise convolutions run kernels that sum in 32 bits on every x86 CPU: not rewritten."""
     m, _, _ = _qlinearconv(8, 8, 3, 0, group=8)

@@ -76,6 +76,12 @@ class Int8Config:
         models, and models torch.fx cannot trace, e.g. Hugging Face BERT): "auto" ("all" if
         the graph has a Conv, else "linear") | "linear" (only the inputs of MatMul/Gemm
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
+    u8u8_layers: scheme "u8s7" only (x86 without VNNI): layers whose weights keep all 8 bits, stored as
+        uint8 with zero point 128 so ONNX Runtime runs them on its exact u8 x u8 kernels instead of 7-bit
+        weights on the u8 x s8 ones (``qdq.promote_u8u8``): layer names or "first"; none by default (on
+        EfficientNet-Lite0 the scan's most sensitive layers lowered the validation KL but not the
+        agreement: benchmarks/RESULTS.md, issue 26). The fallback (``max_accuracy_drop``) promotes
+        sensitive layers so before it floats any. Ignored under the other schemes (their weights have 8 bits).
     smooth_alpha: SmoothQuant activation smoothing for causal LMs (``smooth.py``), folded into the
         float model before its graph is quantized: in [0, 1], or None (off). Ignored for other models.
     """
@@ -109,6 +115,7 @@ class Int8Config:
     placement: str = field(default="auto", metadata=option(
         "--placement", help="INT8 via the ONNX graph: auto | linear (weight MatMul/Gemm inputs only: "
         "transformers) | all."))
+    u8u8_layers: tuple[str, ...] = ()
     smooth_alpha: float | None = field(default=None, metadata=option(
         "--smooth-alpha", help="INT8 of a causal LM: SmoothQuant activation smoothing, its strength in [0, 1] "
         "(0.5: outlier range split evenly between activations and weights); off unless given."))
@@ -149,6 +156,9 @@ class Int8Config:
             raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
         if self.placement not in PLACEMENTS:
             raise bad_choice("INT8 placement", self.placement, PLACEMENTS)
+        if isinstance(self.u8u8_layers, str) or not all(isinstance(k, str) and k for k in self.u8u8_layers):
+            raise BadInputError(f"u8u8_layers must be a list of layer names (or 'first'), got {self.u8u8_layers!r}")
+        object.__setattr__(self, "u8u8_layers", tuple(self.u8u8_layers))
         if self.smooth_alpha is not None:
             SmoothConfig(self.smooth_alpha)  # range check, one line
         if not self.per_channel:

@@ -90,6 +90,11 @@ WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 12
 # adjacent products in a saturating int16 (vpmaddubsw): 8-bit weights reach 255 * 254 = 64,770 > 32,767.
 # The 7-bit grid (ONNX Runtime's reduce_range, symmetric) keeps every pair within it: 255 * (64 + 64) = 32,640.
 WEIGHT_7BIT = (-64, 64)
+# Under "u8s7", a layer whose 7-bit weights cost too much accuracy can keep all 8 bits: its codes are
+# stored as uint8 with this zero point (code + 128), so ONNX Runtime runs it on its u8 x u8 kernels,
+# which widen both operands to int16 before the multiply-add (vpmaddwd): exact on every x86 CPU,
+# about 1.3-1.45x the u8 x s8 kernel's time for that layer, still integer.
+U8_WEIGHT_ZERO_POINT = 128
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,11 @@ class WeightGrid:
         return (self.qmin, self.qmax) == (WEIGHT_QMIN, WEIGHT_QMAX)
 
 
-def weight_grid(scheme: str, depthwise: bool) -> WeightGrid:
+def weight_grid(scheme: str, depthwise: bool, u8u8: bool = False) -> WeightGrid:
     """A layer's weight grid under ``scheme``: the 7-bit grid for "u8s7", except in depthwise
-    convolutions (their kernels multiply and sum in 32 bits on every x86 CPU)."""
-    if scheme == "u8s7" and not depthwise:
+    convolutions (their kernels multiply and sum in 32 bits on every x86 CPU) and in layers given
+    exact 8-bit weights (``u8u8``: stored as uint8, see ``U8_WEIGHT_ZERO_POINT``)."""
+    if scheme == "u8s7" and not depthwise and not u8u8:
         return WeightGrid(*WEIGHT_7BIT)
     return WeightGrid()
 
@@ -222,6 +228,8 @@ class WeightQuant(nn.Module):
         self.qmin, self.qmax = self.grid.qmin, self.grid.qmax
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
+        # exact 8-bit weights stored as uint8 (zero point ``U8_WEIGHT_ZERO_POINT``) under scheme "u8s7"
+        self.u8u8 = False
         # (bias path, shift) that bias correction subtracted for this layer's weight error;
         # fallback adds it back when the layer returns to float weights
         self.bias_shift: tuple[str, torch.Tensor] | None = None
@@ -547,9 +555,11 @@ class TraceError(Exception):
     pass
 
 
-def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
+def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = (),
+                u8u8_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
     """Trace ``module`` and return (fake-quant GraphModule, plan). Raises BadInputError
-    when the model has no convolution or linear layer to quantize."""
+    when the model has no convolution or linear layer to quantize. ``u8u8_layers``: layers given exact
+    8-bit weights under scheme "u8s7" (``promote_u8u8``); ignored under every other scheme."""
     fmt = act_format(scheme)
     module = module.eval()
     gm = _trace(module)
@@ -584,7 +594,9 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
         ensure_bias(gm, n, wpath, w.shape[0])
         qname = "wq_" + name.replace(".", "_")
         depthwise = is_conv(gm, n) and w.dim() > 2 and w.shape[1] == 1 and conv_groups(n) > 1
-        gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise)))
+        u8u8 = scheme == "u8s7" and not depthwise and name in u8u8_layers
+        gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise, u8u8)))
+        weight_quant(gm, qname).u8u8 = u8u8
         wnode = n.args[1]
         with g.inserting_after(wnode):
             qw = g.call_module(qname, (wnode,))
@@ -765,6 +777,51 @@ def clip_weights_to_grid(gm: nn.Module, plan: QuantPlan) -> int:
     return clipped
 
 
+def u8u8_candidates(gm: nn.Module, plan: QuantPlan) -> list[str]:
+    """The layers ``promote_u8u8`` can promote: quantized, on the 7-bit grid (scheme "u8s7"; depthwise
+    convolutions are on the 8-bit grid already), in graph order."""
+    return [name for name, q in plan.layers.items()
+            if weight_quant(gm, q).enabled and weight_quant(gm, q).reduced and not weight_quant(gm, q).u8u8]
+
+
+def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[str, ...]) -> list[str]:
+    """Give ``names`` exact 8-bit weights (scheme "u8s7" only): per-channel scales on the 8-bit grid
+    (clip search). Before calibration (``int8.apply``) that is all, and GPTQ rounding and bias correction
+    then work on that grid; after them (the fallback) the layer's float weights and uncorrected bias come
+    back first (both were for the 7-bit grid) and it is rounded to nearest. Exported, the weights are
+    stored as uint8 (``rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted (those
+    in ``u8u8_candidates``); no change to any other layer, nothing under another scheme."""
+    if plan.scheme != "u8s7":
+        return []
+    can = set(u8u8_candidates(gm, plan))
+    done = []
+    for name in names:
+        if name not in can:
+            continue
+        wq = weight_quant(gm, plan.layers[name])
+        with torch.no_grad():
+            if wq.bias_shift is not None:  # bias correction subtracted the 7-bit weights' mean error
+                bpath, shift = wq.bias_shift
+                set_param(gm, bpath, get_attr(gm, bpath).detach() + shift)
+                wq.bias_shift = None
+            if wq.float_weight is not None:  # GPTQ rounded the weights in place on the 7-bit grid
+                wpath, w = wq.float_weight
+                set_param(gm, wpath, w)
+                wq.float_weight = None
+            wq.grid = WeightGrid()
+            wq.qmin, wq.qmax = wq.grid.qmin, wq.grid.qmax
+            wq.u8u8 = True
+            wq._cached = None
+            wq.update_scale(get_attr(gm, name + ".weight"), search=True)
+        done.append(name)
+    return done
+
+
+def u8u8_layers(gm: nn.Module, plan: QuantPlan) -> list[str]:
+    """The layers with exact 8-bit (uint8-stored) weights, in graph order."""
+    return [name for name, q in plan.layers.items() if weight_quant(gm, q).u8u8 and weight_quant(gm, q).enabled]
+
+
 def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = True) -> None:
     for name, qname in plan.layers.items():
         weight_quant(gm, qname).update_scale(get_attr(gm, name + ".weight"), search=search)
@@ -774,9 +831,14 @@ def update_weight_scales(gm: fx.GraphModule, plan: QuantPlan, search: bool = Tru
 # ONNX rewrite
 
 
-def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
+def rewrite_qdq(model: onnx.ModelProto, u8_weights: int = 0) -> onnx.ModelProto:
     """Make an exported fake-quant graph deployable: int8 weights behind DequantizeLinear,
-    int32 biases, weight transposes folded. Returns the same ModelProto, changed."""
+    int32 biases, weight transposes folded. Returns the same ModelProto, changed.
+
+    ``u8_weights``: how many layers have exact 8-bit weights under scheme "u8s7" (``promote_u8u8``).
+    Those are the only convolution / matmul weights (depthwise ones aside) whose codes leave the 7-bit
+    grid; they are stored as uint8 with zero point ``U8_WEIGHT_ZERO_POINT`` (the same values), so
+    ONNX Runtime runs them on its exact u8 x u8 kernels. A different count is an internal error."""
     import onnx
     from onnx import numpy_helper
 
@@ -805,7 +867,8 @@ def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
         return name
 
     remove: list[onnx.NodeProto] = []
-    # 1. Q(const float weight) -> DQ  ==>  const int8 -> DQ
+    stored_u8 = 0
+    # 1. Q(const float weight) -> DQ  ==>  const int8 -> DQ (uint8 for exact 8-bit weights under "u8s7")
     for q in list(g.node):
         if q.op_type != "QuantizeLinear":
             continue
@@ -825,6 +888,13 @@ def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
             s, z = scale, zp.astype(np.int64)
         info = np.iinfo(zp.dtype)
         qw = np.clip(np.round(w / s) + z, info.min, info.max).astype(zp.dtype)
+        if u8_weights and _wide_int8_weight(qw, zp, consumers.get(q.output[0], []), consumers):
+            qw = (qw.astype(np.int16) + U8_WEIGHT_ZERO_POINT).astype(np.uint8)
+            zp_u8 = add_init(np.full(zp.shape, U8_WEIGHT_ZERO_POINT, np.uint8), q.output[0] + "_zp_u8")
+            for c in consumers.get(q.output[0], []):
+                if c.op_type == "DequantizeLinear" and len(c.input) > 2:
+                    c.input[2] = zp_u8
+            stored_u8 += 1
         qname = add_init(qw, q.output[0] + "_int")
         for c in consumers.get(q.output[0], []):
             for k, inp in enumerate(c.input):
@@ -833,6 +903,8 @@ def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
         remove.append(q)
     for n in remove:
         g.node.remove(n)
+    if stored_u8 != u8_weights:  # internal invariant: the fake-quant model promoted exactly these
+        raise RuntimeError(f"{u8_weights} layers have exact 8-bit weights but {stored_u8} weights left the 7-bit grid")
     producers = {o: n for n in g.node for o in n.output}
     consumers = {}
     for n in g.node:
@@ -897,6 +969,23 @@ def rewrite_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     del g.initializer[:]
     g.initializer.extend(keep)
     return model
+
+
+def _wide_int8_weight(qw: np.ndarray, zp: np.ndarray, dqs: list[onnx.NodeProto],
+                      consumers: dict[str, list[onnx.NodeProto]]) -> bool:
+    """Whether int8 weight codes ``qw`` (behind the DequantizeLinear nodes ``dqs``) leave the 7-bit grid
+    in a convolution or matmul whose u8 x s8 kernel sums pairs in int16 (every one but depthwise)."""
+    if qw.dtype != np.int8 or np.any(zp != 0) or (int(qw.min()) >= WEIGHT_7BIT[0] and int(qw.max()) <= WEIGHT_7BIT[1]):
+        return False
+    for dq in dqs:
+        for c in consumers.get(dq.output[0], []):
+            if c.op_type == "Conv":
+                group = next((a.i for a in c.attribute if a.name == "group"), 1)
+                if not (group > 1 and qw.ndim > 2 and qw.shape[1] == 1):
+                    return True
+            elif c.op_type in ("Gemm", "MatMul", "Transpose"):
+                return True
+    return False
 
 
 def _fold_pads(g: onnx.GraphProto, value: Callable[[str], np.ndarray | None]) -> int:

@@ -223,12 +223,15 @@ def layer_sensitivity(gm: fx.GraphModule, units: list[FallbackUnit], samples: Sa
 
 def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], ref: np.ndarray,
               fp32: dict[str, float], max_drop: float, evaluator: str | None, candidates: int | None = 12,
-              subset: int = 32) -> dict[str, Any]:
+              subset: int = 32, promote: bool = False) -> dict[str, Any]:
     """Return the most sensitive layers (weights) and activations to float until the
     quality drop on ``samples`` (calibration-split data held out of range calibration;
     ``ref``: the FP32 outputs on them) is <= ``max_drop`` (a fraction: 0.01 = 1 point).
     ``candidates``: how many of the lowest-SQNR activations the scan measures besides every
-    layer's weights (None: all of them; one pass of ``subset`` samples each)."""
+    layer's weights (None: all of them; one pass of ``subset`` samples each).
+    ``promote`` (scheme "u8s7"): first give the sensitive layers on the 7-bit grid exact 8-bit weights
+    (``qdq.promote_u8u8``: integer u8 x u8 kernels, far cheaper than float), most sensitive first, in
+    growing steps; float units only if that is not enough. Promotions are kept (not given back)."""
     def measure() -> dict[str, float]:
         return score(run_module(gm, samples, names), ref, samples.labels, evaluator)
 
@@ -260,6 +263,19 @@ def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: 
     sens = layer_sensitivity(gm, [units[k] for k in scan], samples, names, ref, evaluator, subset=subset)
     order = sorted((k for k in sens if sens[k] > 0), key=lambda k: -sens[k])  # only units that helped
     steps = []
+    promoted: list[str] = []
+    if promote:
+        can = set(qdq.u8u8_candidates(gm, plan))
+        wide = [k for k in order if k in can]
+        done = 0
+        while done < len(wide) and not ok(current):
+            k = max(1, done)  # 1, 1, 2, 4, ... layers at a time
+            promoted += qdq.promote_u8u8(gm, plan, wide[done:done + k])
+            done = min(len(wide), done + k)
+            current = measure()
+            steps.append({"u8u8_layers": len(promoted), "quality": quality(current)})
+        if ok(current):
+            order = []  # float units only where exact 8-bit weights were not enough (promoted ones too)
     chosen = 0
     while chosen < len(order):
         k = max(1, chosen)  # 1, 1, 2, 4, 8, ... units at a time
@@ -270,7 +286,7 @@ def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: 
         steps.append({"float_units": chosen, "quality": quality(current)})
         if ok(current):
             break
-    if ok(current) and chosen <= 8:  # give back to int8 what turned out not to be needed
+    if ok(current) and 1 < chosen <= 8:  # give back to int8 what turned out not to be needed
         for name in reversed(order[:chosen - 1]):
             units[name].set_float(False)
             trial = measure()
@@ -278,6 +294,8 @@ def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: 
                 current = trial
             else:
                 units[name].set_float(True)
+    if promote:
+        report["u8u8_layers"] = [n for n in promoted if not units[n].is_float]
     float_units = [n for n in order if units[n].is_float]
     float_layers = [n for n in float_units if not n.startswith("act:")]
     # the activation tensors now in float: the units chosen, and the inputs of float layers

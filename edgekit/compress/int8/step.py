@@ -108,6 +108,22 @@ def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
 # Data
 
 
+def resolve_u8u8_layers(config: Int8Config, plan: qdq.QuantPlan, scheme: str) -> list[str]:
+    """Layer names from ``Int8Config.u8u8_layers`` under ``scheme`` ("first": the first quantizable
+    layer); none under schemes other than "u8s7". A name the model lacks is refused, naming the layers."""
+    if scheme != "u8s7":
+        return []
+    order = list(plan.layers)
+    out: list[str] = []
+    for k in config.u8u8_layers:
+        name = order[0] if k == "first" else k
+        if name not in plan.layers:
+            raise bad_choice("layer for exact 8-bit weights", k, ["first", *order])
+        if name not in out:
+            out.append(name)
+    return out
+
+
 def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan) -> list[str]:
     """Layer names from ``Int8Config.keep_float`` ("first" / "last": the first / last
     quantizable layer in graph order)."""
@@ -196,6 +212,10 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         raise BadInputError(f"--smooth-alpha applies to causal LMs with their PyTorch weights; {handle.name!r} is "
                             f"{'an ONNX graph' if handle.module is None else 'a ' + handle.kind + ' model'} "
                             "(leave --smooth-alpha out)")
+    if config.u8u8_layers and (handle.module is None or handle.kind == "causal-lm"):
+        # layer names of the fake-quant PyTorch graph: a graph quantized from ONNX has none of them
+        raise BadInputError(f"u8u8_layers applies to models quantized through their PyTorch graph; {handle.name!r} is "
+                            "quantized from its ONNX graph (leave u8u8_layers out)")
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
@@ -217,13 +237,17 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         gm, plan = qdq.prepare_qdq(work, scheme)
     except qdq.TraceError as e:
         # Not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph.
-        if config.method != "ptq" or config.max_accuracy_drop is not None:
+        if config.method != "ptq" or config.max_accuracy_drop is not None or config.u8u8_layers:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
-                                "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop)") from None
+                                "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop, "
+                                "no u8u8_layers)") from None
         return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
+    # exact 8-bit weights (u8 x u8 kernels) for the layers 7-bit weights cost most, before weight scales,
+    # GPTQ rounding and bias correction, which then work on their 8-bit grid
+    meta["u8u8_layers"] = qdq.promote_u8u8(gm, plan, resolve_u8u8_layers(config, plan, scheme))
     if config.equalize:
         with phases("equalize"):
             meta["equalized"] = equalize(gm, plan)
@@ -274,12 +298,20 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             # measured on calibration-split samples held out of range calibration, never on eval
             held_ref = run_module(reference, held_out, names)
             report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates)
+                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates,
+                               promote=scheme == "u8s7")
             report["held_out_of_calibration"] = held_out is not calib
             float_layers += [n for n in report["float_layers"] if n not in float_layers]
             meta["float_activations"] = [t for t in plan.activations.values()
                                          if t in float_inputs or t in report["float_activations"]]
             metrics["fallback"] = report
+            meta["u8u8_layers"] = qdq.u8u8_layers(gm, plan)
+            if report.get("u8u8_layers"):
+                meta["bias_range_fixed_channels"] += qdq.fit_bias_range(gm)
+                qdq.clip_weights_to_grid(gm, plan)
+    if meta["u8u8_layers"]:
+        meta["u8u8_reason"] = ("exact 8-bit weights stored as uint8 (zero point 128): ONNX Runtime runs these layers "
+                               "on u8 x u8 kernels, exact without VNNI, where 7-bit weights cost the most accuracy")
     gm.eval()
     meta["kernels"] = kernels
     meta.update({"layers": sorted(plan.layers), "float_layers": float_layers,
@@ -419,7 +451,8 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
     work = handle.module.eval()
     if meta.get("relu6_to_relu"):
         relu6_to_relu(work)
-    gm, plan = qdq.prepare_qdq(work, meta.get("scheme", "u8s8"), tuple(meta.get("float_layers", ())))
+    gm, plan = qdq.prepare_qdq(work, meta.get("scheme", "u8s8"), tuple(meta.get("float_layers", ())),
+                               tuple(meta.get("u8u8_layers", ())))
     floats = set(meta.get("float_activations", ()))
     for qname, tensor in plan.activations.items():
         if tensor in floats:
@@ -434,7 +467,8 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
 
 
 def rewrite_onnx(model: onnx.ModelProto, handle: ModelHandle, record: StepRecord) -> onnx.ModelProto:
-    return qdq.rewrite_qdq(model)
+    u8u8 = record.meta.get("u8u8_layers") or [] if record.meta.get("scheme") == "u8s7" else []
+    return qdq.rewrite_qdq(model, u8_weights=len(u8u8))
 
 
 STEP = Step(

@@ -398,8 +398,9 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
             layers.update(pack_layers(module, codes, config, bits))
         # the block's float32 weights and codes are freed, but glibc keeps the pages for reuse and later
         # blocks' tensors do not fit the holes: measured at 0.5B, the heap grew by ~0.75 GB over the walk
-        # without this, by the packed layers' ~7 MB a block with it
-        release_memory()
+        # without this, by the packed layers' ~7 MB a block with it. Those tensors go by reference count: no
+        # garbage collection here (measured on SmolLM2-135M RTN: 18.0 -> 6.8 CPU s, peak 1,286 -> 1,254 MB)
+        release_memory(collect=False)
 
     _, info = quantize_module(module, config, calib, progress=ctx.progress, bits=bits, after_block=pack_block)
     meta = pack_head(module, config, layers)

@@ -1,0 +1,281 @@
+"""EfficientNet-Lite0 INT8 on a CPU without VNNI (scheme "u8s7"): what exact 8-bit weights for the
+sensitive layers buy back, in engine agreement and in speed.
+
+One calibration of the default INT8 recipe (calib split images 0..127: trace, equalization, weight
+scales, mse ranges), then one variant per set of layers given exact 8-bit weights
+(``qdq.promote_u8u8``: stored as uint8 with zero point 128, run on ONNX Runtime's u8 x u8 kernels),
+each finished as ``int8.apply`` finishes (GPTQ rounding and bias correction, on each layer's own grid).
+Every variant: fake-quant top-1 agreement and mean KL against FP32 on the **validation** images (calib
+split images 128..255 and train split images 0..255, never calibrated on; nothing here reads the eval
+split). The all-7-bit baseline, the variant with the lowest validation KL and the every-layer variant
+are also exported and built as ONNX Runtime CPU engines: engine agreement and KL on the same images
+(this machine's integer kernels), which convolutions the engine runs as integer operators (and with
+uint8 weights), and 1-thread CPU ms per batch-1 image of FP32 and INT8, interleaved (median of
+``--rounds`` rounds of ``--images`` images each, per-process CPU time beside wall time).
+
+    python benchmarks/bench_int8_avx2_recovery.py [--rounds 7] [--images 24]
+        [--out benchmarks/results/int8_avx2_recovery.json]
+
+``--test-report [LAYERS]`` reports instead a setting chosen here, once, on the **test** images (the eval
+split's 363): ``compress`` of EfficientNet-Lite0 with ``int8`` for target ``cpu`` (the command
+``edgekit compress efficientnet-lite0 --bits 8``; ``LAYERS``: comma-separated ``u8u8_layers``; left
+out or ``none``: none, the default), its quality gate's engine figures (agreement and KL of this machine's ONNX Runtime
+engine against FP32 on the eval split), then ``build_engine(..., "cpu")`` of it and of the FP32 model and
+their 1-thread CPU ms, interleaved as above.
+
+    python benchmarks/bench_int8_avx2_recovery.py --test-report [LAYERS] [--out ...int8_avx2_test.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EDGEKIT_PROGRESS", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from edgekit.artifact import atomic_write_json, machine_info, now_iso, package_versions  # noqa: E402
+
+# The ranking of the sensitivity scan on the same validation images (benchmarks/RESULTS.md, issue 26:
+# "Where EfficientNet-Lite0's INT8 error sits"): the weight units, most sensitive first.
+RANKED = ("_blocks.1._expand_conv", "_blocks.3._expand_conv", "_blocks.1._project_conv")
+EARLY = ("_conv_stem", "_blocks.0._project_conv", "_blocks.1._expand_conv", "_blocks.1._project_conv",
+         "_blocks.2._expand_conv", "_blocks.2._project_conv", "_blocks.3._expand_conv")
+VARIANTS: dict[str, tuple[str, ...] | None] = {
+    "all 7-bit (default before)": (),
+    "block 1 expand 8-bit": RANKED[:1],
+    "stem + block 1 expand 8-bit": ("_conv_stem", RANKED[0]),
+    "top 3 weight units 8-bit": RANKED,
+    "stem + top 3 8-bit": ("_conv_stem", *RANKED),
+    "blocks 0-1 8-bit (stem, block 0 project, block 1)": EARLY[:4],
+    "stem to block 3 expand 8-bit (7 layers)": EARLY,
+    "every layer 8-bit (u8u8 everywhere)": None,
+}
+
+
+def lscpu_flags() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def cpu_ms(sess: Any, feeds: list[dict[str, Any]]) -> tuple[float, float]:
+    """(CPU ms, wall ms) per image over ``feeds``, batch 1."""
+    c, w = time.process_time(), time.perf_counter()
+    for f in feeds:
+        sess.run(None, f)
+    return 1000 * (time.process_time() - c) / len(feeds), 1000 * (time.perf_counter() - w) / len(feeds)
+
+
+def integer_convs(path: Path) -> dict[str, int]:
+    """Op counts of the graph ONNX Runtime fuses (extended level), and the uint8-weight QLinearConvs."""
+    from onnx import numpy_helper
+
+    from edgekit.runtimes.int8_kernels import fused_graph
+
+    g = fused_graph(path).graph
+    inits = {i.name: i for i in g.initializer}
+    counts: dict[str, int] = {}
+    for n in g.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        if n.op_type == "QLinearConv" and n.input[3] in inits and numpy_helper.to_array(inits[n.input[3]]).dtype.kind == "u":
+            counts["QLinearConv_u8_weights"] = counts.get("QLinearConv_u8_weights", 0) + 1
+    return {k: counts.get(k, 0) for k in ("QLinearConv", "QLinearConv_u8_weights", "ConvInteger", "Conv", "QGemm",
+                                         "DequantizeLinear", "QuantizeLinear")}
+
+
+def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgekit.artifact import read_manifest
+    from edgekit.build import build_engine
+    from edgekit.compress import StepContext, compress
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.runtimes.base import BuildOptions
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+    from edgekit.targets import load_target
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    config = Int8Config(u8u8_layers=tuple(k for k in (layers or "").split(",") if k and k != "none"))
+    tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-test-"))
+    folder = compress("efficientnet-lite0", [("int8", config)], tmp / "int8", StepContext(target=load_target("cpu")))
+    compress_cpu_s = time.process_time() - c0
+    man = read_manifest(folder)
+    m = man.metrics["int8"]
+    meta = man.steps[-1]["meta"]
+    engines = {}
+    for name, src in (("fp32", "efficientnet-lite0"), ("int8", folder)):
+        eng = build_engine(src, "cpu", tmp / f"engine-{name}", BuildOptions(threads=1))
+        engines[name] = read_manifest(eng).path_of(eng, "model")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = {k: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]) for k, p in engines.items()}
+    h = load_model("efficientnet-lite0")
+    ev = load_samples(None, h, split="eval", limit=images)
+    names = [s.name for s in h.inputs]
+    feeds = [{n: np.ascontiguousarray(ev.inputs[n][i:i + 1]) for n in names} for i in range(len(ev))]
+    times: dict[str, list[tuple[float, float]]] = {"fp32": [], "int8": []}
+    for r in range(rounds):
+        for k in (("fp32", "int8") if r % 2 == 0 else ("int8", "fp32")):
+            times[k].append(cpu_ms(sess[k], feeds))
+    med = {k: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v)) for k, v in times.items()}
+    row = {"config": {"u8u8_layers": config.u8u8_layers}, "scheme": m["scheme"], "u8u8_layers": meta.get("u8u8_layers"),
+           "eval_images": m["int8_engine"].get("samples") or len(load_samples(None, h, split="eval", limit=None)),
+           "fake_quant": {k: m["int8_fake_quant"].get(k) for k in ("top1_agreement", "mean_kl")},
+           "engine": {k: m["int8_engine"].get(k) for k in ("top1_agreement", "mean_kl", "kernels", "drop_from_fake_quant")},
+           "fp32_cpu_ms": round(med["fp32"][0], 3), "int8_cpu_ms": round(med["int8"][0], 3),
+           "fp32_wall_ms": round(med["fp32"][1], 3), "int8_wall_ms": round(med["int8"][1], 3),
+           "speedup_cpu": round(med["fp32"][0] / med["int8"][0], 3), "ops": integer_convs(Path(engines["int8"])),
+           "compress_cpu_s": round(compress_cpu_s, 1), "compress_seconds": m.get("seconds")}
+    print(row)
+    print(f"\n| setting | engine agreement (test) | engine KL | fake-quant agreement | CPU ms INT8 / FP32 | speed vs FP32 |"
+          f"\n|---|---|---|---|---|---|\n| u8u8_layers={list(config.u8u8_layers)}"
+          f" ({len(row['u8u8_layers'] or [])} layers) | {100 * row['engine']['top1_agreement']:.1f}% | "
+          f"{row['engine']['mean_kl']:.4f} | {100 * row['fake_quant']['top1_agreement']:.1f}% | {row['int8_cpu_ms']:.2f} / "
+          f"{row['fp32_cpu_ms']:.2f} | {row['speedup_cpu']:.2f}x |")
+    atomic_write_json(Path(out), {
+        "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_end": os.getloadavg()},
+        "versions": package_versions(), "settings": {"threads": 1, "rounds": rounds, "timing_images": images,
+                                                     "split": "eval (test)"},
+        "total_cpu_s": round(time.process_time() - c0, 1), "total_wall_s": round(time.perf_counter() - t0, 1),
+        "row": row})
+    print(f"\nwrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--images", type=int, default=24, help="batch-1 images per timing round")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "int8_avx2_recovery.json"))
+    ap.add_argument("--test-report", nargs="?", const="", default=None, metavar="LAYERS",
+                    help="report on the test images instead: compress + build with these u8u8_layers (default: none)")
+    args = ap.parse_args()
+    if args.test_report is not None:
+        out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_test.json")
+        test_report(args.test_report or None, args.rounds, args.images, out)
+        return
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from edgekit.compress import config_to_dict, step_rewrite
+    from edgekit.compress.int8 import qdq
+    from edgekit.compress.int8.calibration import run_module, score
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.equalize import correct_bias, equalize
+    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.step import calibrate
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.sources.data import Samples, load_samples
+    from edgekit.sources.handle import StepRecord
+    from edgekit.sources.models import load_model
+
+    torch.set_num_threads(1)
+    t0, c0 = time.perf_counter(), time.process_time()
+    h = load_model("efficientnet-lite0")
+    every = load_samples(None, h, split="calib", limit=256)
+    train = load_samples(None, h, split="train", limit=256)
+    calib = every.subset(slice(0, 128))
+    names = [s.name for s in h.inputs]
+    val = Samples("validation", "calib 128-255 + train 0-255",
+                  {n: np.concatenate([every.inputs[n][128:], train.inputs[n]]) for n in names})
+    module = h.module.eval()
+    ref = run_module(module, val, names)
+
+    # the default recipe's calibration, once (what int8.apply does before GPTQ rounding)
+    config = Int8Config()
+    gm, plan = qdq.prepare_qdq(copy.deepcopy(module), "u8s7")
+    equalized = equalize(gm, plan)
+    nhwc = qdq.channels_last_ok(gm, calib, names)
+    qdq.update_weight_scales(gm, plan)
+    calibrate(gm, calib, names, config, channels_last=nhwc)
+    calib_cpu_s = time.process_time() - c0
+    print(f"calibrated in {calib_cpu_s:.0f} CPU s ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+
+    rows, models = [], {}
+    for label, chosen in VARIANTS.items():
+        c1 = time.process_time()
+        v = copy.deepcopy(gm)
+        layers = qdq.promote_u8u8(v, plan, qdq.u8u8_candidates(v, plan) if chosen is None else list(chosen))
+        with qdq.fast_fake_quant(v):
+            round_model(v, plan, calib, names, channels_last=nhwc)
+            correct_bias(v, plan, module, calib, names, channels_last=nhwc)
+            qdq.fit_bias_range(v)
+        qdq.clip_weights_to_grid(v, plan)
+        with qdq.fast_fake_quant(v):
+            fake = score(run_module(v, val, names, channels_last=nhwc), ref, None, None)
+        row = {"variant": label, "u8u8_layers": layers, "fake_quant_top1_agreement": round(fake["top1_agreement"], 4),
+               "fake_quant_mean_kl": round(fake["mean_kl"], 5), "finish_cpu_s": round(time.process_time() - c1, 1)}
+        rows.append(row)
+        models[label] = v
+        print(row, flush=True)
+
+    best = min(rows[1:-1], key=lambda r: r["fake_quant_mean_kl"])["variant"]
+    tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-recovery-"))
+    fp32_path = Path(export_onnx(h, tmp / "fp32", ExportConfig(skip_parity=True))) / "model.onnx"
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    fp32 = ort.InferenceSession(str(fp32_path), so, providers=["CPUExecutionProvider"])
+    feeds = [{n: np.ascontiguousarray(val.inputs[n][i:i + 1]) for n in names} for i in range(args.images)]
+    for row in rows:
+        if row["variant"] not in (rows[0]["variant"], best, rows[-1]["variant"]):
+            continue
+        meta = {"scheme": "u8s7", "u8u8_layers": row["u8u8_layers"], "float_layers": [], "float_activations": [],
+                "equalized": equalized, "kernels": "int16-pairs"}
+        handle = copy.copy(h)
+        handle.module = models[row["variant"]].eval()
+        handle.steps = [*h.steps, StepRecord("int8", config_to_dict(config), meta)]
+        handle.step_rewrites = step_rewrite
+        path = Path(export_onnx(handle, tmp / f"v{rows.index(row)}", ExportConfig(skip_parity=True))) / "model.onnx"
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        outs = np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
+                               for b in val.batches(16)])
+        engine = score(outs, ref, None, None)
+        cpu_f, cpu_q, wall_f, wall_q = [], [], [], []
+        for r in range(args.rounds):  # interleaved, the order alternating
+            pair = [(fp32, cpu_f, wall_f), (sess, cpu_q, wall_q)]
+            for s, cl, wl in (pair if r % 2 == 0 else pair[::-1]):
+                c, w = cpu_ms(s, feeds)
+                cl.append(c)
+                wl.append(w)
+        row.update({"engine_top1_agreement": round(engine["top1_agreement"], 4),
+                    "engine_mean_kl": round(engine["mean_kl"], 5),
+                    "fp32_cpu_ms": round(statistics.median(cpu_f), 3), "int8_cpu_ms": round(statistics.median(cpu_q), 3),
+                    "fp32_wall_ms": round(statistics.median(wall_f), 3), "int8_wall_ms": round(statistics.median(wall_q), 3),
+                    "ops": integer_convs(path), "loadavg": os.getloadavg()})
+        row["speedup_cpu"] = round(row["fp32_cpu_ms"] / row["int8_cpu_ms"], 3)
+        print(row, flush=True)
+
+    print("\n| variant | 8-bit layers | fake-quant agreement | fake-quant KL | engine agreement | engine KL | "
+          "CPU ms INT8 / FP32 | speed vs FP32 | QLinearConv (u8 weights) | float Conv |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        eng = (f"{100 * r['engine_top1_agreement']:.1f}% | {r['engine_mean_kl']:.4f} | {r['int8_cpu_ms']:.2f} / "
+               f"{r['fp32_cpu_ms']:.2f} | {r['speedup_cpu']:.2f}x | {r['ops']['QLinearConv']} "
+               f"({r['ops']['QLinearConv_u8_weights']}) | {r['ops']['Conv']}") if "ops" in r else "- | - | - | - | - | -"
+        print(f"| {r['variant']} | {len(r['u8u8_layers'])} | {100 * r['fake_quant_top1_agreement']:.1f}% | "
+              f"{r['fake_quant_mean_kl']:.4f} | {eng} |")
+    atomic_write_json(Path(args.out), {
+        "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_end": os.getloadavg()},
+        "versions": package_versions(),
+        "settings": {"threads": 1, "rounds": args.rounds, "timing_images": args.images, "calibration": "calib 0-127",
+                     "validation": "calib 128-255 + train 0-255 (384 images)"},
+        "lowest_validation_kl": best, "calibration_cpu_s": round(calib_cpu_s, 1), "total_cpu_s": round(time.process_time() - c0, 1),
+        "total_wall_s": round(time.perf_counter() - t0, 1), "rows": rows})
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
