@@ -34,6 +34,7 @@ import math
 import numbers
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -41,9 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union
 
-from numpy import bool_ as np_bool
-
 from edgekit.errors import BadInputError
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python or numpy bool. numpy is not imported for this (the command line's option checks run
+    without it): a value can only be a numpy bool if numpy is loaded already."""
+    np = sys.modules.get("numpy")
+    return isinstance(value, bool) or (np is not None and isinstance(value, np.bool_))
+
 
 T = TypeVar("T")
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -169,11 +176,11 @@ def check_value(value: Any, tp: Any, loc: Loc) -> Any:
             raise FieldError(loc, f"must be true or false, got {show(value)}")
         return value
     if tp is int:  # numbers.Integral takes numpy integers too; bool is not a count
-        if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Integral):
+        if _is_bool(value) or not isinstance(value, numbers.Integral):
             raise FieldError(loc, f"must be an integer, got {show(value)}")
         return value
     if tp is float:
-        if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Real):
+        if _is_bool(value) or not isinstance(value, numbers.Real):
             raise FieldError(loc, f"must be a finite number, got {show(value)}")
         if not math.isfinite(value):
             raise FieldError(loc, f"must be a finite number, got {show(value)}")

@@ -42,12 +42,12 @@ from edgekit.errors import BadInputError, CheckFailedError, bad_choice, os_error
 from edgekit.progress import StepProgress
 from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
-from edgekit.sources.inputs import InputOptions
 from edgekit.sources.weights import check_safetensors
 
 if TYPE_CHECKING:
     from edgekit.compress.quality import QualityBounds
     from edgekit.export.onnx import Rewrite
+    from edgekit.sources.inputs import InputOptions  # numpy, image resizing: not for the command line's --help
     from edgekit.sources.models import ArtifactLoader
 
 # The registry and the driver import torch and ONNX (quality, the model loaders, the ONNX

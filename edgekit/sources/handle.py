@@ -14,12 +14,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from edgekit.errors import BadInputError
 from edgekit.limits import require_memory
+
+if TYPE_CHECKING:  # numpy is imported where arrays are made: the command line reads this module without it
+    import numpy as np
 
 # Task kinds: decide default data, evaluation and how compression steps find layers.
 KINDS = ("image-classifier", "causal-lm", "text-encoder", "generic")
@@ -169,6 +170,8 @@ def feeds_nbytes(specs: list[InputSpec], batch: int = 1, shapes: dict[str, tuple
     for s in specs:
         shape = (shapes or {}).get(s.name) or s.concrete_shape(batch, **bound)
         try:
+            import numpy as np
+
             itemsize = np.dtype(s.dtype).itemsize
         except TypeError:
             itemsize = 8
@@ -177,6 +180,8 @@ def feeds_nbytes(specs: list[InputSpec], batch: int = 1, shapes: dict[str, tuple
 
 
 def random_inputs(specs: list[InputSpec], batch: int = 1, seed: int = 0, **dims: int) -> dict[str, np.ndarray]:
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for s in specs:
@@ -215,6 +220,8 @@ def bind_dims(specs: list[InputSpec], shapes: dict[str, tuple[int, ...]], batch:
 def fit_array(a: np.ndarray, dims: tuple[int, ...]) -> np.ndarray:
     """``a`` cut or tiled along each axis to ``dims`` (same rank): real values stay real
     values (token ids stay ids, masks stay masks)."""
+    import numpy as np
+
     for ax, size in enumerate(dims):
         have = a.shape[ax]
         if have == size:

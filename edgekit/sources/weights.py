@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from edgekit.errors import BadInputError
 from edgekit.memory import drop_file_pages
 
@@ -341,6 +339,8 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, strings: list[int], depth: i
     if item_size:
         start = cur.take(n * item_size, f"array {_short(key)}")
         if keep is not None:
+            import numpy as np  # only for GGUF arrays: the header checks run without numpy
+
             keep[key] = np.frombuffer(cur.buf, GGUF_ARRAY_DTYPES[item_type], n, start).copy()
         return n  # the length stands for the array: only scalars and strings are needed later
     if item_type == 8:
