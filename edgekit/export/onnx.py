@@ -279,7 +279,28 @@ def _dynamo_export(module: Any, args: tuple[Any, ...], handle: ModelHandle, conf
             verbose=False, optimize=True)
     if prog is None:  # only the legacy exporter writes to a file and returns nothing
         raise EdgekitError(f"torch.onnx.export returned no program for {handle.name}")
-    return prog.model_proto
+    proto = prog.model_proto
+    drop_stack_traces(proto)
+    return proto
+
+
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(proto: Any) -> int:
+    """Remove the exporter's per-node Python stack traces (``pkg.torch.onnx.stack_trace``): they hold the
+    absolute paths and line numbers of the exporting machine's source files, so a shipped graph would carry
+    them and the same model exported from another folder would differ in its bytes. The module path of
+    each node (``pkg.torch.onnx.name_scopes``, read by per-layer profiles) stays. Returns how many went."""
+    dropped = 0
+    for nodes in [proto.graph.node, *(f.node for f in proto.functions)]:
+        for n in nodes:
+            keep = [p for p in n.metadata_props if p.key != STACK_TRACE_KEY]
+            if len(keep) != len(n.metadata_props):
+                dropped += len(n.metadata_props) - len(keep)
+                del n.metadata_props[:]
+                n.metadata_props.extend(keep)
+    return dropped
 
 
 def _name_input_dims(proto: Any, axes: dict[str, dict[int, str]]) -> None:

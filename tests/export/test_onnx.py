@@ -54,6 +54,11 @@ def test_export_tiny_models_pass_parity_with_dynamic_batch(fixture, request, tmp
     graph = onnx.load(str(out / "model.onnx")).graph
     assert [o.name for o in graph.output] == handle.outputs
     assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    # no machine's source paths in a shipped graph: the exporter's stack traces are dropped, the module
+    # paths per-layer profiles read are kept
+    props = {p.key for n in graph.node for p in n.metadata_props}
+    assert export_mod.STACK_TRACE_KEY not in props and "pkg.torch.onnx.name_scopes" in props
+    assert str(Path(__file__).parent) not in (out / "model.onnx").read_bytes().decode("latin-1")
     feeds = handle.sample_inputs(3)  # a batch size never traced
     got = _ort_run(out / "model.onnx", feeds)[0]
     assert got.shape[0] == 3
