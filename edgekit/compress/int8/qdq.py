@@ -233,7 +233,7 @@ class WeightQuant(nn.Module):
         # (bias path, shift) that bias correction subtracted for this layer's weight error;
         # fallback adds it back when the layer returns to float weights
         self.bias_shift: tuple[str, torch.Tensor] | None = None
-        # (weight path, float weight) when the stored weight was rounded by int8_gptq
+        # (weight path, float weight) when the stored weight was rounded by rounding.py (GPTQ on the int8 grid)
         self.float_weight: tuple[str, torch.Tensor] | None = None
         # set by ``fast_fake_quant``: the quantized weight is kept between passes while neither the
         # weight nor the scale changes (every inference pass over calibration data quantized it again)

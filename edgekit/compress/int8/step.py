@@ -14,7 +14,7 @@ What it does, in order (``apply``):
    Nagel et al. 2019, only across ReLU where it is exact);
 4. calibrates the activations in one streaming pass (bounded histograms), picks ranges
    by minmax / percentile / entropy / mse (default: mse), rounds the weights against each
-   layer's output error on calibration inputs (``int8_gptq.py``, default; same int8 grid),
+   layer's output error on calibration inputs (``rounding.py``, default; same int8 grid),
    then corrects the bias shift that weight quantization causes (empirical bias
    correction); ``keep_float`` layers (e.g. "first") keep float weights and inputs;
 5. optionally fine-tunes (QAT, ``qat.py``: straight-through estimator, optional
@@ -25,7 +25,7 @@ What it does, in order (``apply``):
 
 The result is the fake-quant handle (``STEP.transitions``: float -> "fake-quant"); export turns it into
 a QDQ ONNX graph (``rewrite_onnx`` -> ``qdq.rewrite_qdq``). An ONNX-only model (no
-PyTorch module) is quantized from its graph instead (``int8_onnx.py``).
+PyTorch module) is quantized from its graph instead (``onnx_graph.py``).
 """
 from __future__ import annotations
 
@@ -382,7 +382,7 @@ def _evaluate_graph(handle: ModelHandle, ev: Samples, ref_out: Any, evaluator: s
 
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
                        kernels: str) -> ModelHandle:
-    """Export the float model, then quantize the graph (``int8_onnx``); the result is ONNX-only."""
+    """Export the float model, then quantize the graph (``onnx_graph``); the result is ONNX-only."""
     # The float graph is needed only while quantizing: the result lives in its own folder.
     if ctx.work_dir is not None:
         Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
