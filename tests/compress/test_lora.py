@@ -443,7 +443,9 @@ def test_cli_finetune_bad_rank_and_happy_path(tmp_path: Path) -> None:
 # Real model (slow): QLoRA over RTN W4 SmolLM2-135M, a few steps, lowers the train loss
 
 
+# one of the longest real-model runs: with -m matrix, apart from CI (CI's 20 minutes)
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_smollm2_qlora_smoke(tmp_path: Path) -> None:
     from edgekit.compress.weight_only.config import WeightOnlyConfig
     from edgekit.compress.weight_only.step import STEP as INT4

@@ -395,6 +395,7 @@ def test_sweep_plots_label_points_and_draw_budget_and_error_bars(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.matrix  # starting Ray costs more than the sweep: with -m matrix, apart from CI
 def test_ray_executor_runs_a_small_sweep(tmp_path):
     ray = pytest.importorskip("ray")
     pytest.importorskip("edgekit.build")

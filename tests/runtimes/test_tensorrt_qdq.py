@@ -231,7 +231,9 @@ def test_bundle_from_a_u8s8_file_builds_the_converted_graph_and_says_so(tmp_path
     assert "**Status: nothing here was built or measured.**" in (tmp_path / "b" / "README.md").read_text()
 
 
+# one of the longest real-model runs: with -m matrix, apart from CI (CI's 20 minutes)
 @pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.timeout(1800)
 def test_efficientnet_lite0_int8_for_orin_is_symmetric_passes_the_check_and_costs_little(tmp_path, monkeypatch):
     """The real path: `compress --bits 8` for the default (CPU, U8S8) target, then `build` for Orin."""

@@ -530,7 +530,9 @@ def matched(ref: tuple, got: tuple, iou_min: float = 0.5) -> int:
     return hits
 
 
+# one of the longest real-model runs: with -m matrix, apart from CI (CI's 20 minutes)
 @pytest.mark.slow
+@pytest.mark.matrix
 def test_picodet_compresses_end_to_end_and_keeps_its_detections(tmp_path):
     """``edgekit compress layout_cdla.onnx --bits 8`` on document pages (an .npz of PP-PicoDet's
     own preprocessing: edgekit has no option for BGR + mean/std yet), then the detections of the

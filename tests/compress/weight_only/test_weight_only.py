@@ -516,7 +516,7 @@ def test_replayed_passes_give_the_same_codes():
             assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), (reuse, name)
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn"])
+@pytest.mark.parametrize("method", ["gptq", pytest.param("rtn", marks=(pytest.mark.slow, pytest.mark.matrix))])  # CI: GPTQ
 def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_path):
     """A checkpoint stored in bfloat16 is compressed without a float32 copy of the model: loaded as
     bfloat16, each block cast up as the walk reaches it and packed once final, the layers before the
