@@ -177,7 +177,8 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
 
 
 # wraps compress()'s two quality-gate functions (in edgekit.compress.quality, where compress() looks them up) to
-# print when each returned (time.perf_counter: CLOCK_MONOTONIC, the same clock in every process), so the sampled peak can be placed in a phase
+# print when each returned (time.perf_counter: CLOCK_MONOTONIC, the same clock in every process), so the
+# sampled peak can be placed in a phase
 PHASE_MARKS = ("import edgekit.compress.quality; m = sys.modules['edgekit.compress.quality']; "
                "mark = lambda f, n: (lambda *a: (r := f(*a), print('phase', n, time.perf_counter(), flush=True))[0]); "
                "m.measure_reference = mark(m.measure_reference, 'reference'); m.compare = mark(m.compare, 'steps')")

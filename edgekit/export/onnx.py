@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -292,14 +292,20 @@ def drop_stack_traces(proto: Any) -> int:
     absolute paths and line numbers of the exporting machine's source files, so a shipped graph would carry
     them and the same model exported from another folder would differ in its bytes. The module path of
     each node (``pkg.torch.onnx.name_scopes``, read by per-layer profiles) stays. Returns how many went."""
+    def nodes(graph_nodes: Any) -> Iterator[Any]:  # with the nodes of If / Loop / Scan bodies
+        for n in graph_nodes:
+            yield n
+            for a in n.attribute:
+                for g in [a.g] if a.HasField("g") else list(a.graphs):
+                    yield from nodes(g.node)
+
     dropped = 0
-    for nodes in [proto.graph.node, *(f.node for f in proto.functions)]:
-        for n in nodes:
-            keep = [p for p in n.metadata_props if p.key != STACK_TRACE_KEY]
-            if len(keep) != len(n.metadata_props):
-                dropped += len(n.metadata_props) - len(keep)
-                del n.metadata_props[:]
-                n.metadata_props.extend(keep)
+    for n in [*nodes(proto.graph.node), *(m for f in proto.functions for m in nodes(f.node))]:
+        keep = [p for p in n.metadata_props if p.key != STACK_TRACE_KEY]
+        if len(keep) != len(n.metadata_props):
+            dropped += len(n.metadata_props) - len(keep)
+            del n.metadata_props[:]
+            n.metadata_props.extend(keep)
     return dropped
 
 

@@ -221,15 +221,14 @@ class WeightQuant(nn.Module):
 
     scale: torch.Tensor  # (channels,) buffer
 
-    def __init__(self, name: str, channels: int, grid: WeightGrid | None = None) -> None:
+    def __init__(self, name: str, channels: int, grid: WeightGrid | None = None, u8u8: bool = False) -> None:
         super().__init__()
         self.qname = name
-        self.grid = grid or WeightGrid()  # set by the scheme at prepare time, not stored
-        self.qmin, self.qmax = self.grid.qmin, self.grid.qmax
+        self.set_grid(grid or WeightGrid())  # set by the scheme at prepare time, not stored
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
         # exact 8-bit weights stored as uint8 (zero point ``U8_WEIGHT_ZERO_POINT``) under scheme "u8s7"
-        self.u8u8 = False
+        self.u8u8 = u8u8
         # (bias path, shift) that bias correction subtracted for this layer's weight error;
         # fallback adds it back when the layer returns to float weights
         self.bias_shift: tuple[str, torch.Tensor] | None = None
@@ -239,6 +238,10 @@ class WeightQuant(nn.Module):
         # weight nor the scale changes (every inference pass over calibration data quantized it again)
         self.cache = False
         self._cached: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
+
+    def set_grid(self, grid: WeightGrid) -> None:
+        self.grid = grid
+        self.qmin, self.qmax = grid.qmin, grid.qmax
 
     def update_scale(self, w: torch.Tensor, search: bool = False) -> None:
         """Scale per channel from max |w|; with ``search``, the clip (50-100% of max |w|)
@@ -595,8 +598,7 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
         qname = "wq_" + name.replace(".", "_")
         depthwise = is_conv(gm, n) and w.dim() > 2 and w.shape[1] == 1 and conv_groups(n) > 1
         u8u8 = scheme == "u8s7" and not depthwise and name in u8u8_layers
-        gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise, u8u8)))
-        weight_quant(gm, qname).u8u8 = u8u8
+        gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise, u8u8), u8u8))
         wnode = n.args[1]
         with g.inserting_after(wnode):
             qw = g.call_module(qname, (wnode,))
@@ -780,8 +782,8 @@ def clip_weights_to_grid(gm: nn.Module, plan: QuantPlan) -> int:
 def u8u8_candidates(gm: nn.Module, plan: QuantPlan) -> list[str]:
     """The layers ``promote_u8u8`` can promote: quantized, on the 7-bit grid (scheme "u8s7"; depthwise
     convolutions are on the 8-bit grid already), in graph order."""
-    return [name for name, q in plan.layers.items()
-            if weight_quant(gm, q).enabled and weight_quant(gm, q).reduced and not weight_quant(gm, q).u8u8]
+    wqs = {name: weight_quant(gm, q) for name, q in plan.layers.items()}
+    return [name for name, wq in wqs.items() if wq.enabled and wq.reduced and not wq.u8u8]
 
 
 def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[str, ...]) -> list[str]:
@@ -808,8 +810,7 @@ def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[s
                 wpath, w = wq.float_weight
                 set_param(gm, wpath, w)
                 wq.float_weight = None
-            wq.grid = WeightGrid()
-            wq.qmin, wq.qmax = wq.grid.qmin, wq.grid.qmax
+            wq.set_grid(WeightGrid())
             wq.u8u8 = True
             wq._cached = None
             wq.update_scale(get_attr(gm, name + ".weight"), search=True)

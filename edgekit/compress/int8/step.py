@@ -467,7 +467,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
 
 
 def rewrite_onnx(model: onnx.ModelProto, handle: ModelHandle, record: StepRecord) -> onnx.ModelProto:
-    u8u8 = record.meta.get("u8u8_layers") or [] if record.meta.get("scheme") == "u8s7" else []
+    u8u8 = (record.meta.get("u8u8_layers") or []) if record.meta.get("scheme") == "u8s7" else []
     return qdq.rewrite_qdq(model, u8_weights=len(u8u8))
 
 
