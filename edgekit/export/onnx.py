@@ -270,7 +270,7 @@ def _dynamo_export(module: Any, args: tuple[Any, ...], handle: ModelHandle, conf
                     else torch.export.Dim(_dim_name(name))
             spec[int(ax)] = dims[name]
         dynamic_shapes.append(spec or None)
-    with _quiet():
+    with _quiet(), _torchlib_registry_reused():
         # Output names are set afterwards: the exporter's own renaming can clash with the
         # names it gave intermediate values (an output "embedding" after an aten.embedding).
         prog = torch.onnx.export(
@@ -390,6 +390,40 @@ def _trace_legacy(module: Any, args: tuple[Any, ...], handle: ModelHandle, confi
 
 def _dim_name(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "dim"
+
+
+_TORCHLIB_REGISTRIES: dict[int, Any] = {}  # opset -> the exporter's registry of ATen -> ONNX functions
+
+
+@contextlib.contextmanager
+def _torchlib_registry_reused() -> Iterator[None]:
+    """The dynamo exporter builds its registry of ATen -> ONNX functions on every call
+    (``ONNXRegistry.from_torchlib``: the source of ~500 onnxscript functions parsed again, about 1 CPU s,
+    two thirds of a small model's export). Built once per opset and process, each export gets a copy
+    of the lists it may extend with custom ops; the registry's contents, and so the graph, are the same.
+    A torch without that internal exports as it would anyway."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        registry_cls = _registration.ONNXRegistry
+        build = registry_cls.__dict__["from_torchlib"]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def from_torchlib(cls: Any, opset_version: int = _registration._constants.TORCHLIB_OPSET) -> Any:
+        if opset_version not in _TORCHLIB_REGISTRIES:
+            _TORCHLIB_REGISTRIES[opset_version] = build.__func__(cls, opset_version)
+        base = _TORCHLIB_REGISTRIES[opset_version]
+        registry = cls()
+        registry._opset_version = base._opset_version
+        registry.functions = {target: list(metas) for target, metas in base.functions.items()}
+        return registry
+
+    setattr(registry_cls, "from_torchlib", classmethod(from_torchlib))  # noqa: B010 (a method of torch's class)
+    try:
+        yield
+    finally:
+        setattr(registry_cls, "from_torchlib", build)  # noqa: B010
 
 
 @contextlib.contextmanager

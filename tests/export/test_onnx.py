@@ -261,3 +261,29 @@ def test_the_same_model_exports_and_builds_to_the_same_bytes(tiny_cnn, tmp_path)
                         "precision": read_manifest(engine).config["precision"]})
     assert written[0]["precision"] == "fp32" and len(written[0]["model.opt.onnx"]) > 1000
     assert written[0] == written[1]
+
+
+def test_the_exporter_registry_built_once_gives_the_graph_a_fresh_one_gives(tiny_cnn, tmp_path, monkeypatch):
+    """The dynamo exporter's ATen -> ONNX registry is built once per opset and copied for each export
+    (``_torchlib_registry_reused``): the graph is byte for byte the one a registry built afresh gives, each
+    export's copy is its own (a custom op registered in one does not reach the next), and torch's own
+    ``from_torchlib`` is back in place afterwards."""
+    from torch.onnx._internal.exporter import _registration
+
+    from edgekit.export import onnx as export_module
+
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    monkeypatch.setattr(export_module, "_TORCHLIB_REGISTRIES", {})
+    config = ExportConfig()  # the dynamo exporter
+    fresh = export_onnx(tiny_cnn, tmp_path / "fresh", config)  # builds the registry: what torch alone does
+    assert set(export_module._TORCHLIB_REGISTRIES) == {config.opset}
+    reused = export_onnx(tiny_cnn, tmp_path / "reused", config)
+    assert (fresh / "model.onnx").read_bytes() == (reused / "model.onnx").read_bytes()
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is original
+    with export_module._torchlib_registry_reused():
+        a = _registration.ONNXRegistry.from_torchlib(config.opset)
+        a.functions["custom::op"] = ["an op one export registered"]
+        b = _registration.ONNXRegistry.from_torchlib(config.opset)
+    built = export_module._TORCHLIB_REGISTRIES[config.opset]
+    assert "custom::op" not in b.functions and b.functions.keys() == built.functions.keys()
+    assert b.functions["aten::add.Tensor"] is not a.functions["aten::add.Tensor"]

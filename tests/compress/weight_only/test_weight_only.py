@@ -246,6 +246,7 @@ def test_smollm2_rtn_w4_g128_smoke():
 
 
 @pytest.mark.slow  # a dynamo export: ~15 s on an idle machine
+@pytest.mark.matrix  # with -m matrix: CI checks the same rewrite of a traced graph in the KV-cache export above
 def test_spine_export_uses_rewrite_onnx(tmp_path):
     """export_onnx (dynamo, no KV cache) calls the step's rewrite_onnx: packed layers become
     MatMulNBits / GatherBlockQuantized and parity holds."""
