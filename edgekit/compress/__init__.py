@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,8 @@ from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.weights import check_safetensors
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from edgekit.compress.quality import QualityBounds
     from edgekit.export.onnx import Rewrite
@@ -61,7 +64,7 @@ STEPS: dict[str, str] = {
     "distill": "edgekit.compress.distill:STEP",
     "lora": "edgekit.compress.lora:STEP",
     "int8": "edgekit.compress.int8.step:STEP",
-    "int4": "edgekit.compress.weight_only.step:STEP",
+    "weight-only": "edgekit.compress.weight_only.step:STEP",
     "half": "edgekit.compress.half:STEP",
 }
 
@@ -73,7 +76,7 @@ STEP_CONFIGS: dict[str, str] = {
     "distill": "edgekit.compress.distill_config:DistillConfig",
     "lora": "edgekit.compress.lora.config:LoraConfig",
     "int8": "edgekit.compress.int8.config:Int8Config",
-    "int4": "edgekit.compress.weight_only.config:WeightOnlyConfig",
+    "weight-only": "edgekit.compress.weight_only.config:WeightOnlyConfig",
     "half": "edgekit.compress.half_config:HalfConfig",
 }
 
@@ -81,11 +84,35 @@ STEP_CONFIGS: dict[str, str] = {
 # --distill, finetune's LoRA and re-quantization, a sweep's quantizers): they ask here instead of
 # spelling a name; tests/compress/test_compress.py checks each against its step's declarations.
 INT8_STEP = "int8"  # INT8 weights and activations (Q/DQ)
-WEIGHT_ONLY_STEP = "int4"  # weight-only quantization to packed codes (2 to 8 bits)
+WEIGHT_ONLY_STEP = "weight-only"  # weight-only quantization to packed codes (2 to 8 bits)
 PRUNE_STEP = "prune"
 DISTILL_STEP = "distill"
 LORA_STEP = "lora"
 QUANTIZING_STEPS = (INT8_STEP, WEIGHT_ONLY_STEP)  # the steps that leave float weights quantized
+
+# Old step names -> current ones. Recipes, the command line and the Python API still take an old
+# name for one release, with a warning (``canonical_step``); manifests of artifact folders written
+# under an old name load silently (their records are read with the current name).
+STEP_ALIASES: dict[str, str] = {"int4": WEIGHT_ONLY_STEP}  # "int4" did 2 to 8 bits
+_warned_aliases: set[str] = set()  # old names already warned about in this process: one line each
+
+
+def canonical_step(name: str, *, where: str, warn: bool = True) -> str:
+    """The current name of the step called ``name`` (``STEP_ALIASES``); an unknown name is
+    returned as given (the registry's lookups name the valid ones). ``where``: what named it
+    (``stage 'llm'``, ``--requant``), for the one deprecation warning line an old name prints
+    per process; ``warn=False`` for records written by earlier versions (manifests).
+
+    >>> canonical_step("weight-only", where="--requant")
+    'weight-only'
+    """
+    new = STEP_ALIASES.get(name)
+    if new is None:
+        return name
+    if warn and name not in _warned_aliases:
+        _warned_aliases.add(name)
+        log.warning("%s: %r is now %r; the old name will be removed in a later release", where, name, new)
+    return new
 
 
 @dataclass
@@ -214,6 +241,9 @@ def quantized_precision(records: list[StepRecord]) -> str | None:
 
 
 def get_step(name: str) -> Step:
+    """The registered step called ``name`` (an old name as the current one, silently: callers
+    that take a name from a user resolve it with ``canonical_step`` first, which warns)."""
+    name = STEP_ALIASES.get(name, name)
     if name not in STEPS:
         raise bad_choice("compression step", name, STEPS)
     mod, attr = STEPS[name].split(":")
@@ -225,6 +255,7 @@ def get_step(name: str) -> Step:
 
 def config_class(name: str) -> type:
     """The config class of the step named ``name``, without importing the step (``STEP_CONFIGS``)."""
+    name = STEP_ALIASES.get(name, name)
     if name not in STEP_CONFIGS:
         raise bad_choice("compression step", name, STEPS)
     mod, attr = STEP_CONFIGS[name].split(":")
@@ -251,7 +282,7 @@ def default_bounds(steps: Sequence[tuple[str, Any]]) -> QualityBounds | None:
     """The quality gate of a chain of (name, config): the loosest bounds its steps declare
     (``Step.bounds``); None when a step changes the model on purpose or none declares any.
 
-    >>> default_bounds([("int4", make_config("int4", {"bits": 4}))]).max_ppl_ratio
+    >>> default_bounds([("weight-only", make_config("weight-only", {"bits": 4}))]).max_ppl_ratio
     1.5
     >>> default_bounds([("prune", make_config("prune", {"ratio": 0.3}))]) is None
     True
@@ -357,7 +388,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
 
     if not steps:
         raise BadInputError("no compression step given (use --bits, --prune, --distill or a recipe)")
-    configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
+    configs = [(canonical_step(n, where="compress steps"), c) for n, c in steps]
+    configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in configs]
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
     handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs),
@@ -448,7 +480,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     if "onnx" in manifest.files and "weights" not in manifest.files:
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         handle.source = manifest.source or handle.source
-        handle.steps = [StepRecord(**s) for s in manifest.steps]
+        handle.steps = _records(manifest.steps)
         handle.step_rewrites = step_rewrite
         handle.kind = manifest.model.get("kind", handle.kind)
         borrow_io(handle, manifest.source)
@@ -458,7 +490,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
     weights = manifest.path_of(folder, "weights")
     check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
-    records = [StepRecord(**rec) for rec in manifest.steps]
+    records = _records(manifest.steps)
     steps = [get_step(record.name) for record in records]
     # a base stored in bfloat16/float16 loads as stored (memory-mapped) where every step takes it so: the
     # layers the steps replace are never read; what is left (norms, biases) is cast to float32 before the
@@ -489,6 +521,13 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle
+
+
+def _records(steps: Sequence[Mapping[str, Any]]) -> list[StepRecord]:
+    """A manifest's step records, each under its step's current name: a folder written under an
+    old name (``STEP_ALIASES``) loads, reports and exports like one written today."""
+    return [StepRecord(**{**rec, "name": canonical_step(rec["name"], where="manifest", warn=False)})
+            for rec in steps]
 
 
 def step_rewrite(name: str) -> Rewrite | None:

@@ -21,7 +21,7 @@ HIGH_BITS = 8  # what mixed precision keeps the most sensitive groups at (mixed.
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
-    """Options of the ``int4`` step (the CLI's ``compress --bits``).
+    """Options of the ``weight-only`` step (the CLI's ``compress --bits``).
 
     method: "gptq" | "awq" | "awq-gptq" (AWQ's scales, then GPTQ on the scaled weights) | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
     scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
