@@ -48,9 +48,11 @@ from edgekit.compress.weight_only.blocks import (
 )
 from edgekit.compress.weight_only.config import DEVICES, HIGH_BITS, WeightOnlyConfig
 from edgekit.compress.weight_only.gptq import gptq_visit, one_thread
+from edgekit.compress.weight_only.gptq_config import GptqConfig
 from edgekit.compress.weight_only.mixed import allocate, layer_bytes, make_units, sensitivities
 from edgekit.compress.weight_only.packing import QuantEmbedding, QuantLinear
 from edgekit.compress.weight_only.rtn import dequantize_groups, rtn_quantize
+from edgekit.compress.weight_only.rtn_config import RtnConfig
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.evaluate import perplexity
 from edgekit.export.lm import rewrite_packed_graph
@@ -197,16 +199,17 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                 linears.pop(n, None)
 
     t0, c0 = time.perf_counter(), time.process_time()
-    if config.method == "rtn":
+    method = config.method_config()  # what the method's algorithm reads, and nothing else
+    if isinstance(method, RtnConfig):
         for block in blocks:
             upcast_half(block)
             names = [n for n, lin in linears.items() if any(lin is m for m in block.modules())]
             for name in names:
                 lin = linears[name]
-                b = bits.get(name, config.bits) if bits else config.bits
-                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, config.group_size, config.sym)
+                b = bits.get(name, method.bits) if bits else method.bits
+                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, method.group_size, method.sym)
                 results[name] = (q.cpu(), s.cpu(), z.cpu())
-                _set_weight(lin, q, s, z, config.group_size)
+                _set_weight(lin, q, s, z, method.group_size)
             if after_block is not None:
                 hand_over(names)
     else:
@@ -219,8 +222,8 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                              reuse_factor=0.0 if config.method.startswith("awq") else 4.0,
                              float_samples=config.gptaq_windows)
         experts: dict[str, Any] = {}  # mixture of experts: routed rows, experts no calibration token reached
-        visit = gptq_visit(module, config, results, bits, experts) if config.method == "gptq" else \
-            awq_visit(module, config, results, bits)
+        visit = gptq_visit(module, method, results, bits, experts) if isinstance(method, GptqConfig) else \
+            awq_visit(module, method, results, bits)
         walker.walk(linears, visit, None if after_block is None else hand_over)
         if experts:
             info["experts"] = experts

@@ -508,7 +508,7 @@ def test_replayed_passes_give_the_same_codes():
         _, _, linears = quantizable_linears(h.module)
         results: dict = {}
         BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=4, progress=False, track_float=True,
-                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg, results))
+                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg.method_config(), results))
         codes[reuse] = results
     for reuse in (1.0, 0.0):
         for name, (q, s, z) in codes[4.0].items():
