@@ -48,10 +48,11 @@ from edgekit.sources.weights import check_safetensors
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from edgekit.compress.quality import QualityBounds
+    from edgekit.compress.quality import QualityBounds, Reference
     from edgekit.export.onnx import Rewrite
     from edgekit.sources.inputs import InputOptions  # numpy, image resizing: not for the command line's --help
     from edgekit.sources.models import ArtifactLoader
+    from edgekit.targets import Target
 
 # The registry and the driver import torch and ONNX (quality, the model loaders, the ONNX
 # checks) inside the functions that use them: the step configs' light modules (``STEP_CONFIGS``)
@@ -125,7 +126,7 @@ class StepContext:
     quality_bounds / accept_quality_loss: the quality gate of ``compress`` (``quality.py``).
     """
 
-    target: Any = None  # edgekit.targets.Target
+    target: Target | None = None
     calib: str | None = None
     train: str | None = None
     eval: str | None = None
@@ -138,15 +139,15 @@ class StepContext:
     inputs: InputOptions | None = None  # --shapes / --inputs / --preprocess (edgekit.sources.inputs)
     # the quality gate of compress() (edgekit/compress/quality.py): bounds against the float model
     # (None: the chain's defaults), and whether a loss beyond them is accepted (exit 0) or stops (exit 1)
-    quality_bounds: Any = None
+    quality_bounds: QualityBounds | None = None
     accept_quality_loss: bool = False
     quality_windows: int | None = None  # causal LM: eval windows the gate measures on (None: quality.EVAL_WINDOWS)
     # the float model's outputs on held-out data (quality.measure_reference): measured by compress() unless
     # given (by a caller compressing one base model several ways); steps then need not measure again
-    quality_reference: Any = None
+    quality_reference: Reference | None = None
     # times a model's engine on a target: (handle, target) -> {"p50_ms", "p90_ms", "via"}. Given by the
     # callers above build and profile (edgekit.measure.engine_latency); None: steps report no latency
-    latency: Callable[[ModelHandle, Any], Mapping[str, Any]] | None = None
+    latency: Callable[[ModelHandle, Target], Mapping[str, Any]] | None = None
 
 
 # What a model's weights are between steps. Each step declares which of these it takes and
