@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from edgekit.artifact import (
     MANIFEST,
@@ -48,6 +48,8 @@ from edgekit.sources.weights import check_safetensors
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from edgekit.compress.quality import QualityBounds, Reference
     from edgekit.export.onnx import Rewrite
     from edgekit.sources.inputs import InputOptions  # numpy, image resizing: not for the command line's --help
@@ -161,13 +163,14 @@ STATE_MEANING = {
     "onnx": "an ONNX graph (no PyTorch weights)",
 }
 
-# A config-dependent refinement of a step's transitions: (transitions, why), e.g. QLoRA.
-Narrowing = Callable[[Any], tuple[Mapping[str, str], str]]
+# A step's config: a frozen dataclass instance (each step's own class, ``Step.config``).
+StepConfig = TypeVar("StepConfig", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
-class Step:
-    """One registered technique.
+class Step(Generic[StepConfig]):
+    """One registered technique, generic in its config class (``config``), which ``apply``,
+    ``rebuild``, ``narrow`` and ``bounds`` take: a type checker holds each step's functions to it.
 
     apply: does the work on a handle and returns the compressed handle, appending a
         ``StepRecord(name, asdict(config), meta)`` to ``handle.steps``.
@@ -195,14 +198,14 @@ class Step:
     """
 
     name: str
-    config: type
-    apply: Callable[[ModelHandle, Any, StepContext], ModelHandle]
+    config: type[StepConfig]
+    apply: Callable[[ModelHandle, StepConfig, StepContext], ModelHandle]
     description: str
-    rebuild: Callable[[ModelHandle, Any, StepRecord], ModelHandle] | None = None
+    rebuild: Callable[[ModelHandle, StepConfig, StepRecord], ModelHandle] | None = None
     rewrite_onnx: Callable[[Any, ModelHandle, StepRecord], Any] | None = None
     transitions: Mapping[str, str] = field(default_factory=lambda: {"float": "float"})
-    narrow: Narrowing | None = None
-    bounds: Callable[[Any], QualityBounds] | None = None
+    narrow: Callable[[StepConfig], tuple[Mapping[str, str], str]] | None = None  # e.g. QLoRA: (transitions, why)
+    bounds: Callable[[StepConfig], QualityBounds] | None = None
     deliberate: bool = False
     target_aware: bool = False
     half_storage: bool = False
@@ -213,7 +216,7 @@ class Step:
         if bad or not self.transitions:
             raise ValueError(f"step {self.name!r} declares unknown weight states {bad} (known: {WEIGHT_STATES})")
 
-    def transitions_for(self, config: Any = None) -> tuple[Mapping[str, str], str]:
+    def transitions_for(self, config: StepConfig | None = None) -> tuple[Mapping[str, str], str]:
         """The transitions for this config (all declared ones when None), and why narrowed."""
         if config is None or self.narrow is None:
             return self.transitions, ""
@@ -241,7 +244,7 @@ def quantized_precision(records: list[StepRecord]) -> str | None:
     return None
 
 
-def get_step(name: str) -> Step:
+def get_step(name: str) -> Step[Any]:
     """The registered step called ``name`` (an old name as the current one, silently: callers
     that take a name from a user resolve it with ``canonical_step`` first, which warns)."""
     name = STEP_ALIASES.get(name, name)
@@ -266,7 +269,7 @@ def config_class(name: str) -> type:
     return config
 
 
-def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> Any:
+def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> DataclassInstance:
     """Build a step's config from a plain mapping: known options, checked types, then the
     config's own range checks. ``where`` is the context for messages (``stage 'mlp'``).
 
