@@ -5,7 +5,7 @@
    percentile calibration, on the same calibration images, variants interleaved over ``--rounds``;
    wall and per-process CPU time, and each result's top-1 agreement and KL against FP32 on
    ``--eval`` held-out images (edgekit: its fake-quant model; the peers: their ONNX graphs).
-2. GPTQ (4-bit, g128, the ``int4`` step's defaults) on SmolLM2-135M: the block walk over all 30
+2. GPTQ (4-bit, g128, the ``weight-only`` step's defaults) on SmolLM2-135M: the block walk over all 30
    blocks at ``--gptq-windows`` calibration windows (several counts give the per-window slope, so
    the default 128 windows is extrapolated when the full run does not fit), with a profile split
    into the float forward passes, Hessian accumulation and the column solve.
@@ -181,12 +181,12 @@ def bench_gptq(args: argparse.Namespace) -> dict[str, Any]:
 def bench_export(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from edgekit.compress import StepContext
     from edgekit.compress.weight_only.config import WeightOnlyConfig
-    from edgekit.compress.weight_only.step import apply as int4_apply
+    from edgekit.compress.weight_only.step import apply as weight_only_apply
     from edgekit.export.lm import export_causal_lm
     from edgekit.sources.models import load_model
 
     h = load_model("smollm2-135m")
-    q = int4_apply(h, WeightOnlyConfig(method="rtn", eval_windows=0), StepContext(progress=False))
+    q = weight_only_apply(h, WeightOnlyConfig(method="rtn", eval_windows=0), StepContext(progress=False))
     pr = cProfile.Profile()
     pr.enable()
     _, wall, cpu = timed(lambda: export_causal_lm(q, work / "w4-onnx"))

@@ -98,8 +98,8 @@ def packed_handle(name: str, work: Path, packed: str | None, method: str) -> tup
 
     folder = Path(packed) if packed else work / f"{name}-{method}-w4g128"
     if not (folder / "manifest.json").exists():
-        compress(float_handle(name, work), [("int4", WeightOnlyConfig(method=method, bits=4, group_size=128,
-                                                                      eval_windows=0))],
+        config = WeightOnlyConfig(method=method, bits=4, group_size=128, eval_windows=0)
+        compress(float_handle(name, work), [("weight-only", config)],
                  folder, StepContext(progress=False))
     return load_compressed(folder), str(folder)
 

@@ -4,7 +4,7 @@
 
 1. Graphs (cached under ``cache_dir()/bench-estimate``): EfficientNet-Lite0 and the
    Fashion-MNIST CNN at FP32 and INT8 (ONNX Runtime ``quantize_static``, QDQ,
-   per-channel U8S8), SmolLM2-135M at FP32 and 4-bit (edgekit's ``int4`` step, RTN,
+   per-channel U8S8), SmolLM2-135M at FP32 and 4-bit (edgekit's ``weight-only`` step, RTN,
    group 128, exported as ``MatMulNBits``), exported *without* a KV cache: prefill is
    the 128-token forward and "decode" the one-token forward (the weight traffic of a
    single-token decode step; the KV-cache reads it lacks are < 1% of the weight bytes
@@ -135,13 +135,13 @@ def prepare(skip_llm: bool = False) -> dict[str, dict[str, Any]]:
 
             if not (out4 / "manifest.json").is_file():
                 t0 = time.perf_counter()
-                compress(str(gguf), [("int4", {"method": "rtn", "group_size": 128, "head": "int8"})], out4)
+                compress(str(gguf), [("weight-only", {"method": "rtn", "group_size": 128, "head": "int8"})], out4)
                 print(f"int4 RTN in {time.perf_counter() - t0:.0f} s", flush=True)
         graphs["smollm2-135m"]["int4"] = {"onnx": _export(out4, "smollm2-135m-int4"), "source": "edgekit int4 (RTN g128)"}
     except Exception as e:  # edgekit's int4 export did not work here: say so, use ONNX Runtime's quantizer
         if not failed.is_file():
             failed.write_text(f"{type(e).__name__}: {str(e)[:300]}\n")
-        print(f"SmolLM2 int4 graph from edgekit's int4 step not available ({type(e).__name__}: {str(e)[:200]}); "
+        print(f"SmolLM2 int4 graph from edgekit's weight-only step not available ({type(e).__name__}: {str(e)[:200]}); "
               "using ONNX Runtime's MatMulNBitsQuantizer (symmetric, block 128) on the FP32 graph", flush=True)
         graphs["smollm2-135m"]["int4"] = {"onnx": _ort_int4(llm32), "source": "ORT MatMulNBitsQuantizer (symmetric, block 128)"}
     return graphs

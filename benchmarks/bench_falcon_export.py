@@ -65,8 +65,8 @@ def _compressed(folder: Path, bits: int, group: int, out: Path) -> Any:
     from edgekit.compress import compress, load_compressed, make_config
     from edgekit.loading import load_model
 
-    cfg = make_config("int4", {"method": "rtn", "bits": bits, "group_size": group, "eval_windows": 0})
-    return load_compressed(compress(load_model(str(folder)), [("int4", cfg)], out, _ctx()))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": bits, "group_size": group, "eval_windows": 0})
+    return load_compressed(compress(load_model(str(folder)), [("weight-only", cfg)], out, _ctx()))
 
 
 def _torch_greedy(hf: Any, prompt: np.ndarray) -> np.ndarray:

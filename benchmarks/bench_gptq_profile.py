@@ -1,4 +1,4 @@
-"""Benchmark: where the CPU time of GPTQ's int4 step goes, on a reduced run of SmolLM2-135M (the
+"""Benchmark: where the CPU time of GPTQ's weight-only step goes, on a reduced run of SmolLM2-135M (the
 first ``--blocks`` blocks, ``--windows`` calibration windows of 512 tokens), and what it extrapolates
 to for the default run (30 blocks, 128 windows).
 

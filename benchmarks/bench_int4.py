@@ -126,10 +126,10 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
         ctx = StepContext(calib="lee-news", progress=False)
         if v == "gptq-w4g128":  # the headline path: compress() writes the packed artifact
             t = time.perf_counter()
-            out = compress(load_smollm2(), [("int4", cfg)], keep / v, ctx)
+            out = compress(load_smollm2(), [("weight-only", cfg)], keep / v, ctx)
             quant_s = time.perf_counter() - t
             handle = load_compressed(out)
-            quant_s = json.loads((out / "manifest.json").read_text())["metrics"].get("int4_seconds", quant_s)
+            quant_s = json.loads((out / "manifest.json").read_text())["metrics"].get("weight-only_seconds", quant_s)
         else:
             handle = load_smollm2()
             t = time.perf_counter()

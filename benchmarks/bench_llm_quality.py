@@ -92,7 +92,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path, refe
                       quality_reference=reference)
     out = work / f"{model}-{method}"
     w0, c0 = time.perf_counter(), time.process_time()
-    compress(model_spec(model, work, args.gemma_gguf), [("int4", cfg)], out, ctx)
+    compress(model_spec(model, work, args.gemma_gguf), [("weight-only", cfg)], out, ctx)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     man = json.loads((out / "manifest.json").read_text())
     q = man["metrics"]["quality"]

@@ -11,7 +11,7 @@ What it does (CPU; the machine is shared, so step counts and windows are modest)
    training steps run, and ``VmHWM`` is read (torch's CPU allocations are invisible to
    tracemalloc). Same batch, same sequence length, same adapters for all.
 2. Perplexity on the Wikipedia *eval* split (the first 70% of the articles, non-overlapping
-   windows) of FP32, RTN W3 g128 and RTN W4 g128 (the ``int4`` step, method rtn, LM head
+   windows) of FP32, RTN W3 g128 and RTN W4 g128 (the ``weight-only`` step, method rtn, LM head
    int8 as its default), then QLoRA on the Wikipedia *train* split (the last 15% of the
    articles: disjoint text) with the same step budget for both, adapters kept beside the
    packed weights (fold); then merged into the packed weights by re-rounding onto the
@@ -74,7 +74,7 @@ def packed_artifact() -> Path:
 
     path = cache_dir() / "bench-lora" / "smollm2-w4-rtn-g128"
     if not (path / "manifest.json").is_file():
-        compress(load_smollm2(), [("int4", {"method": "rtn", "bits": 4, "group_size": 128})], path,
+        compress(load_smollm2(), [("weight-only", {"method": "rtn", "bits": 4, "group_size": 128})], path,
                  StepContext(progress=False))
     return path
 

@@ -154,7 +154,7 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
         code = ("import sys, time; from edgekit.compress import StepContext, compress; "
                 # the phases' ends on the monotonic clock the sampler uses (the float reference, the comparison)
                 f"{PHASE_MARKS}; "
-                f"compress({str(folder)!r}, [('int4', {cfg!r})], {str(out)!r}, StepContext(progress=False, "
+                f"compress({str(folder)!r}, [('weight-only', {cfg!r})], {str(out)!r}, StepContext(progress=False, "
                 f"accept_quality_loss=True, quality_windows={args.quality_windows}))")
         rec = measure([sys.executable, "-c", code], log, env)
         rec["phases_end_s"] = phase_ends(log, rec.pop("t0"))

@@ -1,7 +1,7 @@
 """Benchmark: mixed precision under a size budget (`edgekit compress smollm2-135m --bits 4 --avg-bits B`),
 the size / perplexity trade-off as a sweep of budgets.
 
-Each budget runs ``edgekit.compress.compress`` in its own process: the int4 step scores every group of
+Each budget runs ``edgekit.compress.compress`` in its own process: the weight-only step scores every group of
 linears (q/k/v, o, gate/up, down) by its Fisher-weighted rounding cost on the Lee-news calibration
 windows, keeps the costliest per byte at 8 bits within the budget, and the quality gate measures the
 result against the float model on ``--eval-windows`` 512-token Wikipedia eval windows (test data: no
@@ -55,7 +55,7 @@ def run_budget(budget: float, args: argparse.Namespace) -> dict[str, Any]:
     out = work / f"mixed-{args.method}-{budget:g}"
     load0 = os.getloadavg()
     w0, c0 = time.perf_counter(), time.process_time()
-    compress("smollm2-135m", [("int4", config)], out, ctx)
+    compress("smollm2-135m", [("weight-only", config)], out, ctx)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     man = json.loads((out / "manifest.json").read_text())
     meta = man["steps"][-1]["meta"]

@@ -239,10 +239,10 @@ def main() -> None:
             info[f"{name}_parameters_m"] = round(sum(p.numel() for p in handle.module.parameters()) / 1e6, 2)
             for label, h in (("fp32", handle), ("W4", None)):
                 if h is None:
-                    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": GROUP, "eval_windows": 0})
+                    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": GROUP, "eval_windows": 0})
                     ctx = StepContext(calib="lee-news", eval="wikipedia", train="lee-news", progress=False)
                     c0 = time.process_time()
-                    h = load_compressed(compress(load_model(str(folder)), [("int4", cfg)], work / f"{name}-w4", ctx))
+                    h = load_compressed(compress(load_model(str(folder)), [("weight-only", cfg)], work / f"{name}-w4", ctx))
                     export_info[f"{name} {label} compress_cpu_s"] = round(time.process_time() - c0, 1)
                 c0 = time.process_time()
                 out = export_causal_lm(h, work / f"{name}-{label}-onnx")

@@ -113,6 +113,18 @@ class GeneratedOption(click.Option):
         return extra
 
 
+class OldChoices(click.Choice):
+    """``choices``, as the help shows them, and ``old`` values still taken (a renamed step): passed
+    on as given, for the config to map to the current value with its warning."""
+
+    def __init__(self, choices: Sequence[str], old: Sequence[str] = ()) -> None:
+        super().__init__(choices)
+        self.old = tuple(old)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value if value in self.old else super().convert(value, param, ctx)
+
+
 class DeprecatedOption(click.Option):
     """The old names of an option, accepted for one release: hidden from the help; given, they
     print one warning line naming the new flag and set the new option's value."""
@@ -327,7 +339,7 @@ def _click_options(o: ConfigOption) -> list[click.Option]:
     common: dict[str, Any] = {"help": o.help or None, "basic": o.basic, "config_default": o.default}
     if o.is_pair:
         return [GeneratedOption([o.dest, *o.decls], default=None, **common)]
-    kind: Any = click.Choice(o.choices) if o.choices else str if o.sep else o.type
+    kind: Any = OldChoices(o.choices, o.old_choices) if o.choices else str if o.sep else o.type
     if o.bounds is not None and o.type in (int, float):
         low, high = o.bounds
         kind = click.IntRange(int(low), int(high)) if o.type is int else click.FloatRange(low, high)

@@ -1,7 +1,7 @@
 """``finetune``: LoRA / QLoRA fine-tuning as one call, and ``deploy`` to an engine.
 
 ``finetune`` runs the ``"lora"`` compression step (``edgekit.compress.lora``), optionally
-followed by a re-quantization step (``int4`` GPTQ/AWQ/RTN or ``int8`` PTQ) on the merged
+followed by a re-quantization step (``weight-only`` GPTQ/AWQ/RTN or ``int8`` PTQ) on the merged
 float weights, and writes a model artifact through ``compress()`` (``model.safetensors``
 + manifest), so ``load_compressed`` / ``load_model`` rebuild it. The artifact also holds
 ``adapter.safetensors`` (the trained ``lora_A`` / ``lora_B`` tensors, before any merge).
@@ -31,7 +31,7 @@ from typing import Any
 
 from edgekit.artifact import atomic_write_bytes, read_manifest, staged_dir, work_folder, write_manifest
 from edgekit.build import build_engine
-from edgekit.compress import LORA_STEP, StepContext, compress, load_compressed, make_config
+from edgekit.compress import LORA_STEP, StepContext, canonical_step, compress, load_compressed, make_config
 from edgekit.compress.lora import LoadedData, LoraConfig
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import evaluate
@@ -65,7 +65,7 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: str | os.PathLik
     model: zoo name, file, entry point, artifact folder (e.g. ``compress --bits 4`` output
         for QLoRA) or a ModelHandle. data / eval_data: data specs (``load_samples``) or
         ``Samples``; None = the model's default train / eval data.
-    config: ``LoraConfig`` or a dict of its fields. requant: "int4" or "int8" to
+    config: ``LoraConfig`` or a dict of its fields. requant: "weight-only" or "int8" to
         re-quantize the merged float model, with ``requant_config`` (that step's fields).
     resume: continue from the checkpoint in ``<out_dir>.work`` when it matches this run.
 
@@ -75,6 +75,7 @@ def finetune(model: str | os.PathLike[str] | ModelHandle, data: str | os.PathLik
     cfg = _config(config)
     steps: list[tuple[str, Any]] = [(LORA_STEP, cfg)]
     if requant is not None:
+        requant = canonical_step(requant, where="requant")
         if requant not in REQUANT_STEPS:
             raise bad_choice("re-quantization step", requant, REQUANT_STEPS)
         if cfg.merge is False:

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgekit.compress import INT8_STEP, WEIGHT_ONLY_STEP
+from edgekit.compress import INT8_STEP, STEP_ALIASES, WEIGHT_ONLY_STEP, canonical_step
 from edgekit.errors import BadInputError
 from edgekit.options import option
 from edgekit.schema import check_fields
 
 REQUANT_STEPS = (WEIGHT_ONLY_STEP, INT8_STEP)  # the compress steps that re-quantize a merged model
+OLD_REQUANT_STEPS = tuple(old for old, new in STEP_ALIASES.items() if new in REQUANT_STEPS)  # still taken, warned
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class FinetuneOptions:
     """
 
     requant: str | None = field(default=None, metadata=option(
-        "--requant", choices=REQUANT_STEPS, help="Re-quantize the merged float model with this compress step."))
+        "--requant", choices=REQUANT_STEPS, old_choices=OLD_REQUANT_STEPS,
+        help="Re-quantize the merged float model with this compress step."))
     bits: int | None = field(default=None, metadata=option(
         "--bits", help=f"--requant {WEIGHT_ONLY_STEP}: bit width (default 4)."))
     method: str | None = field(default=None, metadata=option(
@@ -38,6 +40,8 @@ class FinetuneOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.requant is not None:  # an old step name ("int4"): the current one, with a warning
+            object.__setattr__(self, "requant", canonical_step(self.requant, where="--requant"))
         if self.requant is not None and self.requant not in REQUANT_STEPS:
             raise BadInputError(f"unknown re-quantization step {self.requant!r} (choose from "
                                 f"{', '.join(REQUANT_STEPS)})")

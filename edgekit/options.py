@@ -16,7 +16,8 @@ BuildExtras)]``); a flag that several of them declare (``--warmup-ms`` of a prof
 its generation metrics) sets the field in each, and one of those fields carries the help
 text. ``commands`` limits a flag to some of the commands built from its config (a
 distillation field that ``edgekit distill`` offers but ``edgekit compress`` does not).
-``deprecated`` names a flag's old names, still accepted for one release with a warning.
+``deprecated`` names a flag's old names, still accepted for one release with a warning;
+``old_choices`` a choice flag's old values (a renamed step), accepted and left to the config to map.
 
 This module is light (no numpy, torch or ONNX): the command line reads the options' help from a
 cache of these descriptions (``help_options``), so that ``--help`` imports no config module.
@@ -52,7 +53,9 @@ class Flag:
     ``choices``: the valid values; ``sep``: a tuple field given as one value split on it
     (``--prompt-lengths 128,512``); ``show_default``: False where the field's default is not
     what leaving the flag out means (``--bits``: without it nothing is quantized); ``bounds``:
-    (low, high) that the command line checks as it parses (the config checks again)."""
+    (low, high) that the command line checks as it parses (the config checks again);
+    ``old_choices``: old values the flag still takes besides ``choices``, not shown in the help:
+    the config maps them to the current value, with a warning (``int4`` for ``weight-only``)."""
 
     decls: tuple[str, ...]
     help: str = ""
@@ -66,6 +69,7 @@ class Flag:
     metavar: str = ""
     show_default: bool = True
     bounds: tuple[float, float] | None = None
+    old_choices: tuple[str, ...] = ()
 
 
 def option(*decls: str, help: str = "", selects: bool = False,  # noqa: A002 (click's name)
@@ -73,7 +77,7 @@ def option(*decls: str, help: str = "", selects: bool = False,  # noqa: A002 (cl
            basic: bool | Sequence[str] = False,
            deprecated: Sequence[str] = (), choices: Sequence[str] = (), sep: str = "",
            metavar: str = "", show_default: bool = True,
-           bounds: tuple[float, float] | None = None) -> dict[str, Flag]:
+           bounds: tuple[float, float] | None = None, old_choices: Sequence[str] = ()) -> dict[str, Flag]:
     """Field metadata that makes the field a command-line flag.
 
     >>> option("--group-size", help="Weight-only: group size.")[OPTION].decls
@@ -82,7 +86,8 @@ def option(*decls: str, help: str = "", selects: bool = False,  # noqa: A002 (cl
     if not decls or not all(d.startswith("-") for d in (*decls, *deprecated)):
         raise ValueError(f"option() takes flag declarations such as '--group-size', got {(*decls, *deprecated)!r}")
     return {OPTION: Flag(tuple(decls), help, selects, {k: tuple(v) for k, v in (when or {}).items()},
-                         tuple(commands), basic if isinstance(basic, bool) else tuple(basic), tuple(deprecated), tuple(choices), sep, metavar, show_default, bounds)}
+                         tuple(commands), basic if isinstance(basic, bool) else tuple(basic), tuple(deprecated), tuple(choices), sep, metavar, show_default, bounds,
+                         tuple(old_choices))}
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class ConfigOption:
     sep: str = ""
     metavar: str = ""
     bounds: tuple[float, float] | None = None
+    old_choices: tuple[str, ...] = ()
 
     @property
     def is_pair(self) -> bool:  # an --on/--off pair of a bool field
@@ -115,13 +121,14 @@ class ConfigOption:
         return {"dest": self.dest, "decls": list(self.decls), "help": self.help, "type": self.type.__name__,
                 "multiple": self.multiple, "default": self.default, "basic": self.basic,
                 "deprecated": list(self.deprecated), "choices": list(self.choices), "sep": self.sep,
-                "metavar": self.metavar, "bounds": list(self.bounds) if self.bounds else None}
+                "metavar": self.metavar, "bounds": list(self.bounds) if self.bounds else None,
+                "old_choices": list(self.old_choices)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ConfigOption:
         """The inverse of ``to_dict``; a malformed entry raises ValueError."""
         strings = ("dest", "help", "type", "sep", "metavar")
-        lists = ("decls", "deprecated", "choices")
+        lists = ("decls", "deprecated", "choices", "old_choices")
         if not (all(isinstance(d.get(k), str) for k in strings)
                 and all(isinstance(d.get(k), list) and all(isinstance(s, str) for s in d[k]) for k in lists)
                 and isinstance(d.get("multiple"), bool) and isinstance(d.get("basic"), bool)
@@ -133,7 +140,7 @@ class ConfigOption:
         default = tuple(d["default"]) if isinstance(d["default"], list) else d["default"]
         return cls(d["dest"], tuple(d["decls"]), d["help"], VALUE_TYPES[d["type"]], d["multiple"], (), default,
                    d["basic"], tuple(d["deprecated"]), tuple(d["choices"]), d["sep"], d["metavar"],
-                   (d["bounds"][0], d["bounds"][1]) if d.get("bounds") else None)
+                   (d["bounds"][0], d["bounds"][1]) if d.get("bounds") else None, tuple(d["old_choices"]))
 
 
 def field_flags(config: type) -> list[tuple[str, Flag, Any]]:
@@ -212,7 +219,7 @@ def config_options(configs: Iterable[tuple[str, type]], command: str) -> list[Co
         options.append((uses[first], ConfigOption(
             dest, uses[0][2].decls, next(iter(helps), ""), kind, multiple, tuple((u[0], u[1], u[2]) for u in uses),
             default, any(_basic_in(u[2], command) for u in uses), flag.deprecated, flag.choices, flag.sep,
-            flag.metavar, flag.bounds)))
+            flag.metavar, flag.bounds, flag.old_choices)))
     # each option where its help text is declared (configs in the order given, then field order)
     order = {key: i for i, key in enumerate(flagged)}
     return [o for u, o in sorted(options, key=lambda t: order[(t[0][0], t[0][1])])]

@@ -22,6 +22,7 @@ from edgekit.artifact import (
     read_manifest,
 )
 from edgekit.check import check_budget
+from edgekit.compress import canonical_step
 from edgekit.errors import BadInputError, EdgekitError
 from edgekit.markup import md
 from edgekit.pipelines.html import render_run_html
@@ -82,13 +83,15 @@ def render_markdown(data: ReportData, budget_ms: float | None = None, percentile
     if data.artifacts:
         lines += ["## Artifacts", "", "| folder | kind | model | target | steps | key metrics |", "|---|---|---|---|---|---|"]
         for folder, m in data.artifacts:
-            steps = " → ".join(s["name"] for s in m.steps) or "-"
+            # a folder written by an earlier version shows its steps under their current names
+            names = [canonical_step(s["name"], where="manifest", warn=False) for s in m.steps]
+            steps = " → ".join(names) or "-"
             metrics = _short_metrics(m.metrics)
             name = m.model.get("name") or m.source or "-"
             lines.append(f"| {md(_rel(folder, data.folder))} | {md(m.kind)} | {md(name)} | {md(m.target or '-')} "
                          f"| {md(steps)} | {md(metrics)} |")
             summary["artifacts"].append({"folder": str(folder), "kind": m.kind, "model": name, "target": m.target,
-                                         "steps": [s["name"] for s in m.steps], "metrics": m.metrics})
+                                         "steps": names, "metrics": m.metrics})
         lines.append("")
         for folder, m in data.artifacts:  # what a runtime did not do (a bundle: nothing built or measured)
             status = m.config.get("status") or {}

@@ -53,11 +53,11 @@ def test_compress_keeps_its_flags_and_help_texts():
 
 def test_shared_flags_set_every_step_that_has_the_field():
     fields = {o.dest: {(s, f) for s, f, _ in o.fields} for o in compress_options()}
-    assert fields["calib_samples"] == {("int8", "calib_samples"), ("int4", "calib_samples")}
-    assert fields["seqlen"] == {("distill", "seqlen"), ("int4", "seqlen")}
+    assert fields["calib_samples"] == {("int8", "calib_samples"), ("weight-only", "calib_samples")}
+    assert fields["seqlen"] == {("distill", "seqlen"), ("weight-only", "seqlen")}
     assert fields["epochs"] == {("distill", "epochs"), ("int8", "qat_epochs")}
     assert plan_steps(bits=4, calib_samples=16, seqlen=64) == [
-        ("int4", {"method": "gptq", "bits": 4, "calib_samples": 16, "seqlen": 64})]
+        ("weight-only", {"method": "gptq", "bits": 4, "calib_samples": 16, "seqlen": 64})]
     assert plan_steps(bits=8, method="qat", epochs=2, calib_samples=16) == [
         ("int8", {"method": "qat", "qat_epochs": 2, "calib_samples": 16})]
     # --epochs is QAT's only with --method qat (Int8Config.qat_epochs declares when={"method": ("qat",)})
@@ -128,7 +128,7 @@ def test_declarations_must_agree(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(STEPS, "clash", f"{__name__}:STEP_CLASH")
     monkeypatch.setitem(STEP_CONFIGS, "clash", f"{__name__}:Clash")
     monkeypatch.setitem(globals(), "Clash", Clash)
-    with pytest.raises(TypeError, match=r"^the flag of distill.seqlen, int4.seqlen, clash.seqlen is declared "
+    with pytest.raises(TypeError, match=r"^the flag of distill.seqlen, weight-only.seqlen, clash.seqlen is declared "
                                         r"differently .*help texts \['Another text.', 'Token window"):
         compress_options()
 
@@ -280,13 +280,13 @@ def test_generated_commands_reach_the_api_with_the_configs_of_before(monkeypatch
     assert calls[0][1] == {"tensorrt_version": "8.5", "dla_core": 0, "precision": "int8", "shapes": None, "dims": None}
 
     calls = _capture(monkeypatch, "edgekit.pipelines.sweep", "run_sweep")
-    for args in (["sweep", "R.yaml"], ["sweep", "R.yaml", "--grid", "int4.bits=4,8", "--list", "int4.sym=true",
+    for args in (["sweep", "R.yaml"], ["sweep", "R.yaml", "--grid", "weight-only.bits=4,8", "--list", "weight-only.sym=true",
                                        "--max-points", "9", "--force", "--executor", "process", "--jobs", "1"]):
         assert isinstance(CliRunner().invoke(cli, args).exception, _Called)
     common = {k: v for k, v in calls[0][1].items() if k != "announce"}
     assert calls[0][0][1] == [] and common == {"combos": None, "jobs": 1, "executor": "local", "address": None,
                                                 "force": False, "max_points": 256}
-    assert calls[1][0][1] == ["int4.bits=4,8"] and calls[1][1]["combos"] == [{"int4.sym": True}]
+    assert calls[1][0][1] == ["weight-only.bits=4,8"] and calls[1][1]["combos"] == [{"weight-only.sym": True}]
     assert (calls[1][1]["max_points"], calls[1][1]["force"], calls[1][1]["executor"]) == (9, True, "process")
 
     calls = _capture(monkeypatch, "edgekit.check", "check_budget")
@@ -436,13 +436,19 @@ def test_options_of_their_own_classes_reach_the_api(monkeypatch: pytest.MonkeyPa
     assert given == [{}, {"prune": 0.5}] and "distill" not in calls[1][0][2]  # the steps' flags alone
 
     calls = _capture(monkeypatch, "edgekit.finetune", "finetune")
-    for args in ([], ["--requant", "int4", "--bits", "3", "--fresh", "--seed", "5"]):
+    for args in ([], ["--requant", "weight-only", "--bits", "3", "--fresh", "--seed", "5"]):
         assert isinstance(CliRunner().invoke(cli, ["finetune", "M", "-o", "O", *args]).exception, _Called)
     assert [{k: c[1][k] for k in ("requant", "requant_config", "resume", "seed")} for c in calls] == [
         {"requant": None, "requant_config": {}, "resume": True, "seed": 0},
-        {"requant": "int4", "requant_config": {"bits": 3}, "resume": False, "seed": 5}]
+        {"requant": "weight-only", "requant_config": {"bits": 3}, "resume": False, "seed": 5}]
     r = CliRunner().invoke(cli, ["finetune", "M", "-o", str(tmp_path / "o"), "--bits", "3"])
-    assert r.exit_code == 2 and r.stderr == "error: --bits set the weight-only re-quantization: give --requant int4\n"
+    assert r.exit_code == 2 and r.stderr == "error: --bits set the weight-only re-quantization: give --requant weight-only\n"
+    # the step's old name: accepted (the warning line is tests/compress/test_compress.py's), the new one in --help
+    assert isinstance(CliRunner().invoke(cli, ["finetune", "M", "-o", "O", "--requant", "int4"]).exception, _Called)
+    assert calls[-1][1]["requant"] == "weight-only"
+    assert "--requant [weight-only|int8]" in CliRunner().invoke(cli, ["finetune", "--help-all"]).output
+    r = CliRunner().invoke(cli, ["finetune", "M", "-o", "O", "--requant", "int5"])
+    assert r.exit_code == 2 and "'int5' is not one of 'weight-only', 'int8'" in r.output
 
     # remote build checks the build fields before it connects
     calls = _capture(monkeypatch, "edgekit.remote", "remote_build")

@@ -208,15 +208,15 @@ def test_weight_only(family, method, bits, bound, spec, reference, tmp_path, req
     if reason:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     ref, feeds, want = reference(family)
-    cfg = make_config("int4", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
+    cfg = make_config("weight-only", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
                                "awq_grid": 10, "eval_windows": 0})
     if method == "awq" and family in AWQ_UNDESCRIBED:  # nothing the probe can prove foldable: stop, never guess
         with pytest.raises(BadInputError, match=f"AWQ found no norm or linear in model type "
                                                 f"'{AWQ_UNDESCRIBED[family]}' whose output scales fold exactly"):
-            compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
+            compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w", _ctx(ref))
         assert not (tmp_path / "w").exists()
         return
-    out = compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
+    out = compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w", _ctx(ref))
     got = _outputs(load_compressed(out), feeds)
     assert _rel(got, want) < bound
 
@@ -307,8 +307,8 @@ def test_4bit_export_with_kv_cache_stays_near_the_float_model(family, spec, refe
     """The exported 4-bit graph against the float model (not against the packed PyTorch model,
     which may already be wrong)."""
     ref, feeds, want = reference(family)
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w4", _ctx(ref))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w4", _ctx(ref))
     out = export_causal_lm(load_compressed(w4), tmp_path / "onnx")
     assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < W4_REL
 
@@ -319,8 +319,8 @@ def test_tied_embedding_and_head_stored_once_in_the_4bit_onnx(family, spec, tmp_
     import onnx
 
     h = load_model(spec(family))
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "head": "int4", "eval_windows": 0})
-    w4 = compress(h, [("int4", cfg)], tmp_path / "w4", _ctx(h))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "head": "int4", "eval_windows": 0})
+    w4 = compress(h, [("weight-only", cfg)], tmp_path / "w4", _ctx(h))
     out = export_causal_lm(load_compressed(w4), tmp_path / "onnx")
     m = onnx.load(str(out / "model.onnx"))
     vocab = h.extra["vocab_size"]
@@ -437,8 +437,8 @@ def test_4bit_export_follows_rope_scaling_past_the_original_context(family, rope
     compressed PyTorch model computes (a graph stuck on the short-context rotation is 0.14-0.17 from it)."""
     folder = save_tiny(family, tmp_path, **ROPE_SCALING[rope_type])
     ref = load_model(str(folder))
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = load_compressed(compress(load_model(str(folder)), [("int4", cfg)], tmp_path / "w4", _ctx(ref)))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(load_model(str(folder)), [("weight-only", cfg)], tmp_path / "w4", _ctx(ref)))
     out = export_causal_lm(w4, tmp_path / "onnx")
     ids = _long_text(ref)
     for prompt, total in LONG_PASSES:
@@ -469,8 +469,8 @@ def test_tied_table_shared_when_the_hidden_size_pads_the_last_block(graph, tmp_p
                                  initializer_range=0.08)).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     h = load_model(str(folder))
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = compress(h, [("int4", cfg)], tmp_path / "w4", _ctx(h))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = compress(h, [("weight-only", cfg)], tmp_path / "w4", _ctx(h))
     out = export_causal_lm(load_compressed(w4), tmp_path / "onnx", graph=graph)  # parity checked inside
     m = onnx.load(str(out / "model.onnx"))
     tables = [list(t.dims) for t in m.graph.initializer if t.dims and t.dims[0] == 260 and len(t.dims) >= 2
@@ -505,14 +505,14 @@ KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: export/lm_falc
 def test_more_decoders_weight_only(family, method, bits, bound, spec, reference, tmp_path):
     """GPTQ with its defaults (GPTAQ pairs per expert), RTN: saved, reloaded, within the bound."""
     ref, feeds, want = reference(family)
-    cfg = make_config("int4", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
+    cfg = make_config("weight-only", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
                                "eval_windows": 0})
-    out = compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
+    out = compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w", _ctx(ref))
     got = _outputs(load_compressed(out), feeds)
     if bits == 8 and family in ROUTED:
         bound = W8_ROUTED_REL
     assert _rel(got, want) < bound
-    meta = __import__("json").loads((out / "manifest.json").read_text())["metrics"]["int4"]
+    meta = __import__("json").loads((out / "manifest.json").read_text())["metrics"]["weight-only"]
     if family in ("mixtral", "qwen2-moe", "llama4"):  # routers stay in float, and say so
         assert len(meta["routers_in_float"]) == 2
     if family == "llama4":  # its experts are one 3-d tensor per layer, not nn.Linear: float, and said
@@ -523,9 +523,9 @@ def test_more_decoders_weight_only(family, method, bits, bound, spec, reference,
 def test_more_decoders_awq_folds_where_the_probe_proves_it(family, spec, reference, tmp_path):
     """No hand-table row for these families: AWQ's fold pairs are measured on the model (wiring.py)."""
     ref, feeds, want = reference(family)
-    cfg = make_config("int4", {"method": "awq", "bits": 4, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
+    cfg = make_config("weight-only", {"method": "awq", "bits": 4, "group_size": 32, "seqlen": SEQ, "calib_samples": 4,
                                "awq_grid": 10, "eval_windows": 0})
-    out = compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref))
+    out = compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w", _ctx(ref))
     assert _rel(_outputs(load_compressed(out), feeds), want) < W4_REL
 
 
@@ -537,8 +537,8 @@ def test_moe_export_with_kv_cache_matches_the_float_model(family, spec, referenc
     ref, feeds, want = reference(family)
     out = export_causal_lm(ref, tmp_path / "onnx")
     assert _rel(_prefill(out / "model.onnx", feeds["input_ids"]), want) < ONNX_REL
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = load_compressed(compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w4", _ctx(ref)))
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w4", _ctx(ref)))
     out = export_causal_lm(w4, tmp_path / "w4-onnx")
     got = _prefill(out / "model.onnx", feeds["input_ids"])
     assert _rel(got, want) < W4_REL
@@ -567,9 +567,9 @@ def test_more_decoders_kv_cache_export_stays_near_the_float_model(family, method
     ref, feeds, want = reference(family)
     handle = ref
     if method is not None:
-        cfg = make_config("int4", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ,
+        cfg = make_config("weight-only", {"method": method, "bits": bits, "group_size": 32, "seqlen": SEQ,
                                    "calib_samples": 4, "eval_windows": 0})
-        handle = load_compressed(compress(load_model(spec(family)), [("int4", cfg)], tmp_path / "w", _ctx(ref)))
+        handle = load_compressed(compress(load_model(spec(family)), [("weight-only", cfg)], tmp_path / "w", _ctx(ref)))
     out = export_causal_lm(handle, tmp_path / "onnx")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["graph"] == "fused" and manifest["metrics"]["parity"]["passed"]

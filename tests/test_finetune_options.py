@@ -15,16 +15,16 @@ from edgekit.finetune_options import REQUANT_STEPS, FinetuneOptions
 
 def test_requant_config_is_what_was_given():
     assert FinetuneOptions().requant_config() == {} and FinetuneOptions().resume is True
-    o = FinetuneOptions(requant="int4", bits=3, group_size=64)
+    o = FinetuneOptions(requant="weight-only", bits=3, group_size=64)
     assert o.requant_config() == {"bits": 3, "group_size": 64}
     assert FinetuneOptions(requant="int8", method="ptq").requant_config() == {"method": "ptq"}
 
 
 @pytest.mark.parametrize("given, message", [
-    ({"bits": 3}, "--bits set the weight-only re-quantization: give --requant int4"),
-    ({"requant": "int8", "group_size": 32}, "--group-size set the weight-only re-quantization: give --requant int4"),
-    ({"method": "gptq"}, "--method chooses the re-quantization's method: give --requant (int4 or int8)"),
-    ({"requant": "int2"}, "unknown re-quantization step 'int2' (choose from int4, int8)"),
+    ({"bits": 3}, "--bits set the weight-only re-quantization: give --requant weight-only"),
+    ({"requant": "int8", "group_size": 32}, "--group-size set the weight-only re-quantization: give --requant weight-only"),
+    ({"method": "gptq"}, "--method chooses the re-quantization's method: give --requant (weight-only or int8)"),
+    ({"requant": "int2"}, "unknown re-quantization step 'int2' (choose from weight-only, int8)"),
 ])
 def test_fields_without_their_step_are_refused(given, message):
     with pytest.raises(BadInputError) as e:

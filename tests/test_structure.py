@@ -9,7 +9,7 @@ from pathlib import Path
 import grimp
 
 import edgekit
-from edgekit.compress import STEPS
+from edgekit.compress import STEP_ALIASES, STEPS
 from edgekit.runtimes import RUNTIMES
 
 PACKAGE = Path(edgekit.__file__).parent
@@ -149,7 +149,7 @@ def test_only_compress_branches_on_a_step_name():
             on_a_name = any(isinstance(o, ast.Attribute) and o.attr == "name" for o in operands)
             for operand in operands:
                 for const in ast.walk(operand):
-                    if (isinstance(const, ast.Constant) and const.value in STEPS
+                    if (isinstance(const, ast.Constant) and const.value in (*STEPS, *STEP_ALIASES)
                             and (on_a_name or const.value not in PRECISION_NAMES or module == "edgekit.cli")):
                         found.add((module, const.value))
     assert found - KNOWN_STEP_NAMES == set()

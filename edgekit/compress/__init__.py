@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from edgekit.artifact import (
     MANIFEST,
@@ -44,11 +45,16 @@ from edgekit.schema import Loc, from_mapping
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.weights import check_safetensors
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
-    from edgekit.compress.quality import QualityBounds
+    from _typeshed import DataclassInstance
+
+    from edgekit.compress.quality import QualityBounds, Reference
     from edgekit.export.onnx import Rewrite
     from edgekit.sources.inputs import InputOptions  # numpy, image resizing: not for the command line's --help
     from edgekit.sources.models import ArtifactLoader
+    from edgekit.targets import Target
 
 # The registry and the driver import torch and ONNX (quality, the model loaders, the ONNX
 # checks) inside the functions that use them: the step configs' light modules (``STEP_CONFIGS``)
@@ -61,7 +67,7 @@ STEPS: dict[str, str] = {
     "distill": "edgekit.compress.distill:STEP",
     "lora": "edgekit.compress.lora:STEP",
     "int8": "edgekit.compress.int8.step:STEP",
-    "int4": "edgekit.compress.weight_only.step:STEP",
+    "weight-only": "edgekit.compress.weight_only.step:STEP",
     "half": "edgekit.compress.half:STEP",
 }
 
@@ -73,7 +79,7 @@ STEP_CONFIGS: dict[str, str] = {
     "distill": "edgekit.compress.distill_config:DistillConfig",
     "lora": "edgekit.compress.lora.config:LoraConfig",
     "int8": "edgekit.compress.int8.config:Int8Config",
-    "int4": "edgekit.compress.weight_only.config:WeightOnlyConfig",
+    "weight-only": "edgekit.compress.weight_only.config:WeightOnlyConfig",
     "half": "edgekit.compress.half_config:HalfConfig",
 }
 
@@ -81,11 +87,35 @@ STEP_CONFIGS: dict[str, str] = {
 # --distill, finetune's LoRA and re-quantization, a sweep's quantizers): they ask here instead of
 # spelling a name; tests/compress/test_compress.py checks each against its step's declarations.
 INT8_STEP = "int8"  # INT8 weights and activations (Q/DQ)
-WEIGHT_ONLY_STEP = "int4"  # weight-only quantization to packed codes (2 to 8 bits)
+WEIGHT_ONLY_STEP = "weight-only"  # weight-only quantization to packed codes (2 to 8 bits)
 PRUNE_STEP = "prune"
 DISTILL_STEP = "distill"
 LORA_STEP = "lora"
 QUANTIZING_STEPS = (INT8_STEP, WEIGHT_ONLY_STEP)  # the steps that leave float weights quantized
+
+# Old step names -> current ones. Recipes, the command line and the Python API still take an old
+# name for one release, with a warning (``canonical_step``); manifests of artifact folders written
+# under an old name load silently (their records are read with the current name).
+STEP_ALIASES: dict[str, str] = {"int4": WEIGHT_ONLY_STEP}  # "int4" did 2 to 8 bits
+_warned_aliases: set[str] = set()  # old names already warned about in this process: one line each
+
+
+def canonical_step(name: str, *, where: str, warn: bool = True) -> str:
+    """The current name of the step called ``name`` (``STEP_ALIASES``); an unknown name is
+    returned as given (the registry's lookups name the valid ones). ``where``: what named it
+    (``stage 'llm'``, ``--requant``), for the one deprecation warning line an old name prints
+    per process; ``warn=False`` for records written by earlier versions (manifests).
+
+    >>> canonical_step("weight-only", where="--requant")
+    'weight-only'
+    """
+    new = STEP_ALIASES.get(name)
+    if new is None:
+        return name
+    if warn and name not in _warned_aliases:
+        _warned_aliases.add(name)
+        log.warning("%s: %r is now %r; the old name will be removed in a later release", where, name, new)
+    return new
 
 
 @dataclass
@@ -98,7 +128,7 @@ class StepContext:
     quality_bounds / accept_quality_loss: the quality gate of ``compress`` (``quality.py``).
     """
 
-    target: Any = None  # edgekit.targets.Target
+    target: Target | None = None
     calib: str | None = None
     train: str | None = None
     eval: str | None = None
@@ -111,15 +141,15 @@ class StepContext:
     inputs: InputOptions | None = None  # --shapes / --inputs / --preprocess (edgekit.sources.inputs)
     # the quality gate of compress() (edgekit/compress/quality.py): bounds against the float model
     # (None: the chain's defaults), and whether a loss beyond them is accepted (exit 0) or stops (exit 1)
-    quality_bounds: Any = None
+    quality_bounds: QualityBounds | None = None
     accept_quality_loss: bool = False
     quality_windows: int | None = None  # causal LM: eval windows the gate measures on (None: quality.EVAL_WINDOWS)
     # the float model's outputs on held-out data (quality.measure_reference): measured by compress() unless
     # given (by a caller compressing one base model several ways); steps then need not measure again
-    quality_reference: Any = None
+    quality_reference: Reference | None = None
     # times a model's engine on a target: (handle, target) -> {"p50_ms", "p90_ms", "via"}. Given by the
     # callers above build and profile (edgekit.measure.engine_latency); None: steps report no latency
-    latency: Callable[[ModelHandle, Any], Mapping[str, Any]] | None = None
+    latency: Callable[[ModelHandle, Target], Mapping[str, Any]] | None = None
 
 
 # What a model's weights are between steps. Each step declares which of these it takes and
@@ -133,13 +163,14 @@ STATE_MEANING = {
     "onnx": "an ONNX graph (no PyTorch weights)",
 }
 
-# A config-dependent refinement of a step's transitions: (transitions, why), e.g. QLoRA.
-Narrowing = Callable[[Any], tuple[Mapping[str, str], str]]
+# A step's config: a frozen dataclass instance (each step's own class, ``Step.config``).
+StepConfig = TypeVar("StepConfig", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
-class Step:
-    """One registered technique.
+class Step(Generic[StepConfig]):
+    """One registered technique, generic in its config class (``config``), which ``apply``,
+    ``rebuild``, ``narrow`` and ``bounds`` take: a type checker holds each step's functions to it.
 
     apply: does the work on a handle and returns the compressed handle, appending a
         ``StepRecord(name, asdict(config), meta)`` to ``handle.steps``.
@@ -167,14 +198,14 @@ class Step:
     """
 
     name: str
-    config: type
-    apply: Callable[[ModelHandle, Any, StepContext], ModelHandle]
+    config: type[StepConfig]
+    apply: Callable[[ModelHandle, StepConfig, StepContext], ModelHandle]
     description: str
-    rebuild: Callable[[ModelHandle, Any, StepRecord], ModelHandle] | None = None
+    rebuild: Callable[[ModelHandle, StepConfig, StepRecord], ModelHandle] | None = None
     rewrite_onnx: Callable[[Any, ModelHandle, StepRecord], Any] | None = None
     transitions: Mapping[str, str] = field(default_factory=lambda: {"float": "float"})
-    narrow: Narrowing | None = None
-    bounds: Callable[[Any], QualityBounds] | None = None
+    narrow: Callable[[StepConfig], tuple[Mapping[str, str], str]] | None = None  # e.g. QLoRA: (transitions, why)
+    bounds: Callable[[StepConfig], QualityBounds] | None = None
     deliberate: bool = False
     target_aware: bool = False
     half_storage: bool = False
@@ -185,7 +216,7 @@ class Step:
         if bad or not self.transitions:
             raise ValueError(f"step {self.name!r} declares unknown weight states {bad} (known: {WEIGHT_STATES})")
 
-    def transitions_for(self, config: Any = None) -> tuple[Mapping[str, str], str]:
+    def transitions_for(self, config: StepConfig | None = None) -> tuple[Mapping[str, str], str]:
         """The transitions for this config (all declared ones when None), and why narrowed."""
         if config is None or self.narrow is None:
             return self.transitions, ""
@@ -213,7 +244,10 @@ def quantized_precision(records: list[StepRecord]) -> str | None:
     return None
 
 
-def get_step(name: str) -> Step:
+def get_step(name: str) -> Step[Any]:
+    """The registered step called ``name`` (an old name as the current one, silently: callers
+    that take a name from a user resolve it with ``canonical_step`` first, which warns)."""
+    name = STEP_ALIASES.get(name, name)
     if name not in STEPS:
         raise bad_choice("compression step", name, STEPS)
     mod, attr = STEPS[name].split(":")
@@ -225,6 +259,7 @@ def get_step(name: str) -> Step:
 
 def config_class(name: str) -> type:
     """The config class of the step named ``name``, without importing the step (``STEP_CONFIGS``)."""
+    name = STEP_ALIASES.get(name, name)
     if name not in STEP_CONFIGS:
         raise bad_choice("compression step", name, STEPS)
     mod, attr = STEP_CONFIGS[name].split(":")
@@ -234,7 +269,7 @@ def config_class(name: str) -> type:
     return config
 
 
-def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> Any:
+def make_config(name: str, values: Mapping[str, Any] | None = None, where: str = "") -> DataclassInstance:
     """Build a step's config from a plain mapping: known options, checked types, then the
     config's own range checks. ``where`` is the context for messages (``stage 'mlp'``).
 
@@ -251,7 +286,7 @@ def default_bounds(steps: Sequence[tuple[str, Any]]) -> QualityBounds | None:
     """The quality gate of a chain of (name, config): the loosest bounds its steps declare
     (``Step.bounds``); None when a step changes the model on purpose or none declares any.
 
-    >>> default_bounds([("int4", make_config("int4", {"bits": 4}))]).max_ppl_ratio
+    >>> default_bounds([("weight-only", make_config("weight-only", {"bits": 4}))]).max_ppl_ratio
     1.5
     >>> default_bounds([("prune", make_config("prune", {"ratio": 0.3}))]) is None
     True
@@ -357,7 +392,8 @@ def compress(model: str | os.PathLike[str] | ModelHandle, steps: list[tuple[str,
 
     if not steps:
         raise BadInputError("no compression step given (use --bits, --prune, --distill or a recipe)")
-    configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in steps]
+    configs = [(canonical_step(n, where="compress steps"), c) for n, c in steps]
+    configs = [(n, c if dataclasses.is_dataclass(c) else make_config(n, c)) for n, c in configs]
     check_order(configs, initial_state(model))
     ctx = ctx or StepContext()
     handle = load_model(model, ctx.inputs, half_storage=all(get_step(n).half_storage for n, _ in configs),
@@ -448,7 +484,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     if "onnx" in manifest.files and "weights" not in manifest.files:
         handle = load_onnx_file(manifest.path_of(folder, "onnx"), name=manifest.model.get("name"))
         handle.source = manifest.source or handle.source
-        handle.steps = [StepRecord(**s) for s in manifest.steps]
+        handle.steps = _records(manifest.steps)
         handle.step_rewrites = step_rewrite
         handle.kind = manifest.model.get("kind", handle.kind)
         borrow_io(handle, manifest.source)
@@ -458,7 +494,7 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
         raise BadInputError(f"{folder}/manifest.json names no base model (source)")
     weights = manifest.path_of(folder, "weights")
     check_safetensors(weights)  # bounded header check (sizes and offsets within the file) before any loading
-    records = [StepRecord(**rec) for rec in manifest.steps]
+    records = _records(manifest.steps)
     steps = [get_step(record.name) for record in records]
     # a base stored in bfloat16/float16 loads as stored (memory-mapped) where every step takes it so: the
     # layers the steps replace are never read; what is left (norms, biases) is cast to float32 before the
@@ -489,6 +525,13 @@ def load_compressed(folder: str | os.PathLike[str]) -> ModelHandle:
     handle.module.eval()
     handle.extra["artifact"] = str(folder)
     return handle
+
+
+def _records(steps: Sequence[Mapping[str, Any]]) -> list[StepRecord]:
+    """A manifest's step records, each under its step's current name: a folder written under an
+    old name (``STEP_ALIASES``) loads, reports and exports like one written today."""
+    return [StepRecord(**{**rec, "name": canonical_step(rec["name"], where="manifest", warn=False)})
+            for rec in steps]
 
 
 def step_rewrite(name: str) -> Rewrite | None:

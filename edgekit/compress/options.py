@@ -6,7 +6,7 @@ A field becomes a flag of ``edgekit compress`` through its metadata::
     group_size: int = field(default=128, metadata=option("--group-size", help="Weight-only: group size."))
 
 A flag the user does not give stays unset, so the config keeps its own default. Recipes name
-the same fields (``{"int4": {"group_size": 64}}``), so an option has one declaration.
+the same fields (``{"weight-only": {"group_size": 64}}``), so an option has one declaration.
 
 A flag that several steps declare (``--calib-samples``, ``--epochs``, ``--seqlen``) sets the
 field in each step of the chain that has it; one of those fields carries the help text.

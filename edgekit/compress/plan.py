@@ -47,7 +47,7 @@ def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
     None or ``()``: not given), and ``distill``.
 
     >>> plan_steps(bits=4, group_size=64)
-    [('int4', {'method': 'gptq', 'bits': 4, 'group_size': 64})]
+    [('weight-only', {'method': 'gptq', 'bits': 4, 'group_size': 64})]
     >>> plan_steps(prune=0.3, distill=True, epochs=2)
     [('prune', {'ratio': 0.3}), ('distill', {'epochs': 2})]
     """
@@ -80,7 +80,7 @@ def quantize_step(bits: int | None, method: str | None) -> tuple[str, dict[str, 
     """The quantize step for --bits/--method, with the method (and bit width) it runs.
 
     >>> quantize_step(4, None)
-    ('int4', {'method': 'gptq', 'bits': 4})
+    ('weight-only', {'method': 'gptq', 'bits': 4})
     """
     choices = ", ".join(map(str, SUPPORTED_BITS))
     if bits is None:

@@ -49,7 +49,7 @@ from edgekit.schema import check_fields
 from edgekit.sources.data import resolve_samples
 from edgekit.sources.handle import ModelHandle, data_view
 
-EVAL_WINDOWS = 8  # causal LM: eval-split windows (the int4 step's measurement used as many)
+EVAL_WINDOWS = 8  # causal LM: eval-split windows (the weight-only step's measurement used as many)
 EVAL_SAMPLES = 32  # other models: eval samples
 COSINE_ROWS = 64  # output rows kept per model for the cosine (a 262k-vocabulary row is 1 MB)
 LOGITS_BLOCK = 1 << 24  # elements of a causal LM's logits computed at a time (64 MB of float32)

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgekit.compress import STEPS, check_order, initial_state, make_config
+from edgekit.compress import STEPS, canonical_step, check_order, initial_state, make_config
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.export.onnx import ExportConfig
 from edgekit.profiling import ProfileConfig, normalize_percentile
@@ -219,6 +219,8 @@ def parse_steps(loc: Loc, raw: object, start: str = "float") -> tuple[StepSpec, 
             options = {} if options is None else options
         else:
             raise FieldError(loc.at(i), f"each step is `name` or `name: {{options}}`, got {show(item)}")
+        if isinstance(name, str):  # an old step name ("int4"): the current one, with a warning
+            name = canonical_step(name, where=str(loc.at(i)))
         if not isinstance(name, str) or name not in STEPS:
             raise FieldError(loc.at(i), str(bad_choice("step", show(name) if not isinstance(name, str) else name,
                                                         STEPS)))

@@ -1,6 +1,6 @@
 """Trade-off sweeps: run a recipe over a grid of settings and find the Pareto frontier.
 
-``--grid 'int4.group_size=32,128' --grid 'prune.ratio=0,0.3,0.5'`` runs every
+``--grid 'weight-only.group_size=32,128' --grid 'prune.ratio=0,0.3,0.5'`` runs every
 combination (``--list`` gives explicit combinations instead), each as a cached run
 sharing one cache, so unchanged sub-steps are computed once across the whole sweep.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from edgekit.artifact import atomic_write_json, atomic_write_text, claim_work_folder, sha256_json
-from edgekit.compress import get_step
+from edgekit.compress import canonical_step, get_step
 from edgekit.compress.plan import INT8, QUANTIZE_STEPS, WEIGHT_ONLY, quantize_step
 from edgekit.errors import BadInputError, UnavailableError, bad_choice
 from edgekit.limits import format_bytes, require_memory
@@ -70,11 +70,12 @@ def _step_list(stage: dict[str, Any]) -> list[dict[str, Any]] | None:
     if not isinstance(steps, list):
         return None
     out: list[dict[str, Any]] = []
-    for s in steps:
+    for s in steps:  # each under its step's current name (parsing the recipe warns about an old one)
         if isinstance(s, str):
-            out.append({s: {}})
+            out.append({canonical_step(s, where="recipe", warn=False): {}})
         elif isinstance(s, dict) and len(s) == 1 and isinstance(next(iter(s.values())), (dict, type(None))):
-            out.append({k: dict(v or {}) for k, v in s.items()})
+            out.append({canonical_step(k, where="recipe", warn=False) if isinstance(k, str) else k: dict(v or {})
+                        for k, v in s.items()})
         else:
             return None
     return out
@@ -113,6 +114,10 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     stages = _stages(data)
     for key, value in overrides.items():
         parts = key.split(".")
+        # an old step name in STEP.FIELD or STAGE.STEP.FIELD ("int4.group_size"): the current one, warned
+        if len(parts) == 3 or (len(parts) == 2 and parts[-1] != "bits"):
+            parts[-2] = canonical_step(parts[-2], where=f"grid key {key!r}")
+            key = ".".join(parts)
         if parts[-1] == "bits" and len(parts) <= 2:
             targets = [s for s in stages if not s.get("callable") and (len(parts) == 1 or s.get("name") == parts[0])]
             if not targets:

@@ -119,7 +119,7 @@ def test_each_step_declares_its_quality_gate():
 
     half = ("half", make_config("half", {"dtype": "fp16"}))
     assert default_bounds([half]) == BOUNDS_HALF
-    assert default_bounds([("int4", make_config("int4", {"bits": 4})), half]) == BOUNDS_4BIT
-    assert default_bounds([("int4", make_config("int4", {"bits": 8}))]) == BOUNDS_8BIT
+    assert default_bounds([("weight-only", make_config("weight-only", {"bits": 4})), half]) == BOUNDS_4BIT
+    assert default_bounds([("weight-only", make_config("weight-only", {"bits": 8}))]) == BOUNDS_8BIT
     assert default_bounds([("prune", make_config("prune", {"ratio": 0.3})), half]) is None
     assert BOUNDS_HALF.max_ppl_ratio == 1.02 and BOUNDS_HALF.min_cosine == 0.99

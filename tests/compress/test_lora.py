@@ -329,11 +329,11 @@ def test_qlora_packed_fold_roundtrip_and_merge(tmp_path: Path) -> None:
     ctx = _ctx(text_samples(24, 0), text_samples(6, 1, "eval"))
     cfg = lora.LoraConfig(r=4, steps=12, lr=2e-2, batch_size=4, qlora=True, dropout=0.0)
     h = tiny_llama()
-    out = compress(h, [("int4", _int4()), ("lora", cfg)], tmp_path / "q", ctx)
+    out = compress(h, [("weight-only", _int4()), ("lora", cfg)], tmp_path / "q", ctx)
     lm = ctx.metrics["lora"]
     assert lm["base"] == "packed" and lm["after"]["loss"] < lm["before"]["loss"]
     m = json.loads((out / "manifest.json").read_text())
-    assert [s["name"] for s in m["steps"]] == ["int4", "lora"] and m["steps"][1]["meta"]["merged"] is False
+    assert [s["name"] for s in m["steps"]] == ["weight-only", "lora"] and m["steps"][1]["meta"]["merged"] is False
     ids = _pattern_windows(2, 12, 5)
     want = _logits(h, ids)
     back = load_compressed(out)
@@ -355,7 +355,7 @@ def test_qlora_packed_fold_exports_matmulnbits(tmp_path: Path) -> None:
 
     ctx = _ctx(text_samples(8, 0), text_samples(2, 1, "eval"))
     cfg = lora.LoraConfig(r=2, steps=2, lr=1e-2, batch_size=4, qlora=True, dropout=0.0)
-    art = compress(tiny_llama(), [("int4", _int4()), ("lora", cfg)], tmp_path / "q", ctx)
+    art = compress(tiny_llama(), [("weight-only", _int4()), ("lora", cfg)], tmp_path / "q", ctx)
     onnx_dir = export_onnx(art, tmp_path / "onnx", ExportConfig(atol=1e-3, rtol=1e-3))
     graph = onnx.load(str(onnx_dir / "model.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
@@ -375,14 +375,14 @@ def test_lora_merged_then_requantized_int4(tmp_path: Path) -> None:
     from edgekit.finetune import finetune
 
     out = finetune(tiny_llama(), text_samples(16, 0), {"r": 4, "steps": 4, "lr": 1e-2, "batch_size": 4},
-                   tmp_path / "ft", eval_data=text_samples(4, 1, "eval"), requant="int4", requant_config=_int4())
+                   tmp_path / "ft", eval_data=text_samples(4, 1, "eval"), requant="weight-only", requant_config=_int4())
     m = json.loads((out / "manifest.json").read_text())
-    assert [s["name"] for s in m["steps"]] == ["lora", "int4"]
+    assert [s["name"] for s in m["steps"]] == ["lora", "weight-only"]
     assert np.isfinite(m["metrics"]["final"]["perplexity"])
     back = load_compressed(out)
     assert isinstance(back.module.model.model.layers[1].mlp.up_proj, QuantLinear)
     with pytest.raises(BadInputError, match="re-quantizes merged weights; drop --no-merge"):
-        finetune(tiny_llama(), text_samples(16, 0), {"merge": False}, tmp_path / "x", requant="int4")
+        finetune(tiny_llama(), text_samples(16, 0), {"merge": False}, tmp_path / "x", requant="weight-only")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,8 +72,8 @@ def test_every_norm_of_the_gemma_graph_runs_fused(tmp_path):
 
 def test_4bit_gemma3_fused_graph_stores_the_tied_table_once_and_matches_the_packed_model(tmp_path):
     h = load_model(str(save_tiny("gemma3", tmp_path, sliding_window=WINDOW)))
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "head": "int4", "eval_windows": 0})
-    w4 = load_compressed(compress(h, [("int4", cfg)], tmp_path / "w4", StepContext(calib="lee-news", eval="wikipedia",
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "head": "int4", "eval_windows": 0})
+    w4 = load_compressed(compress(h, [("weight-only", cfg)], tmp_path / "w4", StepContext(calib="lee-news", eval="wikipedia",
                                                                                    progress=False)))
     out = export_causal_lm(w4, tmp_path / "onnx", accuracy_level=None)
     assert json.loads((out / "manifest.json").read_text())["config"]["graph"] == "fused"

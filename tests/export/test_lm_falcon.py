@@ -105,8 +105,8 @@ def test_falcon_with_dynamic_rope_scaling_matches_past_its_threshold(tmp_path):
 
 def test_4bit_falcon_fused_graph_matches_the_packed_and_the_float_model(tmp_path):
     h = load_model(str(save_tiny("falcon", tmp_path, vary_norms=True)))
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = load_compressed(compress(h, [("int4", cfg)], tmp_path / "w4", StepContext(calib="lee-news", eval="wikipedia",
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(h, [("weight-only", cfg)], tmp_path / "w4", StepContext(calib="lee-news", eval="wikipedia",
                                                                                    progress=False)))
     out = export_causal_lm(w4, tmp_path / "onnx", accuracy_level=None)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -70,8 +70,8 @@ def test_float_moe_exports_the_fused_graph_and_matches_transformers(family, conf
 def test_4bit_experts_run_in_qmoe_and_match_the_compressed_model(family, config, tmp_path):
     """RTN W4 g32: each layer's experts in one QMoE (their codes as stored, block 32), the router
     a float MatMul; exact with fp32 compute, and the default int8 compute within its bound."""
-    cfg = make_config("int4", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
-    w4 = load_compressed(compress(load_model(str(save_tiny(family, tmp_path, **config))), [("int4", cfg)],
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 4, "group_size": 32, "eval_windows": 0})
+    w4 = load_compressed(compress(load_model(str(save_tiny(family, tmp_path, **config))), [("weight-only", cfg)],
                                   tmp_path / "w4", _ctx()))
     exact = export_causal_lm(w4, tmp_path / "fp32", accuracy_level=0)
     nodes = _moe_nodes(exact / "model.onnx")
@@ -95,10 +95,10 @@ def test_experts_no_calibration_token_reached_export_like_the_others(tmp_path):
     """16 experts top-2 and one calibration window of 8 tokens: GPTQ reaches at most 16 of 32
     expert slots per layer, rounds the rest to nearest and names them; the graph packs them all."""
     folder = save_tiny("mixtral", tmp_path, num_local_experts=16)
-    cfg = make_config("int4", {"method": "gptq", "bits": 4, "group_size": 32, "seqlen": 8, "calib_samples": 1,
+    cfg = make_config("weight-only", {"method": "gptq", "bits": 4, "group_size": 32, "seqlen": 8, "calib_samples": 1,
                                "eval_windows": 0})
-    out = compress(load_model(str(folder)), [("int4", cfg)], tmp_path / "w4", _ctx())
-    unseen = json.loads((out / "manifest.json").read_text())["metrics"]["int4"]["experts"]["without_calibration_tokens"]
+    out = compress(load_model(str(folder)), [("weight-only", cfg)], tmp_path / "w4", _ctx())
+    unseen = json.loads((out / "manifest.json").read_text())["metrics"]["weight-only"]["experts"]["without_calibration_tokens"]
     assert len(unseen) >= 2 * 8 * 3  # >= 8 experts x 3 linears, in each of the 2 layers
     w4 = load_compressed(out)
     onnx_dir = export_causal_lm(w4, tmp_path / "onnx", accuracy_level=0)
@@ -112,8 +112,8 @@ def test_experts_no_calibration_token_reached_export_like_the_others(tmp_path):
 def test_8bit_experts_are_computed_by_matmulnbits_and_match_the_compressed_model(family, tmp_path):
     """RTN W8: every expert computed and weighted by its scattered routing weight (QMoE's 8-bit CPU
     kernel has no fp32 compute to check it against): exact with fp32 compute."""
-    cfg = make_config("int4", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
-    w8 = load_compressed(compress(load_model(str(save_tiny(family, tmp_path))), [("int4", cfg)], tmp_path / "w8",
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
+    w8 = load_compressed(compress(load_model(str(save_tiny(family, tmp_path))), [("weight-only", cfg)], tmp_path / "w8",
                                   _ctx()))
     out = export_causal_lm(w8, tmp_path / "onnx", accuracy_level=0)
     graph = onnx.load(str(out / "model.onnx")).graph
@@ -130,8 +130,8 @@ def test_8bit_experts_are_computed_by_matmulnbits_and_match_the_compressed_model
 
 
 def test_mixed_width_experts_are_refused_with_the_reason(tmp_path):
-    cfg = make_config("int4", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
-    w8 = load_compressed(compress(load_model(str(save_tiny("mixtral", tmp_path))), [("int4", cfg)], tmp_path / "w8",
+    cfg = make_config("weight-only", {"method": "rtn", "bits": 8, "group_size": 32, "eval_windows": 0})
+    w8 = load_compressed(compress(load_model(str(save_tiny("mixtral", tmp_path))), [("weight-only", cfg)], tmp_path / "w8",
                                   _ctx()))
     # one expert's down projection left in float among packed experts: one MoE node takes one width
     expert = w8.module.model.model.layers[0].block_sparse_moe.experts[2]

@@ -50,7 +50,7 @@ def _cli(*args):
     (lambda d: d.update(budget_ms=0), "recipe budget_ms: must be a positive number of milliseconds, got 0"),
     (lambda d: d["stages"][0].update(budget_ms=-3), "stage 'pre' budget_ms: must be a positive number"),
     (lambda d: d["stages"][1].update(steps=[{"quantize": {}}]),
-     "stage 'mlp' steps[0]: unknown step 'quantize' (choose from 'distill', 'half', 'int4', 'int8', 'lora', 'prune')"),
+     "stage 'mlp' steps[0]: unknown step 'quantize' (choose from 'distill', 'half', 'int8', 'lora', 'prune', 'weight-only')"),
     (lambda d: d.update(target="nosuch-board"), "recipe targets[0]: unknown target 'nosuch-board'"),
     (lambda d: d.update(percentile="p42"), "recipe percentile: unknown percentile 'p42'"),
     (lambda d: d["stages"][0].update(parallel_with=["mlp"]),
@@ -79,9 +79,9 @@ def test_step_needing_float_after_packing_is_rejected():
     pytest.importorskip("edgekit.compress.weight_only.step")
     pytest.importorskip("edgekit.compress.prune")
     data = _recipe()
-    data["stages"][1]["steps"] = [{"int4": {"method": "rtn", "group_size": 16}}, {"prune": {"ratio": 0.5}}]
-    with pytest.raises(BadInputError, match=r"stage 'mlp' steps: prune needs float weights, but after int4 the model "
-                                            r"is packed \(low-bit codes\); put prune before int4"):
+    data["stages"][1]["steps"] = [{"weight-only": {"method": "rtn", "group_size": 16}}, {"prune": {"ratio": 0.5}}]
+    with pytest.raises(BadInputError, match=r"stage 'mlp' steps: prune needs float weights, but after weight-only the model "
+                                            r"is packed \(low-bit codes\); put prune before weight-only"):
         parse_recipe(data)
 
 
@@ -312,16 +312,31 @@ def test_grid_parsing_and_overrides():
     base = apply_overrides(data, {"prune.ratio": 0, "bits": 32})
     assert base["stages"][1]["steps"] == []
     four = apply_overrides(data, {"prune.ratio": 0.5, "bits": 4})
-    assert four["stages"][1]["steps"] == [{"prune": {"ratio": 0.5}}, {"int4": {"method": "rtn", "bits": 4}}]
-    with pytest.raises(BadInputError, match="grid key \\(no step has it\\) 'int4.group_size'"):
-        apply_overrides(data, {"int4.group_size": 32})
+    assert four["stages"][1]["steps"] == [{"prune": {"ratio": 0.5}}, {"weight-only": {"method": "rtn", "bits": 4}}]
+    with pytest.raises(BadInputError, match="grid key \\(no step has it\\) 'weight-only.group_size'"):
+        apply_overrides(data, {"weight-only.group_size": 32})
     data["stages"][1]["steps"] = [{"int8": {"method": "qat", "calib_samples": 8}}]
     assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [{"int8": {"method": "qat", "calib_samples": 8}}]
-    data["stages"][1]["steps"] = [{"int4": {"method": "gptq", "group_size": 32}}]  # weight-only stays weight-only
+    data["stages"][1]["steps"] = [{"weight-only": {"method": "gptq", "group_size": 32}}]  # weight-only stays weight-only
     assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [
-        {"int4": {"method": "gptq", "group_size": 32, "bits": 8}}]
+        {"weight-only": {"method": "gptq", "group_size": 32, "bits": 8}}]
     with pytest.raises(BadInputError, match="grid bits=5: bits must be 32 \\(float\\), 8, 4, 3 or 2"):
         apply_overrides(data, {"bits": 5})
+
+
+
+def test_a_grid_key_or_recipe_naming_the_old_step_sets_the_new_one(monkeypatch, caplog):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("edgekit.compress"), "_warned_aliases", set())
+    data = _recipe()
+    data["stages"][1]["steps"] = [{"int4": {"method": "rtn"}}]  # a recipe of an earlier version
+    with caplog.at_level("WARNING", logger="edgekit.compress"):
+        for key in ("int4.group_size", "weight-only.group_size", "mlp.int4.group_size"):
+            assert apply_overrides(data, {key: 32})["stages"][1]["steps"] == [
+                {"weight-only": {"method": "rtn", "group_size": 32}}]
+    assert [r.getMessage() for r in caplog.records] == [
+        "grid key 'int4.group_size': 'int4' is now 'weight-only'; the old name will be removed in a later release"]
 
 
 def _sweep_recipe(tmp_path: Path) -> Path:

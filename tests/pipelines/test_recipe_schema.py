@@ -200,9 +200,9 @@ def test_int8_then_prune_and_distill_is_rejected_with_the_reason():
      "stage 'mlp' int8.calib_samples: must be an integer, got 'many'"),
     (lambda d: d["stages"][1].update(steps=[{"int8": {"method": "awq"}}]),
      "stage 'mlp' int8: unknown quantization method 'awq' (choose from 'ptq', 'qat')"),
-    (lambda d: d["stages"][1].update(steps=[{"int4": {"group_size": 48}}]), "stage 'mlp' int4: unsupported group size 48"),
-    (lambda d: d["stages"][1].update(steps=[{"int4": {"damp": float("inf")}}]),
-     "stage 'mlp' int4.damp: must be a finite number, got inf"),
+    (lambda d: d["stages"][1].update(steps=[{"weight-only": {"group_size": 48}}]), "stage 'mlp' weight-only: unsupported group size 48"),
+    (lambda d: d["stages"][1].update(steps=[{"weight-only": {"damp": float("inf")}}]),
+     "stage 'mlp' weight-only.damp: must be a finite number, got inf"),
     (lambda d: d["stages"][1].update(steps=[{"prune": {"ratio": 1.5}}]), "stage 'mlp' prune: pruning ratio must be in (0, 1), got 1.5"),
     (lambda d: d["stages"][1].update(steps=[{"prune": {"ignore": [3]}}]), "stage 'mlp' prune.ignore[0]: must be a string, got 3"),
     (lambda d: d["stages"][1].update(steps=[{"distill": {"temperature": "hot"}}]),
@@ -315,25 +315,25 @@ def test_every_step_declares_its_weight_states():
         step = get_step(name)
         assert step.transitions and set(step.transitions) | set(step.transitions.values()) <= set(WEIGHT_STATES)
     assert get_step("int8").transitions == {"float": "fake-quant", "onnx": "onnx"}
-    assert get_step("int4").transitions == {"float": "packed"}
+    assert get_step("weight-only").transitions == {"float": "packed"}
     assert get_step("lora").transitions == {"float": "float", "packed": "packed"}
 
 
 @pytest.mark.parametrize("chain, start, verdict", [
     (["prune", "distill", "int8"], "float", "fake-quant"),
-    (["prune", "distill", "int4"], "float", "packed"),
-    ([("int4", {}), ("lora", {"qlora": True})], "float", "packed"),  # QLoRA over packed weights is legal
-    (["lora", "int4"], "float", "packed"),
+    (["prune", "distill", "weight-only"], "float", "packed"),
+    ([("weight-only", {}), ("lora", {"qlora": True})], "float", "packed"),  # QLoRA over packed weights is legal
+    (["lora", "weight-only"], "float", "packed"),
     ([("lora", {"qlora": True, "qlora_base": "nf4"}), "int8"], "float", "fake-quant"),
     (["int8"], "onnx", "onnx"),
-    (["int4", "prune"], "float", "prune needs float weights, but after int4 the model is packed (low-bit codes); "
-                                 "put prune before int4"),
-    (["int4", "lora"], "float", "lora (plain LoRA; qlora: true trains over packed weights) needs float weights, "
-                                "but after int4 the model is packed (low-bit codes); put lora before int4"),
+    (["weight-only", "prune"], "float", "prune needs float weights, but after weight-only the model is packed (low-bit codes); "
+                                 "put prune before weight-only"),
+    (["weight-only", "lora"], "float", "lora (plain LoRA; qlora: true trains over packed weights) needs float weights, "
+                                "but after weight-only the model is packed (low-bit codes); put lora before weight-only"),
     ([("lora", {"qlora": True})], "float", "lora (qlora over packed weights) needs packed weights, but the model is "
-                                           "float as loaded; put int4 before it"),
-    (["int8", "int4"], "float", "int4 needs float weights, but after int8 the model is fake-quant"),
-    (["int4", "int8"], "float", "int8 needs float weights or an ONNX graph, but after int4 the model is packed"),
+                                           "float as loaded; put weight-only before it"),
+    (["int8", "weight-only"], "float", "weight-only needs float weights, but after int8 the model is fake-quant"),
+    (["weight-only", "int8"], "float", "int8 needs float weights or an ONNX graph, but after weight-only the model is packed"),
     (["int8", "int8"], "float", "int8 needs float weights or an ONNX graph, but after int8 the model is fake-quant "
                                 "(float weights on an int8 grid, with Q/DQ); apply int8 once"),
     (["prune"], "onnx", "prune needs float weights, but the model is an ONNX graph (no PyTorch weights) as loaded"),
@@ -350,7 +350,7 @@ def test_check_order_verdicts_come_from_the_declarations(chain, start, verdict):
 
 # What the issue states each step takes and leaves (independent of the declarations): the oracle.
 ORACLE = {
-    "prune": {"float": "float"}, "distill": {"float": "float"}, "int4": {"float": "packed"},
+    "prune": {"float": "float"}, "distill": {"float": "float"}, "weight-only": {"float": "packed"},
     "int8": {"float": "fake-quant", "onnx": "onnx"}, "lora": {"float": "float"}, "qlora": {"packed": "packed"},
     "qlora-nf4": {"float": "float"},
 }
@@ -378,7 +378,7 @@ def test_a_stage_model_loads_in_its_recorded_state(tmp_path):
     packed.mkdir()
     (packed / "manifest.json").write_text(json.dumps({
         "kind": "model", "files": {"weights": "model.safetensors"}, "source": "fmnist-cnn",
-        "steps": [{"name": "int4", "config": {"method": "rtn"}, "meta": {}}]}))
+        "steps": [{"name": "weight-only", "config": {"method": "rtn"}, "meta": {}}]}))
     assert (initial_state(onnx_file), initial_state(packed), initial_state("fmnist-cnn")) == ("onnx", "packed", "float")
     data = _recipe()
     data["stages"][1].update(model=str(onnx_file), steps=["prune"])
@@ -496,3 +496,24 @@ def test_cli_dry_run_on_damaged_recipe_text_exits_0_or_2(tmp_path_factory, examp
         assert "plan OK" in r.stdout
     else:
         _one_line_error(r)
+
+
+def test_a_recipe_naming_the_old_step_runs_the_new_one_with_one_warning(monkeypatch, caplog):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("edgekit.compress"), "_warned_aliases", set())
+    old, new = _recipe(), _recipe()
+    old["stages"][1]["steps"] = [{"prune": {"ratio": 0.5}}, {"int4": {"method": "rtn", "group_size": 16}}]
+    new["stages"][1]["steps"] = [{"prune": {"ratio": 0.5}}, {"weight-only": {"method": "rtn", "group_size": 16}}]
+    with caplog.at_level("WARNING", logger="edgekit.compress"):
+        parsed_old = parse_recipe(copy.deepcopy(old))
+        parse_recipe(copy.deepcopy(old))  # parsed again (a sweep's points): no second line
+    assert [r.getMessage() for r in caplog.records] == [
+        "stage 'mlp' steps[1]: 'int4' is now 'weight-only'; the old name will be removed in a later release"]
+    assert [s.name for s in parsed_old.stages[1].steps] == ["prune", "weight-only"]
+    # the same recipe as one written with the new name: the same stage cache key (a result cached
+    # for either hits for both; one cached by an earlier version under "int4" is keyed apart, a clean miss)
+    assert parsed_old.to_dict() == parse_recipe(new).to_dict()
+    old["stages"][1]["steps"] = [{"int4": {"group_size": 48}}]  # the options are checked under the new name
+    with pytest.raises(BadInputError, match=r"^stage 'mlp' weight-only: unsupported group size 48"):
+        parse_recipe(old)

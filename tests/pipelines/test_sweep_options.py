@@ -13,10 +13,10 @@ from edgekit.pipelines.sweep_options import DEFAULT_MAX_POINTS, SweepOptions
 
 def test_combinations_and_checks():
     assert SweepOptions().combinations() is None and SweepOptions().max_points == DEFAULT_MAX_POINTS == 256
-    o = SweepOptions(points=("int4.group_size=64,int4.sym=true", "int4.method=rtn"))
-    assert o.combinations() == [{"int4.group_size": 64, "int4.sym": True}, {"int4.method": "rtn"}]
-    with pytest.raises(BadInputError, match=r"^--list 'int4.bits' must look like 'step.field=v,other.field=w'$"):
-        SweepOptions(points=("int4.bits",))
+    o = SweepOptions(points=("weight-only.group_size=64,weight-only.sym=true", "weight-only.method=rtn"))
+    assert o.combinations() == [{"weight-only.group_size": 64, "weight-only.sym": True}, {"weight-only.method": "rtn"}]
+    with pytest.raises(BadInputError, match=r"^--list 'weight-only.bits' must look like 'step.field=v,other.field=w'$"):
+        SweepOptions(points=("weight-only.bits",))
     with pytest.raises(BadInputError, match=r"^unknown executor 'slurm' \(choose from 'local', 'process', 'ray'\)$"):
         SweepOptions(executor="slurm")
     with pytest.raises(BadInputError, match=r"^max_points must be >= 1, got 0$"):

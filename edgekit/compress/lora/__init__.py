@@ -5,7 +5,7 @@ Three bases, one step (``"lora"``):
 * **float** (``qlora=False``): peft's LoRA layers are injected in place into ``nn.Linear`` /
   ``nn.Conv2d`` modules (CNNs) or the q/k/v/o/gate/up/down projections (transformers).
   ``merge=True`` (the default) folds ``W + (alpha/r) B A`` into the float weights and
-  removes the adapters, so the next step of the chain (``int4`` or ``int8``) re-quantizes it.
+  removes the adapters, so the next step of the chain (``weight-only`` or ``int8``) re-quantizes it.
 * **packed** (``qlora=True, qlora_base="packed"``, the default QLoRA): edgekit's own 4-bit
   model (``compress --bits 4``), adapters in ``LoraQuantLinear`` over the frozen packed
   weights (``packed.py``). ``merge=False`` (the default here) keeps the adapters beside the

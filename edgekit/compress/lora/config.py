@@ -24,7 +24,7 @@ class LoraConfig:
     r, alpha, dropout: adapter rank, scale numerator (scale = alpha / r) and input dropout.
     targets: module names to adapt: a full name, a name suffix (``q_proj`` matches every
         ``...q_proj``) or a regular expression; empty = the defaults for the model kind.
-    qlora: train over a frozen 4-bit base; qlora_base: "packed" (edgekit's int4 model) or
+    qlora: train over a frozen 4-bit base; qlora_base: "packed" (edgekit's weight-only model) or
         "nf4" (bitsandbytes, from a float model).
     steps / epochs: training length (steps wins; neither = 1 epoch). lr, batch_size,
         weight_decay, grad_clip, warmup_steps: AdamW with linear warm-up then cosine decay
@@ -48,7 +48,7 @@ class LoraConfig:
         "--qlora/--no-qlora", basic=True, help="Train adapters over a frozen 4-bit base (the output of compress "
         "--bits 4)."))
     qlora_base: str = field(default="packed", metadata=_flag(
-        "--qlora-base", choices=QLORA_BASES, help="packed: edgekit's int4 model; nf4: bitsandbytes NF4 from a float "
+        "--qlora-base", choices=QLORA_BASES, help="packed: edgekit's weight-only model; nf4: bitsandbytes NF4 from a float "
         "model."))
     steps: int | None = field(default=None, metadata=_flag("--steps", help="Training steps (instead of --epochs)."))
     epochs: int | None = field(default=None, metadata=_flag(

@@ -23,7 +23,7 @@ from edgekit.sources.handle import ModelHandle, StepRecord
 class LoadedData(str):
     """Samples already loaded, passed through ``StepContext.train`` / ``.eval`` so the lora
     step does not load them again. It *is* the data spec string (``"fashion-mnist"``), so
-    later steps of the chain (``int8``, ``int4``) and manifests see the plain spec."""
+    later steps of the chain (``int8``, ``weight-only``) and manifests see the plain spec."""
 
     samples: Samples
 

@@ -21,14 +21,14 @@ layers; ``awq_visit`` is the ``BlockWalker`` callback.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from edgekit.compress.families import Family, family_of, norm_offset
+from edgekit.compress.weight_only.awq_config import AwqConfig
 from edgekit.compress.weight_only.blocks import GroupInputs, GroupVisit, Quantized, find_blocks, linear_at
-from edgekit.compress.weight_only.gptq import GPTQOptions, HessianAccumulator, solve_group, with_bits
+from edgekit.compress.weight_only.gptq import HessianAccumulator, solve_group, with_bits
 from edgekit.compress.weight_only.rtn import dequantize_groups, rtn_quantize
 from edgekit.compress.wiring import probe_family
 from edgekit.errors import BadInputError
@@ -36,16 +36,6 @@ from edgekit.export.packing import group_width, num_groups
 
 MAX_TOKENS = 2048  # calibration tokens kept per group for the searches (spread over all windows)
 
-
-class AWQOptions(GPTQOptions, Protocol):
-    """The options AWQ reads (GPTQ's too, for "awq-gptq"; ``weight_only.WeightOnlyConfig``)."""
-
-    @property
-    def method(self) -> str: ...
-    @property
-    def awq_grid(self) -> int: ...
-    @property
-    def awq_clip(self) -> bool: ...
 
 
 def _fake_quant(W: torch.Tensor, bits: int, group_size: int, sym: bool,
@@ -133,26 +123,26 @@ def _has(block: nn.Module, path: str) -> bool:
     return True
 
 
-def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
+def awq_visit(module: nn.Module, config: AwqConfig, results: Quantized,
               bits: Mapping[str, int] | None = None) -> GroupVisit:
     """The ``BlockWalker`` callback for AWQ (scale search, fold, clip search, RTN); with
-    ``config.method == "awq-gptq"`` GPTQ replaces clip search + RTN on the scaled weights
+    ``config.then_gptq`` (AWQ+GPTQ) GPTQ replaces clip search + RTN on the scaled weights
     (Hessian of the scaled inputs ``diag(1/s) H diag(1/s)``). ``bits``: a bit width per linear,
     where it differs from ``config.bits`` (mixed precision)."""
     prefix, blocks = find_blocks(module)
     family = family_of(module)
     if not family.known:  # a family the hand table does not describe: its fold pairs measured on the model
         family = probe_family(module, blocks, prefix)
-    then_gptq = config.method == "awq-gptq"
+    then_gptq = config.then_gptq
 
     def visit(block_index: int, names: list[str], inputs: GroupInputs) -> None:
-        cfg = cast(AWQOptions, with_bits(config, bits, names))
+        cfg = with_bits(config, bits, names)
         linears = [linear_at(module, n) for n in names]
         cols = linears[0].in_features
         total = torch.zeros(cols, dtype=torch.float64)
         count = 0
         batches: list[torch.Tensor] = []
-        acc = HessianAccumulator(cols, device=linears[0].weight.device) if then_gptq else None
+        acc = HessianAccumulator(cols, device=linears[0].weight.device) if then_gptq is not None else None
         for x in inputs():
             x = x.reshape(-1, cols)
             if acc is not None:
@@ -182,13 +172,13 @@ def awq_visit(module: nn.Module, config: AWQOptions, results: Quantized,
             X = X / s
             for lin in linears:
                 lin.weight.data.mul_(s.to(lin.weight.dtype))
-        if acc is not None:  # awq-gptq
+        if acc is not None and then_gptq is not None:  # awq-gptq
             H = acc.H / (scale[:, None] * scale[None, :]).to(acc.H.device)
             row, weights = 0, dict[str, torch.Tensor]()
             for name, lin in zip(names, linears):
                 weights[name] = W[row:row + lin.out_features]
                 row += lin.out_features
-            results.update(solve_group(module, names, weights, H, inputs, config, col_scale=scale))
+            results.update(solve_group(module, names, weights, H, inputs, then_gptq, col_scale=scale))
             for name, lin in zip(names, linears):
                 q, sc, z = results[name]
                 lin.weight.data.copy_(dequantize_groups(q, sc, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))

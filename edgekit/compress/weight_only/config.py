@@ -6,22 +6,25 @@ lives in ``step.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from edgekit.compress.options import option
+from edgekit.compress.weight_only.awq_config import AwqConfig
+from edgekit.compress.weight_only.gptq_config import GptqConfig, check_gptq
+from edgekit.compress.weight_only.grid_config import check_bits, check_group_size
+from edgekit.compress.weight_only.rtn_config import RtnConfig
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.export.config import SUPPORTED_BITS
 from edgekit.schema import check_fields
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
 HEAD_CHOICES = ("int8", "int4", "none")
 DEVICES = ("cpu", "cuda")
-VALUE_HESSIANS = ("attention", "input")
 HIGH_BITS = 8  # what mixed precision keeps the most sensitive groups at (mixed.py)
 
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
-    """Options of the ``int4`` step (the CLI's ``compress --bits``).
+    """Options of the ``weight-only`` step (the CLI's ``compress --bits``).
 
     method: "gptq" | "awq" | "awq-gptq" (AWQ's scales, then GPTQ on the scaled weights) | "rtn". bits: 2, 3, 4 or 8. group_size: input columns per
     scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
@@ -101,24 +104,14 @@ class WeightOnlyConfig:
         check_fields(self)  # types from the annotations, before the range checks below
         if self.method not in METHODS:
             raise bad_choice("weight-only method", self.method, METHODS)
-        if self.bits not in SUPPORTED_BITS:
-            raise BadInputError(f"unsupported bit width {self.bits!r} (choose from {', '.join(map(str, SUPPORTED_BITS))})")
-        gs = self.group_size
-        if not (gs == -1 or (isinstance(gs, int) and gs >= 16 and gs & (gs - 1) == 0)):
-            raise BadInputError(f"unsupported group size {gs!r} (choose -1 for per-channel, or a power of two "
-                                "from 16: 16, 32, 64, 128, 256, ...)")
-        if not 0 <= self.damp < 1:
-            raise BadInputError(f"damp must be in [0, 1), got {self.damp!r}")
-        if not 0 <= self.gptaq_alpha <= 1:
-            raise BadInputError(f"gptaq_alpha must be in [0, 1], got {self.gptaq_alpha!r}")
-        if self.block_size < 1:
-            raise BadInputError(f"block_size must be positive, got {self.block_size!r}")
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+        # GPTQ's options are checked whatever the method (a recipe's typo stops before any work)
+        check_gptq(self.damp, self.gptaq_alpha, self.block_size, self.value_hessian, self.value_query_stride)
         if self.calib_samples < 1:
             raise BadInputError(f"calib_samples must be at least 1, got {self.calib_samples!r}")
         if self.seqlen is not None and self.seqlen < 2:
             raise BadInputError(f"seqlen must be at least 2, got {self.seqlen!r}")
-        if self.value_hessian not in VALUE_HESSIANS:
-            raise bad_choice("value-projection Hessian", self.value_hessian, VALUE_HESSIANS)
         if self.awq_grid < 1:
             raise BadInputError(f"awq_grid must be at least 1, got {self.awq_grid!r}")
         if self.head not in HEAD_CHOICES:
@@ -137,8 +130,6 @@ class WeightOnlyConfig:
         if self.mixed and self.bits >= HIGH_BITS:
             raise BadInputError(f"mixed precision keeps some layers at {HIGH_BITS} bits; --bits must be lower, "
                                 f"got {self.bits}")
-        if self.value_query_stride < 1:
-            raise BadInputError(f"value_query_stride must be at least 1, got {self.value_query_stride!r}")
         if self.gptaq_windows is not None and self.gptaq_windows < 1:
             raise BadInputError(f"gptaq_windows must be at least 1, got {self.gptaq_windows!r}")
         if self.sensitivity_windows < 1:
@@ -153,3 +144,25 @@ class WeightOnlyConfig:
     def grid_search(self) -> bool:
         """Whether GPTQ searches each group's range (``mse_grid``, resolved for the group size)."""
         return self.group_size != -1 if self.mse_grid is None else self.mse_grid
+
+    def method_config(self) -> MethodConfig:
+        """The config of ``method`` alone: what its algorithm reads (the grid and its own options),
+        the rest (calibration, device, head, budgets, evaluation) staying with the step.
+
+        >>> WeightOnlyConfig(method="rtn", bits=3).method_config()
+        RtnConfig(bits=3, group_size=128, sym=False)
+        """
+        grid: dict[str, Any] = {"bits": self.bits, "group_size": self.group_size, "sym": self.sym}
+        if self.method == "rtn":
+            return RtnConfig(**grid)
+        gptq = GptqConfig(**grid, act_order=self.act_order, static_groups=self.static_groups, damp=self.damp,
+                          block_size=self.block_size, mse_grid=self.mse_grid, refit=self.refit,
+                          gptaq_alpha=self.gptaq_alpha, value_hessian=self.value_hessian,
+                          value_query_stride=self.value_query_stride)
+        if self.method == "gptq":
+            return gptq
+        return AwqConfig(**grid, awq_grid=self.awq_grid, awq_clip=self.awq_clip,
+                         then_gptq=gptq if self.method == "awq-gptq" else None)
+
+
+MethodConfig = RtnConfig | GptqConfig | AwqConfig  # one per METHODS entry ("awq-gptq": AwqConfig.then_gptq)

@@ -17,11 +17,11 @@ The math is two pure pieces, in the paper's names:
 One departure from the paper, for attention value projections (``v_proj``): their output
 reaches the model only through the attention, ``P_h (X Wᵀ)``, so their Hessian is built from
 the attention-mixed inputs ``P_h X`` of the query heads that read each key/value head
-(``WeightOnlyConfig.value_hessian = "attention"``, the default). With the paper's ``X Xᵀ``
+(``GptqConfig.value_hessian = "attention"``, the default). With the paper's ``X Xᵀ``
 every key token weighs the same, while the attention-sink token is read by most queries;
 on SmolLM2 GPTQ then lands on a worse perplexity than RTN (benchmarks/RESULTS.md).
 
-Two additions that lower the same objective, both on by default (``WeightOnlyConfig``):
+Two additions that lower the same objective, both on by default (``GptqConfig``):
 ``refit`` re-solves each row's group scales by least squares once the codes are fixed
 (``refit_scales``), and ``gptaq_alpha`` makes each layer match the float model's output
 rather than its own on already-degraded inputs (GPTAQ, Li et al., 2025: ``AsymmetricAccumulator``
@@ -33,44 +33,18 @@ already-quantized layers before it, lives in ``blocks.py`` (shared with AWQ);
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Protocol, cast
+from typing import Any, TypeVar
 
 import torch
 
 from edgekit.compress.weight_only.blocks import GroupInputs, GroupVisit, Quantized, linear_at, value_projection
+from edgekit.compress.weight_only.gptq_config import GptqConfig
+from edgekit.compress.weight_only.grid_config import GridConfig
 from edgekit.compress.weight_only.rtn import dequantize_groups, qparams, quantize_int, rtn_quantize
 from edgekit.export.packing import group_width, num_groups
-
-
-class GPTQOptions(Protocol):
-    """The options GPTQ reads (``weight_only.WeightOnlyConfig`` documents them)."""
-
-    @property
-    def bits(self) -> int: ...
-    @property
-    def group_size(self) -> int: ...
-    @property
-    def sym(self) -> bool: ...
-    @property
-    def act_order(self) -> bool: ...
-    @property
-    def static_groups(self) -> bool: ...
-    @property
-    def damp(self) -> float: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def grid_search(self) -> bool: ...
-    @property
-    def refit(self) -> bool: ...
-    @property
-    def gptaq_alpha(self) -> float: ...
-    @property
-    def value_hessian(self) -> str: ...
-    @property
-    def value_query_stride(self) -> int: ...
 
 
 @contextmanager
@@ -462,7 +436,7 @@ def quantization_error(W: torch.Tensor, Wq: torch.Tensor, H: torch.Tensor) -> fl
 
 
 def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, torch.Tensor], H: torch.Tensor,
-                inputs: GroupInputs, config: GPTQOptions, col_scale: torch.Tensor | None = None) -> Quantized:
+                inputs: GroupInputs, config: GptqConfig, col_scale: torch.Tensor | None = None) -> Quantized:
     """GPTQ on one group of linears sharing an input: ``weights[name]`` (rows, cols) float,
     ``H`` their input Hessian. Returns name -> (codes, scales, zeros).
 
@@ -507,24 +481,17 @@ def solve_group(module: torch.nn.Module, names: list[str], weights: dict[str, to
     return results
 
 
-class _OtherBits:
-    """``config`` read as it is but for its bit width."""
-
-    def __init__(self, config: Any, bits: int) -> None:
-        self._config, self.bits = config, bits
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
+Grid = TypeVar("Grid", bound=GridConfig)
 
 
-def with_bits(config: GPTQOptions, bits: Mapping[str, int] | None, names: list[str]) -> GPTQOptions:
+def with_bits(config: Grid, bits: Mapping[str, int] | None, names: list[str]) -> Grid:
     """``config`` with the bit width ``bits`` gives the group of ``names`` (mixed precision), else as is."""
     if bits is None or bits.get(names[0], config.bits) == config.bits:
         return config
-    return cast(GPTQOptions, _OtherBits(config, bits[names[0]]))
+    return dataclasses.replace(config, bits=bits[names[0]])
 
 
-def gptq_visit(module: torch.nn.Module, config: GPTQOptions, results: Quantized,
+def gptq_visit(module: torch.nn.Module, config: GptqConfig, results: Quantized,
                bits: Mapping[str, int] | None = None, experts: dict[str, Any] | None = None) -> GroupVisit:
     """The ``BlockWalker`` callback: the group's Hessian from its real inputs, ``solve_group``,
     then the weights onto the grid (only after every Hessian of the group saw float layers).

@@ -1,5 +1,5 @@
 """Mixed precision under a size budget: which groups of linears keep 8 bits (``--max-size-mb``,
-``--avg-bits`` of the ``int4`` step).
+``--avg-bits`` of the ``weight-only`` step).
 
 llama.cpp's Q4_K_M keeps some tensors at higher precision by a fixed rule (attention values and
 half of the MLP down projections at 6 bits). Here the choice is measured on the model:

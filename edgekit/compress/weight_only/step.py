@@ -1,4 +1,4 @@
-"""Weight-only low-bit quantization (the ``int4`` step): GPTQ, AWQ or RTN, then real packing.
+"""Weight-only low-bit quantization (the ``weight-only`` step): GPTQ, AWQ or RTN, then real packing.
 
 ``apply`` quantizes every ``nn.Linear`` inside the model's transformer blocks (or of the
 whole model when it has none) to ``bits`` with per-group scales and zero points, replaces
@@ -12,7 +12,7 @@ walk moves on. transformers' ``Conv1D`` layers (GPT-2) are first swapped for the
 ``nn.Linear`` they compute (``families.linearize``, checked on the spot).
 
 >>> from edgekit.compress import compress
->>> compress("smollm2-135m", [("int4", WeightOnlyConfig())], "out/w4")  # doctest: +SKIP
+>>> compress("smollm2-135m", [("weight-only", WeightOnlyConfig())], "out/w4")  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
+from edgekit.compress import WEIGHT_ONLY_STEP, Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.families import embedding_scale, linearize
 from edgekit.compress.quality import BOUNDS_4BIT, BOUNDS_8BIT
 from edgekit.compress.weight_only.awq import awq_visit
@@ -48,9 +48,11 @@ from edgekit.compress.weight_only.blocks import (
 )
 from edgekit.compress.weight_only.config import DEVICES, HIGH_BITS, WeightOnlyConfig
 from edgekit.compress.weight_only.gptq import gptq_visit, one_thread
+from edgekit.compress.weight_only.gptq_config import GptqConfig
 from edgekit.compress.weight_only.mixed import allocate, layer_bytes, make_units, sensitivities
 from edgekit.compress.weight_only.packing import QuantEmbedding, QuantLinear
 from edgekit.compress.weight_only.rtn import dequantize_groups, rtn_quantize
+from edgekit.compress.weight_only.rtn_config import RtnConfig
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
 from edgekit.evaluate import perplexity
 from edgekit.export.lm import rewrite_packed_graph
@@ -197,16 +199,17 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                 linears.pop(n, None)
 
     t0, c0 = time.perf_counter(), time.process_time()
-    if config.method == "rtn":
+    method = config.method_config()  # what the method's algorithm reads, and nothing else
+    if isinstance(method, RtnConfig):
         for block in blocks:
             upcast_half(block)
             names = [n for n, lin in linears.items() if any(lin is m for m in block.modules())]
             for name in names:
                 lin = linears[name]
-                b = bits.get(name, config.bits) if bits else config.bits
-                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, config.group_size, config.sym)
+                b = bits.get(name, method.bits) if bits else method.bits
+                q, s, z = rtn_quantize(lin.weight.detach().to(device), b, method.group_size, method.sym)
                 results[name] = (q.cpu(), s.cpu(), z.cpu())
-                _set_weight(lin, q, s, z, config.group_size)
+                _set_weight(lin, q, s, z, method.group_size)
             if after_block is not None:
                 hand_over(names)
     else:
@@ -219,8 +222,8 @@ def quantize_module(module: nn.Module, config: WeightOnlyConfig, calib: list[tor
                              reuse_factor=0.0 if config.method.startswith("awq") else 4.0,
                              float_samples=config.gptaq_windows)
         experts: dict[str, Any] = {}  # mixture of experts: routed rows, experts no calibration token reached
-        visit = gptq_visit(module, config, results, bits, experts) if config.method == "gptq" else \
-            awq_visit(module, config, results, bits)
+        visit = gptq_visit(module, method, results, bits, experts) if isinstance(method, GptqConfig) else \
+            awq_visit(module, method, results, bits)
         walker.walk(linears, visit, None if after_block is None else hand_over)
         if experts:
             info["experts"] = experts
@@ -415,20 +418,21 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
                                    f"{config.max_size_mb:g} MB, but the packed model is "
                                    f"{meta['packed_bytes'] / 1e6:.2f} MB")
     meta["parity"] = dict(zip(("atol", "rtol"), PARITY_TOLERANCE))
-    ctx.metrics["int4"] = {"method": config.method, "bits": config.bits, "group_size": config.group_size,
-                           "seconds": info["seconds"], "layers": len(layers), "packed_bytes": meta["packed_bytes"],
-                           "float_bytes": float_bytes,
-                           **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
-                              if mixed is not None else {}),
-                           **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {}),
-                           # what stayed in float and which experts calibration missed: in the report, not silent
-                           **{k: info[k] for k in ("routers_in_float", "float_matrices", "experts") if k in info}}
+    report = ctx.metrics[WEIGHT_ONLY_STEP] = {
+        "method": config.method, "bits": config.bits, "group_size": config.group_size,
+        "seconds": info["seconds"], "layers": len(layers), "packed_bytes": meta["packed_bytes"],
+        "float_bytes": float_bytes,
+        **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}
+           if mixed is not None else {}),
+        **({"calib_windows": info["calib_windows"]} if "calib_windows" in info else {}),
+        # what stayed in float and which experts calibration missed: in the report, not silent
+        **{k: info[k] for k in ("routers_in_float", "float_matrices", "experts") if k in info}}
     if windows is not None and ppl_float is not None:
         ppl = _perplexity(handle, windows, ctx)
-        ctx.metrics["int4"].update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),
-                                    "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
+        report.update({"perplexity_float": round(ppl_float, 4), "perplexity": round(ppl, 4),
+                       "eval": f"{windows.source} eval split, {len(windows)} x {windows.inputs['input_ids'].shape[1]} tokens"})
         meta["perplexity"] = {"float": ppl_float, "quantized": ppl, "windows": len(windows)}
-    handle.steps.append(StepRecord("int4", config_to_dict(config), meta))
+    handle.steps.append(StepRecord(WEIGHT_ONLY_STEP, config_to_dict(config), meta))
     handle.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     return handle
 
@@ -483,7 +487,7 @@ def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -
                 replace_module(module, emb["name"], qemb)
             _untie_config(module)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise BadInputError(f"the int4 step record does not fit model {handle.name}: {e}") from None
+        raise BadInputError(f"the {WEIGHT_ONLY_STEP} step record does not fit model {handle.name}: {e}") from None
     return handle
 
 
@@ -496,10 +500,10 @@ def rewrite_onnx(model: Any, handle: ModelHandle, record: StepRecord) -> Any:
 
 
 STEP = Step(
-    name="int4",
+    name=WEIGHT_ONLY_STEP,
     config=WeightOnlyConfig,
     apply=apply,
-    description="weight-only low-bit quantization (GPTQ, AWQ or RTN) with real int4 packing",
+    description="weight-only low-bit quantization (GPTQ, AWQ or RTN) with real packing of the low-bit codes",
     rebuild=rebuild,
     rewrite_onnx=rewrite_onnx,
     transitions={"float": "packed"},

@@ -1,4 +1,4 @@
-"""Mixed precision under a size budget: sensitivities, allocation and the int4 step (issue 30)."""
+"""Mixed precision under a size budget: sensitivities, allocation and the weight-only step (issue 30)."""
 from __future__ import annotations
 
 import pytest

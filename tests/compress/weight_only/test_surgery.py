@@ -153,7 +153,7 @@ def _break_surgery(monkeypatch) -> None:
 
 def test_quality_gate_stops_a_broken_surgery(calib, tmp_path, monkeypatch):
     cfg = WeightOnlyConfig(method="rtn", bits=4, group_size=32)
-    good = compress(tiny_gemma(), [("int4", cfg)], tmp_path / "good", StepContext(calib=calib, progress=False))
+    good = compress(tiny_gemma(), [("weight-only", cfg)], tmp_path / "good", StepContext(calib=calib, progress=False))
     import json
 
     q = json.loads((good / "manifest.json").read_text())["metrics"]["quality"]
@@ -161,9 +161,9 @@ def test_quality_gate_stops_a_broken_surgery(calib, tmp_path, monkeypatch):
     assert q["data"] == f"{calib} (eval split, 8 samples)"  # held out: the calibration source's eval split
     _break_surgery(monkeypatch)
     with pytest.raises(CheckFailedError, match=r"far from the float model.*perplexity .* is .*x the float model"):
-        compress(tiny_gemma(), [("int4", cfg)], tmp_path / "bad", StepContext(calib=calib, progress=False))
+        compress(tiny_gemma(), [("weight-only", cfg)], tmp_path / "bad", StepContext(calib=calib, progress=False))
     assert not (tmp_path / "bad").exists()
-    out = compress(tiny_gemma(), [("int4", cfg)], tmp_path / "kept",
+    out = compress(tiny_gemma(), [("weight-only", cfg)], tmp_path / "kept",
                    StepContext(calib=calib, progress=False, accept_quality_loss=True))
     assert json.loads((out / "manifest.json").read_text())["metrics"]["quality"]["passed"] is False
 

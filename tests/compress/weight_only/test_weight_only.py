@@ -1,4 +1,4 @@
-"""The int4 step end to end on a tiny Llama (random weights): configs, GPTQ/AWQ/RTN,
+"""The weight-only step end to end on a tiny Llama (random weights): configs, GPTQ/AWQ/RTN,
 packing, save + reload, bad input (issue 4)."""
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_calibrated_methods_beat_rtn(method, calib):
 
 def test_compress_save_reload_round_trip(calib, tmp_path):
     cfg = WeightOnlyConfig(method="gptq", bits=4, group_size=32, seqlen=32, act_order=True)
-    out = compress(tiny_llama(), [("int4", cfg)], tmp_path / "w4", StepContext(calib=calib, progress=False))
+    out = compress(tiny_llama(), [("weight-only", cfg)], tmp_path / "w4", StepContext(calib=calib, progress=False))
     h = load_compressed(out)
     mods = dict(h.module.named_modules())
     q = mods["model.model.layers.0.self_attn.q_proj"]
@@ -126,7 +126,7 @@ def test_compress_save_reload_round_trip(calib, tmp_path):
     emb = mods["model.model.embed_tokens"]
     assert isinstance(emb, QuantEmbedding) and emb.qweight is mods["model.lm_head"].qweight
     rec = h.steps[-1]
-    assert rec.name == "int4" and rec.meta["tied"] and len(rec.meta["layers"]) == 14
+    assert rec.name == "weight-only" and rec.meta["tied"] and len(rec.meta["layers"]) == 14
     # reloaded == in-memory result, and close to the float model
     h0 = apply(tiny_llama(), cfg, StepContext(calib=calib, progress=False))
     x = _held_out()
@@ -163,7 +163,7 @@ def test_bad_inputs(calib, tmp_path):
     h = tiny_llama()
     with pytest.raises(BadInputError):
         apply(h, WeightOnlyConfig(method="gptq", seqlen=32), StepContext(calib=str(short), progress=False))
-    out = compress(tiny_llama(), [("int4", WeightOnlyConfig(method="rtn", group_size=32))], tmp_path / "w",
+    out = compress(tiny_llama(), [("weight-only", WeightOnlyConfig(method="rtn", group_size=32))], tmp_path / "w",
                    StepContext(progress=False))
     (out / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(BadInputError, match="model.safetensors is not a valid safetensors file: it declares a "
@@ -314,7 +314,7 @@ def test_corrupt_packed_checkpoint_is_bad_input(damage, match, tmp_path, monkeyp
     from safetensors.torch import load_file, save_file
 
     monkeypatch.syspath_prepend(str(ROOT))
-    out = compress(tiny_llama(), [("int4", WeightOnlyConfig(method="rtn", group_size=32, head="none"))],
+    out = compress(tiny_llama(), [("weight-only", WeightOnlyConfig(method="rtn", group_size=32, head="none"))],
                    tmp_path / "w4", StepContext(progress=False))
     weights = out / "model.safetensors"
     if damage == "truncated":
@@ -335,7 +335,7 @@ def test_step_reports_perplexity_before_and_after(calib):
     ctx = StepContext(calib=calib, eval=calib, progress=False)
     h = apply(tiny_llama(), WeightOnlyConfig(method="rtn", bits=4, group_size=32, seqlen=32, head="none",
                                              eval_windows=3), ctx)
-    m = ctx.metrics["int4"]
+    m = ctx.metrics["weight-only"]
     # a random 128-token model: perplexity near the vocabulary size, 4 bits g32 moves it little
     assert 60 < m["perplexity_float"] < 250 and abs(m["perplexity"] / m["perplexity_float"] - 1) < 0.1
     assert h.steps[-1].meta["perplexity"]["windows"] == 3
@@ -509,7 +509,7 @@ def test_replayed_passes_give_the_same_codes():
         _, _, linears = quantizable_linears(h.module)
         results: dict = {}
         BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=4, progress=False, track_float=True,
-                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg, results))
+                    reuse_factor=reuse).walk(linears, gptq_visit(h.module, cfg.method_config(), results))
         codes[reuse] = results
     for reuse in (1.0, 0.0):
         for name, (q, s, z) in codes[4.0].items():
@@ -535,7 +535,7 @@ def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_pa
     cfg = WeightOnlyConfig(method=method, bits=4, group_size=32, seqlen=32)
     runs = {}
     for name, model in (("half", folder), ("float32", load_model(folder))):
-        out = compress(model, [("int4", cfg)], tmp_path / name, StepContext(calib=calib, eval=calib, progress=False))
+        out = compress(model, [("weight-only", cfg)], tmp_path / name, StepContext(calib=calib, eval=calib, progress=False))
         runs[name] = (load_compressed(out), json.loads((out / "manifest.json").read_text())["metrics"]["quality"])
     (half, q_half), (full, q_full) = runs["half"], runs["float32"]
     assert q_half["perplexity_float"] == q_full["perplexity_float"] and q_half["perplexity"] == q_full["perplexity"]
@@ -563,7 +563,7 @@ def test_compressed_model_of_a_half_stored_base_reloads_every_stored_tensor_bit_
     build("llama").to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)
     cfg = WeightOnlyConfig(method="awq", bits=4, group_size=32, seqlen=32)
-    out = compress(str(folder), [("int4", cfg)], tmp_path / "w4", StepContext(calib=calib, eval=calib, progress=False))
+    out = compress(str(folder), [("weight-only", cfg)], tmp_path / "w4", StepContext(calib=calib, eval=calib, progress=False))
     stored = load_file(str(out / json.loads((out / "manifest.json").read_text())["files"]["weights"]))
     handle = load_compressed(out)
     state = handle.module.state_dict()
@@ -595,3 +595,73 @@ def test_codes_handed_to_after_block_are_not_kept_and_are_the_codes_of_the_whole
             q0, s0, z0 = whole[name]
             assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), name
 
+
+
+
+def _old_and_new(tmp_path: Path) -> tuple[Path, Path]:
+    """A compressed folder written today, and a copy whose manifest says what an earlier version
+    wrote: the step named ``int4`` (its record, the config's chain and the metric keys)."""
+    import json
+    import shutil
+
+    new = compress(tiny_llama(), [("weight-only", WeightOnlyConfig(method="rtn", group_size=32))], tmp_path / "new",
+                   StepContext(progress=False))
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for record in manifest["steps"] + manifest["config"]["steps"]:
+        assert record["name"] == "weight-only"
+        record["name"] = "int4"
+    metrics = manifest["metrics"]
+    metrics["int4"], metrics["int4_seconds"] = metrics.pop("weight-only"), metrics.pop("weight-only_seconds")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    return old, new
+
+
+def test_a_folder_written_under_the_old_step_name_loads_and_reports_alike(monkeypatch, tmp_path, caplog):
+    """A folder whose manifest names the step ``int4`` loads silently (no deprecation line),
+    computes, reports and refuses a second weight-only step like the same folder written today."""
+    import logging
+
+    from edgekit.compress import initial_state
+    from edgekit.report import collect, render_markdown
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    old, new = _old_and_new(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="edgekit"):
+        h_old, h_new = load_compressed(old), load_compressed(new)
+        assert initial_state(old) == initial_state(new) == "packed"
+    assert [r.getMessage() for r in caplog.records if "is now" in r.getMessage()] == []  # silently
+    assert [s.name for s in h_old.steps] == [s.name for s in h_new.steps] == ["weight-only"]
+    assert h_old.quantized == h_new.quantized == "int4"  # the precision keeps its name
+    x = _held_out()
+    assert torch.equal(_logits(h_old, x), _logits(h_new, x))
+    for folder in (old, new):  # the report shows the current name
+        text, summary = render_markdown(collect(folder))
+        assert summary["artifacts"][0]["steps"] == ["weight-only"] and "| weight-only |" in text
+    messages = []
+    for folder in (old, new):  # a second weight-only step over packed weights: the same refusal, before loading
+        with pytest.raises(BadInputError) as e:
+            compress(str(folder), [("weight-only", {})], tmp_path / "again", StepContext(progress=False))
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and messages[0].startswith("weight-only needs float weights")
+
+
+@pytest.mark.slow  # two exports of the tiny Llama: about a minute of CPU
+def test_a_folder_written_under_the_old_step_name_exports_the_same_graph(monkeypatch, tmp_path):
+    import json
+
+    import onnx
+
+    from edgekit.loading import export_onnx
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    old, new = _old_and_new(tmp_path)
+    graphs = {}
+    for name, folder in (("old", old), ("new", new)):
+        out = export_onnx(folder, tmp_path / f"onnx-{name}")
+        graph = onnx.load(str(out / "model.onnx")).graph
+        assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 15
+        steps = [s["name"] for s in json.loads((out / "manifest.json").read_text())["steps"]]
+        graphs[name] = (graph.SerializeToString(), steps)
+    assert graphs["old"] == graphs["new"] and graphs["new"][1] == ["weight-only"]
