@@ -598,12 +598,14 @@ def test_codes_handed_to_after_block_are_not_kept_and_are_the_codes_of_the_whole
 
 
 
-def _old_and_new(tmp_path: Path) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def old_and_new(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A compressed folder written today, and a copy whose manifest says what an earlier version
-    wrote: the step named ``int4`` (its record, the config's chain and the metric keys)."""
+    wrote: the step named ``int4`` (its record, the config's chain and the metric keys). Read only."""
     import json
     import shutil
 
+    tmp_path = tmp_path_factory.mktemp("old-and-new")
     new = compress(tiny_llama(), [("weight-only", WeightOnlyConfig(method="rtn", group_size=32))], tmp_path / "new",
                    StepContext(progress=False))
     old = tmp_path / "old"
@@ -618,7 +620,7 @@ def _old_and_new(tmp_path: Path) -> tuple[Path, Path]:
     return old, new
 
 
-def test_a_folder_written_under_the_old_step_name_loads_and_reports_alike(monkeypatch, tmp_path, caplog):
+def test_a_folder_written_under_the_old_step_name_loads_and_reports_alike(old_and_new, monkeypatch, tmp_path, caplog):
     """A folder whose manifest names the step ``int4`` loads silently (no deprecation line),
     computes, reports and refuses a second weight-only step like the same folder written today."""
     import logging
@@ -627,7 +629,7 @@ def test_a_folder_written_under_the_old_step_name_loads_and_reports_alike(monkey
     from edgekit.report import collect, render_markdown
 
     monkeypatch.syspath_prepend(str(ROOT))
-    old, new = _old_and_new(tmp_path)
+    old, new = old_and_new
     with caplog.at_level(logging.WARNING, logger="edgekit"):
         h_old, h_new = load_compressed(old), load_compressed(new)
         assert initial_state(old) == initial_state(new) == "packed"
@@ -647,19 +649,20 @@ def test_a_folder_written_under_the_old_step_name_loads_and_reports_alike(monkey
     assert messages[0] == messages[1] and messages[0].startswith("weight-only needs float weights")
 
 
-@pytest.mark.slow  # two exports of the tiny Llama: about a minute of CPU
-def test_a_folder_written_under_the_old_step_name_exports_the_same_graph(monkeypatch, tmp_path):
+def test_a_folder_written_under_the_old_step_name_exports_the_same_graph(old_and_new, monkeypatch, tmp_path):
+    """The step's graph rewrite is found by the record's name: an old folder's packed layers become
+    the same MatMulNBits as a new one's (the traced KV-cache export, the rewrite of a traced graph)."""
     import json
 
     import onnx
 
-    from edgekit.loading import export_onnx
+    from edgekit.export.lm import export_causal_lm
 
     monkeypatch.syspath_prepend(str(ROOT))
-    old, new = _old_and_new(tmp_path)
+    old, new = old_and_new
     graphs = {}
     for name, folder in (("old", old), ("new", new)):
-        out = export_onnx(folder, tmp_path / f"onnx-{name}")
+        out = export_causal_lm(load_compressed(folder), tmp_path / f"onnx-{name}", graph="traced")
         graph = onnx.load(str(out / "model.onnx")).graph
         assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 15
         steps = [s["name"] for s in json.loads((out / "manifest.json").read_text())["steps"]]
