@@ -178,7 +178,9 @@ def awq_visit(module: nn.Module, config: AwqConfig, results: Quantized,
             for name, lin in zip(names, linears):
                 weights[name] = W[row:row + lin.out_features]
                 row += lin.out_features
-            results.update(solve_group(module, names, weights, H, inputs, then_gptq, col_scale=scale))
+            # the group's own width: under mixed precision a group chosen for 8 bits is solved on the 8-bit grid
+            results.update(solve_group(module, names, weights, H, inputs, with_bits(then_gptq, bits, names),
+                                       col_scale=scale))
             for name, lin in zip(names, linears):
                 q, sc, z = results[name]
                 lin.weight.data.copy_(dequantize_groups(q, sc, z, cfg.group_size).to(lin.weight.device, lin.weight.dtype))
