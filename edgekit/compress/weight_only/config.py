@@ -43,7 +43,7 @@ class WeightOnlyConfig:
     model's activations, whose group inputs are kept while the block is solved (default 0.25,
     as in GPTAQ; 27.09 -> 26.24, with refit 26.22; 0 = the paper's GPTQ).
     true_sequential: each linear group sees inputs from the already-quantized groups of
-    its block. value_hessian: GPTQ's Hessian for attention value projections (Llama family):
+    its block (the block walk always works so: ``False`` is refused, not ignored). value_hessian: GPTQ's Hessian for attention value projections (Llama family):
     "attention" (default) from the attention-mixed inputs ``P X`` of each key/value head,
     i.e. the error measured where the values are used; "input" from the layer's inputs
     ``X`` as in the paper. Measured on SmolLM2 (W4 g128): the paper's Hessian weights every
@@ -108,6 +108,9 @@ class WeightOnlyConfig:
         check_group_size(self.group_size)
         # GPTQ's options are checked whatever the method (a recipe's typo stops before any work)
         check_gptq(self.damp, self.gptaq_alpha, self.block_size, self.value_hessian, self.value_query_stride)
+        if not self.true_sequential:  # a setting that would change nothing must not look as if it did
+            raise BadInputError("true_sequential=False is not supported: each group of a block is quantized on "
+                                "the outputs of the groups before it (true_sequential=True, the only walk)")
         if self.calib_samples < 1:
             raise BadInputError(f"calib_samples must be at least 1, got {self.calib_samples!r}")
         if self.seqlen is not None and self.seqlen < 2:

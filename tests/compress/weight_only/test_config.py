@@ -86,3 +86,11 @@ def test_the_config_modules_are_light():
             "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[]\n"
+
+
+def test_true_sequential_false_is_refused_not_ignored():
+    """The block walk is always true-sequential: a recipe asking otherwise is told so, in one line."""
+    with pytest.raises(BadInputError, match=r"^true_sequential=False is not supported: each group of a block") as e:
+        WeightOnlyConfig(true_sequential=False)
+    assert "\n" not in str(e.value)
+    assert WeightOnlyConfig(true_sequential=True).true_sequential
