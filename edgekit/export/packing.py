@@ -34,6 +34,8 @@ the float weight, and ``weight`` is the same, as a read-only property.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,6 +49,8 @@ Device = torch.device | str | None
 # QuantLinear.forward dequantizes the whole weight when it has at most this many elements (64 MiB in
 # float32), else a block of output rows at a time (Gemma 3's 262,144 x 640 LM head: 640 MiB at once).
 FORWARD_CHUNK = 1 << 24
+# dequantized_once keeps at most this many bytes of float weights (SmolLM2-135M's 4-bit linears: 0.54 GiB)
+KEEP_DEQUANTIZED_BYTES = 1 << 30
 
 
 def num_groups(cols: int, group_size: int) -> int:
@@ -193,6 +197,8 @@ class QuantLinear(_PackedTable):
     """
 
     bias: torch.Tensor | None
+    # (dtype, first row -> float weight of each row block) while inside dequantized_once, else None
+    _kept: tuple[torch.dtype, dict[int, torch.Tensor]] | None = None
 
     def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
                  bias: bool = False, device: Device = None) -> None:
@@ -227,21 +233,60 @@ class QuantLinear(_PackedTable):
             layer.bias.copy_(bias.detach().float())
         return layer
 
+    def _row_blocks(self) -> list[tuple[int, int]]:
+        """The blocks of output rows ``forward`` dequantizes at a time (one: the whole weight)."""
+        rows = max(1, FORWARD_CHUNK // max(self.in_features, 1))
+        if self.out_features <= rows:
+            return [(0, self.out_features)]
+        # a large table (an LM head over a large vocabulary): a block of output rows at a time
+        return [(lo, min(lo + rows, self.out_features)) for lo in range(0, self.out_features, rows)]
+
+    def _block_weight(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        kept = self._kept
+        if kept is not None and kept[0] == dtype:
+            return kept[1][lo]
+        return self.dequantize(dtype) if (lo, hi) == (0, self.out_features) else self.dequantize_rows(lo, hi, dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        rows = max(1, FORWARD_CHUNK // max(self.in_features, 1))
-        if self.out_features <= rows or _exporting():
-            return F.linear(x, self.dequantize(x.dtype), bias)
-        # a large table (an LM head over a large vocabulary): a block of output rows at a time
+        blocks = self._row_blocks()
+        if len(blocks) == 1 or _exporting():
+            weight = self.dequantize(x.dtype) if _exporting() else self._block_weight(0, self.out_features, x.dtype)
+            return F.linear(x, weight, bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        for lo in range(0, self.out_features, rows):
-            hi = min(lo + rows, self.out_features)
-            out[..., lo:hi] = F.linear(x, self.dequantize_rows(lo, hi, x.dtype), None if bias is None else bias[lo:hi])
+        for lo, hi in blocks:
+            out[..., lo:hi] = F.linear(x, self._block_weight(lo, hi, x.dtype), None if bias is None else bias[lo:hi])
         return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+@contextmanager
+def dequantized_once(module: nn.Module, dtype: torch.dtype = torch.float32,
+                     max_bytes: int = KEEP_DEQUANTIZED_BYTES) -> Iterator[int]:
+    """Within: the ``QuantLinear`` layers of ``module`` compute with their weights dequantized once,
+    on entry, instead of on every forward (the same function of the same codes, so the same outputs
+    to the bit). For many forwards of a model whose codes do not change meanwhile (the quality gate's
+    windows). Layers are kept in module order while their float weights total at most ``max_bytes``;
+    the others dequantize per forward as before. Yields the bytes kept; they are let go on exit."""
+    kept: list[QuantLinear] = []
+    total = 0
+    try:
+        for m in module.modules():
+            if not isinstance(m, QuantLinear) or m._kept is not None:
+                continue
+            size = m.out_features * m.in_features * dtype.itemsize
+            if total + size > max_bytes:
+                continue
+            m._kept = (dtype, {lo: m._block_weight(lo, hi, dtype) for lo, hi in m._row_blocks()})
+            kept.append(m)
+            total += size
+        yield total
+    finally:
+        for m in kept:
+            m._kept = None
 
 
 class QuantEmbedding(_PackedTable):

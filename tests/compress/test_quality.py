@@ -63,3 +63,36 @@ def test_unknown_family_is_measured_whole():
     """A family edgekit does not describe may transform its logits after the head: no blocked path."""
     assert lm_head(build("mixtral")) is None
     assert lm_head(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
+
+
+def test_gate_dequantizes_a_packed_model_once_for_all_windows_with_the_same_report(monkeypatch, tmp_path):
+    """``compare`` on a 4-bit model (tiny Llama, RTN, 4 windows): its packed layers are dequantized once
+    for all the windows, not on every forward, and the report (perplexity, agreement, cosine, error) is
+    the one of dequantizing on every forward, to the last digit; nothing stays dequantized afterwards."""
+    from contextlib import nullcontext
+
+    from edgekit.compress import StepContext
+    from edgekit.compress.weight_only.config import WeightOnlyConfig
+    from edgekit.compress.weight_only.step import apply
+    from edgekit.export.packing import QuantLinear
+    from tests.compress.weight_only.test_weight_only import tiny_llama
+
+    ids = np.random.default_rng(2).integers(0, 128, (4, 32)).astype(np.int64)
+    np.savez(tmp_path / "held_out.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    ctx = StepContext(eval=f"{tmp_path / 'held_out.npz'}@all", quality_windows=4, progress=False)
+    handle = tiny_llama()
+    reference = quality.measure_reference(handle, ctx)
+    assert len(reference.feeds) == 4
+    packed = apply(handle, WeightOnlyConfig(method="rtn", bits=4, group_size=32, eval_windows=0), ctx)
+    layers = [m for m in packed.module.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 15  # 14 block linears and the tied head
+    calls: list[int] = []
+    real = QuantLinear.dequantize
+    monkeypatch.setattr(QuantLinear, "dequantize", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    once = quality.compare(packed, reference)
+    assert len(calls) == len(layers) and all(m._kept is None for m in layers)
+    calls.clear()
+    monkeypatch.setattr(quality, "dequantized_once", lambda _m: nullcontext(0))  # the gate as it was
+    every = quality.compare(packed, reference)
+    assert len(calls) == 4 * len(layers)
+    assert once == every and 1.0 < once["perplexity_ratio"] < 1.5

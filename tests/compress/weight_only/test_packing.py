@@ -91,3 +91,41 @@ def test_quant_embedding_tied_gathers_rows():
     ids = torch.tensor([[0, 7, 49], [3, 3, 1]])
     torch.testing.assert_close(emb(ids), head.dequantize()[ids])
     assert emb.qweight is head.qweight
+
+
+def test_dequantized_once_gives_the_same_outputs_without_dequantizing_per_forward(monkeypatch):
+    """Inside ``dequantized_once`` each kept layer computes with the weight dequantized on entry: outputs
+    equal to the bit to dequantizing on every forward, for a whole weight and for a large table that
+    ``forward`` dequantizes a block of rows at a time (``FORWARD_CHUNK`` shrunk to 3 blocks of 20 rows);
+    no dequantization per forward; layers beyond ``max_bytes`` stay as before; nothing kept after exit."""
+    from edgekit.export import packing
+
+    monkeypatch.setattr(packing, "FORWARD_CHUNK", 20 * 64)
+    torch.manual_seed(3)
+    small = quantize_linear(nn.Linear(64, 16, bias=True), bits=4, group_size=32)
+    table = quantize_linear(nn.Linear(64, 50, bias=False), bits=4, group_size=32)  # rows 0-19, 20-39, 40-49
+    model = nn.ModuleList([small, table])
+    assert small._row_blocks() == [(0, 16)] and table._row_blocks() == [(0, 20), (20, 40), (40, 50)]
+    x = torch.randn(2, 5, 64)
+
+    def run() -> torch.Tensor:
+        return torch.cat([small(x), table(x)], -1)
+
+    want = run()
+    calls: list[str] = []
+    for name, layer in (("small", small), ("table", table)):
+        for fn in ("dequantize", "dequantize_rows"):
+            real = getattr(layer, fn)
+            monkeypatch.setattr(layer, fn, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    with packing.dequantized_once(model) as kept:
+        assert kept == (16 + 50) * 64 * 4 and calls == ["small", "table", "table", "table"]
+        for _ in range(3):
+            assert torch.equal(run(), want)
+        assert len(calls) == 4  # none per forward
+    assert small._kept is None and table._kept is None
+    calls.clear()
+    with packing.dequantized_once(model, max_bytes=16 * 64 * 4) as kept:  # room for the small layer only
+        assert kept == 16 * 64 * 4 and small._kept is not None and table._kept is None
+        assert torch.equal(run(), want)
+        assert calls == ["small", "table", "table", "table"]  # the table: its 3 blocks, per forward
+    assert torch.equal(run(), want) and small._kept is None
