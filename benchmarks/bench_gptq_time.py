@@ -76,7 +76,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     out = work / f"w4-{name}"
     load0 = os.getloadavg()
     w0, c0 = time.perf_counter(), time.process_time()
-    compress("smollm2-135m", [("int4", config)], out, ctx)
+    compress("smollm2-135m", [("weight-only", config)], out, ctx)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     man = json.loads((out / "manifest.json").read_text())
     meta = man["steps"][-1]["meta"]
