@@ -260,9 +260,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the end: move it out of the garbage collector's reach, so that each full collection (the library's
     ``release_memory`` and Python's own) walks only what the tests create."""
     import gc
-    import os
 
-    if os.environ.get("EDGEKIT_TEST_NO_FREEZE"):
-        return
     gc.collect()
     gc.freeze()
