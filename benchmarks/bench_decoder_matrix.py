@@ -73,11 +73,11 @@ def run_cell(model_type: str, step: str, model: Any, want: torch.Tensor, tmp: Pa
             return {"status": "pass" if ok else "fail", "detail": f"logits {tuple(want.shape)}"}
         if step in ("rtn-4", "gptq-4"):
             m = copy.deepcopy(model)
-            method = step.split("-")[0]
+            method = {"gptq": "gptq-plus"}.get(step.split("-")[0], "rtn")  # the "gptq-4" cell: the default GPTQ
             # 16 windows: with 4 calibration windows a top-2 of 4 experts sees ~64 tokens per expert for
             # 64 input features, and GPTQ's Hessians are thin (tiny Mixtral: 0.31 at 4, 0.25 at 16)
             config = WeightOnlyConfig(method=method, bits=4, group_size=32, calib_samples=16, seqlen=32)
-            quantize_module(m, config, [_windows(1, 16)] if method == "gptq" else None)
+            quantize_module(m, config, [_windows(1, 16)] if method != "rtn" else None)
             rel = _rel(_logits(m, ids), want)
             return {"status": "pass" if rel < W4_REL else "fail", "rel": round(rel, 4)}
         if step == "export-kv":
@@ -128,7 +128,7 @@ def routing_diagnosis(model: Any, want: torch.Tensor, method: str = "rtn") -> di
         h.remove()
     m = copy.deepcopy(model)
     config = WeightOnlyConfig(method=method, bits=4, group_size=32, calib_samples=16, seqlen=32)
-    quantize_module(m, config, [_windows(1, 16)] if method == "gptq" else None)
+    quantize_module(m, config, [_windows(1, 16)] if method != "rtn" else None)
     own_scores, hooks = record(m)
     own = _rel(_logits(m, ids), want)
     for h in hooks:

@@ -46,6 +46,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "gptaq32": ({"gptaq_windows": 32}, 0, 0),
     "fast": ({"value_query_stride": 4, "gptaq_windows": 32}, 0, 0),
     "rtn": ({"method": "rtn"}, 0, 0),
+    "paper-calib32": ({"method": "gptq", "calib_samples": 32}, 0, 0),  # the paper's GPTQ on the default's windows
     # calibration budgets (all first windows of the Lee-news text: no random top-up below 90)
     "calib32": ({"calib_samples": 32}, 0, 0),
     "calib32-b": ({"calib_samples": 32}, 0, 32),  # windows 32-63: the noise of which 32 windows

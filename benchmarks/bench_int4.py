@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 PARTS = ROOT / "benchmarks" / "results" / "int4_parts"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETTINGS = {"w4g128": (4, 128), "w4pc": (4, -1), "w3g128": (3, 128)}
-VARIANTS = ["fp32"] + [f"{m}-{s}" for s in SETTINGS for m in ("rtn", "awq", "gptq")]
+VARIANTS = ["fp32"] + [f"{m}-{s}" for s in SETTINGS for m in ("rtn", "awq", "gptq-plus")]
+PREFIXES = ("awq-gptq", "gptq-plus")  # method names with a dash, before the setting (gptq-plus-w4g128)
 
 
 def load_smollm2():
@@ -93,7 +94,7 @@ def run_torch(variants: list[str], n_eval: int, n_calib: int, keep: Path) -> Non
                           "eval_seconds": round(time.perf_counter() - t0, 1)})
             print(v, ppl, flush=True)
             continue
-        method = "awq-gptq" if v.startswith("awq-gptq-") else v.split("-")[0]
+        method = next((m for m in PREFIXES if v.startswith(m + "-")), v.split("-")[0])
         setting, *extra = v[len(method) + 1:].split("-")  # e.g. gptq-w4g128-damp0.1-actorder
         bits, group = SETTINGS[setting]
         opts: dict = {}
@@ -252,7 +253,7 @@ def run_minilm(n_calib: int = 64, n_eval: int = 256) -> None:
 
     ref = embed(base.module)
     out = {"model": "minilm-l6", "eval_sentences": len(ev), "float_bytes": packed_bytes(base.module)}
-    for method in ("rtn", "gptq", "awq"):
+    for method in ("rtn", "gptq-plus", "awq"):
         for bits, group in ((4, 128), (3, 128)):
             h = load_model("minilm-l6")
             t = time.perf_counter()

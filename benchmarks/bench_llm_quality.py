@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PARTS = ROOT / "benchmarks" / "results" / "llm_quality_parts"
 MODELS = ("gemma3-270m", "smollm2-135m")
-METHODS = ("rtn", "awq", "gptq")
+METHODS = ("rtn", "awq", "gptq-plus")
 
 
 def model_spec(name: str, work: Path, gguf: str | None = None) -> str:
@@ -103,7 +103,7 @@ def run_part(model: str, method: str, args: argparse.Namespace, work: Path, refe
             "quant_cpu_s": meta["cpu_seconds"], "compress_wall_s": round(wall, 1), "compress_cpu_s": round(cpu, 1),
             "embedding_scale": (meta.get("embedding") or {}).get("scale"),
             "load_avg_1m": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if args.onnx and method == "gptq":
+    if args.onnx and method == "gptq-plus":
         from edgekit.export.lm import export_causal_lm
         from edgekit.loading import load_model
 
@@ -160,13 +160,15 @@ def table(args: argparse.Namespace) -> None:
                   f"{q['perplexity_ratio']:.3f} | {q['agreement']:.3f} | {q['cosine']:.4f} | {p['packed_bytes'] / 1e6:.1f} | "
                   f"{p['quant_wall_s']} | {p['quant_cpu_s']} |")
             rows.append(p)
-        if "rtn" in parts and "gptq" in parts:
+        # the default GPTQ: "gptq-plus", or "gptq" in parts written before the paper's GPTQ took that name
+        gptq = parts.get("gptq-plus") or parts.get("gptq")
+        if "rtn" in parts and gptq is not None:
             gap = parts["rtn"]["quality"]["perplexity"] - ppl_f
-            closed = (parts["rtn"]["quality"]["perplexity"] - parts["gptq"]["quality"]["perplexity"]) / gap
+            closed = (parts["rtn"]["quality"]["perplexity"] - gptq["quality"]["perplexity"]) / gap
             summary[f"{model}, {windows} eval windows"] = {
                 "model": model, "eval_windows": windows, "float": ppl_f, "rtn": parts["rtn"]["quality"]["perplexity"],
-                "gptq": parts["gptq"]["quality"]["perplexity"], "gptq_closes_of_rtn_gap": round(closed, 3),
-                "onnx_bytes": parts["gptq"].get("onnx_bytes")}
+                "gptq": gptq["quality"]["perplexity"], "gptq_closes_of_rtn_gap": round(closed, 3),
+                "onnx_bytes": gptq.get("onnx_bytes")}
     for model, s in summary.items():
         print(f"{model}: GPTQ closes {100 * s['gptq_closes_of_rtn_gap']:.0f}% of RTN's gap to float"
               + (f"; ONNX (KV cache) {s['onnx_bytes'] / 1e6:.1f} MB" if s.get("onnx_bytes") else ""))

@@ -54,7 +54,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                          rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
 }
-STEPS = ("load", "rtn", "export", "gptq")
+STEPS = ("load", "rtn", "export", "gptq")  # "gptq": the default GPTQ method (gptq-plus)
 
 
 def build_model(name: str, folder: Path) -> None:
@@ -150,7 +150,8 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
         # what `edgekit compress FOLDER --bits 4 --method M` runs (compress()), with the quality gate on
         # --quality-windows eval windows (the CLI's 8 by default): the gate holds one window's logits
         # at a time, so the window count changes the time, not the peak
-        cfg = {"method": step, "bits": 4, **({"calib_samples": args.calib_samples} if step == "gptq" else {})}
+        cfg = {"method": {"gptq": "gptq-plus"}.get(step, step), "bits": 4,
+               **({"calib_samples": args.calib_samples} if step == "gptq" else {})}
         code = ("import sys, time; from edgekit.compress import StepContext, compress; "
                 # the phases' ends on the monotonic clock the sampler uses (the float reference, the comparison)
                 f"{PHASE_MARKS}; "

@@ -9,7 +9,7 @@ setting was chosen on them; the float reference is measured once and shared, as 
 ``bench_gptq_time.py``). The process's CPU time (``time.process_time``), wall time and load are recorded.
 
     python benchmarks/bench_mixed.py                                  # RTN at every budget
-    python benchmarks/bench_mixed.py --method gptq --budgets 4.3,5.0 --calib-samples 32
+    python benchmarks/bench_mixed.py --method gptq-plus --budgets 4.3,5.0 --calib-samples 32
 
 Results: benchmarks/results/mixed/<method>-<budget>.json, and the table of those present.
 """
@@ -109,7 +109,7 @@ def table() -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default=BUDGETS, help="average bits per weight (4: all 4-bit, 8: all 8-bit)")
-    ap.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
+    ap.add_argument("--method", default="rtn", choices=["rtn", "gptq-plus", "gptq", "awq"])
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-windows", type=int, default=16)

@@ -52,7 +52,7 @@ def main() -> int:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows: list[dict[str, object]] = []
     codes: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    for method in ("rtn", "gptq", "awq"):
+    for method in ("rtn", "gptq-plus", "gptq", "awq"):
         for device in devices:
             model = copy.deepcopy(float_model)
             config = WeightOnlyConfig(method=method, bits=4, group_size=128, seqlen=128, device=device)

@@ -32,7 +32,7 @@ class FinetuneOptions:
     bits: int | None = field(default=None, metadata=option(
         "--bits", help=f"--requant {WEIGHT_ONLY_STEP}: bit width (default 4)."))
     method: str | None = field(default=None, metadata=option(
-        "--method", help=f"--requant {WEIGHT_ONLY_STEP}: gptq | awq | rtn; --requant {INT8_STEP}: ptq."))
+        "--method", help=f"--requant {WEIGHT_ONLY_STEP}: gptq-plus | gptq | awq | awq-gptq | rtn; --requant {INT8_STEP}: ptq."))
     group_size: int | None = field(default=None, metadata=option(
         "--group-size", help=f"--requant {WEIGHT_ONLY_STEP}: group size."))
     resume: bool = field(default=True, metadata=option(

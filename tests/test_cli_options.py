@@ -47,7 +47,8 @@ def test_compress_keeps_its_flags_and_help_texts():
     assert shown - {"--precision", "--json", "--help-all"} == FLAGS
     for line in ("--bits INTEGER", "8: INT8 (ptq/qat); 2, 3, 4, 8 weight-only (gptq/awq/rtn).",
                  "--sym / --asym", "--global / --uniform", "--keep-float TEXT",
-                 "ptq | qat (8-bit), gptq | awq | awq-gptq | rtn (weight-only).", "Distillation / QAT epochs."):
+                 "ptq | qat (8-bit); gptq-plus (default) | gptq (the paper's) | awq | awq-gptq | rtn (weight-only).",
+                 "Distillation / QAT epochs."):
         assert line in text
 
 
@@ -57,7 +58,7 @@ def test_shared_flags_set_every_step_that_has_the_field():
     assert fields["seqlen"] == {("distill", "seqlen"), ("weight-only", "seqlen")}
     assert fields["epochs"] == {("distill", "epochs"), ("int8", "qat_epochs")}
     assert plan_steps(bits=4, calib_samples=16, seqlen=64) == [
-        ("weight-only", {"method": "gptq", "bits": 4, "calib_samples": 16, "seqlen": 64})]
+        ("weight-only", {"method": "gptq-plus", "bits": 4, "calib_samples": 16, "seqlen": 64})]
     assert plan_steps(bits=8, method="qat", epochs=2, calib_samples=16) == [
         ("int8", {"method": "qat", "qat_epochs": 2, "calib_samples": 16})]
     # --epochs is QAT's only with --method qat (Int8Config.qat_epochs declares when={"method": ("qat",)})
@@ -75,7 +76,7 @@ def test_plan_rules_and_messages(tmp_path: Path):
         plan_steps(method="awq")
     with pytest.raises(BadInputError, match=r"^--method qat quantizes weights and activations to 8 bits; got --bits 4"):
         plan_steps(bits=4, method="qat")
-    with pytest.raises(BadInputError, match=r"^unknown method 'fp8' \(choose from ptq, qat, gptq, awq, awq-gptq, rtn\)$"):
+    with pytest.raises(BadInputError, match=r"^unknown method 'fp8' \(choose from ptq, qat, gptq-plus, gptq, awq, awq-gptq, rtn\)$"):
         plan_steps(bits=8, method="fp8")
     with pytest.raises(TypeError, match=r"unknown flags \['group'\]"):
         plan_steps(group=64)

@@ -183,7 +183,7 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it(family, spec):
 # CI runs a covering part of each cross product (every family once, every method and bit width on two
 # families); the rest is marked ``matrix`` and runs with ``pytest -m matrix``.
 MATRIX = (pytest.mark.slow, pytest.mark.matrix)
-WEIGHT_ONLY = [(m, b, bound) for b, bound in ((8, W8_REL), (4, W4_REL)) for m in ("rtn", "gptq", "awq")]
+WEIGHT_ONLY = [(m, b, bound) for b, bound in ((8, W8_REL), (4, W4_REL)) for m in ("rtn", "gptq-plus", "awq")]
 
 
 def _weight_only_cells() -> list:
@@ -500,8 +500,8 @@ KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: export/lm_falc
 @pytest.mark.parametrize("family,method,bits,bound", [
     # CI: GPTQ W4 on each family (per-expert GPTAQ), RTN W8 on one routed family (its own bound); the rest -m matrix
     pytest.param(f, m, b, bound, id=f"{f}-{m}-{b}-{bound}",
-                 marks=() if (m, b) == ("gptq", 4) or (f, m, b) == ("mixtral", "rtn", 8) else MATRIX)
-    for f in MORE for m in ("rtn", "gptq") for b, bound in ((8, W8_REL), (4, W4_REL))])
+                 marks=() if (m, b) == ("gptq-plus", 4) or (f, m, b) == ("mixtral", "rtn", 8) else MATRIX)
+    for f in MORE for m in ("rtn", "gptq-plus") for b, bound in ((8, W8_REL), (4, W4_REL))])
 def test_more_decoders_weight_only(family, method, bits, bound, spec, reference, tmp_path):
     """GPTQ with its defaults (GPTAQ pairs per expert), RTN: saved, reloaded, within the bound."""
     ref, feeds, want = reference(family)
@@ -559,7 +559,7 @@ def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp
 @pytest.mark.parametrize("family,method,bits,bound", [
     pytest.param(f, m, b, W8_ROUTED_REL if (b == 8 and f in ROUTED) else bound, id=f"{f}-{m or 'float'}-{b}",
                  marks=MATRIX if f in MOE_EXPORTED else ())  # MoE float and RTN W4: test_moe_export_...
-    for f in KV_EXPORT for m, b, bound in ((None, 32, ONNX_REL), ("gptq", 4, W4_REL), ("rtn", 8, W8_REL))])
+    for f in KV_EXPORT for m, b, bound in ((None, 32, ONNX_REL), ("gptq-plus", 4, W4_REL), ("rtn", 8, W8_REL))])
 def test_more_decoders_kv_cache_export_stays_near_the_float_model(family, method, bits, bound, spec, reference,
                                                                   tmp_path):
     """Float, 8-bit and 4-bit KV-cache exports (the fused graph, parity checked inside) against the

@@ -3,7 +3,7 @@
 The flags are the step configs' own (``edgekit.compress.options``): each sets its field in
 every step of the chain that has it, and ``selects`` flags (``--prune RATIO``) put their step
 in the chain. The plan adds the two choices no single step owns: ``--bits``/``--method``
-pick INT8 (ptq, qat: weights and activations) or weight-only quantization (gptq, awq,
+pick INT8 (ptq, qat: weights and activations) or weight-only quantization (gptq-plus, gptq, awq,
 awq-gptq, rtn), and ``--distill`` recovers a pruned model from its unpruned self. Steps run
 in registry order (prune -> distill -> quantize). Only options the user set are passed on,
 so each step's config keeps its own defaults.
@@ -47,7 +47,7 @@ def plan_steps(**flags: Any) -> list[tuple[str, dict[str, Any]]]:
     None or ``()``: not given), and ``distill``.
 
     >>> plan_steps(bits=4, group_size=64)
-    [('weight-only', {'method': 'gptq', 'bits': 4, 'group_size': 64})]
+    [('weight-only', {'method': 'gptq-plus', 'bits': 4, 'group_size': 64})]
     >>> plan_steps(prune=0.3, distill=True, epochs=2)
     [('prune', {'ratio': 0.3}), ('distill', {'epochs': 2})]
     """
@@ -80,7 +80,7 @@ def quantize_step(bits: int | None, method: str | None) -> tuple[str, dict[str, 
     """The quantize step for --bits/--method, with the method (and bit width) it runs.
 
     >>> quantize_step(4, None)
-    ('weight-only', {'method': 'gptq', 'bits': 4})
+    ('weight-only', {'method': 'gptq-plus', 'bits': 4})
     """
     choices = ", ".join(map(str, SUPPORTED_BITS))
     if bits is None:

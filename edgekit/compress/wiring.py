@@ -47,7 +47,7 @@ def probe_family(module: nn.Module, blocks: list[nn.Module], prefix: str) -> Fam
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 2:
         raise BadInputError(f"AWQ cannot probe how model type {model_type!r} wires its norms and projections: "
-                            "its config declares no vocabulary size; use --method gptq or rtn")
+                            "its config declares no vocabulary size; use --method gptq-plus, gptq or rtn")
     ids = torch.randint(vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     ids = ids.to(device)
@@ -64,7 +64,7 @@ def probe_family(module: nn.Module, blocks: list[nn.Module], prefix: str) -> Fam
     except Exception as e:  # noqa: BLE001 - any failure of the user's forward ends the probe with its reason
         raise BadInputError(f"AWQ cannot probe how model type {model_type!r} wires its norms and projections "
                             f"(its forward on {PROBE_TOKENS} token ids failed: {type(e).__name__}: {e}); "
-                            "use --method gptq or rtn") from None
+                            "use --method gptq-plus, gptq or rtn") from None
     pairs: list[ScalePair] = []
     offsets: set[float] = set()
     seen_kinds: set[type] = set()
@@ -79,10 +79,10 @@ def probe_family(module: nn.Module, blocks: list[nn.Module], prefix: str) -> Fam
                 offsets.add(offset)
     if not pairs:
         raise BadInputError(f"AWQ found no norm or linear in model type {model_type!r} whose output scales fold "
-                            "exactly into the projections it feeds; use --method gptq or rtn")
+                            "exactly into the projections it feeds; use --method gptq-plus, gptq or rtn")
     if len(offsets) > 1:
         raise BadInputError(f"model type {model_type!r} has norms computing x * w and x * (1 + w); AWQ folds into "
-                            "one kind per model; use --method gptq or rtn")
+                            "one kind per model; use --method gptq-plus, gptq or rtn")
     return Family(f"{model_type} (probed)", (model_type,), tuple(pairs), norm_offset=offsets.pop() if offsets else 0.0)
 
 

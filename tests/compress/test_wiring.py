@@ -94,7 +94,7 @@ def test_a_forward_that_fails_is_refused_with_its_reason(one_thread):
 
     model.forward = broken  # type: ignore[method-assign]
     with pytest.raises(BadInputError, match=r"AWQ cannot probe how model type 'llama' .* RuntimeError: needs "
-                                            r"pixel_values\); use --method gptq or rtn"):
+                                            r"pixel_values\); use --method gptq-plus, gptq or rtn"):
         _probe(model)
 
 

@@ -95,7 +95,7 @@ def test_experts_no_calibration_token_reached_export_like_the_others(tmp_path):
     """16 experts top-2 and one calibration window of 8 tokens: GPTQ reaches at most 16 of 32
     expert slots per layer, rounds the rest to nearest and names them; the graph packs them all."""
     folder = save_tiny("mixtral", tmp_path, num_local_experts=16)
-    cfg = make_config("weight-only", {"method": "gptq", "bits": 4, "group_size": 32, "seqlen": 8, "calib_samples": 1,
+    cfg = make_config("weight-only", {"method": "gptq-plus", "bits": 4, "group_size": 32, "seqlen": 8, "calib_samples": 1,
                                "eval_windows": 0})
     out = compress(load_model(str(folder)), [("weight-only", cfg)], tmp_path / "w4", _ctx())
     unseen = json.loads((out / "manifest.json").read_text())["metrics"]["weight-only"]["experts"]["without_calibration_tokens"]

@@ -317,9 +317,9 @@ def test_grid_parsing_and_overrides():
         apply_overrides(data, {"weight-only.group_size": 32})
     data["stages"][1]["steps"] = [{"int8": {"method": "qat", "calib_samples": 8}}]
     assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [{"int8": {"method": "qat", "calib_samples": 8}}]
-    data["stages"][1]["steps"] = [{"weight-only": {"method": "gptq", "group_size": 32}}]  # weight-only stays weight-only
+    data["stages"][1]["steps"] = [{"weight-only": {"method": "gptq-plus", "group_size": 32}}]  # weight-only stays weight-only
     assert apply_overrides(data, {"bits": 8})["stages"][1]["steps"] == [
-        {"weight-only": {"method": "gptq", "group_size": 32, "bits": 8}}]
+        {"weight-only": {"method": "gptq-plus", "group_size": 32, "bits": 8}}]
     with pytest.raises(BadInputError, match="grid bits=5: bits must be 32 \\(float\\), 8, 4, 3 or 2"):
         apply_overrides(data, {"bits": 5})
 

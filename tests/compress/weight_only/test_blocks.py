@@ -57,8 +57,8 @@ def test_gptq_with_gptaq_pairs_each_expert_with_its_own_tokens(family):
     model = build(family)
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
     want = _logits(model, ids)
-    config = WeightOnlyConfig(method="gptq", bits=4, group_size=32, calib_samples=4, seqlen=24)
-    assert config.gptaq_alpha > 0
+    config = WeightOnlyConfig(method="gptq-plus", bits=4, group_size=32, calib_samples=4, seqlen=24)
+    assert config.method_config().gptaq_alpha > 0
     results, info = quantize_module(model, config, [ids])
     _, _, linears = quantizable_linears(model)
     assert set(results) == set(linears)
@@ -77,7 +77,7 @@ def test_experts_without_calibration_tokens_are_rounded_to_nearest_and_reported(
     model = build("mixtral", num_local_experts=8, num_experts_per_tok=1)
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.tensor([[65, 66]])
-    config = WeightOnlyConfig(method="gptq", bits=4, group_size=32, calib_samples=1, seqlen=2)
+    config = WeightOnlyConfig(method="gptq-plus", bits=4, group_size=32, calib_samples=1, seqlen=2)
     results, info = quantize_module(model, config, [ids])
     unseen = info["experts"]["without_calibration_tokens"]
     assert len(unseen) >= 2 * 6 * 3  # 2 layers x >= 6 experts x (w1, w2, w3)
@@ -95,7 +95,7 @@ def test_a_one_layer_model_walks_its_one_block():
     assert prefix == "model.layers" and len(blocks) == 1 and len(linears) == 7
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
     want = _logits(model, ids)
-    results, _ = quantize_module(model, WeightOnlyConfig(method="gptq", bits=4, group_size=32, seqlen=24), [ids])
+    results, _ = quantize_module(model, WeightOnlyConfig(method="gptq-plus", bits=4, group_size=32, seqlen=24), [ids])
     assert set(results) == set(linears)
     got = _logits(model, ids)
     assert float((got - want).norm() / want.norm()) < 0.3

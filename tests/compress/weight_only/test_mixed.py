@@ -42,7 +42,7 @@ def test_config_checks_the_budget():
 
 
 # CI: the calibrated methods (RTN under a budget: the next test; its cell here with -m matrix)
-@pytest.mark.parametrize("method", [pytest.param("rtn", marks=pytest.mark.matrix), "gptq", "awq-gptq"])
+@pytest.mark.parametrize("method", [pytest.param("rtn", marks=pytest.mark.matrix), "gptq-plus", "awq-gptq"])
 def test_avg_bits_keeps_the_costliest_groups_at_8_bits_within_the_budget(method, calib):  # noqa: F811
     """The step picks whole groups (q/k/v, o, gate/up, down), records the choice, stays within the
     average, and its logits are closer to the float model's than with every group at the low width."""

@@ -100,7 +100,7 @@ def test_family_description_read_from_the_model():
     assert not family_of(bert).known
 
 
-@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq-plus"])
 def test_every_method_keeps_gemma_semantics(method, calib):
     ids = _runs(8, 5)
     float_ppl = _ppl(tiny_gemma(), ids)

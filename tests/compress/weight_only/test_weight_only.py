@@ -102,21 +102,32 @@ def test_walker_groups_linears_by_shared_input():
     assert shapes[3] == (2, 16, 128) and shapes[0] == (2, 16, 64)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])
-def test_calibrated_methods_beat_rtn(method, calib):
+@pytest.mark.parametrize("method", ["gptq-plus", "gptq", "awq", "awq-gptq"])
+def test_calibrated_methods_beat_rtn(method, calib, monkeypatch, caplog):
+    from edgekit.compress.weight_only import step
+
+    monkeypatch.setattr(step, "_paper_gptq_told", [])  # as in a fresh process
     ref = tiny_llama()
     x = _held_out()
     want = _logits(ref, x)
     errs = {}
-    for m in ("rtn", method):
-        h = apply(tiny_llama(), WeightOnlyConfig(method=m, bits=3, group_size=32, seqlen=32, head="none"),
-                  StepContext(calib=calib, progress=False))
-        errs[m] = float(((_logits(h, x) - want) ** 2).mean())
+    with caplog.at_level("WARNING", logger=step.__name__):
+        for m in ("rtn", method) + ((method,) if method == "gptq" else ()):  # twice: one line all the same
+            h = apply(tiny_llama(), WeightOnlyConfig(method=m, bits=3, group_size=32, seqlen=32, head="none"),
+                      StepContext(calib=calib, progress=False))
+            errs[m] = float(((_logits(h, x) - want) ** 2).mean())
     assert errs[method] < errs["rtn"], errs
+    # the paper's GPTQ, chosen by name, says once per process what the name now means; the others say nothing
+    told = [r.getMessage() for r in caplog.records if "paper's GPTQ" in r.getMessage()]
+    assert told == (["weight-only: method 'gptq' is the paper's GPTQ (min-max grids, columns in order, the input "
+                     "Hessian); the default 'gptq-plus' adds act-order, MSE grids, refit, GPTAQ and the value Hessian "
+                     "(SmolLM2-135M W4 g128 perplexity 25.26 against 33.76, RTN 29.98); before this release 'gptq' meant "
+                     "gptq-plus"]
+                    if method == "gptq" else [])
 
 
 def test_compress_save_reload_round_trip(calib, tmp_path):
-    cfg = WeightOnlyConfig(method="gptq", bits=4, group_size=32, seqlen=32, act_order=True)
+    cfg = WeightOnlyConfig(method="gptq-plus", bits=4, group_size=32, seqlen=32, act_order=True)
     out = compress(tiny_llama(), [("weight-only", cfg)], tmp_path / "w4", StepContext(calib=calib, progress=False))
     h = load_compressed(out)
     mods = dict(h.module.named_modules())
@@ -162,7 +173,7 @@ def test_bad_inputs(calib, tmp_path):
     short.write_text("too short")
     h = tiny_llama()
     with pytest.raises(BadInputError):
-        apply(h, WeightOnlyConfig(method="gptq", seqlen=32), StepContext(calib=str(short), progress=False))
+        apply(h, WeightOnlyConfig(method="gptq-plus", seqlen=32), StepContext(calib=str(short), progress=False))
     out = compress(tiny_llama(), [("weight-only", WeightOnlyConfig(method="rtn", group_size=32))], tmp_path / "w",
                    StepContext(progress=False))
     (out / "model.safetensors").write_bytes(b"\x00garbage" * 10)
@@ -517,7 +528,7 @@ def test_replayed_passes_give_the_same_codes():
             assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), (reuse, name)
 
 
-@pytest.mark.parametrize("method", ["gptq", pytest.param("rtn", marks=(pytest.mark.slow, pytest.mark.matrix))])  # CI: GPTQ
+@pytest.mark.parametrize("method", ["gptq-plus", pytest.param("rtn", marks=(pytest.mark.slow, pytest.mark.matrix))])  # CI: GPTQ
 def test_half_stored_model_compresses_to_the_float32_codes(method, calib, tmp_path):
     """A checkpoint stored in bfloat16 is compressed without a float32 copy of the model: loaded as
     bfloat16, each block cast up as the walk reaches it and packed once final, the layers before the

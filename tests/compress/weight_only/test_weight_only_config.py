@@ -26,6 +26,7 @@ def _fields(config: object) -> set[str]:
 
 @pytest.mark.parametrize("method, kind, own", [
     ("rtn", RtnConfig, GRID),
+    ("gptq-plus", GptqConfig, GPTQ),
     ("gptq", GptqConfig, GPTQ),
     ("awq", AwqConfig, GRID | {"awq_grid", "awq_clip", "then_gptq"}),
     ("awq-gptq", AwqConfig, GRID | {"awq_grid", "awq_clip", "then_gptq"}),
@@ -36,8 +37,8 @@ def test_each_method_gets_its_own_small_config(method, kind, own):
     made = config.method_config()
     assert type(made) is kind and isinstance(made, GridConfig) and _fields(made) == own
     assert (made.bits, made.group_size, made.sym) == (3, 32, True)
-    for name in own - {"then_gptq"}:  # every field is the step config's value
-        assert getattr(made, name) == getattr(config, name), name
+    for name in own - {"then_gptq"}:  # every field is the step config's value (or the method's setting of it)
+        assert getattr(made, name) == config.gptq_options().get(name, getattr(config, name)), name
     assert len(own) < len(_fields(config)) / 2  # what the step keeps: calibration, device, head, budgets
     if isinstance(made, AwqConfig):
         gptq = made.then_gptq
@@ -53,6 +54,27 @@ def test_every_method_is_covered_and_defaults_agree():
     assert (GptqConfig(group_size=-1).grid_search, GptqConfig().grid_search, GptqConfig(mse_grid=False).grid_search) \
         == (False, True, False)
     assert WeightOnlyConfig(group_size=-1).grid_search == GptqConfig(group_size=-1).grid_search
+
+
+def test_gptq_is_the_papers_algorithm_and_gptq_plus_the_default():
+    assert WeightOnlyConfig().method == METHODS[0] == "gptq-plus"
+    paper = WeightOnlyConfig(method="gptq").method_config()
+    # Frantar et al.: the input Hessian of every linear, min-max grids, columns in order, no refit, no GPTAQ
+    assert paper == GptqConfig(act_order=False, mse_grid=False, refit=False, gptaq_alpha=0.0, value_hessian="input")
+    assert not paper.grid_search and not WeightOnlyConfig(method="gptq").grid_search
+    assert (paper.damp, paper.block_size, paper.static_groups) == (0.01, 128, False)
+    plus = WeightOnlyConfig(method="gptq-plus").method_config()
+    assert isinstance(plus, GptqConfig)
+    assert (plus.act_order, plus.grid_search, plus.refit, plus.gptaq_alpha, plus.value_hessian) == \
+        (True, True, True, 0.25, "attention")
+    assert WeightOnlyConfig(method="awq-gptq").method_config().then_gptq == plus  # AWQ+GPTQ's GPTQ: gptq-plus
+    # a value the user gives wins for either method: the two names differ only in what is left unset
+    given = {"act_order": True, "refit": False, "gptaq_alpha": 0.1, "value_hessian": "input", "mse_grid": True}
+    made = {m: WeightOnlyConfig(method=m, **given).method_config() for m in ("gptq", "gptq-plus")}
+    assert made["gptq"] == made["gptq-plus"]
+    assert {k: getattr(made["gptq"], k) for k in given} == given
+    with pytest.raises(BadInputError, match=r"^unknown value-projection Hessian 'output'"):
+        WeightOnlyConfig(method="gptq", value_hessian="output")  # checked whatever the method
 
 
 @pytest.mark.parametrize("make, message", [
