@@ -431,7 +431,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     report = ctx.metrics[WEIGHT_ONLY_STEP] = {
         "method": config.method, "bits": config.bits, "group_size": config.group_size,
         # GPTQ's options as they ran (the config records None for "the method's own setting")
-        **({"gptq": config.gptq_options()} if config.method in GPTQ_METHODS else {}),
+        **({"gptq": {**config.gptq_options(), "mse_grid": config.grid_search}} if config.method in GPTQ_METHODS else {}),
         "seconds": info["seconds"], "layers": len(layers), "packed_bytes": meta["packed_bytes"],
         "float_bytes": float_bytes,
         **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}

@@ -113,10 +113,14 @@ def test_calibrated_methods_beat_rtn(method, calib, monkeypatch, caplog):
     errs = {}
     with caplog.at_level("WARNING", logger=step.__name__):
         for m in ("rtn", method) + ((method,) if method == "gptq" else ()):  # twice: one line all the same
-            h = apply(tiny_llama(), WeightOnlyConfig(method=m, bits=3, group_size=32, seqlen=32, head="none"),
-                      StepContext(calib=calib, progress=False))
+            ctx = StepContext(calib=calib, progress=False)
+            h = apply(tiny_llama(), WeightOnlyConfig(method=m, bits=3, group_size=32, seqlen=32, head="none"), ctx)
             errs[m] = float(((_logits(h, x) - want) ** 2).mean())
     assert errs[method] < errs["rtn"], errs
+    # the report says which GPTQ ran, its options resolved (the config records None: "the method's own")
+    paper = {"act_order": False, "mse_grid": False, "refit": False, "gptaq_alpha": 0.0, "value_hessian": "input"}
+    plus = {"act_order": True, "mse_grid": True, "refit": True, "gptaq_alpha": 0.25, "value_hessian": "attention"}
+    assert ctx.metrics["weight-only"].get("gptq") == {"gptq": paper, "awq": None}.get(method, plus)
     # the paper's GPTQ, chosen by name, says once per process what the name now means; the others say nothing
     told = [r.getMessage() for r in caplog.records if "paper's GPTQ" in r.getMessage()]
     assert told == (["weight-only: method 'gptq' is the paper's GPTQ (min-max grids, columns in order, the input "
