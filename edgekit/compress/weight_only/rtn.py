@@ -16,6 +16,8 @@ All functions are pure tensor math on ``(rows, cols)`` float weights.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from edgekit.export.packing import group_width, num_groups
@@ -57,10 +59,14 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool,
-                 clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 clip: torch.Tensor | None = None,
+                 done_with: Callable[[torch.Tensor], object] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest per group.
 
-    w: (out, in) float. clip: optional (out, n_groups) range shrink factors.
+    w: (out, in) float. clip: optional (out, n_groups) range shrink factors. done_with: called
+    with each block of rows of ``w`` once rounded (the LM head lets a memory-mapped table's pages
+    go block by block, ``memory.drop_file_pages``, instead of holding all of them until the end).
     Returns ``q`` (out, in) uint8 codes, ``scales`` (out, n_groups) float32 and ``zeros``
     (out, n_groups) uint8.
     """
@@ -83,6 +89,8 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool,
             q[lo:hi, sl] = quantize_int(wb[:, sl], s[:, None], z[:, None], bits).to(torch.uint8)
             scales[lo:hi, j] = s
             zeros[lo:hi, j] = z.to(torch.uint8)
+        if done_with is not None:
+            done_with(w[lo:hi])
     return q, scales, zeros
 
 
