@@ -24,7 +24,7 @@ What it does, in order (``apply``):
    (``sensitivity.py``); then evaluates against the float model on the eval split.
 
 The result is the fake-quant handle (``STEP.transitions``: float -> "fake-quant"); export turns it into
-a QDQ ONNX graph (``rewrite_onnx`` -> ``qdq.rewrite_qdq``). An ONNX-only model (no
+a QDQ ONNX graph (``rewrite_onnx`` -> ``qdq_onnx.rewrite_qdq``). An ONNX-only model (no
 PyTorch module) is quantized from its graph instead (``onnx_graph.py``).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from edgekit import interrupts
 from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
-from edgekit.compress.int8 import qdq
+from edgekit.compress.int8 import qdq, qdq_onnx
 from edgekit.compress.int8.calibration import (
     load_split,
     run_module,
@@ -468,7 +468,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
 
 def rewrite_onnx(model: onnx.ModelProto, handle: ModelHandle, record: StepRecord) -> onnx.ModelProto:
     u8u8 = (record.meta.get("u8u8_layers") or []) if record.meta.get("scheme") == "u8s7" else []
-    return qdq.rewrite_qdq(model, u8_weights=len(u8u8))
+    return qdq_onnx.rewrite_qdq(model, u8_weights=len(u8u8))
 
 
 STEP = Step(

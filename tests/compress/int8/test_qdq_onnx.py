@@ -1,0 +1,108 @@
+"""The ONNX side of INT8's Q/DQ (edgekit/compress/int8/qdq_onnx.py), on small hand-built graphs:
+what ``rewrite_qdq`` stores, and that the rewritten graph computes what the fake-quant graph did."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgekit.compress.int8.qdq_onnx import U8_WEIGHT_ZERO_POINT, WEIGHT_7BIT, rewrite_qdq
+
+RNG = np.random.default_rng(0)
+X_SCALE, X_ZP = np.float32(0.02), np.uint8(128)
+
+
+def _fake_quant_conv(weight: np.ndarray, *, pad: bool = False, bias: bool = True) -> onnx.ModelProto:
+    """x -> Q/DQ (uint8, per tensor) [-> Pad zeros -> Q/DQ on the same grid] -> Conv(DQ(Q(float W)), float bias):
+    what exporting a fake-quant PyTorch conv gives."""
+    out_c = weight.shape[0]
+    w_scale = (np.abs(weight).reshape(out_c, -1).max(1) / 127).astype(np.float32)
+    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(w_scale, "w_scale"),
+             numpy_helper.from_array(np.zeros(out_c, np.int8), "w_zp"),
+             numpy_helper.from_array(X_SCALE, "x_scale"), numpy_helper.from_array(X_ZP, "x_zp"),
+             numpy_helper.from_array(RNG.normal(size=out_c).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "pads")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"])]
+    conv_in = "xd"
+    if pad:
+        nodes += [helper.make_node("Pad", ["xd", "pads"], ["xp"], mode="constant"),
+                  helper.make_node("QuantizeLinear", ["xp", "x_scale", "x_zp"], ["xpq"]),
+                  helper.make_node("DequantizeLinear", ["xpq", "x_scale", "x_zp"], ["xpd"])]
+        conv_in = "xpd"
+    nodes += [helper.make_node("QuantizeLinear", ["w", "w_scale", "w_zp"], ["wq"], axis=0),
+              helper.make_node("DequantizeLinear", ["wq", "w_scale", "w_zp"], ["wd"], axis=0),
+              helper.make_node("Conv", [conv_in, "wd"] + (["b"] if bias else []), ["y"])]
+    graph = helper.make_graph(nodes, "fake_quant_conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, weight.shape[1], 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c", "h", "w"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # Q/DQ computed as written
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def test_weights_become_int8_initializers_and_biases_int32_and_the_graph_computes_the_same():
+    weight = RNG.normal(size=(6, 4, 3, 3)).astype(np.float32)
+    x = RNG.uniform(-2, 2, size=(1, 4, 8, 8)).astype(np.float32)
+    model = _fake_quant_conv(weight)
+    want = _run(model, x)
+    rewrite_qdq(model)
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("QuantizeLinear") == 1  # the activation's only: the weight's Q is folded into its codes
+    inits = _initializers(model)
+    codes = inits["wq_int"]
+    assert codes.dtype == np.int8 and codes.shape == weight.shape and int(np.abs(codes).max()) == 127
+    bias = inits["b_int32"]
+    assert bias.dtype == np.int32 and bias.shape == (6,)
+    np.testing.assert_allclose(inits["b_scale"], X_SCALE * inits["w_scale"], rtol=1e-6)
+    assert "w" not in inits and "b" not in inits  # float weight and bias no longer stored
+    got = _run(model, x)
+    # the same weights; the bias moved onto its int32 grid by at most half a step (x_scale * w_scale / 2)
+    np.testing.assert_allclose(got, want, atol=float(inits["b_scale"].max()) / 2 + 1e-5)
+
+
+def test_a_zero_pad_on_the_quantized_grid_is_folded_into_the_conv():
+    weight = RNG.normal(size=(3, 2, 3, 3)).astype(np.float32)
+    x = RNG.uniform(-2, 2, size=(1, 2, 8, 8)).astype(np.float32)
+    model = _fake_quant_conv(weight, pad=True, bias=False)
+    want = _run(model, x)
+    rewrite_qdq(model)
+    assert "Pad" not in [n.op_type for n in model.graph.node]
+    conv = next(n for n in model.graph.node if n.op_type == "Conv")
+    assert conv.input[0] == "xd" and list(next(a.ints for a in conv.attribute if a.name == "pads")) == [1, 1, 1, 1]
+    np.testing.assert_allclose(_run(model, x), want, atol=1e-5)  # zero is exact on the grid
+
+
+def test_exact_8_bit_weights_are_stored_as_uint8_only_when_promoted():
+    """Under "u8s7" a layer promoted to exact 8-bit weights leaves the 7-bit grid: stored as uint8 with zero
+    point 128 (ONNX Runtime's u8 x u8 kernels), the same values. Without promotions (the VNNI scheme "u8s8")
+    8-bit codes stay int8; a count that disagrees with what left the grid is an internal error, never a
+    silently different graph."""
+    weight = RNG.normal(size=(6, 4, 3, 3)).astype(np.float32)  # scaled to 127: beyond the 7-bit grid
+    x = RNG.uniform(-2, 2, size=(1, 4, 8, 8)).astype(np.float32)
+    want = _run(_fake_quant_conv(weight, bias=False), x)
+
+    promoted = rewrite_qdq(_fake_quant_conv(weight, bias=False), u8_weights=1)
+    inits = _initializers(promoted)
+    codes, zp = inits["wq_int"], inits["wq_zp_u8"]
+    assert codes.dtype == np.uint8 and zp.dtype == np.uint8 and bool((zp == U8_WEIGHT_ZERO_POINT).all())
+    signed = codes.astype(np.int16) - U8_WEIGHT_ZERO_POINT
+    assert int(signed.min()) < WEIGHT_7BIT[0] or int(signed.max()) > WEIGHT_7BIT[1]
+    np.testing.assert_allclose(_run(promoted, x), want, atol=1e-5)
+
+    plain = _initializers(rewrite_qdq(_fake_quant_conv(weight, bias=False)))
+    assert plain["wq_int"].dtype == np.int8 and np.array_equal(plain["wq_int"].astype(np.int16), signed)
+    with pytest.raises(RuntimeError, match=r"^2 layers have exact 8-bit weights but 1 weights left the 7-bit grid$"):
+        rewrite_qdq(_fake_quant_conv(weight, bias=False), u8_weights=2)
