@@ -43,7 +43,7 @@ import torch
 from edgekit.compress.families import family_of, hf_model
 from edgekit.errors import BadInputError
 from edgekit.evaluate import make_runner, window_nll
-from edgekit.export.packing import dequantized_once
+from edgekit.export.packing import dequantized_once, keep_dequantized_budget
 from edgekit.memory import drop_file_pages, float32_compute, own_memory, release_memory
 from edgekit.onnx_checks import ort_errors, ort_failure
 from edgekit.schema import check_fields
@@ -296,8 +296,10 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     run = _runner(handle)
     lm = handle.kind == "causal-lm" and bool(ref.feeds) and "input_ids" in ref.feeds[0]
     head = lm_head(handle.module) if lm and handle.module is not None else None
-    # packed 4-bit layers: dequantized once for all the windows, not on every forward (same outputs)
-    with dequantized_once(handle.module) if handle.module is not None else nullcontext():
+    # packed 4-bit layers: dequantized once for all the windows, not on every forward (same outputs), as
+    # far as the memory goal allows (nothing kept for small models, up to 1 GiB from ~1B parameters on)
+    with dequantized_once(handle.module, max_bytes=keep_dequantized_budget(handle.module)) \
+            if handle.module is not None else nullcontext():
         for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):
             st = _stats(handle, run, head, f, idx, len(idx))
             if ref.nll is not None and st.nll is not None:

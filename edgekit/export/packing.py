@@ -51,6 +51,11 @@ Device = torch.device | str | None
 FORWARD_CHUNK = 1 << 24
 # dequantized_once keeps at most this many bytes of float weights (SmolLM2-135M's 4-bit linears: 0.54 GiB)
 KEEP_DEQUANTIZED_BYTES = 1 << 30
+# compress's memory goal: its peak within 1.5x the model in bfloat16 (plus one block). What the quality
+# gate keeps dequantized must fit in what that leaves beside the packed model and what the gate holds
+# anyway (the imported libraries, one window's activations and logits: about 1 GiB).
+MEMORY_GOAL_BF16_FACTOR = 1.5
+GATE_RESERVE_BYTES = 1 << 30
 
 
 def num_groups(cols: int, group_size: int) -> int:
@@ -287,6 +292,26 @@ def dequantized_once(module: nn.Module, dtype: torch.dtype = torch.float32,
     finally:
         for m in kept:
             m._kept = None
+
+
+def keep_dequantized_budget(module: nn.Module) -> int:
+    """The float bytes ``dequantized_once`` may keep for ``module`` (a packed model) within the memory
+    goal: ``1.5 x`` its weights in bfloat16, less its stored bytes and ``GATE_RESERVE_BYTES``, at most
+    ``KEEP_DEQUANTIZED_BYTES``; 0 for a small model, whose imports alone exceed the goal (SmolLM2-135M),
+    ~1 GiB from 1B parameters on. The same outputs either way: only the CPU time differs."""
+    stored, weights, seen = 0, 0, set()
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            stored += t.numel() * t.element_size()
+            weights += t.numel() if t.is_floating_point() else 0
+    tables = set()
+    for m in module.modules():  # packed tables: the weights they stand for (a tied pair once)
+        if isinstance(m, _PackedTable) and m.qweight.data_ptr() not in tables:
+            tables.add(m.qweight.data_ptr())
+            weights += m._rows * m._cols
+    budget = int(MEMORY_GOAL_BF16_FACTOR * 2 * weights) - stored - GATE_RESERVE_BYTES
+    return max(0, min(KEEP_DEQUANTIZED_BYTES, budget))
 
 
 class QuantEmbedding(_PackedTable):

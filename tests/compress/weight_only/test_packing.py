@@ -129,3 +129,23 @@ def test_dequantized_once_gives_the_same_outputs_without_dequantizing_per_forwar
         assert torch.equal(run(), want)
         assert calls == ["small", "table", "table", "table"]  # the table: its 3 blocks, per forward
     assert torch.equal(run(), want) and small._kept is None
+
+
+def test_the_gate_keeps_dequantized_weights_only_within_the_memory_goal(monkeypatch):
+    """``keep_dequantized_budget``: 1.5x the model's weights in bfloat16, less what it stores and the gate's
+    reserve, capped; a tied head and embedding count once; a small model keeps nothing."""
+    from edgekit.export import packing
+
+    torch.manual_seed(0)
+    head = quantize_linear(nn.Linear(64, 96, bias=False), bits=4, group_size=32)
+    emb = QuantEmbedding(96, 64, bits=4, group_size=32)
+    emb.tie_to(head)
+    model = nn.ModuleDict({"head": head, "emb": emb, "norm": nn.LayerNorm(64)})
+    # stored once: 4-bit codes 96 x 64 / 2, float32 scales 96 x 2, 4-bit zero points 96 x 2 / 2, the norm's 2 x 64 float32
+    stored = 96 * 64 // 2 + 96 * 2 * 4 + 96 * 2 // 2 + 2 * 64 * 4
+    weights = 96 * 64 + 96 * 2 + 2 * 64  # the table once, its float scales, the norm
+    assert packing.keep_dequantized_budget(model) == 0  # a real gate's 1 GiB reserve is far beyond this model
+    monkeypatch.setattr(packing, "GATE_RESERVE_BYTES", 0)
+    assert packing.keep_dequantized_budget(model) == int(1.5 * 2 * weights) - stored
+    monkeypatch.setattr(packing, "KEEP_DEQUANTIZED_BYTES", 1000)
+    assert packing.keep_dequantized_budget(model) == 1000
