@@ -780,7 +780,7 @@ def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[s
     (clip search). Before calibration (``int8.apply``) that is all, and GPTQ rounding and bias correction
     then work on that grid; after them (the fallback) the layer's float weights and uncorrected bias come
     back first (both were for the 7-bit grid) and it is rounded to nearest. Exported, the weights are
-    stored as uint8 (``rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted (those
+    stored as uint8 (``qdq_onnx.rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted (those
     in ``u8u8_candidates``); no change to any other layer, nothing under another scheme."""
     if plan.scheme != "u8s7":
         return []
