@@ -38,81 +38,6 @@ class SmoothConfig:
 
 
 @dataclass(frozen=True)
-class CalibrationConfig:
-    """What the range calibration reads (``step.calibrate``, ``calibration.py``). method: None (the
-    path's own: ``TORCH_CALIB_METHOD`` on the PyTorch path) or one of ``CALIB_METHODS``; percentile:
-    for "percentile"; samples: how many calibration samples."""
-
-    method: str | None = None
-    percentile: float = 99.99
-    samples: int = 128
-
-    def __post_init__(self) -> None:
-        if self.method is not None and self.method not in CALIB_METHODS:
-            raise bad_choice("calibration method", self.method, CALIB_METHODS)
-        if not (50.0 < float(self.percentile) <= 100.0):
-            raise BadInputError(f"percentile must be in (50, 100], got {self.percentile}")
-        if int(self.samples) < MIN_CALIB_SAMPLES:
-            raise BadInputError(f"calib_samples must be at least {MIN_CALIB_SAMPLES}, got {self.samples}")
-
-
-@dataclass(frozen=True)
-class RoundingConfig:
-    """How the weights reach their int8 grid (``rounding.py``, ``equalize.correct_bias``). rounding:
-    "gptq" (column by column against each layer's output error) or "nearest"; bias_correction:
-    correct each layer's output mean shift afterwards."""
-
-    rounding: str = "gptq"
-    bias_correction: bool = True
-
-    def __post_init__(self) -> None:
-        if self.rounding not in ROUNDINGS:
-            raise bad_choice("weight rounding", self.rounding, ROUNDINGS)
-
-
-@dataclass(frozen=True)
-class FallbackConfig:
-    """The accuracy fallback (``sensitivity.fall_back``). max_accuracy_drop: None (off) or the
-    largest allowed drop in percentage points; samples: calib-split samples held out for its
-    measurements; candidates: how many of the lowest-SQNR activations it measures (None: all)."""
-
-    max_accuracy_drop: float | None = None
-    samples: int = 128
-    candidates: int | None = 12
-
-    def __post_init__(self) -> None:
-        if self.max_accuracy_drop is not None and not (0.0 <= float(self.max_accuracy_drop) <= 100.0):
-            raise BadInputError(f"max_accuracy_drop must be in [0, 100] percentage points (0.5 = half a point), "
-                                f"got {self.max_accuracy_drop}")
-        if int(self.samples) < 1:
-            raise BadInputError(f"fallback_samples must be at least 1, got {self.samples}")
-        if self.candidates is not None and int(self.candidates) < 1:
-            raise BadInputError(f"fallback_candidates must be at least 1 (or None: all), got {self.candidates}")
-
-
-@dataclass(frozen=True)
-class QatConfig:
-    """Quantization-aware training (``qat.train_qat``): epochs, lr (Adam), batch_size, max_steps per
-    epoch (None: the whole train split), learnable_scales (activation scales trained too)."""
-
-    epochs: int = 1
-    lr: float = 1e-4
-    batch_size: int = 32
-    max_steps: int | None = None
-    learnable_scales: bool = False
-
-    def __post_init__(self) -> None:
-        if int(self.epochs) < 1:
-            raise BadInputError(f"qat_epochs must be at least 1, got {self.epochs}")
-        if not (0.0 < float(self.lr) < 1.0):
-            raise BadInputError(f"qat_lr must be in (0, 1), got {self.lr}")
-        if int(self.batch_size) < 1:
-            raise BadInputError(f"qat_batch_size must be at least 1, got {self.batch_size}")
-        if self.max_steps is not None and int(self.max_steps) < 1:
-            raise BadInputError(f"qat_max_steps must be at least 1, got {self.max_steps}")
-
-
-@dataclass(frozen=True)
 class Int8Config:
     """INT8 settings (the CLI's flags map onto these names).
 
@@ -199,15 +124,34 @@ class Int8Config:
         check_fields(self)  # types from the annotations, before the range checks below
         if self.method not in QAT_METHODS:
             raise bad_choice("quantization method", self.method, QAT_METHODS)
-        self.calibration_config()  # each technique's own checks, one line each
+        if self.calib_method is not None and self.calib_method not in CALIB_METHODS:
+            raise bad_choice("calibration method", self.calib_method, CALIB_METHODS)
+        if not (50.0 < float(self.percentile) <= 100.0):
+            raise BadInputError(f"percentile must be in (50, 100], got {self.percentile}")
+        if int(self.calib_samples) < MIN_CALIB_SAMPLES:
+            raise BadInputError(f"calib_samples must be at least {MIN_CALIB_SAMPLES}, got {self.calib_samples}")
         if self.scheme is not None and self.scheme not in SCHEMES:
             raise bad_choice("quantization scheme", self.scheme, SCHEMES)
-        self.fallback_config()
-        self.rounding_config()
+        if self.max_accuracy_drop is not None and not (0.0 <= float(self.max_accuracy_drop) <= 100.0):
+            raise BadInputError(f"max_accuracy_drop must be in [0, 100] percentage points (0.5 = half a point), "
+                                f"got {self.max_accuracy_drop}")
+        if self.rounding not in ROUNDINGS:
+            raise bad_choice("weight rounding", self.rounding, ROUNDINGS)
         if isinstance(self.keep_float, str) or not all(isinstance(k, str) and k for k in self.keep_float):
             raise BadInputError(f"keep_float must be a list of layer names (or 'first' / 'last'), got {self.keep_float!r}")
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
-        self.qat_config()
+        if int(self.fallback_samples) < 1:
+            raise BadInputError(f"fallback_samples must be at least 1, got {self.fallback_samples}")
+        if self.fallback_candidates is not None and int(self.fallback_candidates) < 1:
+            raise BadInputError(f"fallback_candidates must be at least 1 (or None: all), got {self.fallback_candidates}")
+        if int(self.qat_epochs) < 1:
+            raise BadInputError(f"qat_epochs must be at least 1, got {self.qat_epochs}")
+        if not (0.0 < float(self.qat_lr) < 1.0):
+            raise BadInputError(f"qat_lr must be in (0, 1), got {self.qat_lr}")
+        if int(self.qat_batch_size) < 1:
+            raise BadInputError(f"qat_batch_size must be at least 1, got {self.qat_batch_size}")
+        if self.qat_max_steps is not None and int(self.qat_max_steps) < 1:
+            raise BadInputError(f"qat_max_steps must be at least 1, got {self.qat_max_steps}")
         if self.eval_samples is not None and int(self.eval_samples) < 1:
             raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
         if self.placement not in PLACEMENTS:
@@ -220,25 +164,3 @@ class Int8Config:
         if not self.per_channel:
             raise BadInputError("per_channel=False is not supported: per-tensor int8 weights lose too much "
                                 "accuracy on depthwise convolutions (use per_channel=True)")
-
-    def calibration_config(self) -> CalibrationConfig:
-        """The range calibration's own options.
-
-        >>> Int8Config(calib_method="percentile").calibration_config()
-        CalibrationConfig(method='percentile', percentile=99.99, samples=128)
-        """
-        return CalibrationConfig(method=self.calib_method, percentile=self.percentile, samples=self.calib_samples)
-
-    def rounding_config(self) -> RoundingConfig:
-        """How the weights are rounded onto their grid, and whether biases are corrected after."""
-        return RoundingConfig(rounding=self.rounding, bias_correction=self.bias_correction)
-
-    def fallback_config(self) -> FallbackConfig:
-        """The accuracy fallback's options (off when ``max_accuracy_drop`` is None)."""
-        return FallbackConfig(max_accuracy_drop=self.max_accuracy_drop, samples=self.fallback_samples,
-                              candidates=self.fallback_candidates)
-
-    def qat_config(self) -> QatConfig:
-        """Quantization-aware training's options (read when ``method`` is "qat")."""
-        return QatConfig(epochs=self.qat_epochs, lr=self.qat_lr, batch_size=self.qat_batch_size,
-                         max_steps=self.qat_max_steps, learnable_scales=self.learnable_scales)

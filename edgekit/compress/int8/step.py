@@ -51,13 +51,7 @@ from edgekit.compress.int8.calibration import (
     tensor_batches,
 )
 from edgekit.compress.int8.calibration import quality as quality_of
-from edgekit.compress.int8.config import (
-    MIN_CALIB_SAMPLES,
-    TORCH_CALIB_METHOD,
-    CalibrationConfig,
-    Int8Config,
-    SmoothConfig,
-)
+from edgekit.compress.int8.config import MIN_CALIB_SAMPLES, TORCH_CALIB_METHOD, Int8Config, SmoothConfig
 from edgekit.compress.int8.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8.onnx_graph import eval_limit, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.int8.qat import train_qat
@@ -148,8 +142,7 @@ def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepConte
     """(calibration samples, fallback samples): with ``max_accuracy_drop``, the calib split's
     samples after the first ``calib_samples`` are held out for the fallback's measurements
     (the calibration samples themselves when the split has no more); else (samples, None)."""
-    fallback = config.fallback_config()
-    extra = int(fallback.samples) if fallback.max_accuracy_drop is not None else 0
+    extra = int(config.fallback_samples) if config.max_accuracy_drop is not None else 0
     try:
         samples = load_split(handle, ctx, "calib", config.calib_samples + extra)
     except BadInputError:
@@ -261,19 +254,18 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     nhwc = qdq.channels_last_ok(gm, calib, names)  # NHWC-ordered inputs: faster convolutions in every pass below
     with phases("calibrate"):
         qdq.update_weight_scales(gm, plan)
-        calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
+        calibrate(gm, calib, names, config, channels_last=nhwc)
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
         for q in exclusive_input_quants(gm, set(kept_float)):
             qdq.act_quant(gm, q).mode = "float"
             float_inputs.append(plan.activations[q])
     meta["float_activations"] = float_inputs
-    rounding = config.rounding_config()
     with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
-        if rounding.rounding == "gptq":
+        if config.rounding == "gptq":
             with phases("gptq_rounding"):
                 meta["gptq"] = round_model(gm, plan, calib, names, channels_last=nhwc)
-        if rounding.bias_correction:
+        if config.bias_correction:
             with phases("bias_correction"):
                 meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names, channels_last=nhwc)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
@@ -296,19 +288,17 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
 
     if config.method == "qat":
-        metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config.qat_config(),
-                                   ctx, names, step_config=config_to_dict(config))
+        metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config, ctx, names)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
         qdq.clip_weights_to_grid(gm, plan)
 
     float_layers: list[str] = list(kept_float)
     with qdq.fast_fake_quant(gm):
-        fallback = config.fallback_config()
-        if fallback.max_accuracy_drop is not None and held_out is not None:  # held out exactly then
+        if config.max_accuracy_drop is not None and held_out is not None:  # held out exactly then
             # measured on calibration-split samples held out of range calibration, never on eval
             held_ref = run_module(reference, held_out, names)
             report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                               fallback.max_accuracy_drop / 100.0, evaluator, candidates=fallback.candidates,
+                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates,
                                promote=scheme == "u8s7")
             report["held_out_of_calibration"] = held_out is not calib
             float_layers += [n for n in report["float_layers"] if n not in float_layers]
@@ -438,17 +428,16 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
     return new, record
 
 
-def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: CalibrationConfig, batch_size: int = 16,
+def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: Int8Config, batch_size: int = 16,
               channels_last: bool = False) -> None:
-    """One streaming pass over the calibration data, then ranges by ``config.method`` (None: the
-    PyTorch path's ``TORCH_CALIB_METHOD``)."""
+    """One streaming pass over the calibration data, then ranges by ``config.calib_method``."""
 
     gm.eval()
     qdq.set_mode(gm, "observe")
     with torch.no_grad(), qdq.fast_fake_quant(gm):  # each weight quantized once for the whole pass
         for args in tensor_batches(samples, names, batch_size, channels_last):
             gm(*args)
-    qdq.finish_calibration(gm, config.method or TORCH_CALIB_METHOD, config.percentile)
+    qdq.finish_calibration(gm, config.calib_method or TORCH_CALIB_METHOD, config.percentile)
     for m in qdq.act_quants(gm):
         m.observer = None  # free the histograms
 
