@@ -200,7 +200,7 @@ def main() -> None:
     equalized = equalize(gm, plan)
     nhwc = qdq.channels_last_ok(gm, calib, names)
     qdq.update_weight_scales(gm, plan)
-    calibrate(gm, calib, names, config, channels_last=nhwc)
+    calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
     calib_cpu_s = time.process_time() - c0
     print(f"calibrated in {calib_cpu_s:.0f} CPU s ({time.perf_counter() - t0:.0f} s wall)", flush=True)
 

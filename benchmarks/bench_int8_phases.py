@@ -66,7 +66,7 @@ def run_once(sample: int | None, calib: Any, val: Any, names: list[str], module:
         timed("equalize", lambda: equalize(gm, plan))
         nhwc = timed("nhwc_check", lambda: qdq.channels_last_ok(gm, calib, names))
         timed("scales", lambda: qdq.update_weight_scales(gm, plan))
-        timed("calibrate", lambda: calibrate(gm, calib, names, Int8Config(), channels_last=nhwc))
+        timed("calibrate", lambda: calibrate(gm, calib, names, Int8Config().calibration_config(), channels_last=nhwc))
         with qdq.fast_fake_quant(gm):
             timed("gptq", lambda: round_model(gm, plan, calib, names, channels_last=nhwc))
             timed("bias", lambda: correct_bias(gm, plan, module, calib, names, channels_last=nhwc))

@@ -1,8 +1,10 @@
 """INT8 weights and activations (the "int8" step): post-training quantization and QAT to a
 Q/DQ graph that the target's engines fuse.
 
-Where things are: ``config.py`` (``Int8Config``, ``SmoothConfig`` and the choices they check;
-no torch: the command line reads it), ``calibration.py`` (observers, ranges, calibration data
+Where things are: ``technique_configs.py`` (each technique's small config: ``CalibrationConfig``,
+``RoundingConfig``, ``QatConfig``, ``FallbackConfig``, ``OnnxGraphConfig``, ``SmoothConfig``, and
+the choices they check), ``config.py`` (``Int8Config``, the step's options, which builds them; both
+without torch: the command line reads them), ``calibration.py`` (observers, ranges, calibration data
 and metrics), ``qdq.py`` (the fake-quant graph and its ONNX rewrite), ``equalize.py``
 (cross-layer equalization, bias correction), ``smooth.py`` (SmoothQuant for causal LMs),
 ``rounding.py`` (GPTQ rounding on the int8 grid), ``sensitivity.py`` (the float fallback),

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from edgekit.compress import StepContext
-from edgekit.compress.int8.config import CALIB_METHODS
+from edgekit.compress.int8.technique_configs import CALIB_METHODS
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
 from edgekit.sources.data import Samples, check_arrays, load_samples

@@ -2,39 +2,35 @@
 imports no PyTorch or ONNX: the command line builds ``edgekit compress``'s flags from
 ``Int8Config`` (and recipes are checked against it) without loading the step.
 
-The choices the config validates against live here too, and the modules that do the work
-(``step.py``, ``qdq.py``, ``calibration.py``, ``onnx_graph.py``, ``smooth.py``) import them.
+``Int8Config`` is what the user gives; each technique reads its own small config
+(``technique_configs.py``), which ``Int8Config`` builds: ``calibration_config()``,
+``rounding_config()``, ``qat_config()``, ``fallback_config()``, ``onnx_graph_config()``,
+``smooth_config()``. The step's own choices (method, scheme, keep_float, equalize, u8u8_layers,
+eval_samples) stay here and ``step.py`` reads them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edgekit.compress.int8.technique_configs import (
+    CalibrationConfig,
+    FallbackConfig,
+    OnnxGraphConfig,
+    QatConfig,
+    RoundingConfig,
+    SmoothConfig,
+    check_layer_names,
+)
 from edgekit.compress.options import option
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.schema import check_fields
 
 QAT_METHODS = ("ptq", "qat")
-ROUNDINGS = ("nearest", "gptq")
 # PyTorch-path defaults, measured (benchmarks/RESULTS.md, issue 3): on EfficientNet-Lite0 mse
 # ranges beat percentile 99.99 (84.6% vs 82.4% top-1 agreement), and GPTQ rounding cut the
 # held-out calibration KL 3x at the same engine speed; on the Fashion-MNIST CNN all are within 0.1 pt
 TORCH_CALIB_METHOD = "mse"
 SCHEMES = ("u8s8", "u8s7", "s8s8", "trt")  # the Q/DQ forms (qdq.py)
-CALIB_METHODS = ("minmax", "percentile", "entropy", "mse")  # activation range choices (calibration.py)
-MIN_CALIB_SAMPLES = 8
-PLACEMENTS = ("auto", "linear", "all")  # where Q/DQ go in an ONNX graph (onnx_graph.py)
-
-
-@dataclass(frozen=True)
-class SmoothConfig:
-    """alpha: how much of each channel's activation range moves into the weights, in [0, 1]."""
-
-    alpha: float = 0.5
-
-    def __post_init__(self) -> None:
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= float(self.alpha) <= 1.0:
-            raise BadInputError(f"smoothing alpha must be a number in [0, 1] (0.5 balances activations and weights), "
-                                f"got {self.alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -124,43 +120,52 @@ class Int8Config:
         check_fields(self)  # types from the annotations, before the range checks below
         if self.method not in QAT_METHODS:
             raise bad_choice("quantization method", self.method, QAT_METHODS)
-        if self.calib_method is not None and self.calib_method not in CALIB_METHODS:
-            raise bad_choice("calibration method", self.calib_method, CALIB_METHODS)
-        if not (50.0 < float(self.percentile) <= 100.0):
-            raise BadInputError(f"percentile must be in (50, 100], got {self.percentile}")
-        if int(self.calib_samples) < MIN_CALIB_SAMPLES:
-            raise BadInputError(f"calib_samples must be at least {MIN_CALIB_SAMPLES}, got {self.calib_samples}")
         if self.scheme is not None and self.scheme not in SCHEMES:
             raise bad_choice("quantization scheme", self.scheme, SCHEMES)
-        if self.max_accuracy_drop is not None and not (0.0 <= float(self.max_accuracy_drop) <= 100.0):
-            raise BadInputError(f"max_accuracy_drop must be in [0, 100] percentage points (0.5 = half a point), "
-                                f"got {self.max_accuracy_drop}")
-        if self.rounding not in ROUNDINGS:
-            raise bad_choice("weight rounding", self.rounding, ROUNDINGS)
-        if isinstance(self.keep_float, str) or not all(isinstance(k, str) and k for k in self.keep_float):
-            raise BadInputError(f"keep_float must be a list of layer names (or 'first' / 'last'), got {self.keep_float!r}")
+        check_layer_names("keep_float", self.keep_float, "(or 'first' / 'last')")
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
-        if int(self.fallback_samples) < 1:
-            raise BadInputError(f"fallback_samples must be at least 1, got {self.fallback_samples}")
-        if self.fallback_candidates is not None and int(self.fallback_candidates) < 1:
-            raise BadInputError(f"fallback_candidates must be at least 1 (or None: all), got {self.fallback_candidates}")
-        if int(self.qat_epochs) < 1:
-            raise BadInputError(f"qat_epochs must be at least 1, got {self.qat_epochs}")
-        if not (0.0 < float(self.qat_lr) < 1.0):
-            raise BadInputError(f"qat_lr must be in (0, 1), got {self.qat_lr}")
-        if int(self.qat_batch_size) < 1:
-            raise BadInputError(f"qat_batch_size must be at least 1, got {self.qat_batch_size}")
-        if self.qat_max_steps is not None and int(self.qat_max_steps) < 1:
-            raise BadInputError(f"qat_max_steps must be at least 1, got {self.qat_max_steps}")
-        if self.eval_samples is not None and int(self.eval_samples) < 1:
-            raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")
-        if self.placement not in PLACEMENTS:
-            raise bad_choice("INT8 placement", self.placement, PLACEMENTS)
-        if isinstance(self.u8u8_layers, str) or not all(isinstance(k, str) and k for k in self.u8u8_layers):
-            raise BadInputError(f"u8u8_layers must be a list of layer names (or 'first'), got {self.u8u8_layers!r}")
+        check_layer_names("u8u8_layers", self.u8u8_layers, "(or 'first')")
         object.__setattr__(self, "u8u8_layers", tuple(self.u8u8_layers))
-        if self.smooth_alpha is not None:
-            SmoothConfig(self.smooth_alpha)  # range check, one line
+        # every technique's range checks, whether or not this run uses it: a recipe's bad value stops
+        # before any work (the fallback's sizes are checked at a zero drop when it is off)
+        self.onnx_graph_config()  # the calibration, placement and eval_samples
+        self.rounding_config()
+        self.qat_config()
+        FallbackConfig(self.max_accuracy_drop or 0.0, self.fallback_samples, self.fallback_candidates)
+        self.smooth_config()
         if not self.per_channel:
             raise BadInputError("per_channel=False is not supported: per-tensor int8 weights lose too much "
                                 "accuracy on depthwise convolutions (use per_channel=True)")
+
+    def calibration_config(self) -> CalibrationConfig:
+        """What range calibration reads.
+
+        >>> Int8Config(calib_method="minmax", calib_samples=16).calibration_config()
+        CalibrationConfig(method='minmax', percentile=99.99, samples=16)
+        """
+        return CalibrationConfig(method=self.calib_method, percentile=self.percentile, samples=self.calib_samples)
+
+    def rounding_config(self) -> RoundingConfig:
+        """What the weight rounding and bias correction read."""
+        return RoundingConfig(rounding=self.rounding, bias_correction=self.bias_correction)
+
+    def qat_config(self) -> QatConfig:
+        """What quantization-aware training reads (built whatever ``method``; used under "qat")."""
+        return QatConfig(epochs=self.qat_epochs, lr=self.qat_lr, batch_size=self.qat_batch_size,
+                         max_steps=self.qat_max_steps, learnable_scales=self.learnable_scales)
+
+    def fallback_config(self) -> FallbackConfig | None:
+        """What the accuracy fallback reads; None without ``max_accuracy_drop`` (no fallback)."""
+        if self.max_accuracy_drop is None:
+            return None
+        return FallbackConfig(max_accuracy_drop=self.max_accuracy_drop, samples=self.fallback_samples,
+                              candidates=self.fallback_candidates)
+
+    def onnx_graph_config(self) -> OnnxGraphConfig:
+        """What quantizing an ONNX graph reads (ONNX-only models, models torch.fx cannot trace)."""
+        return OnnxGraphConfig(calibration=self.calibration_config(), placement=self.placement,
+                               keep_float=self.keep_float, eval_samples=self.eval_samples)
+
+    def smooth_config(self) -> SmoothConfig | None:
+        """What SmoothQuant reads; None when ``smooth_alpha`` is not given (off)."""
+        return None if self.smooth_alpha is None else SmoothConfig(self.smooth_alpha)

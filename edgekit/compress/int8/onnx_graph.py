@@ -60,7 +60,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import onnx
@@ -68,7 +68,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.compress import StepContext, config_to_dict, step_rewrite
+from edgekit.compress import StepContext, step_rewrite
 from edgekit.compress.int8 import qdq
 from edgekit.compress.int8.calibration import (
     HistogramObserver,
@@ -77,14 +77,14 @@ from edgekit.compress.int8.calibration import (
     qparams,
     score,
 )
-from edgekit.compress.int8.config import MIN_CALIB_SAMPLES, PLACEMENTS
+from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, PLACEMENTS, OnnxGraphConfig
 from edgekit.compress.quality import EVAL_WINDOWS
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import compare_lm
 from edgekit.onnx_checks import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.sources.data import Samples, resolve_samples
-from edgekit.sources.handle import ModelHandle, StepRecord, data_view
+from edgekit.sources.handle import ModelHandle, data_view
 from edgekit.sources.onnx_file import (
     ONNX_LOAD_ERRORS,
     QuantizedGraph,
@@ -97,26 +97,6 @@ from edgekit.sources.onnx_file import (
 OP_TYPES = ["Conv", "MatMul", "Gemm", "Add", "Mul", "GlobalAveragePool", "AveragePool", "MaxPool",
             "Relu", "Clip", "Concat", "Reshape", "Flatten", "Transpose", "Sigmoid", "Resize"]
 
-
-class OnnxInt8Options(Protocol):
-    """What the ONNX-graph path reads from the int8 step's config (``Int8Config``, a dataclass)."""
-
-    @property
-    def method(self) -> str: ...
-    @property
-    def calib_method(self) -> str | None: ...
-    @property
-    def percentile(self) -> float: ...
-    @property
-    def calib_samples(self) -> int: ...
-    @property
-    def max_accuracy_drop(self) -> float | None: ...
-    @property
-    def eval_samples(self) -> int | None: ...
-    @property
-    def placement(self) -> str: ...
-    @property
-    def keep_float(self) -> tuple[str, ...]: ...
 
 LINEAR_OPS = ("MatMul", "Gemm")
 WEIGHT_OPS = ("MatMul", "Gemm", "Conv")  # input 1 is the weight
@@ -987,17 +967,12 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     return model
 
 
-def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: StepContext, scheme: str,
-                         kernels: str | None = None) -> ModelHandle:
+def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: StepContext, scheme: str,
+                         kernels: str | None = None) -> tuple[ModelHandle, dict[str, Any]]:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
     with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
-    compute it (``kernels``: ``runtimes.int8_kernels`` semantics; None: this machine's). ``config`` is
-    an ``Int8Config``."""
-    if config.method != "ptq":
-        raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
-                            "is possible (QAT needs the PyTorch model)")
-    if config.max_accuracy_drop is not None:
-        raise BadInputError(f"--max-accuracy-drop needs the PyTorch model; {handle.name!r} is ONNX-only")
+    compute it (``kernels``: ``runtimes.int8_kernels`` semantics; None: this machine's). Returns the
+    quantized handle and what the step's record keeps of it (the step writes the record)."""
     if handle.onnx_path is None:
         raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")
     t0 = time.perf_counter()
@@ -1006,13 +981,13 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     view = data_view(handle)
     calib_note = None
     try:
-        samples = load_split(view, ctx, "calib", config.calib_samples)
+        samples = load_split(view, ctx, "calib", config.calibration.samples)
     except BadInputError:
         # a split smaller than the ask (SmolLM2's lee-news calib split holds 90 windows of 512 tokens, the
         # default asks 128): all of it, said in the metrics, rather than a refusal of the default command
         samples = load_split(view, ctx, "calib", None)
-        calib_note = f"the calib split holds {len(samples)} samples, fewer than the {config.calib_samples} asked: all used"
-    need = min(MIN_CALIB_SAMPLES, config.calib_samples)
+        calib_note = f"the calib split holds {len(samples)} samples, fewer than the {config.calibration.samples} asked: all used"
+    need = min(MIN_CALIB_SAMPLES, config.calibration.samples)
     if len(samples) < need:
         raise BadInputError(f"calibration data {samples.source!r} has {len(samples)} samples; INT8 calibration "
                             f"needs at least {need}")
@@ -1025,7 +1000,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     # CPU time on SmolLM2-135M (198 vs 196 s for 32 windows: ONNX Runtime's forward passes are the cost) and
     # moved validation perplexity by 1% (benchmarks/RESULTS.md, issue 31)
     keep = float_layers_to_keep(handle, config)
-    info, run = quantize_and_verify(src, dst, samples, names, config.calib_method, config.percentile, scheme,
+    info, run = quantize_and_verify(src, dst, samples, names, config.calibration.method, config.calibration.percentile, scheme,
                                     batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement,
                                     keep_float=keep)
     metrics: dict[str, Any] = {"scheme": scheme, "calib_samples": len(samples),
@@ -1054,14 +1029,11 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
     new.extra = {**handle.extra, "int8_workdir": workdir}
     if handle.make_inputs is None:  # random inputs: the verified real calibration batch serves better
         new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
-    new.steps = [*handle.steps, StepRecord("int8", config_to_dict(config),
-                                           {"scheme": scheme, "kernels": kernels or host_semantics(),
-                                            "from": "onnx", "float_layers": info.get("float_layers", []),
-                                            "keep_float": list(keep),
-                                            "placement": info["placement"], "calib_method": info["calib_method"]})]
     new.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
     ctx.metrics["int8"] = metrics
-    return new
+    return new, {"scheme": scheme, "kernels": kernels or host_semantics(), "from": "onnx",
+                 "float_layers": info.get("float_layers", []), "keep_float": list(keep),
+                 "placement": info["placement"], "calib_method": info["calib_method"]}
 
 
 
@@ -1073,7 +1045,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxInt8Options, ctx: Step
 LM_KEEP_FLOAT = (FFN_DOWN,)
 
 
-def float_layers_to_keep(handle: ModelHandle, config: OnnxInt8Options) -> tuple[str, ...]:
+def float_layers_to_keep(handle: ModelHandle, config: OnnxGraphConfig) -> tuple[str, ...]:
     """``config.keep_float``, else a causal LM's ``LM_KEEP_FLOAT`` (and nothing for other models)."""
     if config.keep_float:
         return tuple(config.keep_float)
@@ -1097,7 +1069,7 @@ def _session_runner(session: Any, names: list[str]) -> Any:
     return lambda feeds: session.run(None, {k: feeds[k] for k in names})
 
 
-def comparison_samples(view: ModelHandle, config: OnnxInt8Options, ctx: StepContext, calib: Samples) -> tuple[Samples, str]:
+def comparison_samples(view: ModelHandle, config: OnnxGraphConfig, ctx: StepContext, calib: Samples) -> tuple[Samples, str]:
     """Data to compare the INT8 graph with the float one on (``eval_limit`` samples): the eval data
     (given, or the model's default); else the eval split of the calibration source (disjoint from its
     calib split); only when neither exists, the calibration samples themselves (said so)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,29 +21,15 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from edgekit.artifact import sha256_json
-from edgekit.compress import StepContext, config_to_dict
+from edgekit.compress import StepContext
 from edgekit.compress.int8 import qdq
+from edgekit.compress.int8.technique_configs import QatConfig
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle
 from edgekit.training import Checkpoints, FitConfig, fit
 
 CHECKPOINT_STEPS = 200
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor | None]  # model inputs, labels
-
-
-class QatOptions(Protocol):
-    """What QAT reads from the int8 step's config (``Int8Config``)."""
-
-    @property
-    def qat_epochs(self) -> int: ...
-    @property
-    def qat_lr(self) -> float: ...
-    @property
-    def qat_batch_size(self) -> int: ...
-    @property
-    def qat_max_steps(self) -> int | None: ...
-    @property
-    def learnable_scales(self) -> bool: ...
 
 
 def qat_loss(out: torch.Tensor, ref: torch.Tensor | None, labels: torch.Tensor | None,
@@ -71,18 +57,20 @@ def qat_train_mode(gm: nn.Module) -> None:
             m.eval()
 
 
-def train_qat(gm: fx.GraphModule, reference: nn.Module, handle: ModelHandle, train: Samples, config: QatOptions,
-              ctx: StepContext, names: list[str]) -> dict[str, Any]:
-    """Fine-tune ``gm`` in place on ``train``; returns what it did (steps, loss, seconds, resumed)."""
+def train_qat(gm: fx.GraphModule, reference: nn.Module, handle: ModelHandle, train: Samples, config: QatConfig,
+              ctx: StepContext, names: list[str], run_key: dict[str, Any]) -> dict[str, Any]:
+    """Fine-tune ``gm`` in place on ``train``; returns what it did (steps, loss, seconds, resumed).
+    ``run_key``: what the model before QAT depends on (the whole step config): checkpoints resume
+    only a run with the same key, not one whose calibration differed."""
     if config.learnable_scales:
         for m in qdq.act_quants(gm):
             m.make_learnable()
     params = [p for p in gm.parameters() if p.requires_grad]
-    bs = int(config.qat_batch_size)
+    bs = int(config.batch_size)
     n = len(train)
     steps_per_epoch = max(1, (n + bs - 1) // bs)
-    if config.qat_max_steps is not None:
-        steps_per_epoch = min(steps_per_epoch, int(config.qat_max_steps))
+    if config.max_steps is not None:
+        steps_per_epoch = min(steps_per_epoch, int(config.max_steps))
     labels_all = train.labels
     use_ref = labels_all is None or handle.kind == "image-classifier"
     reference.eval()
@@ -104,17 +92,17 @@ def train_qat(gm: fx.GraphModule, reference: nn.Module, handle: ModelHandle, tra
                 ref = _first(reference(*args))
         return qat_loss(_first(gm(*args)), ref, labels, handle.evaluator)
 
-    key = sha256_json(config_to_dict(config))[:12]
+    key = sha256_json(run_key)[:12]
     checkpoints = None
     if ctx.work_dir is not None:
         checkpoints = Checkpoints(Path(ctx.work_dir) / f"int8_qat_{key}", every=CHECKPOINT_STEPS, fingerprint=sha256_json(
-            {"config": config_to_dict(config), "model": handle.source, "steps": [s.name for s in handle.steps],
+            {"config": run_key, "model": handle.source, "steps": [s.name for s in handle.steps],
              "data": train.source, "n": n}))
     t0 = time.perf_counter()
     result = fit(gm, loss_fn, batches,
-                 FitConfig(epochs=int(config.qat_epochs), lr=float(config.qat_lr), steps_per_epoch=steps_per_epoch,
+                 FitConfig(epochs=int(config.epochs), lr=float(config.lr), steps_per_epoch=steps_per_epoch,
                            grad_clip=None, seed=None),
-                 optimizer=torch.optim.Adam(params, lr=config.qat_lr), checkpoints=checkpoints,
+                 optimizer=torch.optim.Adam(params, lr=config.lr), checkpoints=checkpoints,
                  train_mode=qat_train_mode, progress=None if ctx.progress else False, description="int8 QAT")
     with torch.no_grad():
         for m in qdq.act_quants(gm):
@@ -125,7 +113,7 @@ def train_qat(gm: fx.GraphModule, reference: nn.Module, handle: ModelHandle, tra
         if isinstance(wq, qdq.WeightQuant):
             wq.update_scale(gm.get_parameter(wq.qname + ".weight"))
     losses = result.step_losses[result.resumed_from_step or 0:]  # this call's steps
-    return {"steps": len(losses), "epochs": int(config.qat_epochs), "resumed": result.resumed_from_step is not None,
+    return {"steps": len(losses), "epochs": int(config.epochs), "resumed": result.resumed_from_step is not None,
             "first_loss": round(losses[0], 5) if losses else None,
             "last_loss": round(float(np.mean(losses[-20:])), 5) if losses else None,
             "seconds": round(time.perf_counter() - t0, 2), "train_samples": n}

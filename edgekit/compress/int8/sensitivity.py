@@ -30,6 +30,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from edgekit.compress.int8 import qdq
 from edgekit.compress.int8.calibration import quality, run_module, score, tensor_batches
+from edgekit.compress.int8.technique_configs import FallbackConfig
 from edgekit.evaluate import agreement_metrics, cosine_metrics
 from edgekit.progress import progress_bar
 from edgekit.sources.data import Samples
@@ -222,16 +223,19 @@ def layer_sensitivity(gm: fx.GraphModule, units: list[FallbackUnit], samples: Sa
 
 
 def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], ref: np.ndarray,
-              fp32: dict[str, float], max_drop: float, evaluator: str | None, candidates: int | None = 12,
-              subset: int = 32, promote: bool = False) -> dict[str, Any]:
+              fp32: dict[str, float], config: FallbackConfig, evaluator: str | None, subset: int = 32,
+              promote: bool = False) -> dict[str, Any]:
     """Return the most sensitive layers (weights) and activations to float until the
     quality drop on ``samples`` (calibration-split data held out of range calibration;
-    ``ref``: the FP32 outputs on them) is <= ``max_drop`` (a fraction: 0.01 = 1 point).
-    ``candidates``: how many of the lowest-SQNR activations the scan measures besides every
+    ``ref``: the FP32 outputs on them) is <= ``config.max_accuracy_drop`` percentage points.
+    ``config.candidates``: how many of the lowest-SQNR activations the scan measures besides every
     layer's weights (None: all of them; one pass of ``subset`` samples each).
     ``promote`` (scheme "u8s7"): first give the sensitive layers on the 7-bit grid exact 8-bit weights
     (``qdq.promote_u8u8``: integer u8 x u8 kernels, far cheaper than float), most sensitive first, in
     growing steps; float units only if that is not enough. Promotions are kept (not given back)."""
+    max_drop = config.max_accuracy_drop / 100.0  # a fraction: 0.01 = 1 point
+    candidates = config.candidates
+
     def measure() -> dict[str, float]:
         return score(run_module(gm, samples, names), ref, samples.labels, evaluator)
 

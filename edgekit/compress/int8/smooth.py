@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from edgekit.compress.families import family_of
-from edgekit.compress.int8.config import SmoothConfig
+from edgekit.compress.int8.technique_configs import SmoothConfig
 from edgekit.compress.weight_only.awq import fold_producer, fold_scales
 from edgekit.compress.weight_only.blocks import find_blocks
 from edgekit.compress.wiring import probe_family

@@ -51,7 +51,8 @@ from edgekit.compress.int8.calibration import (
     tensor_batches,
 )
 from edgekit.compress.int8.calibration import quality as quality_of
-from edgekit.compress.int8.config import MIN_CALIB_SAMPLES, TORCH_CALIB_METHOD, Int8Config, SmoothConfig
+from edgekit.compress.int8.config import TORCH_CALIB_METHOD, Int8Config
+from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, CalibrationConfig, FallbackConfig
 from edgekit.compress.int8.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8.onnx_graph import eval_limit, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.int8.qat import train_qat
@@ -138,24 +139,25 @@ def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan) -> list[str]:
     return out
 
 
-def _calibration_samples(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tuple[Samples, Samples | None]:
-    """(calibration samples, fallback samples): with ``max_accuracy_drop``, the calib split's
-    samples after the first ``calib_samples`` are held out for the fallback's measurements
-    (the calibration samples themselves when the split has no more); else (samples, None)."""
-    extra = int(config.fallback_samples) if config.max_accuracy_drop is not None else 0
+def _calibration_samples(handle: ModelHandle, config: CalibrationConfig, fallback: FallbackConfig | None,
+                         ctx: StepContext) -> tuple[Samples, Samples | None]:
+    """(calibration samples, fallback samples): with a fallback, the calib split's samples after
+    the first ``config.samples`` are held out for the fallback's measurements (the calibration
+    samples themselves when the split has no more); else (samples, None)."""
+    extra = int(fallback.samples) if fallback is not None else 0
     try:
-        samples = load_split(handle, ctx, "calib", config.calib_samples + extra)
+        samples = load_split(handle, ctx, "calib", config.samples + extra)
     except BadInputError:
         if not extra:
             raise
         samples = load_split(handle, ctx, "calib", None)  # a split smaller than the limit
-    need = min(MIN_CALIB_SAMPLES, config.calib_samples)
+    need = min(MIN_CALIB_SAMPLES, config.samples)
     if len(samples) < need:
         raise BadInputError(f"calibration data {samples.source!r} has {len(samples)} samples; INT8 calibration "
                             f"needs at least {need}")
     if not extra:
         return samples, None
-    n = min(config.calib_samples, len(samples))
+    n = min(config.samples, len(samples))
     calib = samples.subset(slice(0, n))
     held = samples.subset(slice(n, len(samples))) if len(samples) - n >= MIN_CALIB_SAMPLES else calib
     return calib, held
@@ -219,7 +221,12 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if handle.module is None:
         if handle.onnx_path is None:
             raise BadInputError(f"model {handle.name!r} has neither a PyTorch module nor an ONNX graph to quantize")
-        return quantize_onnx_handle(handle, config, ctx, scheme, kernels)
+        if config.method != "ptq":
+            raise BadInputError(f"model {handle.name!r} is an ONNX file without a PyTorch module: only --method ptq "
+                                "is possible (QAT needs the PyTorch model)")
+        if config.max_accuracy_drop is not None:
+            raise BadInputError(f"--max-accuracy-drop needs the PyTorch model; {handle.name!r} is ONNX-only")
+        return _with_record(*quantize_onnx_handle(handle, config.onnx_graph_config(), ctx, scheme, kernels), config)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
     torch.manual_seed(ctx.seed)
@@ -227,7 +234,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     t_start = time.perf_counter()
     phases = Phases()
     with phases("load_data"):
-        calib, held_out = _calibration_samples(handle, config, ctx)
+        calib, held_out = _calibration_samples(handle, config.calibration_config(), config.fallback_config(), ctx)
     float_module = handle.module.eval()
     reference = copy.deepcopy(float_module)
 
@@ -254,7 +261,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     nhwc = qdq.channels_last_ok(gm, calib, names)  # NHWC-ordered inputs: faster convolutions in every pass below
     with phases("calibrate"):
         qdq.update_weight_scales(gm, plan)
-        calibrate(gm, calib, names, config, channels_last=nhwc)
+        calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
     float_inputs: list[str] = []
     if kept_float:  # their inputs too, else ONNX Runtime quantizes the float weights itself
         for q in exclusive_input_quants(gm, set(kept_float)):
@@ -262,10 +269,11 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             float_inputs.append(plan.activations[q])
     meta["float_activations"] = float_inputs
     with qdq.fast_fake_quant(gm):  # inference passes: the fast, bit-identical fake-quant
-        if config.rounding == "gptq":
+        rounding = config.rounding_config()
+        if rounding.rounding == "gptq":
             with phases("gptq_rounding"):
                 meta["gptq"] = round_model(gm, plan, calib, names, channels_last=nhwc)
-        if config.bias_correction:
+        if rounding.bias_correction:
             with phases("bias_correction"):
                 meta["bias_corrected"] = correct_bias(gm, plan, float_module, calib, names, channels_last=nhwc)
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
@@ -288,18 +296,19 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         metrics["fp32"] = score(ref_out, ref_out, ev.labels, evaluator)
 
     if config.method == "qat":
-        metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config, ctx, names)
+        metrics["qat"] = train_qat(gm, reference, handle, load_split(handle, ctx, "train", None), config.qat_config(),
+                                   ctx, names, run_key=config_to_dict(config))
         meta["bias_range_fixed_channels"] = qdq.fit_bias_range(gm)
         qdq.clip_weights_to_grid(gm, plan)
 
     float_layers: list[str] = list(kept_float)
     with qdq.fast_fake_quant(gm):
-        if config.max_accuracy_drop is not None and held_out is not None:  # held out exactly then
+        fallback = config.fallback_config()
+        if fallback is not None and held_out is not None:  # held out exactly then
             # measured on calibration-split samples held out of range calibration, never on eval
             held_ref = run_module(reference, held_out, names)
             report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                               config.max_accuracy_drop / 100.0, evaluator, candidates=config.fallback_candidates,
-                               promote=scheme == "u8s7")
+                               fallback, evaluator, promote=scheme == "u8s7")
             report["held_out_of_calibration"] = held_out is not calib
             float_layers += [n for n in report["float_layers"] if n not in float_layers]
             meta["float_activations"] = [t for t in plan.activations.values()
@@ -394,12 +403,18 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
         onnx_handle = copy.copy(handle)
         onnx_handle.onnx_path = Path(folder) / "model.onnx"
         onnx_handle.module = None
-        out = quantize_onnx_handle(onnx_handle, config, ctx, scheme, kernels)
+        out = _with_record(*quantize_onnx_handle(onnx_handle, config.onnx_graph_config(), ctx, scheme, kernels), config)
     out.steps[-1].meta["from"] = "exported-onnx (torch.fx could not trace the model)"
     out.steps[-1].meta["smoothing"] = smoothed
     if smoothed is not None:
         ctx.metrics["int8"]["smoothing"] = {k: v for k, v in smoothed.items() if k != "pairs"}
     return out
+
+
+def _with_record(new: ModelHandle, meta: dict[str, Any], config: Int8Config) -> ModelHandle:
+    """The ONNX-graph path's result with the step's record (the whole step config, as on the PyTorch path)."""
+    new.steps = [*new.steps, StepRecord("int8", config_to_dict(config), meta)]
+    return new
 
 
 def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tuple[ModelHandle, dict[str, Any]]:
@@ -417,7 +432,9 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
             for args in tensor_batches(samples, names, 8):
                 m(*args)
 
-    pairs = smooth(module, run, SmoothConfig(float(config.smooth_alpha or 0.0)))
+    smoothing = config.smooth_config()
+    assert smoothing is not None  # the caller checked
+    pairs = smooth(module, run, smoothing)
     ratios = [p["act_max"] / max(p["act_median"], 1e-12) for p in pairs]
     record = {"alpha": config.smooth_alpha, "calib_samples": len(samples), "groups": len(pairs),
               "pairs": sorted({f"{p['producer']} -> {', '.join(p['consumers'])}" for p in pairs}),
@@ -428,16 +445,16 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
     return new, record
 
 
-def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: Int8Config, batch_size: int = 16,
+def calibrate(gm: nn.Module, samples: Samples, names: list[str], config: CalibrationConfig, batch_size: int = 16,
               channels_last: bool = False) -> None:
-    """One streaming pass over the calibration data, then ranges by ``config.calib_method``."""
+    """One streaming pass over the calibration data, then ranges by ``config.method``."""
 
     gm.eval()
     qdq.set_mode(gm, "observe")
     with torch.no_grad(), qdq.fast_fake_quant(gm):  # each weight quantized once for the whole pass
         for args in tensor_batches(samples, names, batch_size, channels_last):
             gm(*args)
-    qdq.finish_calibration(gm, config.calib_method or TORCH_CALIB_METHOD, config.percentile)
+    qdq.finish_calibration(gm, config.method or TORCH_CALIB_METHOD, config.percentile)
     for m in qdq.act_quants(gm):
         m.observer = None  # free the histograms
 

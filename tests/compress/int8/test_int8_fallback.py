@@ -133,7 +133,7 @@ def test_output_sqnr_finds_the_noisy_layer_in_one_pass():
     h = _handle(noisy_mid=True)
     gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
     qdq.update_weight_scales(gm, plan, search=False)
-    calibrate(gm, _images(16, 1), ["input"], Int8Config(calib_samples=16, calib_method="minmax"))
+    calibrate(gm, _images(16, 1), ["input"], Int8Config(calib_samples=16, calib_method="minmax").calibration_config())
     sq = output_sqnr(gm, plan, _images(8, 4), ["input"])
     layers = {k: v for k, v in sq.items() if not k.startswith("act:")}
     assert set(layers) == {"stem", "mid", "fc"} and len(sq) == 3 + len(plan.activations)
@@ -149,7 +149,7 @@ def _calibrated():
     gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
     qdq.update_weight_scales(gm, plan)
     calib = _images(16, 1)
-    calibrate(gm, calib, ["input"], Int8Config(calib_samples=16))
+    calibrate(gm, calib, ["input"], Int8Config(calib_samples=16).calibration_config())
     return h, gm, plan, calib
 
 
@@ -242,7 +242,7 @@ def test_output_sqnr_after_gptq_rounding_compares_against_the_float_weights():
     h = _handle(noisy_mid=True)
     gm, plan = qdq.prepare_qdq(copy.deepcopy(h.module), "u8s8")
     qdq.update_weight_scales(gm, plan, search=False)
-    calibrate(gm, _images(16, 1), ["input"], Int8Config(calib_samples=16, calib_method="minmax"))
+    calibrate(gm, _images(16, 1), ["input"], Int8Config(calib_samples=16, calib_method="minmax").calibration_config())
     nearest = output_sqnr(gm, plan, _images(8, 4), ["input"])
     round_model(gm, plan, _images(16, 1), ["input"])
     rounded = output_sqnr(gm, plan, _images(8, 4), ["input"])

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgekit.compress.int8.config import Int8Config, SmoothConfig
+from edgekit.compress.int8.config import Int8Config
+from edgekit.compress.int8.technique_configs import SmoothConfig
 from edgekit.compress.int8.smooth import smooth, smoothing_scales
 from edgekit.errors import BadInputError
 
