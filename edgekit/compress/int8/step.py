@@ -52,13 +52,13 @@ from edgekit.compress.int8.calibration import (
 )
 from edgekit.compress.int8.calibration import quality as quality_of
 from edgekit.compress.int8.config import TORCH_CALIB_METHOD, Int8Config
-from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, CalibrationConfig, FallbackConfig
 from edgekit.compress.int8.equalize import correct_bias, equalize, relu6_to_relu
 from edgekit.compress.int8.onnx_graph import eval_limit, quantize_onnx_handle  # the ONNX-graph path
 from edgekit.compress.int8.qat import train_qat
 from edgekit.compress.int8.rounding import round_model
 from edgekit.compress.int8.sensitivity import exclusive_input_quants, fall_back
 from edgekit.compress.int8.smooth import smooth
+from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, CalibrationConfig, FallbackConfig
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx

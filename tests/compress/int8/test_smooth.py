@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from edgekit.compress.int8.config import Int8Config
-from edgekit.compress.int8.technique_configs import SmoothConfig
 from edgekit.compress.int8.smooth import smooth, smoothing_scales
+from edgekit.compress.int8.technique_configs import SmoothConfig
 from edgekit.errors import BadInputError
 
 TESTS = Path(__file__).resolve().parents[2]
