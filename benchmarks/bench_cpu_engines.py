@@ -8,7 +8,7 @@ the machine is shared), top-1 agreement and mean KL against ONNX Runtime FP32 on
 (disjoint from calibration), and each quantizer's wall time, CPU time and peak memory (each runs
 in its own process; CPU time and peak RSS from ``wait4``).
 
-The INT8 graphs that ONNX Runtime runs are also evaluated through ``runtimes.int8_kernels``'s
+The INT8 graphs that ONNX Runtime runs are also evaluated through ``onnx_int8_kernels``'s
 model of the *other* x86 kernel family (on an AVX2-only CPU: the exact int32 kernels of VNNI/AMX
 CPUs; on a VNNI CPU: the int16 pair sums of AVX2-only CPUs). Those rows give agreement only,
 labelled "modelled", never a latency.
@@ -199,7 +199,7 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     from edgekit.compress.int8.calibration import score
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.runtimes.base import BuildOptions
-    from edgekit.runtimes.int8_kernels import host_semantics, session_for
+    from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 

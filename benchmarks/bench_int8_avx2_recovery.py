@@ -80,7 +80,7 @@ def integer_convs(path: Path) -> dict[str, int]:
     """Op counts of the graph ONNX Runtime fuses (extended level), and the uint8-weight QLinearConvs."""
     from onnx import numpy_helper
 
-    from edgekit.runtimes.int8_kernels import fused_graph
+    from edgekit.onnx_int8_kernels import fused_graph
 
     g = fused_graph(path).graph
     inits = {i.name: i for i in g.initializer}

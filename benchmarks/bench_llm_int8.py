@@ -155,7 +155,7 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress.int8 import onnx_graph as io
     from edgekit.compress.int8.calibration import HIST_SAMPLE
     from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.runtimes.int8_kernels import host_semantics, session_for
+    from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 

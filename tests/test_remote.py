@@ -134,7 +134,7 @@ def test_remote_errors(sshd, tmp_path):
 def test_remote_trtexec_path_with_fake_trtexec(sshd, tmp_path, monkeypatch):
     """``--remote``: trtexec runs on the device over SSH (here a FAKE trtexec on the loopback
     "device"); the engine and JSON come back sha256-verified and profile like any engine."""
-    spec = importlib.util.spec_from_file_location("_ek_test_tensorrt", Path(__file__).parent / "runtimes" / "test_tensorrt.py")
+    spec = importlib.util.spec_from_file_location("_ek_test_tensorrt", Path(__file__).parent / "runtimes" / "tensorrt" / "test_runtime.py")
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
     from edgekit.artifact import read_manifest

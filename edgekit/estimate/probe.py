@@ -4,7 +4,7 @@ first ``edgekit estimate --target cpu`` on a machine without a cached probe.
 In a few seconds of CPU time (under 20 s of wall time on an idle machine) the probe measures, at
 one thread:
 
-* the rates of the kernels ONNX Runtime runs here (``runtimes.ort_rates``): fp32 GEMM, 3x3 and
+* the rates of the kernels ONNX Runtime runs here (``estimate.ort_rates``): fp32 GEMM, 3x3 and
   depthwise convolution; INT8 GEMM (``MatMulIntegerToFloat``) and convolution (``QLinearConv``,
   also depthwise) in the forms the int8 step emits, with 7-bit weights where this CPU's int8
   kernels saturate;
@@ -34,7 +34,7 @@ import numpy as np
 
 from edgekit.artifact import atomic_write_json, file_lock, now_iso
 from edgekit.errors import CheckFailedError, UnavailableError
-from edgekit.runtimes import ort_rates
+from edgekit.estimate import ort_rates
 from edgekit.schema import FieldError
 from edgekit.targets import HOST_TARGET, TARGETS_DIR, Target, apply_probe
 from edgekit.targets.cpu_isa import cpu_caches, cpu_features, int8_kernel

@@ -39,7 +39,7 @@ class ExportConfig:
     int8_kernels: the integer arithmetic an INT8 graph's parity is judged in: "int16-pairs" (x86
         without VNNI), "int32" (VNNI, AMX, arm64), "float-qdq" (TensorRT); None: what the INT8 step
         recorded for its target, else this machine's kernels. Other kernels than this machine's run
-        through ``runtimes.int8_kernels``'s model of them.
+        through ``onnx_int8_kernels``'s model of them.
     """
 
     opset: int = field(default=DEFAULT_OPSET, metadata=option(
@@ -62,8 +62,8 @@ class ExportConfig:
     int8_kernels: str | None = None
 
     def __post_init__(self) -> None:
-        # runtimes.int8_kernels imports ONNX: read here, so that the config module stays light
-        from edgekit.runtimes.int8_kernels import SEMANTICS
+        # onnx_int8_kernels imports ONNX: read here, so that the config module stays light
+        from edgekit.onnx_int8_kernels import SEMANTICS
 
         check_fields(self)  # types from the annotations, before the range checks below
         if not isinstance(self.opset, int) or not MIN_OPSET <= self.opset <= MAX_OPSET:

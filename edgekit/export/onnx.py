@@ -35,7 +35,7 @@ from edgekit.export.config import ExportConfig
 from edgekit.export.parity import check_parity, module_device
 from edgekit.export.rope import traceable_rope
 from edgekit.onnx_checks import ort_failure, verify_onnx_runs
-from edgekit.runtimes.int8_kernels import SEMANTICS, host_semantics
+from edgekit.onnx_int8_kernels import SEMANTICS, host_semantics
 from edgekit.sources.handle import ModelHandle, StepRecord, stored_bytes
 from edgekit.sources.inputs import InputOptions
 from edgekit.sources.models import ArtifactLoader, load_model

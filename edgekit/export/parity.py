@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from edgekit.export.rope import model_rope, reset_rope_state
-from edgekit.runtimes.int8_kernels import describe_semantics, session_for
+from edgekit.onnx_int8_kernels import describe_semantics, session_for
 from edgekit.sources.handle import ModelHandle
 
 
@@ -132,7 +132,7 @@ def run_torch(module: Any, feeds: dict[str, np.ndarray], input_names: list[str])
 def run_onnxruntime(path: str | os.PathLike[str], feeds: dict[str, np.ndarray],
                     semantics: str | None = None) -> tuple[list[str], list[np.ndarray]]:
     """ONNX Runtime on this machine, or computing what ``semantics`` computes (an INT8 graph on
-    another CPU's integer kernels, or with Q/DQ in float as TensorRT: ``runtimes.int8_kernels``)."""
+    another CPU's integer kernels, or with Q/DQ in float as TensorRT: ``onnx_int8_kernels``)."""
     import onnxruntime as ort
 
     if semantics is not None:

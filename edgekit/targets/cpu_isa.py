@@ -6,7 +6,7 @@ summed in int32: exact. Without VNNI (AVX2, or AVX-512 without VNNI) they use ``
 which adds each *pair* of u8 x s8 products into a saturating int16: two products of 255 x 127
 (64,770) overflow it, so a graph whose weights use the whole int8 range computes something
 else on such a CPU (measured here: 56.6% top-1 agreement instead of 90.6% on EfficientNet-Lite0).
-The numerical model of that kernel is ``edgekit.runtimes.int8_kernels``. Arm64 kernels
+The numerical model of that kernel is ``edgekit.onnx_int8_kernels``. Arm64 kernels
 (``sdot``/``udot``, ``smmla``, or widening NEON multiplies) accumulate in 32 bits: exact.
 
 ``cpu_features`` reads this machine (x86 flags from ``/proc/cpuinfo``; arm64 features from

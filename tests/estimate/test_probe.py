@@ -120,7 +120,7 @@ def test_no_onnxruntime_keeps_the_generic_figures_and_says_so(monkeypatch: pytes
 
 
 def test_an_impossible_measurement_is_an_error_and_nothing_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgekit.runtimes import ort_rates
+    from edgekit.estimate import ort_rates
 
     real = ort_rates.measure_kernel_rates
 

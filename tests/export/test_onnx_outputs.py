@@ -19,7 +19,7 @@ from edgekit.compress.int8.onnx_graph import dequant_chains_to_dq, quantize_onnx
 from edgekit.compress.int8.step import resolve_scheme
 from edgekit.errors import BadInputError, CheckFailedError
 from edgekit.onnx_checks import ort_failure, verify_onnx_runs
-from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics
+from edgekit.onnx_int8_kernels import describe_semantics, host_semantics
 from edgekit.sources.data import Samples
 from edgekit.sources.onnx_file import find_quantized, weight_dequant_chains
 

@@ -62,22 +62,6 @@ def test_the_cpu_target_is_this_machine():
     assert not load_target("jetson-agx-orin-64").is_this_machine
 
 
-def test_cpu_features_name_the_kernel_family():
-    from edgekit.targets.cpu_isa import int8_kernel
-
-    assert int8_kernel("x86_64", ("avx2", "fma")).saturates and int8_kernel("x86_64", ("avx2",)).name == "avx2"
-    assert int8_kernel("x86_64", ("avx2", "avx512f", "avx512bw")).name == "avx512bw"  # AVX-512 without VNNI
-    assert int8_kernel("x86_64", ("avx512bw", "avx512_vnni")).exact
-    assert int8_kernel("x86_64", ("avx2", "avx_vnni")).name == "avx-vnni"  # Alder Lake's 256-bit VNNI
-    assert int8_kernel("x86_64", ("avx512_vnni", "amx_int8")).name == "amx"
-    assert int8_kernel("arm64", ("neon",)).exact and int8_kernel("arm64", ("neon", "dotprod", "i8mm")).name == "arm-i8mm"
-    with pytest.raises(BadInputError, match=r"unknown CPU feature 'avx1024'"):
-        from edgekit.targets import target_from_dict
-
-        target_from_dict({"name": "x", "description": "d", "kind": "cpu", "runtimes": ["onnxruntime"],
-                          "precisions": ["fp32"], "arch": "x86_64", "isa": ["avx2", "avx1024"]})
-
-
 @pytest.mark.parametrize("name,int8,fp16,bw,mem", [
     ("jetson-agx-orin-64", 85.0, 42.5, 204.8, 64), ("h100-sxm", 1979.0, 989.0, 3350.0, 80),
     ("h200", 1979.0, 989.0, 4800.0, 141), ("a100-80", 624.0, 312.0, 2000.0, 80), ("l4", 242.5, 121.0, 300.0, 24),

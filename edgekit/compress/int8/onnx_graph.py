@@ -82,7 +82,7 @@ from edgekit.compress.quality import EVAL_WINDOWS
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import compare_lm
 from edgekit.onnx_checks import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
-from edgekit.runtimes.int8_kernels import describe_semantics, host_semantics, session_for
+from edgekit.onnx_int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.sources.data import Samples, resolve_samples
 from edgekit.sources.handle import ModelHandle, data_view
 from edgekit.sources.onnx_file import (

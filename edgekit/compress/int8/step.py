@@ -63,7 +63,7 @@ from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
 from edgekit.runtimes import get_runtime
-from edgekit.runtimes.int8_kernels import describe_semantics, semantics_for_target, session_for
+from edgekit.onnx_int8_kernels import describe_semantics, semantics_for_target, session_for
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.targets import HOST_TARGET, Target, load_target

@@ -245,7 +245,7 @@ def test_every_runtime_declares_an_int8_scheme_the_int8_step_knows():
 def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
     """On each CPU kind's integer kernels (this machine's, or their numerical model), whatever CPU runs
     the test: the scheme the target gets keeps the engine within a step or two of the fake-quant model."""
-    from edgekit.runtimes.int8_kernels import semantics_for_target, session_for
+    from edgekit.onnx_int8_kernels import semantics_for_target, session_for
     from edgekit.targets import load_target
 
     tgt = load_target(target)
@@ -339,7 +339,7 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
     scheme of the same model stays inside it."""
     from edgekit.errors import CheckFailedError
     from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.runtimes.int8_kernels import session_for
+    from edgekit.onnx_int8_kernels import session_for
     from edgekit.targets import load_target
 
     errors = {}

@@ -159,7 +159,7 @@ def test_each_cpu_kind_runs_its_own_scheme_close_to_float(encoder, tmp_path, tar
     """The scheme each CPU kind gets, on that kind's integer kernels (this machine's or their model):
     within cosine 0.995 of the float graph; the 8-bit weights of the VNNI scheme on kernels without
     VNNI are not."""
-    from edgekit.runtimes.int8_kernels import semantics_for_target, session_for
+    from edgekit.onnx_int8_kernels import semantics_for_target, session_for
     from edgekit.targets import load_target
 
     tgt = load_target(target)

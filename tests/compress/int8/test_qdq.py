@@ -18,7 +18,7 @@ from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.step import apply
 from edgekit.errors import BadInputError
 from edgekit.export.onnx import ExportConfig, export_onnx
-from edgekit.runtimes.int8_kernels import fused_graph, session_for
+from edgekit.onnx_int8_kernels import fused_graph, session_for
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle
 from edgekit.targets import load_target

@@ -20,7 +20,7 @@ from edgekit.errors import BadInputError
 from edgekit.profiling import ProfileResult, profile_from_recorded
 from edgekit.runtimes.tensorrt import parsers as tp
 
-FIX = Path(__file__).parents[1] / "fixtures" / "trtexec"
+FIX = Path(__file__).parents[2] / "fixtures" / "trtexec"
 
 
 @pytest.mark.parametrize("fmt,want", [
@@ -163,7 +163,7 @@ def _results(tmp_path: Path) -> Path:
 def test_a_devices_results_are_read_within_bounds(tmp_path, name, size, message):
     """A results folder comes from a device: a sparse file there costs it nothing, and was read
     whole. Each file is refused past its maximum before it is read (the command line's one
-    line: test_tensorrt_provenance)."""
+    line: test_provenance)."""
     from edgekit.runtimes.tensorrt.provenance import exports_of, read_record
     from edgekit.runtimes.tensorrt.results import read_machine_state
 

@@ -15,7 +15,7 @@ exact for these integer ranges, and runs it here:
   indices, each pair clipped to [-32768, 32767], then summed; the zero-point correction
   ``- x_zp * sum(w)`` and the bias are exact, as MLAS applies them. The reduction order is
   MLAS's: for a convolution im2col in (kh, kw, c) order per group (checked against ONNX
-  Runtime on an AVX2 CPU by ``tests/runtimes/test_int8_kernels.py``), for a matmul the K axis.
+  Runtime on an AVX2 CPU by ``tests/test_onnx_int8_kernels.py``), for a matmul the K axis.
 * ``"int32"``: the same without the clip (what VNNI, AMX and arm64 kernels compute).
 
 Nodes with uint8 weights (any zero point; edgekit stores a layer's exact 8-bit weights so under scheme

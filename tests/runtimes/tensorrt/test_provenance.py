@@ -26,7 +26,7 @@ from edgekit.runtimes.tensorrt import device as trtdev
 from edgekit.runtimes.tensorrt.device import DeviceInfo
 from edgekit.runtimes.tensorrt.provenance import find_exports, layer_names, overlap, read_record
 
-REAL = Path(__file__).parents[1] / "fixtures" / "trtexec" / "real"
+REAL = Path(__file__).parents[2] / "fixtures" / "trtexec" / "real"
 RTX_QAT = REAL / "resnet50-tf-rtx3090-qat"
 A100_FP32 = REAL / "resnet18-a100-fp32"
 # what build.sh's probe writes on a desktop with an RTX 3090 and TensorRT 8.2.3 (written here: Engine
@@ -228,7 +228,7 @@ def test_trtexec_exports_made_by_hand(tmp_path, no_tensorrt):
 
 def test_missing_device_record_is_a_warning_in_the_json(tmp_path, no_tensorrt):
     """A results folder with the bundle's manifest but no device.txt: the console and the JSON say so."""
-    from test_tensorrt import REAL_RESNET, onnx_of_engine
+    from test_runtime import REAL_RESNET, onnx_of_engine
 
     bundle = _bundle(tmp_path, onnx_of_engine(Path(f"{REAL_RESNET}.graph.json"), tmp_path / "resnet18-qat.onnx"))
     results = _copy_results(REAL_RESNET.parent, bundle / "results", metadata=False)

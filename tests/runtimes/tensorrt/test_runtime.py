@@ -1,7 +1,7 @@
 """TensorRT runtime: precision checks, the exact trtexec command line, build bundles, the engine
 cache, the Python-API path against a FAKE ``tensorrt`` module, the trtexec path against a FAKE
 ``trtexec`` script, the device loop (bundle -> build.sh on a fake Orin -> results folder ->
-profile, check, report, run) and ONNX Runtime GPU provider options.
+profile, check, report, run).
 
 Nothing here ran real TensorRT: it cannot be installed on these machines. The fake ``tensorrt``
 module implements exactly the calls edgekit makes (and records them); the fake trtexec writes
@@ -22,15 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
+from edgekit.errors import BadInputError, CheckFailedError
 from edgekit.runtimes import tensorrt as trtrt
 from edgekit.runtimes.base import BuildOptions
 from edgekit.runtimes.tensorrt import device as trtdev
-from edgekit.runtimes.tensorrt.device import DeviceInfo, parse_probe
-from edgekit.runtimes.tensorrt.settings import TrtSettings, settings_for, trtexec_argv
+from edgekit.runtimes.tensorrt.device import DeviceInfo
 from edgekit.targets import load_target
 
-FIX = Path(__file__).parents[1] / "fixtures" / "trtexec"
+FIX = Path(__file__).parents[2] / "fixtures" / "trtexec"
 H100 = DeviceInfo(gpu="NVIDIA H100 80GB HBM3", sm="sm_90", tensorrt_version="10.3.0")
 ORIN = DeviceInfo(gpu="Jetson AGX Orin", sm="sm_87", tensorrt_version="10.3.0")
 
@@ -113,109 +112,6 @@ def onnx_of_engine(layers_json: Path, path: Path) -> Path:
     m.ir_version = 8
     onnx.save_model(m, str(path))
     return path
-
-
-# --- precision and the command line -------------------------------------------------------
-
-def test_unsupported_precision_lists_target_precisions(tmp_path):
-    onnx_path = _onnx(tmp_path / "m.onnx")
-    with pytest.raises(BadInputError, match=r"target 'jetson-agx-orin-64' does not support precision 'fp8' "
-                                            r"\(choose from fp32, tf32, fp16, bf16, int8\)"):
-        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions(precision="fp8"))
-    with pytest.raises(BadInputError, match="unknown TensorRT precision 'int4'"):
-        settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="int4"))
-    with pytest.raises(BadInputError, match="has no NVIDIA GPU"):
-        settings_for(onnx_path, load_target("cpu"), BuildOptions(precision="fp16"))
-    assert settings_for(onnx_path, load_target("h100-sxm"), BuildOptions(precision="fp8")).precision == "fp8"
-
-
-def test_dla_checks(tmp_path):
-    onnx_path = _onnx(tmp_path / "m.onnx")
-    with pytest.raises(BadInputError, match="has no DLA"):
-        settings_for(onnx_path, load_target("jetson-orin-nano-8"), BuildOptions("fp16", extra={"dla_core": 0}))
-    with pytest.raises(BadInputError, match=r"DLA core 2 does not exist on 'jetson-agx-orin-64' \(choose from 0, 1\)"):
-        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp16", extra={"dla_core": 2}))
-    with pytest.raises(BadInputError, match="the DLA runs fp16 or int8 only"):
-        settings_for(onnx_path, load_target("jetson-agx-orin-64"), BuildOptions("fp32", extra={"dla_core": 0}))
-
-
-def test_exact_trtexec_command_line_fp16_dla(tmp_path):
-    onnx_path = _onnx(tmp_path / "m.onnx")
-    s = settings_for(onnx_path, load_target("jetson-agx-orin-64"),
-                           BuildOptions("fp16", batch=2, extra={"dla_core": 1, "workspace_mb": 2048, "max_batch": 8}))
-    assert trtexec_argv(s, onnx="onnx/model.onnx") == [
-        "trtexec", "--onnx=onnx/model.onnx", "--saveEngine=model.plan", "--fp16",
-        "--minShapes=input:1x4", "--optShapes=input:2x4", "--maxShapes=input:8x4",
-        "--memPoolSize=workspace:2048", "--timingCacheFile=timing.cache",
-        "--useDLACore=1", "--allowGPUFallback",
-        "--profilingVerbosity=detailed", "--exportLayerInfo=results/trtexec_layers.json",
-        "--exportProfile=results/trtexec_profile.json", "--exportTimes=results/trtexec_times.json",
-        "--separateProfileRun", "--dumpProfile", "--warmUp=200", "--duration=3", "--iterations=100"]
-
-
-def test_qdq_graph_is_strongly_typed_for_int8(tmp_path):
-    onnx_path = _onnx(tmp_path / "q.onnx", qdq=True)
-    s = settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("int8"))
-    assert s.has_qdq and s.strongly_typed and s.precision_flags() == []
-    argv = trtexec_argv(s)
-    assert "--stronglyTyped" in argv and not {"--int8", "--fp16"} & set(argv)
-    # fp16 on a Q/DQ graph: weakly typed, with INT8 enabled so the Q/DQ layers can run
-    s16 = settings_for(onnx_path, load_target("h100-sxm"), BuildOptions("fp16"))
-    assert not s16.strongly_typed and trtexec_argv(s16)[3:5] == ["--fp16", "--int8"]
-    assert "--best" in trtexec_argv(TrtSettings("best")) and "--noTF32" in trtexec_argv(TrtSettings("fp32"))
-
-
-def test_dynamic_axes_need_sizes(tmp_path):
-    onnx_path = _onnx(tmp_path / "s.onnx", seq=True)
-    target = load_target("l4")
-    with pytest.raises(BadInputError, match=r"input 'input' axis 1 \('sequence'\) is dynamic and has no size"):
-        settings_for(onnx_path, target, BuildOptions("fp16"))
-    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={"dims": {"sequence": 128}}))
-    assert s.shapes == {"input": {"min": [1, 128, 4], "opt": [1, 128, 4], "max": [1, 128, 4]}}
-    feeds = {"input": np.zeros((1, 64, 4), np.float32)}
-    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={"feeds": feeds, "max_batch": 4}))
-    assert s.shapes["input"]["opt"] == [1, 64, 4] and s.shapes["input"]["max"] == [4, 64, 4]
-    s = settings_for(onnx_path, target, BuildOptions("fp16", extra={
-        "min_shapes": "input:1x1x4", "opt_shapes": "input:1x32x4", "max_shapes": {"input": [2, 256, 4]}}))
-    assert s.shapes["input"] == {"min": [1, 1, 4], "opt": [1, 32, 4], "max": [2, 256, 4]}
-
-
-def test_probe_parsing():
-    info = parse_probe("gpu=NVIDIA H100 80GB HBM3\ncompute_cap=9.0\nboard=\ntrtexec=/usr/bin/trtexec\n"
-                             "trtexec_banner=TensorRT v100300\npy_tensorrt=\n")
-    assert (info.gpu, info.sm, info.tensorrt_version, info.trtexec) == ("NVIDIA H100 80GB HBM3", "sm_90", "10.3.0",
-                                                                       "/usr/bin/trtexec")
-    orin = parse_probe("gpu=\ncompute_cap=\nboard=NVIDIA Jetson AGX Orin Developer Kit\ntrtexec_banner=TensorRT v8602\n")
-    assert (orin.sm, orin.tensorrt_version) == ("sm_87", "8.6.2")
-    assert parse_probe("").sm is None
-
-
-# --- engine cache ----------------------------------------------------------------------------
-
-def test_engine_cache_keys(tmp_path):
-    from edgekit.runtimes.tensorrt.engine_cache import EngineCache, EngineKey, check_compatible
-
-    base = EngineKey("10.3.0", "NVIDIA H100 80GB HBM3", "sm_90", "fp16", {"x": {"min": [1], "opt": [1], "max": [1]}},
-                     {"strongly_typed": False}, "abc")
-    variants = [base.__class__(**{**base.to_dict(), k: v}) for k, v in (
-        ("tensorrt_version", "10.4.0"), ("gpu", "NVIDIA L4"), ("sm", "sm_89"), ("precision", "int8"),
-        ("shapes", {"x": {"min": [1], "opt": [2], "max": [4]}}), ("flags", {"strongly_typed": True}),
-        ("onnx_sha256", "abd"))]
-    digests = {base.digest()} | {v.digest() for v in variants}
-    assert len(digests) == 8  # every field changes the key
-    assert base.mismatches(variants[3]) == ["precision"] and base.mismatches(base) == []
-    cache = EngineCache(tmp_path)
-    assert cache.lookup(base) is None
-    plan = tmp_path / "model.plan"
-    plan.write_bytes(b"engine")
-    entry = cache.store(base, {"model.plan": plan})
-    assert cache.lookup(base) == entry and all(cache.lookup(v) is None for v in variants)
-    (entry / "key.json").write_text(json.dumps({**base.to_dict(), "precision": "int8"}))  # tampered entry
-    assert cache.lookup(base) is None
-    with pytest.raises(BadInputError, match=r"built for GPU architecture sm_87 \(this machine: sm_90\); "
-                                            r"TensorRT version 10.3.0 \(this machine: 10.4.0\)"):
-        check_compatible({"sm": "sm_87", "tensorrt_version": "10.3.0"}, {"sm": "sm_90", "tensorrt_version": "10.4.0"})
-    check_compatible({"sm": "sm_90"}, {"sm": "sm_90", "gpu": None})
 
 
 # --- build bundle (this machine: no GPU, no TensorRT) ------------------------------------------
@@ -657,69 +553,6 @@ def test_real_tensorrt_builds_and_profiles(tmp_path, tiny_onnx, monkeypatch):
     assert r.latency_ms.p50 > 0 and r.nodes
 
 
-# --- ONNX Runtime GPU execution providers ----------------------------------------------------
-
-def test_ort_tensorrt_and_cuda_options(tmp_path):
-    from edgekit.runtimes import ort_providers as op
-
-    opts = op.tensorrt_options("int8", tmp_path / "c", {"workspace_mb": 1024, "dla_core": 1, "device_id": 0,
-                                                        "trt_shapes": {"input": {"min": [1, 3], "opt": [2, 3],
-                                                                                 "max": [4, 3]}}},
-                               load_target("jetson-agx-orin-64"))
-    assert opts == {"device_id": 0, "trt_fp16_enable": False, "trt_int8_enable": True,
-                    "trt_engine_cache_enable": True, "trt_engine_cache_path": str(tmp_path / "c"),
-                    "trt_timing_cache_enable": True, "trt_timing_cache_path": str(tmp_path / "c"),
-                    "trt_max_workspace_size": 1024 << 20, "trt_dla_enable": True, "trt_dla_core": 1,
-                    "trt_profile_min_shapes": "input:1x3", "trt_profile_opt_shapes": "input:2x3",
-                    "trt_profile_max_shapes": "input:4x3"}
-    with pytest.raises(BadInputError, match="DLA core 2 does not exist"):
-        op.tensorrt_options("fp16", tmp_path, {"dla_core": 2}, load_target("jetson-agx-orin-64"))
-    with pytest.raises(BadInputError, match="not 'fp8'"):
-        op.tensorrt_options("fp8", tmp_path)
-    assert op.cuda_options({"gpu_mem_limit_mb": 256})["gpu_mem_limit"] == 256 << 20
-    providers = op.provider_list([op.TRT_EP, op.CUDA_EP, op.CPU_EP], "fp16", tmp_path / "engine")
-    assert providers[0][0] == op.TRT_EP and providers[0][1]["trt_fp16_enable"] is True
-    assert providers[1][0] == op.CUDA_EP and providers[2] == op.CPU_EP
-    rec = op.recorded_options(providers, tmp_path / "engine")
-    assert rec[op.TRT_EP]["trt_engine_cache_path"] == "./trt_cache"
-    assert op.resolve_options(rec, tmp_path / "moved")[op.TRT_EP]["trt_engine_cache_path"] == \
-        str((tmp_path / "moved").resolve() / "trt_cache")
-
-
-def test_ort_missing_provider_names_available():
-    from edgekit.runtimes import ort_providers as op
-
-    with pytest.raises(UnavailableError, match=r"'TensorrtExecutionProvider' requested by 'jetson-agx-orin-64' is not "
-                                               r"available .*available providers are: .*CPUExecutionProvider"):
-        op.require_providers([op.TRT_EP, op.CPU_EP], target_name="jetson-agx-orin-64")
-    assert op.require_providers([op.CPU_EP]) == [op.CPU_EP]
-
-
-def test_warm_ep_cache_runs_one_inference(tiny_onnx, tmp_path):
-    import onnxruntime as ort
-
-    from edgekit.runtimes import ort_providers as op
-
-    sess = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
-    (tmp_path / op.TRT_CACHE_DIR).mkdir()
-    (tmp_path / op.TRT_CACHE_DIR / "model_fp16.engine").write_bytes(b"x")
-    info = op.warm_ep_cache(sess, {"input": np.zeros((1, 3, 16, 16), np.float32)}, tmp_path)
-    assert info["warmup_inference_seconds"] >= 0 and info["trt_cache_files"] == ["model_fp16.engine"]
-
-
-def test_ort_build_and_load_providers(tmp_path):
-    from edgekit.runtimes import ort_providers as op
-
-    arg, rec = op.build_providers([op.CPU_EP], BuildOptions("fp32"), tmp_path)
-    assert arg == [op.CPU_EP] and rec == {}  # a CPU target is unchanged
-    arg, rec = op.build_providers([op.TRT_EP, op.CUDA_EP, op.CPU_EP], BuildOptions("fp16", extra={"workspace_mb": 64}),
-                                  tmp_path / "e", load_target("l4"))
-    assert rec[op.TRT_EP]["trt_engine_cache_path"] == "./trt_cache" and rec[op.TRT_EP]["trt_max_workspace_size"] == 64 << 20
-    loaded = op.load_providers([op.TRT_EP, op.CUDA_EP, op.CPU_EP], rec, tmp_path / "moved")
-    assert loaded[0][1]["trt_timing_cache_path"] == str((tmp_path / "moved").resolve() / "trt_cache")
-    assert loaded[1][0] == op.CUDA_EP and loaded[2] == op.CPU_EP
-
-
 # --- the device loop, on real trtexec exports ----------------------------------------------------
 # A FAKE Orin: trtexec copies the real exports of NVIDIA's TensorRT Engine Explorer (ResNet-18 QAT on
 # an A100, see fixtures/trtexec/README.md) where it is asked to write its JSON; nvpmodel,
@@ -761,7 +594,7 @@ DEVICE_TOOLS = {
 def _fake_orin(tmp_path: Path, clocks_locked: bool = True) -> dict:
     bin_dir = tmp_path / "orin-bin"
     bin_dir.mkdir(exist_ok=True)
-    from test_trt_parsers import trtexec_log_from_metadata
+    from test_parsers import trtexec_log_from_metadata
 
     real = tmp_path / "real" / REAL_RESNET.name  # the exports, and the log their metadata describe
     real.parent.mkdir(exist_ok=True)

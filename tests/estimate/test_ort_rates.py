@@ -1,4 +1,4 @@
-"""ONNX Runtime's kernel rates at one thread (runtimes/ort_rates.py): every rate is timed on the
+"""ONNX Runtime's kernel rates at one thread (estimate/ort_rates.py): every rate is timed on the
 operator the rest of edgekit makes ORT run (sgemm, NCHWc convolutions, MatMulIntegerToFloat and
 QLinearConv for the int8 step's Q/DQ forms), and the per-node overhead is positive."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgekit.runtimes.ort_rates import CHAIN, _conv_int8, _matmul_int8, _session, measure_kernel_rates, node_overhead_us
+from edgekit.estimate.ort_rates import CHAIN, _conv_int8, _matmul_int8, _session, measure_kernel_rates, node_overhead_us
 from edgekit.targets.host_probe import RATE_KEYS
 
 

@@ -17,7 +17,7 @@ from edgekit.errors import BadInputError
 from edgekit.runtimes.tensorrt.lint import lint_onnx, table_for, tensorrt_version_of
 from edgekit.targets import load_target
 
-FIX = Path(__file__).parents[1] / "fixtures"
+FIX = Path(__file__).parents[2] / "fixtures"
 JP51 = FIX / "targets" / "jetson-agx-orin-64-jp51.yaml"  # JetPack 5.1.2, TensorRT 8.5
 
 

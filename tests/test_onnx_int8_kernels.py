@@ -1,4 +1,4 @@
-"""The numerical model of other CPUs' integer kernels (runtimes/int8_kernels.py): the rewritten graph
+"""The numerical model of other CPUs' integer kernels (onnx_int8_kernels.py): the rewritten graph
 computes what a plain NumPy model of the kernels computes (int16 pair sums in MLAS's reduction order,
 or exact int32 sums), on any machine; on a CPU whose own kernels sum in int16 pairs (x86 without
 VNNI) it equals ONNX Runtime's own result."""
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.runtimes.int8_kernels import NotModeled, emulate, fused_graph, session_for
+from edgekit.onnx_int8_kernels import NotModeled, emulate, fused_graph, session_for
 from edgekit.targets.cpu_isa import host_int8_kernel
 
 HOST_PAIRS = host_int8_kernel().saturates
