@@ -198,8 +198,8 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     from edgekit.build import build_engine
     from edgekit.compress.int8.calibration import score
     from edgekit.export.onnx import ExportConfig, export_onnx
-    from edgekit.runtimes.base import BuildOptions
     from edgekit.onnx_int8_kernels import host_semantics, session_for
+    from edgekit.runtimes.base import BuildOptions
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
 

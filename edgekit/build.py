@@ -41,9 +41,9 @@ from edgekit.errors import BadInputError, CheckFailedError, UnavailableError, ba
 from edgekit.export.onnx import ExportConfig
 from edgekit.limits import require_memory
 from edgekit.loading import export_onnx, load_model
+from edgekit.onnx_int8_kernels import semantics_for_target
 from edgekit.runtimes import BEST_RUNTIME, RUNTIMES, get_runtime
 from edgekit.runtimes.base import BuildOptions, Engine, Runtime
-from edgekit.onnx_int8_kernels import semantics_for_target
 from edgekit.sources.arrays import read_arrays
 from edgekit.sources.handle import InputSpec, ModelHandle, bind_dims, fit_feeds, stored_bytes
 from edgekit.sources.inputs import InputOptions, check_shapes, read_input_file

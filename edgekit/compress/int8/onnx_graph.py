@@ -971,7 +971,7 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
                          kernels: str | None = None) -> tuple[ModelHandle, dict[str, Any]]:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
     with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
-    compute it (``kernels``: ``runtimes.int8_kernels`` semantics; None: this machine's). Returns the
+    compute it (``kernels``: ``onnx_int8_kernels`` semantics; None: this machine's). Returns the
     quantized handle and what the step's record keeps of it (the step writes the record)."""
     if handle.onnx_path is None:
         raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")

@@ -62,8 +62,8 @@ from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, Calibrati
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
-from edgekit.runtimes import get_runtime
 from edgekit.onnx_int8_kernels import describe_semantics, semantics_for_target, session_for
+from edgekit.runtimes import get_runtime
 from edgekit.sources.data import Samples
 from edgekit.sources.handle import ModelHandle, StepRecord
 from edgekit.targets import HOST_TARGET, Target, load_target
@@ -351,7 +351,7 @@ def _evaluate_graph(handle: ModelHandle, ev: Samples, ref_out: Any, evaluator: s
     """The INT8 graph the model exports to, against the float model on the evaluation data, twice:
     with Q/DQ computed in float (what the fake-quant model computes: the "int8_fake_quant" figures) and as
     the target's integer kernels run it (this machine's ONNX Runtime when they are this machine's, else
-    their model: ``runtimes.int8_kernels``; the "int8_engine" figures). One export; where the target's
+    their model: ``onnx_int8_kernels``; the "int8_engine" figures). One export; where the target's
     kernels are Q/DQ in float (TensorRT), one evaluation serves both. The engine more than
     ``ENGINE_DROP`` below the fake-quant figures: ``CheckFailedError`` (exit 1) now, before anything is
     written, unless the loss is accepted."""
