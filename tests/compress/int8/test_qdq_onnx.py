@@ -106,3 +106,31 @@ def test_exact_8_bit_weights_are_stored_as_uint8_only_when_promoted():
     assert plain["wq_int"].dtype == np.int8 and np.array_equal(plain["wq_int"].astype(np.int16), signed)
     with pytest.raises(RuntimeError, match=r"^2 layers have exact 8-bit weights but 1 weights left the 7-bit grid$"):
         rewrite_qdq(_fake_quant_conv(weight, bias=False), u8_weights=2)
+
+
+def test_a_transposed_weight_is_stored_transposed_with_its_axis_moved():
+    """DQ(int8 weight, axis 0) -> Transpose (a linear layer's ``W^T`` before MatMul) becomes one DQ of the
+    transposed codes with the axis moved: the same integers, only stored the other way round."""
+    w = RNG.normal(size=(3, 4)).astype(np.float32)  # (out, in), as nn.Linear holds it
+    sw = (np.abs(w).max(1) / 64).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(sw, "sw"),
+             numpy_helper.from_array(np.zeros(3, np.int8), "zw"),
+             numpy_helper.from_array(X_SCALE, "sx"), numpy_helper.from_array(X_ZP, "zx")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("QuantizeLinear", ["w", "sw", "zw"], ["wq"], axis=0),
+             helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], axis=0),
+             helper.make_node("Transpose", ["wd"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["xd", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c"])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    x = RNG.uniform(-2, 2, size=(2, 4)).astype(np.float32)
+    before = _run(model, x)
+    rewrite_qdq(model)
+    assert "Transpose" not in [n.op_type for n in model.graph.node]
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "wt")
+    codes = _initializers(model)[dq.input[0]]
+    assert codes.shape == (4, 3) and np.array_equal(codes.T, np.round(w / sw[:, None]).astype(np.int8))
+    assert next(a.i for a in dq.attribute if a.name == "axis") == 1
+    assert np.array_equal(_run(model, x), before)
