@@ -67,7 +67,9 @@ def part_groups(parts: list[dict[str, Any]]) -> list[tuple[str, int, float, dict
         groups[key][p["method"]] = p
     order = {m: i for i, m in enumerate(MODELS)}
     keys = sorted(groups, key=lambda k: (order.get(k[0], len(order)), k[0], -k[1], k[2]))
-    return [(*k, {m: groups[k][m] for m in METHODS if m in groups[k]}) for k in keys]
+    # METHODS' order first, then any other (parts written as "gptq" before the default took the name gptq-plus)
+    rank = {m: i for i, m in enumerate(METHODS)}
+    return [(*k, dict(sorted(groups[k].items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))) for k in keys]
 
 
 def float_reference(model: str, args: argparse.Namespace, work: Path) -> Any:
