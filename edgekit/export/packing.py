@@ -294,17 +294,30 @@ def dequantized_once(module: nn.Module, dtype: torch.dtype = torch.float32,
             m._kept = None
 
 
+def _stored_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module``, each tensor that shares another's storage left out."""
+    seen: set[int] = set()
+    out = []
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the model's tensors as stored (shared tensors counted once)."""
+    return sum(t.numel() * t.element_size() for t in _stored_tensors(module))
+
+
 def keep_dequantized_budget(module: nn.Module) -> int:
     """The float bytes ``dequantized_once`` may keep for ``module`` (a packed model) within the memory
     goal: ``1.5 x`` its weights in bfloat16, less its stored bytes and ``GATE_RESERVE_BYTES``, at most
     ``KEEP_DEQUANTIZED_BYTES``; 0 for a small model, whose imports alone exceed the goal (SmolLM2-135M),
     ~1 GiB from 1B parameters on. The same outputs either way: only the CPU time differs."""
-    stored, weights, seen = 0, 0, set()
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            stored += t.numel() * t.element_size()
-            weights += t.numel() if t.is_floating_point() else 0
+    tensors = _stored_tensors(module)
+    stored = sum(t.numel() * t.element_size() for t in tensors)
+    weights = sum(t.numel() for t in tensors if t.is_floating_point())
     tables = set()
     for m in module.modules():  # packed tables: the weights they stand for (a tied pair once)
         if isinstance(m, _PackedTable) and m.qweight.data_ptr() not in tables:

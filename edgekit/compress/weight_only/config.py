@@ -26,6 +26,7 @@ GPTQ_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
                   "value_hessian": "attention"},
     "gptq": {"act_order": False, "mse_grid": False, "refit": False, "gptaq_alpha": 0.0, "value_hessian": "input"},
 }
+GPTQ_METHODS = (*GPTQ_METHOD_DEFAULTS, "awq-gptq")  # the methods that run GPTQ
 HEAD_CHOICES = ("int8", "int4", "none")
 DEVICES = ("cpu", "cuda")
 HIGH_BITS = 8  # what mixed precision keeps the most sensitive groups at (mixed.py)

@@ -21,6 +21,7 @@ from edgekit.export.packing import (
     group_width,
     num_groups,
     pack_codes,
+    packed_bytes,
     packed_width,
     storage_bits,
     unpack_codes,
@@ -34,4 +35,4 @@ def quantize_linear(linear: nn.Linear, bits: int = 4, group_size: int = 128, sym
 
 
 __all__ = ["SUPPORTED_BITS", "QuantEmbedding", "QuantLinear", "ScaledEmbedding", "group_width", "num_groups",
-           "pack_codes", "packed_width", "quantize_linear", "storage_bits", "unpack_codes"]
+           "pack_codes", "packed_bytes", "packed_width", "quantize_linear", "storage_bits", "unpack_codes"]

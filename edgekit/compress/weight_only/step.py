@@ -46,11 +46,11 @@ from edgekit.compress.weight_only.blocks import (
     upcast_half,
     value_projection,
 )
-from edgekit.compress.weight_only.config import DEVICES, GPTQ_METHOD_DEFAULTS, HIGH_BITS, WeightOnlyConfig
+from edgekit.compress.weight_only.config import DEVICES, GPTQ_METHODS, HIGH_BITS, WeightOnlyConfig
 from edgekit.compress.weight_only.gptq import gptq_visit, one_thread
 from edgekit.compress.weight_only.gptq_config import GptqConfig
 from edgekit.compress.weight_only.mixed import allocate, layer_bytes, make_units, sensitivities
-from edgekit.compress.weight_only.packing import QuantEmbedding, QuantLinear
+from edgekit.compress.weight_only.packing import QuantEmbedding, QuantLinear, packed_bytes
 from edgekit.compress.weight_only.rtn import dequantize_groups, rtn_quantize
 from edgekit.compress.weight_only.rtn_config import RtnConfig
 from edgekit.errors import BadInputError, CheckFailedError, UnavailableError
@@ -373,7 +373,6 @@ def _untie_config(module: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
-GPTQ_METHODS = (*GPTQ_METHOD_DEFAULTS, "awq-gptq")  # the methods that run GPTQ
 _paper_gptq_told: list[bool] = []  # whether this process said what "gptq" now means
 
 
@@ -468,17 +467,6 @@ def _eval_windows(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContex
 
 def _perplexity(handle: ModelHandle, windows: Any, ctx: StepContext) -> float:
     return perplexity(handle, windows, progress=ctx.progress)
-
-
-def packed_bytes(module: nn.Module) -> int:
-    """Bytes of the model's tensors as stored (shared tensors counted once)."""
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
 
 
 def rebuild(handle: ModelHandle, config: WeightOnlyConfig, record: StepRecord) -> ModelHandle:
