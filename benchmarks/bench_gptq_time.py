@@ -42,12 +42,16 @@ PARTS = ROOT / "benchmarks" / "results" / "gptq_time"
 VARIANTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "default": ({}, 0, 0),
     "seed1": ({}, 1, 0),  # the same defaults on other random top-up windows: the noise of the result
+    "value-stride2": ({"value_query_stride": 2}, 0, 0),  # half the queries for the value Hessian
     "value-stride4": ({"value_query_stride": 4}, 0, 0),
     "gptaq32": ({"gptaq_windows": 32}, 0, 0),
     "fast": ({"value_query_stride": 4, "gptaq_windows": 32}, 0, 0),
     "rtn": ({"method": "rtn"}, 0, 0),
     "paper-calib32": ({"method": "gptq", "calib_samples": 32}, 0, 0),  # the paper's GPTQ on the default's windows
     # calibration budgets (all first windows of the Lee-news text: no random top-up below 90)
+    "calib16": ({"calib_samples": 16}, 0, 0),
+    "calib16-b": ({"calib_samples": 16}, 0, 16),  # windows 16-31
+    "calib16-c": ({"calib_samples": 16}, 0, 32),  # windows 32-47
     "calib32": ({"calib_samples": 32}, 0, 0),
     "calib32-b": ({"calib_samples": 32}, 0, 32),  # windows 32-63: the noise of which 32 windows
     "calib48": ({"calib_samples": 48}, 0, 0),
