@@ -29,6 +29,14 @@ explicit quantization is defined so, and it is what a GPU target's INT8 graph is
 ``session_for(path, kernel)`` picks: this machine's own session when ``kernel`` is this
 machine's kind, else the rewritten graph.
 
+The 4-bit weight-only graphs (``MatMulNBits`` with ``accuracy_level`` 4, edgekit's export default)
+compute in int8 too: ``matmulnbits_int8`` is what they compute, exactly. Each row of the activations
+is rounded to int8 per block of ``block_size`` along K (symmetric, scale ``max|a| / 127``), multiplied
+by the weights' 4-bit codes less their zero points, summed in integers and scaled. No sum can saturate
+there on any ISA: a pair of products is at most 2 x 127 x 15 = 3,810, far inside int16; so the only
+loss of int8 compute is the activations' rounding, the same on AVX2, VNNI, AMX and arm64 kernels
+(``tests/test_onnx_int8_kernels.py`` checks ONNX Runtime against this on whatever CPU runs it).
+
 >>> sess = session_for("model.onnx", "int16-pairs")  # doctest: +SKIP
 """
 from __future__ import annotations
@@ -84,6 +92,25 @@ def describe_semantics(semantics: str | None) -> str:
     if semantics == "int16-pairs":
         return "integer kernels of x86 CPUs without VNNI (int16 pair sums), modelled on this machine"
     return "integer kernels with int32 sums (VNNI, AMX, arm64), modelled on this machine"
+
+
+def matmulnbits_int8(a: np.ndarray, codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+                     block_size: int) -> np.ndarray:
+    """What ``MatMulNBits`` computes with int8 compute (``accuracy_level`` 4) for activations ``a``
+    (M, K) and weights of ``codes`` (N, K) integers with per-block ``zeros`` and ``scales`` (N, blocks):
+    per block of ``block_size`` columns, ``a`` rounded to int8 (half to even) on the scale
+    ``max|a| / 127`` of its own row and block, exact integer dot products with ``codes - zeros``,
+    scaled by both scales and summed over blocks (float64: the reference, not the kernel's summation
+    order). A block of zeros has scale 0 and contributes nothing."""
+    m, k = a.shape
+    out = np.zeros((m, codes.shape[0]), dtype=np.float64)
+    for j, lo in enumerate(range(0, k, block_size)):
+        block = a[:, lo:lo + block_size].astype(np.float32)
+        scale = np.abs(block).max(axis=1, keepdims=True) / np.float32(127)
+        q = np.rint(block / np.where(scale == 0, np.float32(1), scale)).clip(-127, 127).astype(np.int64)
+        w = codes[:, lo:lo + block_size].astype(np.int64) - zeros[:, j:j + 1].astype(np.int64)
+        out += (q @ w.T) * scale.astype(np.float64) * scales[:, j][None].astype(np.float64)
+    return out
 
 
 class NotModeled(UnavailableError):

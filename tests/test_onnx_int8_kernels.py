@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekit.onnx_int8_kernels import NotModeled, emulate, fused_graph, session_for
+from edgekit.onnx_int8_kernels import NotModeled, emulate, fused_graph, matmulnbits_int8, session_for
 from edgekit.targets.cpu_isa import host_int8_kernel
 
 HOST_PAIRS = host_int8_kernel().saturates
@@ -196,3 +196,56 @@ def test_a_fused_op_it_cannot_model_is_an_error():
                [helper.make_tensor_value_info("y", TensorProto.INT32, None)], [numpy_helper.from_array(w, "w")])
     with pytest.raises(NotModeled, match="ConvInteger is not modelled"):
         emulate(m)
+
+
+def _matmulnbits(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, block: int, level: int):
+    """One MatMulNBits node (4 bits; codes (N, K), K padded to whole blocks with zero codes; two codes a
+    byte, the low nibble first; zero points two a byte) and an ONNX Runtime session of it, one thread."""
+    n, k = codes.shape
+    blocks = -(-k // block)
+    padded = np.zeros((n, blocks * block), np.uint8)
+    padded[:, :k] = codes
+    packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(n, blocks, block // 2)
+    zp = np.zeros((n, -(-blocks // 2)), np.uint8)
+    for j in range(blocks):
+        zp[:, j // 2] |= zeros[:, j] << (4 * (j % 2))
+    node = helper.make_node("MatMulNBits", ["a", "b", "s", "z"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block, accuracy_level=level)
+    m = _model([node], [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, k])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+               [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales.reshape(-1), "s"),
+                numpy_helper.from_array(zp.reshape(-1), "z")], opset=17)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("k,block", [(576, 128), (1536, 128), (576, 32)])
+def test_matmulnbits_int8_compute_is_exact_integer_arithmetic_on_this_cpu(k, block):
+    """4-bit MatMulNBits with int8 compute (accuracy level 4, the export's default) computes on this
+    machine's kernels what ``matmulnbits_int8`` computes exactly, whatever the ISA: its only loss is the
+    activations' rounding to int8 per block, not a saturating sum. Activations with outlier channels
+    (as a residual stream has), and the largest pair sums there can be (every activation code +-127,
+    every weight code 15 above its zero point)."""
+    n = 64
+    blocks = -(-k // block)
+    codes = RNG.integers(0, 16, size=(n, k)).astype(np.uint8)
+    zeros = RNG.integers(0, 16, size=(n, blocks)).astype(np.uint8)
+    scales = (RNG.random((n, blocks)) * 0.02 + 0.005).astype(np.float32)
+    a = RNG.standard_normal((16, k)).astype(np.float32)
+    a[:, [3, 77, 300]] *= 40.0
+    exact = a.astype(np.float64) @ ((codes.astype(np.float64) - np.repeat(zeros, block, 1)[:, :k])
+                                    * np.repeat(scales, block, 1)[:, :k]).T
+    y = _matmulnbits(codes, zeros, scales, block, level=4).run(None, {"a": a})[0]
+    model = matmulnbits_int8(a, codes, zeros, scales, block)
+    assert np.abs(y - model).max() <= 1e-5 * np.abs(model).max()
+    assert 1e-3 < np.abs(y - exact).max() / np.abs(exact).max() < 0.1  # int8 compute is really int8: it rounds
+    y0 = _matmulnbits(codes, zeros, scales, block, level=0).run(None, {"a": a})[0]
+    assert np.abs(y0 - exact).max() <= 1e-5 * np.abs(exact).max()  # fp32 compute: the dequantized weights
+    sign = np.where(RNG.random((4, blocks)) < 0.5, -1.0, 1.0).astype(np.float32)
+    worst = (3.0 * sign).repeat(block, 1)[:, :k]  # one sign a block: every activation code +-127
+    codes_w, zeros_w = np.full((n, k), 15, np.uint8), np.zeros((n, blocks), np.uint8)  # every weight code - zero = 15
+    y = _matmulnbits(codes_w, zeros_w, scales, block, level=4).run(None, {"a": worst})[0]
+    model = matmulnbits_int8(worst, codes_w, zeros_w, scales, block)
+    assert np.abs(model).max() > 0
+    assert np.abs(y - model).max() <= 1e-5 * np.abs(model).max()
