@@ -314,6 +314,25 @@ class BlockWalker:
             h.remove()
         return captured
 
+    def _structure(self, block: nn.Module) -> tuple[Any, ...]:
+        """What a block's plan depends on besides its data: its submodules' paths and classes, and its
+        walked linears' paths and shapes. Blocks alike in these run their forwards alike."""
+        return tuple((n, type(m).__name__, tuple(m.weight.shape) if isinstance(m, nn.Linear) else None,
+                      isinstance(m, nn.Linear) and self.names.get(id(m)) in self.linears)
+                     for n, m in block.named_modules())
+
+    def _plan_for(self, block: nn.Module, batch: Batch, plans: dict[tuple[Any, ...], BlockPlan]) -> BlockPlan:
+        """``_plan``, probed once for all the blocks of one structure (a decoder's 30 alike layers: one
+        probe forward, not 30). A plan with routed groups is not shared: which experts its probe
+        reached depends on the block's router and data."""
+        key = self._structure(block)
+        plan = plans.get(key)
+        if plan is None:
+            plan = self._plan(block, batch)
+            if not plan.routed:
+                plans[key] = plan
+        return plan
+
     def _plan(self, block: nn.Module, batch: Batch) -> BlockPlan:
         """Probe ``block`` on ``batch`` (the first): groups, order of the submodules, tails, routed groups."""
         rel = {id(m): n for n, m in block.named_modules() if n}
@@ -416,6 +435,7 @@ class BlockWalker:
         data_fp: list[Batch] | None = data if self.track_float else None  # the blocks before the first are not quantized
         if data_fp is not None and self.float_samples is not None:
             data_fp = data_fp[:max(1, -(-self.float_samples // self.batch_size))]
+        plans: dict[tuple[Any, ...], BlockPlan] = {}  # a probe's plan for every block built the same way
         for bi in progress_bar(range(len(self.blocks)), "quantize blocks", enabled=self.progress):
             block = self.blocks[bi]
             upcast_half(block)
@@ -424,7 +444,7 @@ class BlockWalker:
                     data_fp = [_with_hidden(b, self._run(block, b)) for b in data_fp]
                 data = [_with_hidden(b, self._run(block, b)) for b in data]
                 continue
-            plan = self._plan(block, data[0])
+            plan = self._plan_for(block, data[0], plans)
             # the float copy is taken before any group of the block changes
             tracks = [_Track(block, data, self._budget(data), frozen=False)]
             if data_fp is not None:

@@ -494,7 +494,8 @@ def test_walker_replays_what_is_final_instead_of_recomputing(reuse):
     pass to a group recorded those inputs, later passes replay the attention as ``o_proj`` on them.
     Per block and batch, q_proj then runs once in each model (the pass to ``o_proj``), against 4
     times each without replay (the passes to o, gate/up, down and the block's output); once more in
-    the walker's probe of the block (one sample)."""
+    the walker's probe of the first block (its first batch), whose plan serves the second block too
+    (built the same way)."""
     h = tiny_llama()
     _, _, linears = quantizable_linears(h.module)
     ids = h.make_inputs(4, sequence=16)
@@ -503,7 +504,8 @@ def test_walker_replays_what_is_final_instead_of_recomputing(reuse):
     q_calls = _count_calls(h.module, "self_attn.q_proj")
     walker.walk(linears, lambda _b, _n, inputs: [None for _ in inputs.paired()])
     per_block = 2 if reuse else 8  # (quantized + float model) x passes that run q_proj
-    assert q_calls == {f"model.model.layers.{i}.self_attn.q_proj": 2 * per_block + 1 for i in range(2)}  # 2 batches
+    assert q_calls == {f"model.model.layers.{i}.self_attn.q_proj": 2 * per_block + (i == 0)  # 2 batches
+                       for i in range(2)}
     plan = walker._plan(walker.blocks[0], walker._capture_block0()[0])
     assert plan.groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                            ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
@@ -683,3 +685,36 @@ def test_a_folder_written_under_the_old_step_name_exports_the_same_graph(old_and
         steps = [s["name"] for s in json.loads((out / "manifest.json").read_text())["steps"]]
         graphs[name] = (graph.SerializeToString(), steps)
     assert graphs["old"] == graphs["new"] and graphs["new"][1] == ["weight-only"]
+
+
+def test_blocks_built_alike_share_one_probe_and_the_codes_are_those_of_a_probe_each(monkeypatch):
+    """The walk probes the first of the blocks built the same way (paths, classes, walked linears and
+    their shapes) and plans the others from it: one probe forward for a decoder's alike layers. The
+    codes are those of a walk that probes every block, bit for bit."""
+    from edgekit.compress.weight_only.gptq import gptq_visit
+
+    cfg = WeightOnlyConfig(bits=4, group_size=32, seqlen=32, head="none")
+    ids = torch.from_numpy(_windows(4, 5))
+    codes, probes = {}, {}
+    for shared in (True, False):
+        h = tiny_llama()
+        _, _, linears = quantizable_linears(h.module)
+        walker = BlockWalker(h.module, [ids, torch.ones_like(ids)], batch_size=2, progress=False, track_float=True)
+        real_plan = walker._plan
+        probed: list[int] = []
+
+        def plan(block, batch, real_plan=real_plan, probed=probed):
+            probed.append(id(block))
+            return real_plan(block, batch)
+
+        monkeypatch.setattr(walker, "_plan", plan)
+        if not shared:
+            monkeypatch.setattr(walker, "_structure", lambda block: id(block))
+        results: dict = {}
+        walker.walk(linears, gptq_visit(h.module, cfg.method_config(), results))
+        codes[shared], probes[shared] = results, len(probed)
+    assert probes == {True: 1, False: 2}
+    assert codes[True].keys() == codes[False].keys() and len(codes[True]) == 14
+    for name, (q, s, z) in codes[True].items():
+        q0, s0, z0 = codes[False][name]
+        assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0), name
