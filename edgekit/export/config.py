@@ -94,7 +94,8 @@ class CausalLMExportOptions:
     kv_cache: export with the KV cache as inputs and outputs (optimum's
         text-generation-with-past), for real one-token decode latency.
     accuracy_level: MatMulNBits compute precision on ONNX Runtime's CPU (0 fp32 ... 4 int8;
-        None: the exporter's default, 4).
+        None: the exporter's default, 4). Int8 compute rounds each activation block to int8, its only
+        loss, the same on every CPU kind (``onnx_int8_kernels.matmulnbits_int8``).
     graph: "fused" (ONNX Runtime's fused decoder graph), "traced" (optimum's export) or "auto"
         (fused where the architecture has it).
     block_size: the fused graph's MatMulNBits block size (None: the quantization group).
