@@ -42,9 +42,12 @@ PARTS = ROOT / "benchmarks" / "results" / "gptq_time"
 VARIANTS: dict[str, tuple[dict[str, Any], int, int]] = {
     "default": ({}, 0, 0),
     "seed1": ({}, 1, 0),  # the same defaults on other random top-up windows: the noise of the result
-    "value-stride2": ({"value_query_stride": 2}, 0, 0),  # half the queries for the value Hessian
+    "value-stride1": ({"value_query_stride": 1}, 0, 0),  # every query for the value Hessian (the default until 11-28)
+    "value-stride2": ({"value_query_stride": 2}, 0, 0),  # every 2nd query for the value Hessian (the default since)
     "value-stride4": ({"value_query_stride": 4}, 0, 0),
     "gptaq32": ({"gptaq_windows": 32}, 0, 0),
+    "gptaq16": ({"gptaq_windows": 16}, 0, 0),  # GPTAQ's float track on the first 16 of the 32 windows
+    "stride2-gptaq16": ({"value_query_stride": 2, "gptaq_windows": 16}, 0, 0),
     "fast": ({"value_query_stride": 4, "gptaq_windows": 32}, 0, 0),
     "rtn": ({"method": "rtn"}, 0, 0),
     "paper-calib32": ({"method": "gptq", "calib_samples": 32}, 0, 0),  # the paper's GPTQ on the default's windows

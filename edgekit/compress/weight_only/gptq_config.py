@@ -31,7 +31,7 @@ class GptqConfig(GridConfig):
     refit: bool = True
     gptaq_alpha: float = 0.25
     value_hessian: str = "attention"
-    value_query_stride: int = 1
+    value_query_stride: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
