@@ -98,12 +98,14 @@ def part_phases(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress.int8.config import Int8Config
 
     clock = PhaseClock()
-    c = importlib.import_module("edgekit.compress")
+    # compress() imports these at call time: wrapped where they are defined
+    models = importlib.import_module("edgekit.sources.models")
+    gate = importlib.import_module("edgekit.compress.quality")
     i8 = importlib.import_module("edgekit.compress.int8.step")
     io = importlib.import_module("edgekit.compress.int8.onnx_graph")
-    clock.wrap(c, "load_model", "load model")
-    clock.wrap(c, "measure_reference", "gate: float reference (PyTorch)")
-    clock.wrap(c, "compare", "gate: INT8 graph on the eval windows")
+    clock.wrap(models, "load_model", "load model")
+    clock.wrap(gate, "measure_reference", "gate: float reference (PyTorch)")
+    clock.wrap(gate, "compare", "gate: INT8 graph on the eval windows")
     clock.wrap(i8, "_smoothed", "smoothing")
     clock.wrap(i8, "export_onnx", "float ONNX export")
     clock.wrap(io, "check_quantizable", "check quantizable (load graph)")
@@ -111,7 +113,9 @@ def part_phases(args: argparse.Namespace) -> dict[str, Any]:
     clock.wrap(io, "_observe", "calibration pass (observers)")
     clock.wrap(io, "insert_linear_qdq", "insert Q/DQ")
     clock.wrap(io, "verify_onnx_runs", "verify INT8 graph runs")
-    clock.wrap(io, "compare_lm", "step: INT8 vs float graph (compare_lm)")
+    clock.wrap(io, "compare_lm", "step: INT8 vs float graph (compare_lm)")  # before the shared comparison
+    clock.wrap(io, "reference_on", "step: float reference of its own (not the gate's windows)")
+    clock.wrap(io, "compare_lm_to_reference", "step: INT8 graph vs the gate's float reference (one pass)")
     clock.wrap(io, "quantize_and_verify", "quantize_and_verify (all of it)")
     config = Int8Config(calib_samples=args.calib, **({"smooth_alpha": args.alpha} if args.alpha is not None else {}))
     ctx = StepContext(accept_quality_loss=True, progress=False)
