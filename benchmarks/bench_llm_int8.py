@@ -50,6 +50,7 @@ class PhaseClock:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.peaks: list[int] = []  # one running peak per open phase
+        self._lock = threading.Lock()  # the sampler and the phases both rewrite ``peaks``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -57,7 +58,8 @@ class PhaseClock:
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             r = rss()
-            self.peaks = [max(p, r) for p in self.peaks]
+            with self._lock:
+                self.peaks = [max(p, r) for p in self.peaks]
 
     def wrap(self, module: Any, name: str, label: str) -> None:
         fn = getattr(module, name, None)
@@ -66,14 +68,16 @@ class PhaseClock:
 
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
-            depth = len(self.peaks)
-            self.peaks.append(rss())
+            with self._lock:
+                depth = len(self.peaks)
+                self.peaks.append(rss())
             c, w = time.process_time(), time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                peak = max(self.peaks.pop(), rss())
-                self.peaks = [max(p, peak) for p in self.peaks]
+                with self._lock:
+                    peak = max(self.peaks.pop(), rss())
+                    self.peaks = [max(p, peak) for p in self.peaks]
                 self.rows.append({"phase": label, "depth": depth, "cpu_s": round(time.process_time() - c, 2),
                                   "wall_s": round(time.perf_counter() - w, 2), "peak_rss_mb": round(peak / 2**20)})
                 print(f"  {label}: {self.rows[-1]}", file=sys.stderr, flush=True)
@@ -110,6 +114,7 @@ def part_phases(args: argparse.Namespace) -> dict[str, Any]:
     clock.wrap(i8, "export_onnx", "float ONNX export")
     clock.wrap(io, "check_quantizable", "check quantizable (load graph)")
     clock.wrap(io, "simplify_graph", "simplify graph (ORT basic)")
+    clock.wrap(io, "simplify_file", "simplify graph (ORT basic)")  # what calibrate_graph calls since issue 31
     clock.wrap(io, "_observe", "calibration pass (observers)")
     clock.wrap(io, "insert_linear_qdq", "insert Q/DQ")
     clock.wrap(io, "verify_onnx_runs", "verify INT8 graph runs")

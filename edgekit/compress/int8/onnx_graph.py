@@ -238,10 +238,21 @@ def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the grap
     float rounding. Then ``fold_conv_affine`` for what those fusions leave. Graphs that already hold
     quantized parts (their stored integers must stay as they are), or too large to pass through one
     protobuf, are returned as they are. Returns (graph, nodes folded by ``fold_conv_affine``)."""
-    if find_quantized(model) or _weight_bytes(model) > 2**31 - 2**24:
+    if not simplifiable(model):
         return model, 0
-    src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
+    src = workdir / "float.onnx"
     onnx.save_model(model, str(src))
+    return simplify_file(src, workdir / "float.basic.onnx", label)
+
+
+def simplifiable(model: onnx.ModelProto) -> bool:
+    """Whether ``simplify_graph`` rewrites ``model``: no quantized parts, and small enough for one protobuf."""
+    return not find_quantized(model) and _weight_bytes(model) <= 2**31 - 2**24
+
+
+def simplify_file(src: Path, dst: Path, label: str = "the graph") -> tuple[onnx.ModelProto, int]:
+    """``simplify_graph`` of the graph written at ``src`` (the optimized graph is written to ``dst``): the
+    caller need not hold the graph in memory while ONNX Runtime optimizes its own copy."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.optimized_model_filepath = str(dst)
@@ -469,8 +480,13 @@ def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method:
     had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
     nodes_before = len(model.graph.node)
     layers = layer_names(list(model.graph.node))  # ONNX Runtime's simplified graph keeps no node metadata
-    with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
-        model, folded = simplify_graph(model, Path(tmp), str(src))
+    folded = 0
+    if simplifiable(model):
+        with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
+            prepared = Path(tmp) / "float.onnx"
+            onnx.save_model(model, str(prepared))
+            del model  # only ONNX Runtime's copy while it optimizes (a 540 MB graph is held twice otherwise)
+            model, folded = simplify_file(prepared, Path(tmp) / "float.basic.onnx", str(src))
     if had_bn and not any(n.op_type == "BatchNormalization" for n in model.graph.node):
         notes["batch_norm_folded"] = True
     elif len(model.graph.node) < nodes_before:
@@ -493,8 +509,20 @@ def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method:
             tensors.append(t)
     fixed = static_batch(model, input_names)
     t0, c0 = time.perf_counter(), time.process_time()
-    observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src,
-                                hist_sample)
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
+        observed = Path(tmp) / "observed.onnx"
+        _save_observed(model, tensors, observed)
+        kept: Path | None = None
+        if _weight_bytes(model) <= 2**31 - 2**24:
+            # the graph leaves memory while ONNX Runtime holds its weights for the pass, and is read back after it
+            kept = Path(tmp) / "graph.onnx"
+            onnx.save_model(model, str(kept))
+            del model, quantizable
+        observers, first = _observe(observed, tensors, samples, input_names, fixed or batch_size, fixed is not None,
+                                    src, hist_sample)
+        if kept is not None:
+            model = onnx.load(str(kept))
+            placement, quantizable = plan_placement(model, placement, src, found)  # the same nodes, read back
     fmt = qdq.act_format(scheme)
     ranges = {}
     for t, obs in observers.items():
@@ -657,25 +685,26 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
     cal = calibrate_graph(src, samples, input_names, method, percentile, scheme, batch_size, placement, hist_sample,
                           keep_float)
-    info, run = write_int8_graph(cal, dst, scheme, keep_float)
-    assert run is not None
-    return info, run
+    info, _ = write_int8_graph(cal, dst, scheme, keep_float, verify=False)
+    first = cal.first
+    del cal  # the float graph, before ONNX Runtime loads the INT8 one
+    return info, verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
 
 
 # What one observation run may hold of the graph's intermediates at once (ONNX Runtime returns them together).
 OBSERVE_BYTES = 256 * 2**20
 
 
-def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
+def _observe(observed: Path, tensors: list[str], samples: Samples, input_names: list[str],
              batch_size: int, static: bool, src: Path, hist_sample: int | None = None
              ) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
     """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
     first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
     exactly ``batch_size`` samples, so a smaller last batch is left out.
 
-    The observed graph is ``model`` with ``tensors`` as its only outputs and only the nodes that
-    compute them (a causal LM's vocabulary-sized head, which reads the last calibrated tensor, is
-    not run), written without copying the weights in memory."""
+    ``observed``: the graph with ``tensors`` as its only outputs and only the nodes that compute them
+    (``_save_observed``: a causal LM's vocabulary-sized head, which reads the last calibrated tensor, is
+    not run)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
@@ -684,44 +713,41 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
     # these graphs' default percentile ranges rest on their tails (benchmarks/RESULTS.md, issue 26)
     observers = {t: HistogramObserver(t, sample=hist_sample) for t in tensors}
     first: dict[str, np.ndarray] = {}
-    with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
-        aug_path = Path(tmp) / "augmented.onnx"
-        _save_observed(model, tensors, aug_path)
+    try:
+        sess = ort.InferenceSession(str(observed), so, providers=["CPUExecutionProvider"])
+    except ort_errors() as e:
+        raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, observed)}") from None
+    out_names = [o.name for o in sess.get_outputs()]
+    graph_inputs = {i.name for i in sess.get_inputs()}
+
+    def observe(feeds: dict[str, np.ndarray]) -> int:
         try:
-            sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
+            outs = sess.run(None, {k: v for k, v in feeds.items() if k in graph_inputs})
         except ort_errors() as e:
-            raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
-        out_names = [o.name for o in sess.get_outputs()]
-        graph_inputs = {i.name for i in sess.get_inputs()}
+            shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
+            raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
+                                f"{ort_failure(e)}") from None
+        held = 0
+        for name, arr in zip(out_names, outs, strict=True):
+            if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
+                observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
+            held += arr.nbytes if isinstance(arr, np.ndarray) else 0
+        return held
 
-        def observe(feeds: dict[str, np.ndarray]) -> int:
-            try:
-                outs = sess.run(None, {k: v for k, v in feeds.items() if k in graph_inputs})
-            except ort_errors() as e:
-                shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
-                raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
-                                    f"{ort_failure(e)}") from None
-            held = 0
-            for name, arr in zip(out_names, outs, strict=True):
-                if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
-                    observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
-                held += arr.nbytes if isinstance(arr, np.ndarray) else 0
-            return held
-
-        start = 0
-        if not static and batch_size > 1 and len(samples):
-            # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
-            first = {k: samples.inputs[k][:1] for k in input_names}
-            per_sample = observe(first)
-            batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
-            start = 1
-        rest = samples.subset(slice(start, len(samples))) if start else samples
-        for b in rest.batches(batch_size):
-            feeds = {k: b[k] for k in input_names}
-            if static and len(next(iter(feeds.values()))) != batch_size:
-                continue
-            first = first or feeds
-            observe(feeds)
+    start = 0
+    if not static and batch_size > 1 and len(samples):
+        # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
+        first = {k: samples.inputs[k][:1] for k in input_names}
+        per_sample = observe(first)
+        batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
+        start = 1
+    rest = samples.subset(slice(start, len(samples))) if start else samples
+    for b in rest.batches(batch_size):
+        feeds = {k: b[k] for k in input_names}
+        if static and len(next(iter(feeds.values()))) != batch_size:
+            continue
+        first = first or feeds
+        observe(feeds)
     return observers, first
 
 
