@@ -46,7 +46,10 @@ Graphs as they come:
 
 The quantized graph is loaded and run once by ONNX Runtime before it is returned
 (``verify_onnx_runs``), and compared with the float graph on data it was not calibrated
-on where there is any (every output: cosine, largest and mean absolute difference).
+on where there is any (every output: cosine, largest and mean absolute difference). A causal
+LM is compared window by window with the float model's statistics (``compare_lm_to_reference``):
+the quality gate's own reference when the windows are the gate's, and the gate then reports
+from that one run of the INT8 graph (``quality.Measured``).
 
     >>> quantize_onnx_file(Path("bert.onnx"), Path("bert.int8.onnx"), samples, ["input_ids", "attention_mask"],
     ...                    "percentile", 99.99, "u8s8", placement="linear")  # doctest: +SKIP
@@ -1006,7 +1009,9 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
                          kernels: str | None = None) -> tuple[ModelHandle, dict[str, Any]]:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
     with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
-    compute it (``kernels``: ``onnx_int8_kernels`` semantics; None: this machine's). Returns the
+    compute it (``kernels``: ``onnx_int8_kernels`` semantics; None: this machine's). A causal LM is
+    compared with ``ctx.quality_reference`` where it covers the same windows (``shared_reference``),
+    else with the float graph's statistics measured before the INT8 graph is loaded. Returns the
     quantized handle and what the step's record keeps of it (the step writes the record)."""
     if handle.onnx_path is None:
         raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")
