@@ -50,6 +50,7 @@ class PhaseClock:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.peaks: list[int] = []  # one running peak per open phase
+        self._lock = threading.Lock()  # the sampler and the phases both rewrite ``peaks``
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -57,7 +58,8 @@ class PhaseClock:
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             r = rss()
-            self.peaks = [max(p, r) for p in self.peaks]
+            with self._lock:
+                self.peaks = [max(p, r) for p in self.peaks]
 
     def wrap(self, module: Any, name: str, label: str) -> None:
         fn = getattr(module, name, None)
@@ -66,14 +68,16 @@ class PhaseClock:
 
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
-            depth = len(self.peaks)
-            self.peaks.append(rss())
+            with self._lock:
+                depth = len(self.peaks)
+                self.peaks.append(rss())
             c, w = time.process_time(), time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                peak = max(self.peaks.pop(), rss())
-                self.peaks = [max(p, peak) for p in self.peaks]
+                with self._lock:
+                    peak = max(self.peaks.pop(), rss())
+                    self.peaks = [max(p, peak) for p in self.peaks]
                 self.rows.append({"phase": label, "depth": depth, "cpu_s": round(time.process_time() - c, 2),
                                   "wall_s": round(time.perf_counter() - w, 2), "peak_rss_mb": round(peak / 2**20)})
                 print(f"  {label}: {self.rows[-1]}", file=sys.stderr, flush=True)
@@ -98,20 +102,25 @@ def part_phases(args: argparse.Namespace) -> dict[str, Any]:
     from edgekit.compress.int8.config import Int8Config
 
     clock = PhaseClock()
-    c = importlib.import_module("edgekit.compress")
+    # compress() imports these at call time: wrapped where they are defined
+    models = importlib.import_module("edgekit.sources.models")
+    gate = importlib.import_module("edgekit.compress.quality")
     i8 = importlib.import_module("edgekit.compress.int8.step")
     io = importlib.import_module("edgekit.compress.int8.onnx_graph")
-    clock.wrap(c, "load_model", "load model")
-    clock.wrap(c, "measure_reference", "gate: float reference (PyTorch)")
-    clock.wrap(c, "compare", "gate: INT8 graph on the eval windows")
+    clock.wrap(models, "load_model", "load model")
+    clock.wrap(gate, "measure_reference", "gate: float reference (PyTorch)")
+    clock.wrap(gate, "compare", "gate: INT8 graph on the eval windows")
     clock.wrap(i8, "_smoothed", "smoothing")
     clock.wrap(i8, "export_onnx", "float ONNX export")
     clock.wrap(io, "check_quantizable", "check quantizable (load graph)")
     clock.wrap(io, "simplify_graph", "simplify graph (ORT basic)")
+    clock.wrap(io, "simplify_file", "simplify graph (ORT basic)")  # what calibrate_graph calls since issue 31
     clock.wrap(io, "_observe", "calibration pass (observers)")
     clock.wrap(io, "insert_linear_qdq", "insert Q/DQ")
     clock.wrap(io, "verify_onnx_runs", "verify INT8 graph runs")
-    clock.wrap(io, "compare_lm", "step: INT8 vs float graph (compare_lm)")
+    clock.wrap(io, "compare_lm", "step: INT8 vs float graph (compare_lm)")  # before the shared comparison
+    clock.wrap(io, "reference_on", "step: float reference of its own (not the gate's windows)")
+    clock.wrap(io, "compare_lm_to_reference", "step: INT8 graph vs the gate's float reference (one pass)")
     clock.wrap(io, "quantize_and_verify", "quantize_and_verify (all of it)")
     config = Int8Config(calib_samples=args.calib, **({"smooth_alpha": args.alpha} if args.alpha is not None else {}))
     ctx = StepContext(accept_quality_loss=True, progress=False)

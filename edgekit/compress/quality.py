@@ -253,9 +253,15 @@ def _stats(handle: ModelHandle, run: Any, head: tuple[torch.nn.Module, float | N
             return stats
     out = run(feeds)
     flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
-    idx = index if index is not None else _spread(flat.shape[0], per_feed)
+    return output_statistics(out, feeds, index if index is not None else _spread(flat.shape[0], per_feed), lm)
+
+
+def output_statistics(out: torch.Tensor, feeds: dict[str, np.ndarray], index: np.ndarray, lm: bool) -> WindowStats:
+    """What the gate keeps of one feed's whole first output ``out``: per-token NLL (``lm``: a causal LM's
+    logits (b, t, vocab) on ``feeds["input_ids"]``), the argmax of every flattened row, and the rows at ``index``."""
+    flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
     return WindowStats(_token_nll(out, feeds["input_ids"]) if lm else None, flat.argmax(-1).numpy(),
-                       flat[torch.from_numpy(idx)].numpy())
+                       flat[torch.from_numpy(index)].numpy())
 
 
 def _spread(n: int, k: int) -> np.ndarray:
@@ -265,7 +271,12 @@ def _spread(n: int, k: int) -> np.ndarray:
 
 def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     """The float model's outputs on held-out data (through its PyTorch module or ONNX graph)."""
-    source, feeds = _held_out(handle, ctx)
+    return reference_on(handle, *_held_out(handle, ctx))
+
+
+def reference_on(handle: ModelHandle, source: str, feeds: list[dict[str, np.ndarray]]) -> Reference:
+    """The float model's outputs on ``feeds`` (``source`` says what they are), as ``measure_reference`` keeps
+    them: for a step that compares on other data than the gate's."""
     lm = handle.kind == "causal-lm" and "input_ids" in feeds[0]
     nll: list[np.ndarray] | None = [] if lm else None
     top, rows, index = [], [], []
@@ -287,12 +298,41 @@ def measure_reference(handle: ModelHandle, ctx: Any) -> Reference:
     return Reference(source, feeds, nll, top, np.concatenate(rows), index)
 
 
+# ``ModelHandle.extra`` key of the statistics a step measured of its own result on the gate's inputs
+MEASURED = "quality_measured"
+
+
+@dataclass
+class Measured:
+    """A compressed ONNX graph's statistics on a reference's feeds (one ``WindowStats`` a feed, rows at the
+    reference's ``row_index``), measured by the step that wrote the graph while it compared it with the float
+    model: ``compare`` reports from them instead of running the graph a second time. They stand for the graph
+    at ``onnx_path`` on exactly ``reference``'s feeds; anything else is measured anew."""
+
+    reference: Reference
+    onnx_path: str
+    stats: list[WindowStats]
+
+
+def shared_statistics(handle: ModelHandle, ref: Reference) -> list[WindowStats] | None:
+    """The statistics a step stored in ``handle.extra[MEASURED]`` for this very graph and reference, else None."""
+    got = handle.extra.get(MEASURED)
+    if not isinstance(got, Measured) or got.reference is not ref or handle.module is not None:
+        return None
+    if handle.onnx_path is None or str(handle.onnx_path) != got.onnx_path or len(got.stats) != len(ref.feeds):
+        return None
+    return got.stats
+
+
 def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
-    """Quality of ``handle`` (compressed) against the float reference, on the same inputs."""
+    """Quality of ``handle`` (compressed) against the float reference, on the same inputs (from the
+    statistics the step that wrote the graph measured on them, when it stored them: ``Measured``)."""
+    shared = shared_statistics(handle, ref)
+    if shared is not None:
+        return report_from(ref, shared)
     if handle.module is not None:  # the float model's file, still mapped through its untouched tensors
         own_memory(handle.module)
-    nll: list[np.ndarray] = []
-    agree, count, rows = 0, 0, []
+    stats: list[WindowStats] = []
     run = _runner(handle)
     lm = handle.kind == "causal-lm" and bool(ref.feeds) and "input_ids" in ref.feeds[0]
     head = lm_head(handle.module) if lm and handle.module is not None else None
@@ -300,13 +340,21 @@ def compare(handle: ModelHandle, ref: Reference) -> dict[str, Any]:
     # far as the memory goal allows (nothing kept for small models, up to 1 GiB from ~1B parameters on)
     with dequantized_once(handle.module, max_bytes=keep_dequantized_budget(handle.module)) \
             if handle.module is not None else nullcontext():
-        for f, top, idx in zip(ref.feeds, ref.top, ref.row_index):
-            st = _stats(handle, run, head, f, idx, len(idx))
-            if ref.nll is not None and st.nll is not None:
-                nll.append(st.nll)
-            agree += int((st.top == top).sum())
-            count += top.size
-            rows.append(st.rows)
+        for f, idx in zip(ref.feeds, ref.row_index):
+            stats.append(_stats(handle, run, head, f, idx, len(idx)))
+    return report_from(ref, stats)
+
+
+def report_from(ref: Reference, stats: list[WindowStats]) -> dict[str, Any]:
+    """The gate's report of a compressed model whose statistics on ``ref``'s feeds are ``stats``."""
+    nll: list[np.ndarray] = []
+    agree, count, rows = 0, 0, []
+    for st, top in zip(stats, ref.top, strict=True):
+        if ref.nll is not None and st.nll is not None:
+            nll.append(st.nll)
+        agree += int((st.top == top).sum())
+        count += top.size
+        rows.append(st.rows)
     got = np.concatenate(rows).astype(np.float64)
     want = ref.rows.astype(np.float64)
     cos = (got * want).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1), 1e-30)
@@ -340,4 +388,5 @@ def check_quality(report: dict[str, Any], bounds: QualityBounds | None) -> list[
 
 
 __all__ = ["QualityBounds", "BOUNDS_4BIT", "BOUNDS_8BIT", "BOUNDS_HALF", "loosest", "measure_reference", "compare",
-           "check_quality", "Reference", "WindowStats", "lm_head", "lm_statistics"]
+           "check_quality", "Reference", "WindowStats", "lm_head", "lm_statistics", "reference_on", "Measured",
+           "MEASURED", "output_statistics", "report_from", "shared_statistics"]

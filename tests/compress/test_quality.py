@@ -100,3 +100,28 @@ def test_gate_dequantizes_a_packed_model_once_for_all_windows_with_the_same_repo
     every = quality.compare(packed, reference)
     assert len(calls) == 4 * len(layers)
     assert once == every == within_goal and 1.0 < once["perplexity_ratio"] < 1.5
+
+
+def test_the_gate_reports_from_a_steps_statistics_only_for_that_graph_and_reference(monkeypatch, tmp_path):
+    """``Measured`` statistics stand for one graph file on one reference's feeds: the gate reports from them
+    without running anything, and runs the graph itself for another reference or another file."""
+    import copy
+
+    from edgekit.sources.handle import ModelHandle
+
+    ids = np.random.default_rng(3).integers(0, 5, (1, 8)).astype(np.int64)
+    logits = np.random.default_rng(4).standard_normal((1, 8, 5)).astype(np.float32)
+    feeds, index = [{"input_ids": ids}], [np.array([0, 7])]
+    flat = logits.reshape(-1, 5)
+    ref = quality.Reference("held out", feeds, [window_nll(logits, ids)], [flat.argmax(-1)], flat[index[0]], index)
+    stats = [quality.output_statistics(torch.from_numpy(logits), feeds[0], index[0], lm=True)]
+    handle = ModelHandle("lm", str(tmp_path / "int8.onnx"), kind="causal-lm", onnx_path=tmp_path / "int8.onnx")
+    handle.extra[quality.MEASURED] = quality.Measured(ref, str(handle.onnx_path), stats)
+    runs: list[str] = []
+    monkeypatch.setattr(quality, "_runner", lambda h: runs.append(str(h.onnx_path)) or (lambda f: torch.from_numpy(logits)))
+    report = quality.compare(handle, ref)
+    assert runs == [] and report["perplexity_ratio"] == 1.0 and report["agreement"] == 1.0 and report["cosine"] == 1.0
+    other = copy.copy(ref)  # the same numbers, another reference: measured anew
+    assert quality.compare(handle, other) == report and runs == [str(handle.onnx_path)]
+    handle.onnx_path = tmp_path / "rewritten.onnx"  # a later step's graph: measured anew
+    assert quality.compare(handle, ref) == report and runs[-1] == str(tmp_path / "rewritten.onnx")

@@ -46,7 +46,10 @@ Graphs as they come:
 
 The quantized graph is loaded and run once by ONNX Runtime before it is returned
 (``verify_onnx_runs``), and compared with the float graph on data it was not calibrated
-on where there is any (every output: cosine, largest and mean absolute difference).
+on where there is any (every output: cosine, largest and mean absolute difference). A causal
+LM is compared window by window with the float model's statistics (``compare_lm_to_reference``):
+the quality gate's own reference when the windows are the gate's, and the gate then reports
+from that one run of the INT8 graph (``quality.Measured``).
 
     >>> quantize_onnx_file(Path("bert.onnx"), Path("bert.int8.onnx"), samples, ["input_ids", "attention_mask"],
     ...                    "percentile", 99.99, "u8s8", placement="linear")  # doctest: +SKIP
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import os
 import tempfile
 import time
@@ -78,9 +82,17 @@ from edgekit.compress.int8.calibration import (
     score,
 )
 from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, PLACEMENTS, OnnxGraphConfig
-from edgekit.compress.quality import EVAL_WINDOWS
+from edgekit.compress.quality import (
+    EVAL_WINDOWS,
+    MEASURED,
+    Measured,
+    Reference,
+    WindowStats,
+    output_statistics,
+    reference_on,
+)
 from edgekit.errors import BadInputError, bad_choice
-from edgekit.evaluate import compare_lm
+from edgekit.evaluate import nll_rows
 from edgekit.onnx_checks import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.onnx_int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.sources.data import Samples, resolve_samples
@@ -229,10 +241,21 @@ def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the grap
     float rounding. Then ``fold_conv_affine`` for what those fusions leave. Graphs that already hold
     quantized parts (their stored integers must stay as they are), or too large to pass through one
     protobuf, are returned as they are. Returns (graph, nodes folded by ``fold_conv_affine``)."""
-    if find_quantized(model) or _weight_bytes(model) > 2**31 - 2**24:
+    if not simplifiable(model):
         return model, 0
-    src, dst = workdir / "float.onnx", workdir / "float.basic.onnx"
+    src = workdir / "float.onnx"
     onnx.save_model(model, str(src))
+    return simplify_file(src, workdir / "float.basic.onnx", label)
+
+
+def simplifiable(model: onnx.ModelProto) -> bool:
+    """Whether ``simplify_graph`` rewrites ``model``: no quantized parts, and small enough for one protobuf."""
+    return not find_quantized(model) and _weight_bytes(model) <= 2**31 - 2**24
+
+
+def simplify_file(src: Path, dst: Path, label: str = "the graph") -> tuple[onnx.ModelProto, int]:
+    """``simplify_graph`` of the graph written at ``src`` (the optimized graph is written to ``dst``): the
+    caller need not hold the graph in memory while ONNX Runtime optimizes its own copy."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.optimized_model_filepath = str(dst)
@@ -460,8 +483,13 @@ def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method:
     had_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
     nodes_before = len(model.graph.node)
     layers = layer_names(list(model.graph.node))  # ONNX Runtime's simplified graph keeps no node metadata
-    with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
-        model, folded = simplify_graph(model, Path(tmp), str(src))
+    folded = 0
+    if simplifiable(model):
+        with tempfile.TemporaryDirectory(prefix="edgekit-int8-onnx-") as tmp:
+            prepared = Path(tmp) / "float.onnx"
+            onnx.save_model(model, str(prepared))
+            del model  # only ONNX Runtime's copy while it optimizes (a 540 MB graph is held twice otherwise)
+            model, folded = simplify_file(prepared, Path(tmp) / "float.basic.onnx", str(src))
     if had_bn and not any(n.op_type == "BatchNormalization" for n in model.graph.node):
         notes["batch_norm_folded"] = True
     elif len(model.graph.node) < nodes_before:
@@ -484,8 +512,20 @@ def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method:
             tensors.append(t)
     fixed = static_batch(model, input_names)
     t0, c0 = time.perf_counter(), time.process_time()
-    observers, first = _observe(model, tensors, samples, input_names, fixed or batch_size, fixed is not None, src,
-                                hist_sample)
+    with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
+        observed = Path(tmp) / "observed.onnx"
+        _save_observed(model, tensors, observed)
+        kept: Path | None = None
+        if _weight_bytes(model) <= 2**31 - 2**24:
+            # the graph leaves memory while ONNX Runtime holds its weights for the pass, and is read back after it
+            kept = Path(tmp) / "graph.onnx"
+            onnx.save_model(model, str(kept))
+            del model, quantizable
+        observers, first = _observe(observed, tensors, samples, input_names, fixed or batch_size, fixed is not None,
+                                    src, hist_sample)
+        if kept is not None:
+            model = onnx.load(str(kept))
+            placement, quantizable = plan_placement(model, placement, src, found)  # the same nodes, read back
     fmt = qdq.act_format(scheme)
     ranges = {}
     for t, obs in observers.items():
@@ -648,25 +688,26 @@ def quantize_and_verify(src: Path, dst: Path, samples: Samples, input_names: lis
     """``quantize_onnx_file``, also returning the verified session of ``dst`` and its outputs."""
     cal = calibrate_graph(src, samples, input_names, method, percentile, scheme, batch_size, placement, hist_sample,
                           keep_float)
-    info, run = write_int8_graph(cal, dst, scheme, keep_float)
-    assert run is not None
-    return info, run
+    info, _ = write_int8_graph(cal, dst, scheme, keep_float, verify=False)
+    first = cal.first
+    del cal  # the float graph, before ONNX Runtime loads the INT8 one
+    return info, verify_onnx_runs(dst, first, label=f"the INT8 graph of {src.name}")
 
 
 # What one observation run may hold of the graph's intermediates at once (ONNX Runtime returns them together).
 OBSERVE_BYTES = 256 * 2**20
 
 
-def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input_names: list[str],
+def _observe(observed: Path, tensors: list[str], samples: Samples, input_names: list[str],
              batch_size: int, static: bool, src: Path, hist_sample: int | None = None
              ) -> tuple[dict[str, HistogramObserver], dict[str, np.ndarray]]:
     """One streaming pass of ONNX Runtime over ``samples``, histograms of ``tensors``; also the
     first batch (the feeds the quantized graph is verified on). ``static``: the graph takes
     exactly ``batch_size`` samples, so a smaller last batch is left out.
 
-    The observed graph is ``model`` with ``tensors`` as its only outputs and only the nodes that
-    compute them (a causal LM's vocabulary-sized head, which reads the last calibrated tensor, is
-    not run), written without copying the weights in memory."""
+    ``observed``: the graph with ``tensors`` as its only outputs and only the nodes that compute them
+    (``_save_observed``: a causal LM's vocabulary-sized head, which reads the last calibrated tensor, is
+    not run)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
@@ -675,44 +716,41 @@ def _observe(model: onnx.ModelProto, tensors: list[str], samples: Samples, input
     # these graphs' default percentile ranges rest on their tails (benchmarks/RESULTS.md, issue 26)
     observers = {t: HistogramObserver(t, sample=hist_sample) for t in tensors}
     first: dict[str, np.ndarray] = {}
-    with tempfile.TemporaryDirectory(prefix="edgekit-int8-") as tmp:
-        aug_path = Path(tmp) / "augmented.onnx"
-        _save_observed(model, tensors, aug_path)
+    try:
+        sess = ort.InferenceSession(str(observed), so, providers=["CPUExecutionProvider"])
+    except ort_errors() as e:
+        raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, observed)}") from None
+    out_names = [o.name for o in sess.get_outputs()]
+    graph_inputs = {i.name for i in sess.get_inputs()}
+
+    def observe(feeds: dict[str, np.ndarray]) -> int:
         try:
-            sess = ort.InferenceSession(str(aug_path), so, providers=["CPUExecutionProvider"])
+            outs = sess.run(None, {k: v for k, v in feeds.items() if k in graph_inputs})
         except ort_errors() as e:
-            raise BadInputError(f"{src} does not load in ONNX Runtime: {ort_failure(e, aug_path)}") from None
-        out_names = [o.name for o in sess.get_outputs()]
-        graph_inputs = {i.name for i in sess.get_inputs()}
+            shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
+            raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
+                                f"{ort_failure(e)}") from None
+        held = 0
+        for name, arr in zip(out_names, outs, strict=True):
+            if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
+                observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
+            held += arr.nbytes if isinstance(arr, np.ndarray) else 0
+        return held
 
-        def observe(feeds: dict[str, np.ndarray]) -> int:
-            try:
-                outs = sess.run(None, {k: v for k, v in feeds.items() if k in graph_inputs})
-            except ort_errors() as e:
-                shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
-                raise BadInputError(f"{src} does not run in ONNX Runtime on the calibration data ({shapes}): "
-                                    f"{ort_failure(e)}") from None
-            held = 0
-            for name, arr in zip(out_names, outs, strict=True):
-                if name in observers and isinstance(arr, np.ndarray) and arr.dtype.kind == "f":
-                    observers[name].update(torch.from_numpy(np.ascontiguousarray(arr)))
-                held += arr.nbytes if isinstance(arr, np.ndarray) else 0
-            return held
-
-        start = 0
-        if not static and batch_size > 1 and len(samples):
-            # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
-            first = {k: samples.inputs[k][:1] for k in input_names}
-            per_sample = observe(first)
-            batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
-            start = 1
-        rest = samples.subset(slice(start, len(samples))) if start else samples
-        for b in rest.batches(batch_size):
-            feeds = {k: b[k] for k in input_names}
-            if static and len(next(iter(feeds.values()))) != batch_size:
-                continue
-            first = first or feeds
-            observe(feeds)
+    start = 0
+    if not static and batch_size > 1 and len(samples):
+        # one sample first: what every intermediate of one sample holds sets the batch (memory bounded)
+        first = {k: samples.inputs[k][:1] for k in input_names}
+        per_sample = observe(first)
+        batch_size = max(1, min(batch_size, OBSERVE_BYTES // max(per_sample, 1)))
+        start = 1
+    rest = samples.subset(slice(start, len(samples))) if start else samples
+    for b in rest.batches(batch_size):
+        feeds = {k: b[k] for k in input_names}
+        if static and len(next(iter(feeds.values()))) != batch_size:
+            continue
+        first = first or feeds
+        observe(feeds)
     return observers, first
 
 
@@ -971,7 +1009,9 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
                          kernels: str | None = None) -> tuple[ModelHandle, dict[str, Any]]:
     """The int8 step on an ONNX-only handle: calibrate, quantize, verify, and compare every output
     with the float graph on held-out data (``ctx.metrics["int8"]``), as the target's integer kernels
-    compute it (``kernels``: ``onnx_int8_kernels`` semantics; None: this machine's). Returns the
+    compute it (``kernels``: ``onnx_int8_kernels`` semantics; None: this machine's). A causal LM is
+    compared with ``ctx.quality_reference`` where it covers the same windows (``shared_reference``),
+    else with the float graph's statistics measured before the INT8 graph is loaded. Returns the
     quantized handle and what the step's record keeps of it (the step writes the record)."""
     if handle.onnx_path is None:
         raise BadInputError(f"model {handle.name!r} has no ONNX graph to quantize")
@@ -1000,6 +1040,13 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
     # CPU time on SmolLM2-135M (198 vs 196 s for 32 windows: ONNX Runtime's forward passes are the cost) and
     # moved validation perplexity by 1% (benchmarks/RESULTS.md, issue 31)
     keep = float_layers_to_keep(handle, config)
+    ev, on = comparison_samples(view, config, ctx, samples)
+    lm = handle.kind == "causal-lm" and "input_ids" in ev.inputs
+    reference = None
+    if lm:  # the float side of the comparison, before any INT8 session exists: one model in memory at a time
+        reference = shared_reference(ctx.quality_reference, ev, names)
+        if reference is None:  # other windows than the gate's (eval_samples), or no gate: the float graph's
+            reference = reference_on(handle, on, [{k: b[k] for k in names} for b in ev.batches(1)])
     info, run = quantize_and_verify(src, dst, samples, names, config.calibration.method, config.calibration.percentile, scheme,
                                     batch_size=int(handle.extra.get("calib_batch", 8)), placement=config.placement,
                                     keep_float=keep)
@@ -1009,24 +1056,34 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
         metrics["calib_note"] = calib_note
     if handle.extra.get("normalized"):  # done when the file was loaded (sources.models.load_onnx_file)
         metrics["preprocessed"] = {**handle.extra["normalized"], **info.get("preprocessed", {})}
-    ev, on = comparison_samples(view, config, ctx, samples)
-    session = run.session if kernels is None or kernels == host_semantics() else session_for(dst, kernels)
+    host = kernels is None or kernels == host_semantics()
+    output_names = [o.name for o in run.session.get_outputs()]
     metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
-    if handle.kind == "causal-lm" and "input_ids" in ev.inputs:  # token by token, one window at a time
-        lm = compare_lm(_session_runner(session, names), _session_runner(_float_session(src), names), ev)
-        metrics["outputs"] = {run.session.get_outputs()[0].name: {k: lm[k] for k in LM_DRIFT}}
-        metrics["int8"] = {k: v for k, v in lm.items() if k not in LM_DRIFT or k == "max_abs_diff"}
+    measured: Measured | None = None
+    if reference is not None:  # token by token, one window at a time, against the float model's statistics
+        session = run.session if host else session_for(dst, kernels or host_semantics())
+        del run  # one INT8 session at a time
+        int8, drift, stats = compare_lm_to_reference(session, names, reference)
+        del session
+        metrics["compared_on"].update(
+            reference="the quality gate's float reference" if reference is ctx.quality_reference else reference.source,
+            note=(f"agreement and perplexity over every token; KL, cosine and logit differences over the "
+                  f"{drift['rows']} logit rows the float reference keeps"))
+        metrics["outputs"] = {output_names[0]: drift}
+        metrics["int8"] = int8
+        if host and reference is ctx.quality_reference:  # what the gate would compute: it reports from these
+            measured = Measured(reference, str(dst), stats)
     else:
+        session = run.session if host else session_for(dst, kernels or host_semantics())
         fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
         got = run_graph(session, ev, names, fixed or COMPARE_BATCH, fixed is not None)
         ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
-        metrics["outputs"] = {o.name: output_drift(g, r) for o, g, r in zip(run.session.get_outputs(), got, ref,
-                                                                             strict=True)}
+        metrics["outputs"] = {o: output_drift(g, r) for o, g, r in zip(output_names, got, ref, strict=True)}
         metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None
-    new.extra = {**handle.extra, "int8_workdir": workdir}
+    new.extra = {**handle.extra, "int8_workdir": workdir, **({MEASURED: measured} if measured is not None else {})}
     if handle.make_inputs is None:  # random inputs: the verified real calibration batch serves better
         new.make_inputs = _repeat_first({k: v[:1] for k, v in samples.inputs.items()})
     new.step_rewrites = step_rewrite  # export applies the steps' graph rewrites
@@ -1052,8 +1109,70 @@ def float_layers_to_keep(handle: ModelHandle, config: OnnxGraphConfig) -> tuple[
     return LM_KEEP_FLOAT if handle.kind == "causal-lm" else ()
 
 
-# The drift of the logits as ``output_drift`` reports an output's (compare_lm's per-window keys).
-LM_DRIFT = ("mean_cosine", "min_cosine", "max_abs_diff", "mean_abs_diff", "ref_max_abs")
+def shared_reference(reference: Reference | None, ev: Samples, names: list[str]) -> Reference | None:
+    """``reference`` (the quality gate's float reference) when its feeds are exactly the windows of ``ev``,
+    one a feed, so the step compares on what the gate measured instead of running the float model again."""
+    if reference is None or reference.nll is None or len(reference.feeds) != len(ev):
+        return None
+    for i, feeds in enumerate(reference.feeds):
+        for k in names:
+            if k not in feeds or not np.array_equal(feeds[k], ev.inputs[k][i:i + 1]):
+                return None
+    return reference
+
+
+def compare_lm_to_reference(session: Any, names: list[str], reference: Reference
+                            ) -> tuple[dict[str, Any], dict[str, Any], list[WindowStats]]:
+    """The INT8 graph (``session``) against the float model's statistics on the same windows (``reference``:
+    per-token NLL, top-1 of every position, the logit rows it keeps), one window's logits in memory at a time.
+
+    Returns (the per-token figures: top-1 / top-5 agreement with the float top-1, perplexity of each and their
+    ratio, over every token; the logits' drift: per-row cosine, KL(float || INT8), largest and mean absolute
+    difference and the float rows' largest magnitude, over the kept rows; the gate's ``WindowStats`` of each
+    window, which it reports from instead of running the graph again)."""
+    import torch
+
+    assert reference.nll is not None  # a causal LM's reference (shared_reference, reference_on)
+    stats: list[WindowStats] = []
+    top1 = top5 = tokens = 0
+    offset = 0
+    cosines: list[np.ndarray] = []
+    kls: list[np.ndarray] = []
+    max_diff = abs_sum = ref_max = 0.0
+    values = 0
+    for feeds, index, ref_top in zip(reference.feeds, reference.row_index, reference.top, strict=True):
+        logits = torch.from_numpy(np.asarray(session.run(None, {k: feeds[k] for k in names})[0], np.float32))
+        st = output_statistics(logits, feeds, index, lm=True)
+        stats.append(st)
+        flat = logits.reshape(-1, logits.shape[-1])  # (positions, vocab)
+        best = torch.from_numpy(ref_top)
+        rows = nll_rows(flat.shape[-1])
+        for s in range(0, flat.shape[0], rows):  # top-5 a chunk of positions at a time
+            top5 += int((flat[s:s + rows].topk(min(5, flat.shape[-1]), -1).indices == best[s:s + rows, None])
+                        .any(-1).sum())
+        top1 += int((st.top == ref_top).sum())
+        tokens += flat.shape[0]
+        del logits, flat
+        got = torch.from_numpy(st.rows).double()
+        want = torch.from_numpy(reference.rows[offset:offset + len(index)]).double()
+        offset += len(index)
+        lg, lr = torch.log_softmax(got, -1), torch.log_softmax(want, -1)
+        kls.append((lr.exp() * (lr - lg)).sum(-1).numpy())
+        cosines.append(((got * want).sum(-1) / (got.norm(dim=-1) * want.norm(dim=-1)).clamp_min(1e-12)).numpy())
+        diff = (got - want).abs()
+        max_diff, abs_sum = max(max_diff, float(diff.max())), abs_sum + float(diff.sum())
+        ref_max, values = max(ref_max, float(want.abs().max())), values + diff.numel()
+    nll = float(np.mean(np.concatenate([s.nll.ravel() for s in stats if s.nll is not None]).astype(np.float64)))
+    nll_ref = float(np.mean(np.concatenate([a.ravel() for a in reference.nll]).astype(np.float64)))
+    ppl, ppl_ref = math.exp(min(nll, 700.0)), math.exp(min(nll_ref, 700.0))
+    cos = np.concatenate(cosines)
+    kl = np.concatenate(kls)
+    drift = {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "max_abs_diff": max_diff,
+             "mean_abs_diff": abs_sum / max(values, 1), "ref_max_abs": ref_max, "rows": int(cos.size)}
+    per_token = {"windows": len(stats), "tokens": tokens, "top1_agreement": top1 / max(tokens, 1),
+                 "top5_agreement": top5 / max(tokens, 1), "mean_kl": float(kl.mean()), "perplexity": ppl,
+                 "perplexity_reference": ppl_ref, "perplexity_ratio": ppl / ppl_ref, "max_abs_diff": max_diff}
+    return per_token, drift, stats
 
 
 def eval_limit(handle: ModelHandle, eval_samples: int | None) -> int | None:
@@ -1063,10 +1182,6 @@ def eval_limit(handle: ModelHandle, eval_samples: int | None) -> int | None:
     if eval_samples is not None:
         return int(eval_samples)
     return EVAL_WINDOWS if handle.kind == "causal-lm" else None
-
-
-def _session_runner(session: Any, names: list[str]) -> Any:
-    return lambda feeds: session.run(None, {k: feeds[k] for k in names})
 
 
 def comparison_samples(view: ModelHandle, config: OnnxGraphConfig, ctx: StepContext, calib: Samples) -> tuple[Samples, str]:

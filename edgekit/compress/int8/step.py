@@ -62,6 +62,7 @@ from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, Calibrati
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
+from edgekit.memory import release_memory
 from edgekit.onnx_int8_kernels import describe_semantics, semantics_for_target, session_for
 from edgekit.runtimes import get_runtime
 from edgekit.sources.data import Samples
@@ -400,6 +401,7 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
         handle, smoothed = _smoothed(handle, config, ctx)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder = export_onnx(handle, Path(work) / "fp32-onnx", ExportConfig(skip_parity=True))
+        release_memory()  # what the exporter freed (GBs for a decoder) goes back before the graph is loaded
         onnx_handle = copy.copy(handle)
         onnx_handle.onnx_path = Path(folder) / "model.onnx"
         onnx_handle.module = None

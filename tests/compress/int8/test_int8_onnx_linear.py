@@ -335,6 +335,87 @@ def test_a_causal_lm_is_compared_token_by_token_on_a_bounded_number_of_windows(t
     assert metrics["calibration"]["tensors"] == 3 and metrics["calibration"]["values_observed"] == 16 * 32 * (32 + 128 + 32)
 
 
+def _token_windows(split: str, n: int, seqlen: int, seed: int) -> Samples:
+    ids = np.random.default_rng(seed).integers(0, 260, (n, seqlen)).astype(np.int64)
+    return Samples("random tokens", split, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+
+
+def test_the_step_and_the_gate_share_one_run_of_the_int8_graph_with_the_numbers_of_two(tmp_path, monkeypatch):
+    """With the gate's float reference measured on the step's own eval windows (what compress() does), the
+    step runs no float model and the INT8 graph once: its per-token figures are compare_lm's against the float
+    graph, its drift figures those of the same rows of the full logits, and the gate's report from the step's
+    statistics is the one of running the graph again, to the last digit."""
+    import onnxruntime as ort
+
+    from edgekit.compress import StepContext, quality
+    from edgekit.compress.int8 import onnx_graph
+    from edgekit.compress.int8.step import apply
+    from edgekit.evaluate import compare_lm
+    from edgekit.onnx_int8_kernels import host_semantics, session_for
+
+    handle = _bigram_handle(tmp_path, seqlen=32)
+    ev = _token_windows("eval", 8, 32, seed=1)
+    ctx = StepContext(calib=_token_windows("calib", 16, 32, seed=0), eval=ev, progress=False)  # type: ignore[arg-type]
+    ctx.quality_reference = reference = quality.measure_reference(handle, ctx)
+    float_runs: list[int] = []
+    monkeypatch.setattr(onnx_graph, "reference_on", lambda *a: float_runs.append(1) or quality.reference_on(*a))
+    q = apply(handle, Int8Config(calib_samples=16), ctx)
+    m = ctx.metrics["int8"]
+    assert float_runs == [] and m["compared_on"]["reference"] == "the quality gate's float reference"
+    measured = q.extra[quality.MEASURED]
+    assert measured.reference is reference and len(measured.stats) == 8
+    shared = quality.compare(q, reference)
+    q.extra = {k: v for k, v in q.extra.items() if k != quality.MEASURED}
+    assert shared == quality.compare(q, reference) and 0.9 < shared["perplexity_ratio"] < 1.1  # ran the graph
+
+    # the per-token figures: compare_lm's of the INT8 graph against the float graph, all 8 x 32 tokens
+    int8 = session_for(q.onnx_path, host_semantics())
+    flt = ort.InferenceSession(str(handle.onnx_path), providers=["CPUExecutionProvider"])
+    before = compare_lm(lambda f: int8.run(None, f), lambda f: flt.run(None, f), ev)
+    got = m["int8"]
+    assert got["windows"] == 8 and got["tokens"] == 8 * 32
+    for k in ("top1_agreement", "top5_agreement", "perplexity", "perplexity_reference", "perplexity_ratio"):
+        assert got[k] == pytest.approx(before[k], rel=1e-6), k
+    assert got["perplexity"] == pytest.approx(shared["perplexity"], abs=1e-4)
+    # the drift figures: over the float reference's kept rows of the full logits (8 a window)
+    rows = [(w, int(i)) for w, idx in enumerate(reference.row_index) for i in idx]
+    full_q = [int8.run(None, ev.subset(slice(w, w + 1)).inputs)[0].reshape(-1, 260) for w in range(8)]
+    full_f = [flt.run(None, ev.subset(slice(w, w + 1)).inputs)[0].reshape(-1, 260) for w in range(8)]
+    g = np.stack([full_q[w][i] for w, i in rows]).astype(np.float64)
+    r = np.stack([full_f[w][i] for w, i in rows]).astype(np.float64)
+    cos = (g * r).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(r, axis=1))
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x - x.max(1, keepdims=True)
+        return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+    lg, lr = log_softmax(g), log_softmax(r)
+    drift = m["outputs"]["logits"]
+    assert drift["rows"] == len(rows) == 64
+    assert drift["mean_cosine"] == pytest.approx(cos.mean(), rel=1e-5)
+    assert drift["min_cosine"] == pytest.approx(cos.min(), rel=1e-5)
+    assert drift["max_abs_diff"] == pytest.approx(np.abs(g - r).max(), rel=1e-5) == got["max_abs_diff"]
+    assert drift["mean_abs_diff"] == pytest.approx(np.abs(g - r).mean(), rel=1e-5)
+    assert got["mean_kl"] == pytest.approx((np.exp(lr) * (lr - lg)).sum(1).mean(), rel=1e-4, abs=1e-9)
+
+
+def test_other_windows_than_the_gates_get_a_float_reference_of_their_own(tmp_path):
+    """eval_samples 3 against the gate's 8 windows: the step measures the float graph on its 3 windows, and
+    leaves the gate nothing to report from (it runs the graph on its own windows)."""
+    from edgekit.compress import StepContext, quality
+    from edgekit.compress.int8.step import apply
+
+    handle = _bigram_handle(tmp_path, seqlen=32)
+    ctx = StepContext(calib=_token_windows("calib", 16, 32, seed=0), eval=_token_windows("eval", 8, 32, seed=1),
+                      progress=False)  # type: ignore[arg-type]
+    ctx.quality_reference = quality.measure_reference(handle, ctx)
+    q = apply(handle, Int8Config(calib_samples=16, eval_samples=3), ctx)
+    m = ctx.metrics["int8"]
+    assert m["int8"]["windows"] == 3 and m["compared_on"]["reference"] != "the quality gate's float reference"
+    assert m["outputs"]["logits"]["rows"] == 3 * (quality.COSINE_ROWS // 3)
+    assert quality.MEASURED not in q.extra and 0.9 < quality.compare(q, ctx.quality_reference)["perplexity_ratio"] < 1.1
+
+
 # --- layers kept in float, the observation graph, the histogram sample ---------------------------------------
 
 
