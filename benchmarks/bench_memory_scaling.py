@@ -185,12 +185,14 @@ PHASE_MARKS = ("import edgekit.compress.quality; m = sys.modules['edgekit.compre
                "m.measure_reference = mark(m.measure_reference, 'reference'); m.compare = mark(m.compare, 'steps')")
 
 
-# the fused-graph export's phases: the graph built, the file written, parity against PyTorch, against float
+# the fused-graph export's phases: the graph built, the file written, PyTorch's parity logits (a tree
+# before them has no lm_references), parity against PyTorch, against float
 EXPORT_MARKS = ("m = sys.modules['edgekit.export.lm']; "
                 "mark = lambda f, n: (lambda *a, **k: (r := f(*a, **k), print('phase', n, time.perf_counter(), "
                 "flush=True))[0]); "
                 "m.fused_decoder_parts = mark(m.fused_decoder_parts, 'graph'); "
                 "m.verify_onnx_runs = mark(m.verify_onnx_runs, 'written'); "
+                "hasattr(m, 'lm_references') and setattr(m, 'lm_references', mark(m.lm_references, 'references')); "
                 "m.check_lm_parity = mark(m.check_lm_parity, 'parity'); "
                 "m.check_against_float = mark(m.check_against_float, 'parity_float')")
 
