@@ -557,7 +557,7 @@ def _export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], graph: str, 
                              against_float=bool(handle.steps)) if parity else None
         release_memory(collect=False)  # the forwards' dequantized blocks
         with weights_on_disk(handle.module, tmp) if parity else contextlib.nullcontext(0):
-            release_memory(collect=False)
+            release_memory()  # once: what the forwards left to the collector goes too
             verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
             release_memory(collect=False)  # the verifying session's arena
             if twin_parity:
@@ -885,7 +885,7 @@ def lm_references(handle: Any, *, with_past: bool = True, prompt_len: int = 16, 
 
 
 @contextlib.contextmanager
-def weights_on_disk(module: Any, folder: str | os.PathLike[str], min_bytes: int = 1 << 20) -> Iterator[int]:
+def weights_on_disk(module: Any, folder: str | os.PathLike[str], min_bytes: int = 1 << 16) -> Iterator[int]:
     """Within: the tensors of ``module`` of at least ``min_bytes`` are in a file in ``folder``, not in
     memory, for work that never runs the module (ONNX Runtime's checks of its graph); on exit they are
     read back, bit for bit. Each storage is emptied in place (``resize_(0)``), so every tensor sharing it
@@ -972,6 +972,7 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
                                 "max_abs_diff_to_plain_loop": float(np.abs(bound - got).max())}
         report["passed"] = report["passed"] and bool(np.abs(bound - got).max() <= atol)
         del decoder
+        release_memory(collect=False)  # the runs' freed outputs, before the next runs' transients
         long = check_long_context(handle, sess, ids, prompt_len=prompt_len, atol=atol, rtol=rtol,
                                   references=references.long)
         if long is not None:

@@ -80,7 +80,7 @@ def test_export_runs_the_packed_model_once_per_reference_and_never_beside_a_sess
     h = _packed(32)
     before = {k: v.clone() for k, v in h.module.state_dict().items()}
     events: list[str] = []
-    # every tensor of the tiny model on disk during the checks (by default only those of 1 MiB and more)
+    # every tensor of the tiny model on disk during the checks (by default only those of 64 KiB and more)
     on_disk = lm.weights_on_disk
     monkeypatch.setattr(lm, "weights_on_disk", lambda module, folder: on_disk(module, folder, min_bytes=0))
     hf_forward = h.module.model.forward
