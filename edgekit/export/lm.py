@@ -556,7 +556,8 @@ def _export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], graph: str, 
         refs = lm_references(handle, with_past=with_past, position_ids="position_ids" in names,
                              against_float=bool(handle.steps)) if parity else None
         release_memory(collect=False)  # the forwards' dequantized blocks
-        with weights_on_disk(handle.module, tmp) if parity else contextlib.nullcontext(0):
+        # (in the staging folder: on the output's disk, not a memory-backed /tmp, and removed with it on failure)
+        with weights_on_disk(handle.module, folder) if parity else contextlib.nullcontext(0):
             release_memory()  # once: what the forwards left to the collector goes too
             verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
             release_memory(collect=False)  # the verifying session's arena

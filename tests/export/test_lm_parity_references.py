@@ -91,6 +91,7 @@ def test_export_runs_the_packed_model_once_per_reference_and_never_beside_a_sess
     metrics = json.loads((out / "manifest.json").read_text())["metrics"]
     assert metrics["parity"]["passed"] and metrics["parity_int8_compute"]["passed"] and metrics["parity_float"]["passed"]
     assert events == ["torch"] * 4 + ["session"] * 3
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx"]  # the weights' file is gone
     after = h.module.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
