@@ -96,7 +96,7 @@ def sample_rss(pid: int, samples: list[tuple[float, int, int]], t0: float, perio
         time.sleep(period)
 
 
-def measure(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def measure(cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: str | None = None) -> dict[str, Any]:
     """Run ``cmd`` (niced); its own peak RSS and CPU time (``os.wait4``), wall time, load average, and its
     RSS (heap and file-backed apart) sampled every 0.2 s: the samples at the peak, and a timeline."""
     import threading
@@ -105,7 +105,7 @@ def measure(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dic
     t0 = time.perf_counter()
     samples: list[tuple[float, int, int]] = []
     with open(log, "w") as f:
-        proc = subprocess.Popen(["nice", "-n", "5", *cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(["nice", "-n", "5", *cmd], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         sampler = threading.Thread(target=sample_rss, args=(proc.pid, samples, t0), daemon=True)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -139,13 +139,15 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
     folder = work / name
     code_root = str(Path(args.code).resolve()) if args.code else str(ROOT)  # the edgekit tree to measure
     env = {**os.environ, "PYTHONPATH": code_root, "HF_HUB_OFFLINE": "1"}
+    # `python -c` puts its working directory first on sys.path: run in the tree measured, or a run from this
+    # repository's root would import this tree's edgekit whatever --code says
     out = work / f"{name}-{step}{args.label}"
     log = work / f"{name}-{step}{args.label}.log"
     shutil.rmtree(out, ignore_errors=True)
     if step == "load":
         code = ("from edgekit.sources.models import load_model; "
                 f"h = load_model({str(folder)!r}, half_storage=True); print(sum(p.numel() for p in h.module.parameters()))")
-        rec = measure([sys.executable, "-c", code], log, env)
+        rec = measure([sys.executable, "-c", code], log, env, cwd=code_root)
     elif step in ("rtn", "gptq"):
         # what `edgekit compress FOLDER --bits 4 --method M` runs (compress()), with the quality gate on
         # --quality-windows eval windows (the CLI's 8 by default): the gate holds one window's logits
@@ -157,7 +159,7 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
                 f"{PHASE_MARKS}; "
                 f"compress({str(folder)!r}, [('weight-only', {cfg!r})], {str(out)!r}, StepContext(progress=False, "
                 f"accept_quality_loss=True, quality_windows={args.quality_windows}))")
-        rec = measure([sys.executable, "-c", code], log, env)
+        rec = measure([sys.executable, "-c", code], log, env, cwd=code_root)
         rec["phases_end_s"] = phase_ends(log, rec.pop("t0"))
         man = json.loads((out / "manifest.json").read_text())
         meta = man["steps"][-1]["meta"]
@@ -169,7 +171,7 @@ def run_step(name: str, step: str, args: argparse.Namespace, work: Path) -> dict
         # `edgekit -q export SRC --kv-cache -o OUT`, with the ends of its phases marked (EXPORT_MARKS)
         code = (f"import sys, time; import edgekit.export.lm; from edgekit.cli import main; {EXPORT_MARKS}; "
                 f"sys.argv = ['edgekit', '-q', 'export', {str(src)!r}, '--kv-cache', '-o', {str(out)!r}]; main()")
-        rec = measure([sys.executable, "-c", code], log, env)
+        rec = measure([sys.executable, "-c", code], log, env, cwd=code_root)
         rec["phases_end_s"] = phase_ends(log, rec.pop("t0"))
         rec["onnx_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("model.onnx"))
     else:
@@ -185,12 +187,14 @@ PHASE_MARKS = ("import edgekit.compress.quality; m = sys.modules['edgekit.compre
                "m.measure_reference = mark(m.measure_reference, 'reference'); m.compare = mark(m.compare, 'steps')")
 
 
-# the fused-graph export's phases: the graph built, the file written, parity against PyTorch, against float
+# the fused-graph export's phases: the graph built, the file written, PyTorch's parity logits (a tree
+# before them has no lm_references), parity against PyTorch, against float
 EXPORT_MARKS = ("m = sys.modules['edgekit.export.lm']; "
                 "mark = lambda f, n: (lambda *a, **k: (r := f(*a, **k), print('phase', n, time.perf_counter(), "
                 "flush=True))[0]); "
                 "m.fused_decoder_parts = mark(m.fused_decoder_parts, 'graph'); "
                 "m.verify_onnx_runs = mark(m.verify_onnx_runs, 'written'); "
+                "hasattr(m, 'lm_references') and setattr(m, 'lm_references', mark(m.lm_references, 'references')); "
                 "m.check_lm_parity = mark(m.check_lm_parity, 'parity'); "
                 "m.check_against_float = mark(m.check_against_float, 'parity_float')")
 

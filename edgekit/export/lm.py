@@ -32,6 +32,7 @@ that fails parity is not written (``CheckFailedError``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -538,33 +540,46 @@ def _export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], graph: str, 
             onnx.save_model(proto, str(folder / "model.onnx"), save_as_external_data=large,
                             location="model.onnx.data" if large else None)
         twin = os.path.join(tmp, "model.onnx")
-        if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy)
+        if twin_parity:  # the same graph with fp32 compute (accuracy_level removed in place: no second copy),
+            # its weights in a data file that ONNX Runtime maps instead of copying them (the same logits)
             if tensors:
-                write_parts(set_accuracy_level(proto, None), tensors, twin)
+                save_parts_external(set_accuracy_level(proto, None), tensors, twin)
             else:
-                onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=large,
-                                location="model.onnx.data" if large else None)
+                onnx.save_model(set_accuracy_level(proto, None), twin, save_as_external_data=True,
+                                location="model.onnx.data")
         del proto, tensors
         release_memory()
-        verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
         metrics: dict[str, Any] = {"export_seconds": round(export_s, 2),
                                    "onnx_bytes": sum(f.stat().st_size for f in folder.iterdir())}
-        if twin_parity:
-            # int8 compute is an approximation by design: the graph itself is checked strictly on a twin
-            # with fp32 compute, the shipped setting's deviation is recorded beside it
-            metrics["parity"] = check_lm_parity(handle, twin, with_past=with_past, atol=atol, rtol=rtol)
-            if handle.steps:  # against the float model too (quantization error as the tolerance)
-                metrics["parity_float"] = check_against_float(handle, twin, with_past=with_past)
-            metrics["parity"]["compute"] = "fp32 (twin of the shipped graph without accuracy_level)"
-            metrics["parity_int8_compute"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past,
-                                                             atol=atol, rtol=INT8_COMPUTE_RTOL)
-        elif parity:
-            metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol, rtol=rtol)
-        if parity and not metrics["parity"]["passed"]:  # nothing is written: a wrong graph is not an artifact
-            raise CheckFailedError(f"the exported graph of {handle.name} does not compute what the PyTorch model "
-                                   f"computes: {parity_failure(metrics['parity'])}")
-        if parity and handle.steps and "parity_float" not in metrics:
-            metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past)
+        # PyTorch's logits once, before any ONNX Runtime session opens; every check below compares with them,
+        # and meanwhile the packed model waits on disk: its weights are never in memory beside a session's
+        refs = lm_references(handle, with_past=with_past, position_ids="position_ids" in names,
+                             against_float=bool(handle.steps)) if parity else None
+        release_memory(collect=False)  # the forwards' dequantized blocks
+        # (in the staging folder: on the output's disk, not a memory-backed /tmp, and removed with it on failure)
+        with weights_on_disk(handle.module, folder) if parity else contextlib.nullcontext(0):
+            release_memory()  # once: what the forwards left to the collector goes too
+            verify_onnx_runs(folder / "model.onnx", step, label=f"the exported graph of {handle.name}")
+            release_memory(collect=False)  # the verifying session's arena
+            if twin_parity:
+                # int8 compute is an approximation by design: the graph itself is checked strictly on a twin
+                # with fp32 compute, the shipped setting's deviation is recorded beside it
+                metrics["parity"] = check_lm_parity(handle, twin, with_past=with_past, atol=atol, rtol=rtol,
+                                                    references=refs)
+                if handle.steps:  # against the float model too (quantization error as the tolerance)
+                    metrics["parity_float"] = check_against_float(handle, twin, with_past=with_past, references=refs)
+                metrics["parity"]["compute"] = "fp32 (twin of the shipped graph without accuracy_level)"
+                metrics["parity_int8_compute"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past,
+                                                                 atol=atol, rtol=INT8_COMPUTE_RTOL, references=refs)
+            elif parity:
+                metrics["parity"] = check_lm_parity(handle, folder / "model.onnx", with_past=with_past, atol=atol,
+                                                    rtol=rtol, references=refs)
+            if parity and not metrics["parity"]["passed"]:  # nothing is written: a wrong graph is not an artifact
+                raise CheckFailedError(f"the exported graph of {handle.name} does not compute what the PyTorch "
+                                       f"model computes: {parity_failure(metrics['parity'])}")
+            if parity and handle.steps and "parity_float" not in metrics:
+                metrics["parity_float"] = check_against_float(handle, folder / "model.onnx", with_past=with_past,
+                                                              references=refs)
         context = declared_context(_hf_model(handle.module))
         write_manifest(folder, Manifest(
             kind="onnx", files={"onnx": "model.onnx"}, source=handle.source, metrics=metrics,
@@ -778,23 +793,26 @@ LONG_CHECK_DECODE = 2
 
 
 def check_long_context(handle: Any, sess: Any, ids: np.ndarray, *, prompt_len: int, atol: float,
-                       rtol: float) -> dict[str, Any] | None:
+                       rtol: float, references: dict[int, np.ndarray] | None = None) -> dict[str, Any] | None:
     """Parity far into the context, where rotary scaling changes what a position computes: for each
     threshold the config declares (dynamic NTK's ``max_position_embeddings``, longrope's and the
     scalings' ``original_max_position_embeddings``), a prefill ending at it whose decode steps cross it
     and a prefill starting at it, and a prefill whose decode steps reach the end of the declared
     context (``rope.check_starts``). Short prompts placed there by their position ids, so a
     128k-context model costs what a 16-token check costs. None for a model without rotary embedding
-    or a graph without position ids."""
+    or a graph without position ids. ``references``: PyTorch's logits from each start
+    (``long_context_references``), else computed here."""
     hf = _hf_model(handle.module)
     spec = model_rope(hf)
     if spec is None or "position_ids" not in {i.name for i in sess.get_inputs()}:
         return None
     starts = check_starts(spec, prompt_len, LONG_CHECK_DECODE)
+    if references is None:
+        references = long_context_references(handle, ids, prompt_len)
     worst_abs, worst_rel, agree, count = 0.0, 0.0, 0, 0
     passed = True
     for start in starts:
-        ref = torch_logits(hf, ids, prompt_len, start)
+        ref = references[start]
         got = onnx_logits(sess, ids, prompt_len, True, start)
         diff = float(np.abs(got - ref).max())
         scale = float(np.abs(ref).max())
@@ -805,6 +823,106 @@ def check_long_context(handle: Any, sess: Any, ids: np.ndarray, *, prompt_len: i
     return {"rope_type": spec.rope_type, "thresholds": list(spec.thresholds), "context": spec.context,
             "starts": starts, "tokens_each": int(ids.shape[1]), "max_abs_diff": worst_abs, "max_rel_diff": worst_rel,
             "argmax_agreement": agree / max(count, 1), "passed": bool(passed)}
+
+
+def long_context_references(handle: Any, ids: np.ndarray, prompt_len: int) -> dict[int, np.ndarray]:
+    """PyTorch's logits of ``ids`` from each first position ``check_long_context`` checks (empty for a
+    model without rotary embedding)."""
+    hf = _hf_model(handle.module)
+    spec = model_rope(hf)
+    if spec is None:
+        return {}
+    return {start: torch_logits(hf, ids, prompt_len, start) for start in check_starts(spec, prompt_len,
+                                                                                        LONG_CHECK_DECODE)}
+
+
+@dataclass
+class LMReferences:
+    """The PyTorch logits the parity checks compare a causal-LM graph with (``lm_references``)."""
+
+    prompt_len: int
+    ids: np.ndarray  # (1, prompt_len + LONG_CHECK_DECODE) token ids
+    short: np.ndarray  # (1, prompt_len + 1, vocab): one forward over ids[:, :prompt_len + 1]
+    long: dict[int, np.ndarray] | None  # first position -> logits far into the context (with past only)
+    float_ids: np.ndarray | None = None  # check_against_float's prompt (against_float)
+    float_packed: np.ndarray | None = None  # the packed model's logits on it (``short`` where the prompts agree)
+
+
+def float_check_ids(handle: Any, prompt_len: int) -> np.ndarray:
+    """The prompt ``check_against_float`` compares on: (1, prompt_len + 1) token ids."""
+    return handle.sample_inputs(1, sequence=prompt_len + 1)["input_ids"][:, : prompt_len + 1]
+
+
+def lm_references(handle: Any, *, with_past: bool = True, prompt_len: int = 16, position_ids: bool = True,
+                  against_float: bool = False) -> LMReferences:
+    """PyTorch's side of ``check_lm_parity`` (and, ``against_float``, the packed logits of
+    ``check_against_float``), computed once, before any ONNX Runtime session opens: the packed model's
+    forwards dequantize its weights block by block, and those transients never sit beside a session of
+    its graph. The checks of the fp32 twin and of the int8-compute graph compare with the same logits,
+    so they are computed once. ``position_ids``: whether the graph takes them (else the long-context
+    check does not run).
+
+    >>> refs = lm_references(handle)  # doctest: +SKIP
+    >>> check_lm_parity(handle, "out/model.onnx", references=refs)["passed"]  # doctest: +SKIP
+    """
+    import torch
+
+    feeds = handle.sample_inputs(1, sequence=prompt_len + LONG_CHECK_DECODE)
+    ids = np.ascontiguousarray(feeds["input_ids"][:, : prompt_len + LONG_CHECK_DECODE])
+    short = torch.from_numpy(ids[:, : prompt_len + 1])
+    with torch.no_grad():
+        ref = handle.module(short, torch.ones_like(short)).float().numpy()
+    long = long_context_references(handle, ids, prompt_len) if with_past and position_ids else None
+    refs = LMReferences(prompt_len=prompt_len, ids=ids, short=ref, long=long)
+    if against_float:
+        refs.float_ids = float_check_ids(handle, prompt_len)
+        if np.array_equal(refs.float_ids, short.numpy()):
+            refs.float_packed = ref
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(refs.float_ids))
+            with torch.no_grad():
+                refs.float_packed = handle.module(t, torch.ones_like(t)).float().numpy()
+    return refs
+
+
+@contextlib.contextmanager
+def weights_on_disk(module: Any, folder: str | os.PathLike[str], min_bytes: int = 1 << 16) -> Iterator[int]:
+    """Within: the tensors of ``module`` of at least ``min_bytes`` are in a file in ``folder``, not in
+    memory, for work that never runs the module (ONNX Runtime's checks of its graph); on exit they are
+    read back, bit for bit. Each storage is emptied in place (``resize_(0)``), so every tensor sharing it
+    (a tied embedding and LM head) shares it again after; small tensors (norms, rotary tables) stay.
+    Yields the bytes moved out.
+
+    >>> with weights_on_disk(handle.module, tmp):  # doctest: +SKIP
+    ...     check_lm_parity(handle, "out/model.onnx", references=refs)
+    """
+    storages: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        st = t.untyped_storage()
+        if st.nbytes() >= min_bytes and st.resizable() and st.device.type == "cpu":
+            storages.setdefault(st.data_ptr(), st)
+
+    def as_bytes(st: Any) -> Any:  # the storage's memory, without a copy (numpy's view would pin its size)
+        return (ctypes.c_char * st.nbytes()).from_address(st.data_ptr())
+
+    path = Path(folder) / "offloaded-weights.bin"
+    sizes: list[int] = []  # of the storages emptied so far, in order
+    try:
+        with open(path, "wb") as out:
+            for st in storages.values():
+                n = st.nbytes()
+                out.write(as_bytes(st))
+                st.resize_(0)
+                sizes.append(n)
+        yield sum(sizes)
+    finally:
+        if sizes:
+            with open(path, "rb") as f:
+                for st, n in zip(storages.values(), sizes):
+                    st.resize_(n)
+                    if f.readinto(as_bytes(st)) != n:
+                        raise OSError(f"{path} ended before the module's weights were read back")
+        path.unlink(missing_ok=True)
 
 
 def parity_failure(report: dict[str, Any]) -> str:
@@ -826,17 +944,19 @@ def parity_failure(report: dict[str, Any]) -> str:
 
 
 def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True, prompt_len: int = 16,
-                    atol: float = 2e-3, rtol: float = 2e-3) -> dict[str, Any]:
+                    atol: float = 2e-3, rtol: float = 2e-3, references: LMReferences | None = None) -> dict[str, Any]:
     """Logits of ONNX Runtime vs the PyTorch model, on a prefill and (with past) one decode step, and
-    (with past, for rotary models) far into the context (``check_long_context``)."""
-    import torch
-
-    sess = lm_session(onnx_path, threads=2, fp32_compute=True)
-    feeds = handle.sample_inputs(1, sequence=prompt_len + LONG_CHECK_DECODE)
-    ids = feeds["input_ids"][:, : prompt_len + LONG_CHECK_DECODE]
+    (with past, for rotary models) far into the context (``check_long_context``). ``references``:
+    PyTorch's logits (``lm_references``) shared by several checks; else computed here, before the
+    session opens."""
+    if references is None:
+        references = lm_references(handle, with_past=with_past, prompt_len=prompt_len)
+        release_memory(collect=False)  # the forwards' dequantized blocks, before the session's weights
+    elif references.prompt_len != prompt_len:
+        raise ValueError(f"references for a {references.prompt_len}-token prompt, parity asked for {prompt_len}")
+    ids, ref = references.ids, references.short
     short = ids[:, : prompt_len + 1]
-    with torch.no_grad():
-        ref = handle.module(torch.from_numpy(short), torch.ones_like(torch.from_numpy(short))).float().numpy()
+    sess = lm_session(onnx_path, threads=2, fp32_compute=True)
     report: dict[str, Any] = {"atol": atol, "rtol": rtol}
     got = onnx_logits(sess, short, prompt_len, with_past)
     diff = np.abs(got - ref)
@@ -852,10 +972,15 @@ def check_lm_parity(handle: Any, onnx_path: str | os.PathLike[str], *, with_past
         report["io_binding"] = {"kv_cache": "in place (shared buffer)" if decoder.shared else "bound presents",
                                 "max_abs_diff_to_plain_loop": float(np.abs(bound - got).max())}
         report["passed"] = report["passed"] and bool(np.abs(bound - got).max() <= atol)
-        long = check_long_context(handle, sess, ids, prompt_len=prompt_len, atol=atol, rtol=rtol)
+        del decoder
+        release_memory(collect=False)  # the runs' freed outputs, before the next runs' transients
+        long = check_long_context(handle, sess, ids, prompt_len=prompt_len, atol=atol, rtol=rtol,
+                                  references=references.long)
         if long is not None:
             report["long_context"] = long
             report["passed"] = report["passed"] and long["passed"]
+    del sess
+    release_memory(collect=False)  # the session's weights and buffers, before the next check
     if not report["passed"]:
         log.warning("LM parity failed: %s", report)
     return report
@@ -870,20 +995,26 @@ FLOAT_ERROR_FACTOR, FLOAT_ERROR_FLOOR = 3.0, 0.05
 
 
 def check_against_float(handle: Any, onnx_path: str | os.PathLike[str], *, with_past: bool = True,
-                        prompt_len: int = 16) -> dict[str, Any]:
+                        prompt_len: int = 16, references: LMReferences | None = None) -> dict[str, Any]:
     """Parity of a compressed model's ONNX against the *float* model it came from (reloaded from
     ``handle.source``): the relative logit error may be the quantization error and no more
     (``FLOAT_PARITY_SLACK``, ``FLOAT_ERROR_FACTOR``). Raises ``CheckFailedError`` beyond it: a graph
-    that matches an already-wrong PyTorch model does not pass."""
+    that matches an already-wrong PyTorch model does not pass. ``references``: the compressed model's
+    logits already computed for ``check_lm_parity`` (``lm_references``), used where their prompt is
+    this check's."""
     import torch
 
-    feeds = handle.sample_inputs(1, sequence=prompt_len + 1)
-    ids = feeds["input_ids"][:, : prompt_len + 1]
+    ids = float_check_ids(handle, prompt_len)
     t = torch.from_numpy(ids)
     # the compressed model's and the graph's logits first, the float model last and alone: it never
     # shares the memory with an ONNX Runtime session
-    with torch.no_grad():
-        packed = handle.module(t, torch.ones_like(t)).float().numpy()
+    if references is not None and references.float_packed is not None and references.float_ids is not None and \
+            np.array_equal(references.float_ids, ids):
+        packed = references.float_packed
+    else:
+        with torch.no_grad():
+            packed = handle.module(t, torch.ones_like(t)).float().numpy()
+        release_memory(collect=False)  # the forward's dequantized blocks, before the session's weights
     sess = lm_session(onnx_path, threads=2)
     got = onnx_logits(sess, ids, prompt_len, with_past)
     del sess
@@ -934,5 +1065,6 @@ def generate_greedy(sess: Any, input_ids: np.ndarray, new_tokens: int) -> np.nda
     return np.array(tokens)
 
 
-__all__ = ["rewrite_packed_graph", "export_causal_lm", "with_accuracy_level", "check_lm_parity", "lm_session", "lm_feeds",
+__all__ = ["rewrite_packed_graph", "export_causal_lm", "with_accuracy_level", "check_lm_parity", "lm_references",
+           "LMReferences", "lm_session", "lm_feeds",
            "presents_to_past", "empty_past", "generate_greedy", "CheckFailedError"]
