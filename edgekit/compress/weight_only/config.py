@@ -20,7 +20,7 @@ METHODS = ("gptq-plus", "gptq", "awq", "awq-gptq", "rtn")  # the first is the de
 # What each GPTQ method sets where the user leaves an option unset (None). "gptq" is the paper's algorithm
 # (Frantar et al., 2022: the input Hessian of every linear, min-max grids, columns in order, no refit);
 # "gptq-plus" adds what measured better on SmolLM2 (RESULTS.md, "How the GPTQ default got there":
-# W4 g128 test perplexity 25.26 against the paper's 33.76); AWQ+GPTQ's GPTQ is gptq-plus.
+# W4 g128 test perplexity 25.73 against the paper's 33.76); AWQ+GPTQ's GPTQ is gptq-plus.
 GPTQ_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "gptq-plus": {"act_order": True, "mse_grid": None, "refit": True, "gptaq_alpha": 0.25,
                   "value_hessian": "attention"},
@@ -40,7 +40,7 @@ class WeightOnlyConfig:
     Frantar et al., 2022: the input Hessian ``X Xᵀ`` of every linear, a min-max grid per group,
     columns in order, no refit, no GPTAQ) | "awq" | "awq-gptq" (AWQ's scales, then gptq-plus on
     the scaled weights) | "rtn". On SmolLM2-135M W4 g128 (32 windows, test split) the paper's
-    GPTQ measured 33.76 perplexity, worse than RTN's 29.98, and gptq-plus 25.26 (RESULTS.md). bits: 2, 3, 4 or 8. group_size: input columns per
+    GPTQ measured 33.76 perplexity, worse than RTN's 29.98, and gptq-plus 25.73 (RESULTS.md). bits: 2, 3, 4 or 8. group_size: input columns per
     scale/zero point, a power of two >= 16, or -1 for one per output channel; a last,
     shorter group is allowed when it does not divide a layer's width (SmolLM2's 576 at 128).
     sym: symmetric grid (zero point 2**(bits-1)). act_order / mse_grid / refit / gptaq_alpha /

@@ -384,7 +384,7 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
         _paper_gptq_told.append(True)  # one line per process: a sweep or recipe may run it many times
         log.warning("weight-only: method 'gptq' is the paper's GPTQ (min-max grids, columns in order, the input "
                     "Hessian); the default 'gptq-plus' adds act-order, MSE grids, refit, GPTAQ and the value "
-                    "Hessian (SmolLM2-135M W4 g128 perplexity 25.26 against 33.76, RTN 29.98); before this "
+                    "Hessian (SmolLM2-135M W4 g128 perplexity 25.73 against 33.76, RTN 29.98); before this "
                     "release 'gptq' meant gptq-plus")
     module = handle.module
     module.eval()
@@ -434,7 +434,8 @@ def apply(handle: ModelHandle, config: WeightOnlyConfig, ctx: StepContext) -> Mo
     report = ctx.metrics[WEIGHT_ONLY_STEP] = {
         "method": config.method, "bits": config.bits, "group_size": config.group_size,
         # GPTQ's options as they ran (the config records None for "the method's own setting")
-        **({"gptq": {**config.gptq_options(), "mse_grid": config.grid_search}} if config.method in GPTQ_METHODS else {}),
+        **({"gptq": {**config.gptq_options(), "mse_grid": config.grid_search,
+                     "value_query_stride": config.value_query_stride}} if config.method in GPTQ_METHODS else {}),
         "seconds": info["seconds"], "layers": len(layers), "packed_bytes": meta["packed_bytes"],
         "float_bytes": float_bytes,
         **({"mixed": {k: mixed[k] for k in ("budget", "avg_bits", "high_units", "units_total")}}

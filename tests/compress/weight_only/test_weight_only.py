@@ -118,14 +118,16 @@ def test_calibrated_methods_beat_rtn(method, calib, monkeypatch, caplog):
             errs[m] = float(((_logits(h, x) - want) ** 2).mean())
     assert errs[method] < errs["rtn"], errs
     # the report says which GPTQ ran, its options resolved (the config records None: "the method's own")
-    paper = {"act_order": False, "mse_grid": False, "refit": False, "gptaq_alpha": 0.0, "value_hessian": "input"}
-    plus = {"act_order": True, "mse_grid": True, "refit": True, "gptaq_alpha": 0.25, "value_hessian": "attention"}
+    paper = {"act_order": False, "mse_grid": False, "refit": False, "gptaq_alpha": 0.0, "value_hessian": "input",
+             "value_query_stride": 2}  # the stride only matters for the attention-mixed value Hessian
+    plus = {"act_order": True, "mse_grid": True, "refit": True, "gptaq_alpha": 0.25, "value_hessian": "attention",
+            "value_query_stride": 2}
     assert ctx.metrics["weight-only"].get("gptq") == {"gptq": paper, "awq": None}.get(method, plus)
     # the paper's GPTQ, chosen by name, says once per process what the name now means; the others say nothing
     told = [r.getMessage() for r in caplog.records if "paper's GPTQ" in r.getMessage()]
     assert told == (["weight-only: method 'gptq' is the paper's GPTQ (min-max grids, columns in order, the input "
                      "Hessian); the default 'gptq-plus' adds act-order, MSE grids, refit, GPTAQ and the value Hessian "
-                     "(SmolLM2-135M W4 g128 perplexity 25.26 against 33.76, RTN 29.98); before this release 'gptq' meant "
+                     "(SmolLM2-135M W4 g128 perplexity 25.73 against 33.76, RTN 29.98); before this release 'gptq' meant "
                      "gptq-plus"]
                     if method == "gptq" else [])
 
