@@ -12,6 +12,8 @@
   (a layer's forward, the check for NaN at load), go back to the kernel while the file stays mapped;
   a later read finds them in the page cache (or the file). Pages the process wrote to (a private
   mapping's copy-on-write pages) are never dropped: that would undo the write.
+* ``weights_on_disk(module, folder)``: for work that never runs the module (ONNX Runtime checking
+  its exported graph), its large tensors wait in a file and come back bit for bit after.
 * ``float32_compute(module)``: a model whose weights are stored in bfloat16 or float16 (to hold
   half the memory) runs in float32 all the same, one layer at a time: each module holding
   half-precision tensors of its own is cast to float32 right before its forward and its original
@@ -33,6 +35,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache, partial
+from pathlib import Path
 from typing import Any
 
 
@@ -257,4 +260,44 @@ def half_stored(module: Any) -> bool:
     return any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
 
 
-__all__ = ["drop_file_pages", "float32_compute", "half_stored", "own_memory", "release_memory"]
+@contextmanager
+def weights_on_disk(module: Any, folder: str | os.PathLike[str], min_bytes: int = 1 << 16) -> Iterator[int]:
+    """Within: the tensors of ``module`` of at least ``min_bytes`` are in a file in ``folder``, not in
+    memory, for work that never runs the module (ONNX Runtime's checks of its graph); on exit they are
+    read back, bit for bit. Each storage is emptied in place (``resize_(0)``), so every tensor sharing it
+    (a tied embedding and LM head) shares it again after; small tensors (norms, rotary tables) stay.
+    Yields the bytes moved out.
+
+    >>> with weights_on_disk(handle.module, tmp):  # doctest: +SKIP
+    ...     check_lm_parity(handle, "out/model.onnx", references=refs)
+    """
+    storages: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        st = t.untyped_storage()
+        if st.nbytes() >= min_bytes and st.resizable() and st.device.type == "cpu":
+            storages.setdefault(st.data_ptr(), st)
+
+    def as_bytes(st: Any) -> Any:  # the storage's memory, without a copy (numpy's view would pin its size)
+        return (ctypes.c_char * st.nbytes()).from_address(st.data_ptr())
+
+    path = Path(folder) / "offloaded-weights.bin"
+    sizes: list[int] = []  # of the storages emptied so far, in order
+    try:
+        with open(path, "wb") as out:
+            for st in storages.values():
+                n = st.nbytes()
+                out.write(as_bytes(st))
+                st.resize_(0)
+                sizes.append(n)
+        yield sum(sizes)
+    finally:
+        if sizes:
+            with open(path, "rb") as f:
+                for st, n in zip(storages.values(), sizes):
+                    st.resize_(n)
+                    if f.readinto(as_bytes(st)) != n:
+                        raise OSError(f"{path} ended before the module's weights were read back")
+        path.unlink(missing_ok=True)
+
+
+__all__ = ["drop_file_pages", "float32_compute", "half_stored", "own_memory", "release_memory", "weights_on_disk"]

@@ -252,8 +252,8 @@ def _stats(handle: ModelHandle, run: Any, head: tuple[torch.nn.Module, float | N
         if stats is not None:
             return stats
     out = run(feeds)
-    flat = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
-    return output_statistics(out, feeds, index if index is not None else _spread(flat.shape[0], per_feed), lm)
+    rows = out.shape[:-1].numel() if out.dim() > 1 else 1
+    return output_statistics(out, feeds, index if index is not None else _spread(rows, per_feed), lm)
 
 
 def output_statistics(out: torch.Tensor, feeds: dict[str, np.ndarray], index: np.ndarray, lm: bool) -> WindowStats:

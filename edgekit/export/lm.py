@@ -32,7 +32,6 @@ that fails parity is not written (``CheckFailedError``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -59,7 +58,7 @@ from edgekit.export.lm_graph import (
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
 from edgekit.kv_cache import KVCacheDecoder
-from edgekit.memory import float32_compute, release_memory
+from edgekit.memory import float32_compute, release_memory, weights_on_disk
 from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
 from edgekit.sources.onnx_file import graph_inputs
@@ -883,46 +882,6 @@ def lm_references(handle: Any, *, with_past: bool = True, prompt_len: int = 16, 
             with torch.no_grad():
                 refs.float_packed = handle.module(t, torch.ones_like(t)).float().numpy()
     return refs
-
-
-@contextlib.contextmanager
-def weights_on_disk(module: Any, folder: str | os.PathLike[str], min_bytes: int = 1 << 16) -> Iterator[int]:
-    """Within: the tensors of ``module`` of at least ``min_bytes`` are in a file in ``folder``, not in
-    memory, for work that never runs the module (ONNX Runtime's checks of its graph); on exit they are
-    read back, bit for bit. Each storage is emptied in place (``resize_(0)``), so every tensor sharing it
-    (a tied embedding and LM head) shares it again after; small tensors (norms, rotary tables) stay.
-    Yields the bytes moved out.
-
-    >>> with weights_on_disk(handle.module, tmp):  # doctest: +SKIP
-    ...     check_lm_parity(handle, "out/model.onnx", references=refs)
-    """
-    storages: dict[int, Any] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        st = t.untyped_storage()
-        if st.nbytes() >= min_bytes and st.resizable() and st.device.type == "cpu":
-            storages.setdefault(st.data_ptr(), st)
-
-    def as_bytes(st: Any) -> Any:  # the storage's memory, without a copy (numpy's view would pin its size)
-        return (ctypes.c_char * st.nbytes()).from_address(st.data_ptr())
-
-    path = Path(folder) / "offloaded-weights.bin"
-    sizes: list[int] = []  # of the storages emptied so far, in order
-    try:
-        with open(path, "wb") as out:
-            for st in storages.values():
-                n = st.nbytes()
-                out.write(as_bytes(st))
-                st.resize_(0)
-                sizes.append(n)
-        yield sum(sizes)
-    finally:
-        if sizes:
-            with open(path, "rb") as f:
-                for st, n in zip(storages.values(), sizes):
-                    st.resize_(n)
-                    if f.readinto(as_bytes(st)) != n:
-                        raise OSError(f"{path} ended before the module's weights were read back")
-        path.unlink(missing_ok=True)
 
 
 def parity_failure(report: dict[str, Any]) -> str:

@@ -93,6 +93,7 @@ from edgekit.compress.quality import (
 )
 from edgekit.errors import BadInputError, bad_choice
 from edgekit.evaluate import nll_rows
+from edgekit.export.onnx import EXTERNAL_DATA_THRESHOLD
 from edgekit.onnx_checks import VerifiedRun, ort_errors, ort_failure, verify_onnx_runs
 from edgekit.onnx_int8_kernels import describe_semantics, host_semantics, session_for
 from edgekit.sources.data import Samples, resolve_samples
@@ -250,7 +251,7 @@ def simplify_graph(model: onnx.ModelProto, workdir: Path, label: str = "the grap
 
 def simplifiable(model: onnx.ModelProto) -> bool:
     """Whether ``simplify_graph`` rewrites ``model``: no quantized parts, and small enough for one protobuf."""
-    return not find_quantized(model) and _weight_bytes(model) <= 2**31 - 2**24
+    return not find_quantized(model) and _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD
 
 
 def simplify_file(src: Path, dst: Path, label: str = "the graph") -> tuple[onnx.ModelProto, int]:
@@ -516,7 +517,7 @@ def calibrate_graph(src: Path, samples: Samples, input_names: list[str], method:
         observed = Path(tmp) / "observed.onnx"
         _save_observed(model, tensors, observed)
         kept: Path | None = None
-        if _weight_bytes(model) <= 2**31 - 2**24:
+        if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD:
             # the graph leaves memory while ONNX Runtime holds its weights for the pass, and is read back after it
             kept = Path(tmp) / "graph.onnx"
             onnx.save_model(model, str(kept))
@@ -772,7 +773,7 @@ def _save_observed(model: onnx.ModelProto, tensors: list[str], path: Path) -> No
     graph.node.extend(kept)
     graph.output.extend(helper.make_empty_tensor_value_info(t) for t in tensors)
     try:
-        onnx.save(model, str(path), save_as_external_data=_weight_bytes(model) > 2**31 - 2**24)
+        onnx.save(model, str(path), save_as_external_data=_weight_bytes(model) > EXTERNAL_DATA_THRESHOLD)
     finally:
         del graph.node[:], graph.output[:]
         graph.node.extend(nodes)
@@ -1060,8 +1061,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
     output_names = [o.name for o in run.session.get_outputs()]
     metrics["compared_on"] = {"data": on, "samples": len(ev), "kernels": describe_semantics(kernels)}
     measured: Measured | None = None
+    session = run.session if host else session_for(dst, kernels or host_semantics())
     if reference is not None:  # token by token, one window at a time, against the float model's statistics
-        session = run.session if host else session_for(dst, kernels or host_semantics())
         del run  # one INT8 session at a time
         int8, drift, stats = compare_lm_to_reference(session, names, reference)
         del session
@@ -1074,7 +1075,6 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
         if host and reference is ctx.quality_reference:  # what the gate would compute: it reports from these
             measured = Measured(reference, str(dst), stats)
     else:
-        session = run.session if host else session_for(dst, kernels or host_semantics())
         fixed = static_batch(onnx.load(str(src), load_external_data=False), names)
         got = run_graph(session, ev, names, fixed or COMPARE_BATCH, fixed is not None)
         ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
@@ -1132,7 +1132,8 @@ def compare_lm_to_reference(session: Any, names: list[str], reference: Reference
     window, which it reports from instead of running the graph again)."""
     import torch
 
-    assert reference.nll is not None  # a causal LM's reference (shared_reference, reference_on)
+    if reference.nll is None:
+        raise ValueError("compare_lm_to_reference needs a causal LM's reference, with per-token NLL")
     stats: list[WindowStats] = []
     top1 = top5 = tokens = 0
     offset = 0

@@ -425,8 +425,9 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
     t0, c0 = time.perf_counter(), time.process_time()
     samples = load_split(handle, ctx, "calib", config.calib_samples)
     names = [s.name for s in handle.inputs]
+    if handle.module is None:
+        raise ValueError("smoothing needs the model's PyTorch module")
     module = copy.deepcopy(handle.module)
-    assert module is not None  # the caller checked
     module.eval()
 
     def run(m: nn.Module) -> None:
@@ -435,7 +436,8 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
                 m(*args)
 
     smoothing = config.smooth_config()
-    assert smoothing is not None  # the caller checked
+    if smoothing is None:
+        raise ValueError("smoothing asked for without a smoothing alpha")
     pairs = smooth(module, run, smoothing)
     ratios = [p["act_max"] / max(p["act_median"], 1e-12) for p in pairs]
     record = {"alpha": config.smooth_alpha, "calib_samples": len(samples), "groups": len(pairs),
