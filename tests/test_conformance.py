@@ -490,11 +490,10 @@ ROUTED = ("mixtral", "qwen2-moe", "llama4")
 # 8 bits on a mixture of experts: measured 0.013-0.066 (dense: 0.009-0.012). A token near a routing tie
 # changes experts under any weight change, and moves its logits by far more than the rounding does.
 W8_ROUTED_REL = 0.1
-# mixtures of experts the fused graph writes (export/lm_moe.py: MoE / QMoE nodes)
-MOE_EXPORTED = ("mixtral", "qwen2-moe")
-# model type -> why the KV-cache export is refused
-NO_KV_EXPORT = {"llama4": "optimum's ONNX exporter has no configuration for it"}
-KV_EXPORT = [f for f in MORE if f not in NO_KV_EXPORT]  # Falcon: export/lm_falcon.py; MoE: export/lm_moe.py
+# mixtures of experts the fused graph writes (export/lm_moe.py: MoE / QMoE nodes; export/lm_llama4.py: Llama 4's
+# sigmoid-scaled experts in standard ops)
+MOE_EXPORTED = ("mixtral", "qwen2-moe", "llama4")
+KV_EXPORT = MORE  # Falcon: export/lm_falcon.py; MoE: export/lm_moe.py; Llama 4: export/lm_llama4.py
 
 
 @pytest.mark.parametrize("family,method,bits,bound", [
@@ -530,7 +529,7 @@ def test_more_decoders_awq_folds_where_the_probe_proves_it(family, spec, referen
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if i == 0 else MATRIX)  # CI: Mixtral; the float
-                                    for i, f in enumerate(MOE_EXPORTED)])  # graphs of both: tests/export/test_lm_moe.py
+                                    for i, f in enumerate(MOE_EXPORTED)])  # float graphs: tests/export/test_lm_moe.py, test_lm_llama4.py
 def test_moe_export_with_kv_cache_matches_the_float_model(family, spec, reference, tmp_path):
     """Float: the graph computes what transformers computes; RTN W4: near the float model, and at
     the packed model's own distance from it (the experts' codes as stored)."""
@@ -543,17 +542,6 @@ def test_moe_export_with_kv_cache_matches_the_float_model(family, spec, referenc
     got = _prefill(out / "model.onnx", feeds["input_ids"])
     assert _rel(got, want) < W4_REL
     assert _rel(got, _outputs(w4, feeds)) < W4_GRAPH_REL
-
-
-@pytest.mark.parametrize("family", list(NO_KV_EXPORT))
-def test_more_decoders_kv_cache_export_refused_with_the_reason(family, spec, tmp_path):
-    from edgekit.export.lm import export_causal_lm
-
-    with pytest.raises(BadInputError, match=r"cannot export model type '\w+' with the KV cache: architecture "
-                                            r"'\w+' has no fused graph .*" + NO_KV_EXPORT[family]) as e:
-        export_causal_lm(load_model(spec(family)), tmp_path / "onnx")
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "onnx").exists()
 
 
 @pytest.mark.parametrize("family,method,bits,bound", [

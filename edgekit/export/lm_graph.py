@@ -58,6 +58,13 @@ from torch import nn
 
 from edgekit.errors import BadInputError
 from edgekit.export.lm_falcon import FALCON, falcon_kv_heads, falcon_unsupported, write_falcon_layers, write_layer_norm
+from edgekit.export.lm_llama4 import (
+    LLAMA4,
+    is_llama4_moe,
+    llama4_attention_inputs,
+    write_llama4_moe,
+    write_llama4_positions,
+)
 from edgekit.export.lm_moe import moe_block, moe_support, write_moe
 from edgekit.export.packing import QuantEmbedding, QuantLinear, pack_codes, storage_bits
 from edgekit.export.rope import (
@@ -100,12 +107,16 @@ GEMMA3 = Arch(norm_offset=1.0, sandwich_norms=True, qk_norm=True, local_rotary=T
 FALCON_ARCH = Arch(activations=("gelu", "gelu_new", "gelu_pytorch_tanh"))
 # Architectures this builder writes (HF ``model_type``); others use the traced graph.
 ARCHS: dict[str, Arch] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gemma2": GEMMA2,
-                          "gemma3_text": GEMMA3, FALCON: FALCON_ARCH, "mixtral": LLAMA, "qwen2_moe": LLAMA}  # MoE layers: lm_moe
+                          "gemma3_text": GEMMA3, FALCON: FALCON_ARCH, "mixtral": LLAMA, "qwen2_moe": LLAMA,
+                          LLAMA4: LLAMA}  # MoE layers: lm_moe; Llama 4's attention and experts: lm_llama4
 ARCHITECTURES = tuple(ARCHS)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 KERNEL_BITS = (4, 8)  # MatMulNBits bit widths with fast CPU kernels
 MS = "com.microsoft"
 MIN_ROTARY_POSITIONS = 4096  # rows of fixed cos/sin tables for models declaring shorter contexts
+# Longer declared contexts get their rows computed each forward instead (``_runtime_rotary``): Llama 4
+# declares 10M positions, 5 GB of folded fixed tables at head_dim 128.
+MAX_FIXED_ROTARY_POSITIONS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -379,7 +390,7 @@ def _rotary_caches(w: _Writer, rotary: Any, suffix: str = "") -> None:
     model's own rotary embedding: a fixed type's tables, or a position-dependent type's computed each
     forward (``_runtime_rotary``)."""
     spec = module_spec(rotary)
-    if spec.by_position:
+    if spec.by_position or spec.context > MAX_FIXED_ROTARY_POSITIONS:
         _runtime_rotary(w, rotary, spec, suffix)
         return
     inv_freq, scale = fixed_inv_freq(rotary)
@@ -414,7 +425,8 @@ def _runtime_rotary(w: _Writer, rotary: Any, spec: RopeSpec, suffix: str) -> Non
     """The tables of a position-dependent rotary (dynamic NTK, longrope), chosen each forward as
     transformers' ``dynamic_rope_update`` chooses them: from ``L = max(position_ids) + 1``, longrope's
     long factors where ``L`` exceeds its threshold (else the short ones), dynamic NTK's base grown for
-    ``max(L, max_position_embeddings)``. Only the rows of this forward's positions are computed (a few
+    ``max(L, max_position_embeddings)``; or of a fixed rotary whose declared context is too long for
+    tables (``MAX_FIXED_ROTARY_POSITIONS``). Only the rows of this forward's positions are computed (a few
     per decode step); the rows below them, which GroupQueryAttention does not read, are zeros, and the
     tables are as long as the attention requires (the sequence, the KV buffer), so any position works."""
     n = f"rotary{suffix}"
@@ -423,7 +435,10 @@ def _runtime_rotary(w: _Writer, rotary: Any, spec: RopeSpec, suffix: str) -> Non
     low = w.node("ReduceMin", ["position_ids"], [f"{n}/low"], f"{n}/low", keepdims=0)[0]
     top = w.node("ReduceMax", ["position_ids"], [f"{n}/top"], f"{n}/top", keepdims=0)[0]
     seq_len = w.node("Add", [top, i64("one", 1)], [f"{n}/seq_len"], f"{n}/seq_len")[0]
-    if spec.rope_type == "longrope":
+    if not spec.by_position:
+        fixed, scale = fixed_inv_freq(rotary)
+        inv_freq = w.init(f"{n}.inv_freq", fixed.numpy())
+    elif spec.rope_type == "longrope":
         short, long, scale = longrope_inv_freqs(rotary)
         is_long = w.node("Greater", [seq_len, i64("threshold", spec.threshold)], [f"{n}/is_long"], f"{n}/is_long")[0]
         inv_freq = w.node("Where", [is_long, w.init(f"{n}.long_inv_freq", long.numpy()),
@@ -662,6 +677,8 @@ def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: 
     attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
     final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
+    llama4 = cfg.model_type == LLAMA4
+    positions = write_llama4_positions(w, cfg) if llama4 else None  # chunk mask, NoPE temperature: once
     hidden = "embeddings"
     residual: str | None = None
     if falcon:  # its own layer layout (lm_falcon.py); the loop below writes the Llama and Gemma layers
@@ -669,7 +686,8 @@ def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: 
     for i, layer in enumerate(() if falcon else body.layers):
         p = f"layers.{i}"
         attn = layer.self_attn
-        mlp: Any = getattr(layer, "mlp", None)  # Mixtral's experts are its block_sparse_moe (lm_moe)
+        # Mixtral's experts are its block_sparse_moe (lm_moe), Llama 4's MLP its feed_forward
+        mlp: Any = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
         gamma = w.init(f"{p}.input_layernorm.weight", _norm_weight(layer.input_layernorm, arch))
         if residual is None:
             w.rms_norm(hidden, gamma, eps, f"{p}/ln1")
@@ -681,7 +699,7 @@ def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: 
         qkv_layers = [attn.q_proj, attn.k_proj, attn.v_proj]
         if config.fuse_qkv:
             qkv = w.linear(f"{p}/ln1", qkv_layers, f"{p}.attn.qkv_proj")
-            if arch.qk_norm:
+            if arch.qk_norm or llama4:
                 sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
                 gqa_in = w.node("Split", [qkv, w.init(f"{p}/qkv_sizes", np.array(sizes, np.int64))],
                                 [f"{p}/q", f"{p}/k", f"{p}/v"], f"{p}/attn/split", axis=-1)
@@ -699,19 +717,23 @@ def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: 
                 gqa_in[j] = w.node("Reshape", [normed, w.init(f"{p}/{kind}_flat", np.array([0, 0, n_heads * head_dim],
                                                                                            np.int64))],
                                    [f"{p}/{kind}_normed"], f"{p}/attn/{kind}_merge")[0]
+        bias = None
+        if positions is not None:  # Llama 4: rotary and q/k norm before the attention node
+            gqa_in[0], gqa_in[1], bias = llama4_attention_inputs(w, p, gqa_in[0], gqa_in[1], cfg, i, heads, kv_heads,
+                                                                 head_dim, positions)
         scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(head_dim)))
         window = _window(cfg, i)
         local = window is not None and arch.local_rotary
-        attrs: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1,
-                                 "rotary_interleaved": 0}
+        attrs: dict[str, Any] = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale,
+                                 "do_rotary": int(positions is None), "rotary_interleaved": 0}
         if window is not None:  # the last `window` keys, the query's own included
             attrs["local_window_size"] = window
         if attn_softcap:
             attrs["softcap"] = float(attn_softcap)
         cache = "_local" if local else ""
+        rotary_in = [f"cos_cache{cache}", f"sin_cache{cache}", "position_ids"] if positions is None else ["", "", ""]
         w.node("GroupQueryAttention", [*gqa_in, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-                                       "seqlens_k", "total_seq_len", f"cos_cache{cache}", f"sin_cache{cache}",
-                                       "position_ids"],
+                                       "seqlens_k", "total_seq_len", *rotary_in, *([bias] if bias else [])],
                [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], f"{p}/attn", MS, **attrs)
         o = w.linear(f"{p}/attn", [attn.o_proj], f"{p}.attn.o_proj")
         if arch.sandwich_norms:  # the attention output normed, then added; the MLP reads its own norm
@@ -723,6 +745,9 @@ def _fused_decoder_parts(hf_model: Any, config: FusedGraphConfig | None, spill: 
         w.node("SkipSimplifiedLayerNormalization", [o, residual, gamma2], [f"{p}/ln2", "", "", f"{p}/res2"],
                f"{p}/post_attention_layernorm", MS, epsilon=eps)
         residual = f"{p}/res2"
+        if llama4 and is_llama4_moe(layer):  # sigmoid-scaled inputs, 3-d experts, a shared expert (lm_llama4)
+            hidden = write_llama4_moe(w, f"{p}/ln2", layer.feed_forward, f"{p}.moe")
+            continue
         moe = moe_block(layer, cfg.model_type)
         if moe is not None:  # mixture of experts: routed in one MoE / QMoE node (lm_moe)
             hidden = write_moe(w, f"{p}/ln2", moe, f"{p}.moe")
