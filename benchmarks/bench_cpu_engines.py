@@ -47,6 +47,14 @@ from bench_int8 import peer_quantize  # noqa: E402  (the INT8 benchmark's quanti
 
 MODELS = ("efficientnet-lite0", "open_nsfw")
 CALIB_DATA = {"efficientnet-lite0": None, "open_nsfw": "photos"}  # None: the model's default data
+# The model's own input pipeline where edgekit cannot read it from the file: open_nsfw was trained in Caffe
+# on BGR pixels 0-255 minus the VGG means (its package's preprocessing.py). Fed RGB in [0, 1] instead, its
+# output hardly depends on the image and every variant agrees on every top-1 (the first table of this
+# benchmark in benchmarks/RESULTS.md); each quantizer and the evaluation get the same pipeline.
+PREPROCESS = {"efficientnet-lite0": None, "open_nsfw": "layout=nhwc,order=bgr,scale=255,mean=104/117/123"}
+# open_nsfw ends in its softmax: its outputs are compared as log-probabilities, so the KL is that of its
+# own class probabilities (taken as logits, a second softmax would shrink every difference)
+PROBABILITIES = {"open_nsfw"}
 PEERS = ("ort-minmax", "ort-minmax-reduce-range", "nncf")
 
 
@@ -66,6 +74,15 @@ def open_nsfw_path() -> Path:
 
 def model_source(name: str) -> str:
     return str(open_nsfw_path()) if name == "open_nsfw" else name
+
+
+def load_bench_model(name: str) -> Any:
+    """The model with the input pipeline the benchmark feeds it (``PREPROCESS``)."""
+    from edgekit.sources.inputs import InputOptions, parse_preprocess
+    from edgekit.sources.models import load_model
+
+    pp = PREPROCESS[name]
+    return load_model(model_source(name), InputOptions(preprocess=parse_preprocess(pp)) if pp else None)
 
 
 @dataclass
@@ -102,9 +119,8 @@ def run_child(argv: list[str]) -> Cost:
 
 def child(kind: str, model: str, fp32: Path, dst: Path, calib_n: int) -> None:
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
-    h = load_model(model_source(model))
+    h = load_bench_model(model)
     calib = load_samples(CALIB_DATA[model], h, split="calib", limit=calib_n)
     if kind == "nncf":
         nncf_quantize(fp32, dst, calib)
@@ -168,9 +184,10 @@ def edgekit_engine(folder: Path) -> tuple[Run, Any]:
     return (lambda f: engine.run(f)[0]), engine
 
 
-def evaluate(run: Run, ev: Any) -> np.ndarray:
+def evaluate(run: Run, ev: Any, probabilities: bool = False) -> np.ndarray:
     name = next(iter(ev.inputs))
-    return np.concatenate([run({name: ev.inputs[name][i:i + 1]}) for i in range(len(ev))])
+    out = np.concatenate([run({name: ev.inputs[name][i:i + 1]}) for i in range(len(ev))])
+    return np.log(np.clip(out.astype(np.float64), 1e-12, None)) if probabilities else out
 
 
 def time_variants(runs: dict[str, Run], feeds: dict[str, np.ndarray], rounds: int, iters: int) -> dict[str, Any]:
@@ -201,9 +218,8 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.runtimes.base import BuildOptions
     from edgekit.sources.data import load_samples
-    from edgekit.sources.models import load_model
 
-    h = load_model(model_source(model))
+    h = load_bench_model(model)
     ev = load_samples(CALIB_DATA[model], h, split="eval")
     root = work / model
     if model == "open_nsfw":
@@ -225,6 +241,8 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
                 "--calib-samples", str(args.calib_samples)]
         if CALIB_DATA[model]:
             argv += ["--calib", CALIB_DATA[model]]
+        if PREPROCESS[model]:
+            argv += ["--preprocess", PREPROCESS[model]]
         cost["edgekit"] = vars(run_child(argv))
         cost["edgekit"]["phases"] = read_manifest(ek).metrics.get("int8", {}).get("seconds")
     print(f"  quantizer edgekit: {cost['edgekit']}", flush=True)
@@ -256,10 +274,11 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     for k in runs:
         info.setdefault(k, {})
 
-    ref = evaluate(runs["ort-fp32"], ev)
+    probs = model in PROBABILITIES
+    ref = evaluate(runs["ort-fp32"], ev, probs)
     results: dict[str, Any] = {}
     for k, r in runs.items():
-        results[k] = {"metrics": score(evaluate(r, ev), ref, None, "agreement"), **info[k]}
+        results[k] = {"metrics": score(evaluate(r, ev, probs), ref, None, "agreement"), **info[k]}
         print(f"  {k}: {results[k]['metrics']}", flush=True)
     # the other x86 kernel family, through the numerical model: agreement only
     other = "int32" if host_semantics() == "int16-pairs" else "int16-pairs"
@@ -269,8 +288,8 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
     modelled: dict[str, Any] = {}
     for k, path in graphs.items():
         s = session_for(path, other, threads=1)
-        modelled[f"{k} (modelled {other} kernels)"] = {"metrics": score(evaluate(ort_runner(s), ev), ref, None,
-                                                                        "agreement"), "modelled": other}
+        modelled[f"{k} (modelled {other} kernels)"] = {"metrics": score(evaluate(ort_runner(s), ev, probs), ref,
+                                                                        None, "agreement"), "modelled": other}
     name = next(iter(ev.inputs))
     lat = time_variants(runs, {name: ev.inputs[name][:1]}, args.rounds, args.iters)
     base = lat["ort-fp32"]["cpu_p50_ms"]
@@ -279,8 +298,9 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
         results[k]["x_ort_fp32_cpu"] = base / lat[k]["cpu_p50_ms"]
     for close in closers:
         close()
-    return {"eval": {"source": ev.source, "n": len(ev)}, "quantizers": cost, "variants": results,
-            "modelled": modelled}
+    return {"eval": {"source": ev.source, "n": len(ev), "preprocess": PREPROCESS[model],
+                     "compared_as": "log-probabilities" if probs else "logits"},
+            "quantizers": cost, "variants": results, "modelled": modelled}
 
 
 def _int8_graph(folder: Path, out: Path) -> Path:
