@@ -305,7 +305,8 @@ def bench_model(model: str, args: argparse.Namespace, work: Path) -> dict[str, A
 
 def _int8_graph(folder: Path, out: Path) -> Path:
     """edgekit's INT8 Q/DQ ONNX graph of a compressed folder (what ``build`` gives ONNX Runtime)."""
-    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.export.onnx import ExportConfig
+    from edgekit.loading import export_onnx  # the twin that loads compressed folders
 
     export_onnx(folder, out, ExportConfig(skip_parity=True))
     return out / "model.onnx"
