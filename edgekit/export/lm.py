@@ -57,7 +57,7 @@ from edgekit.export.lm_graph import (
 )
 from edgekit.export.packing import QuantEmbedding, QuantLinear, ScaledEmbedding, pack_codes, storage_bits
 from edgekit.export.rope import check_starts, declared_context, model_rope, reset_rope_state, traceable_rope
-from edgekit.kv_cache import KVCacheDecoder
+from edgekit.kv_cache import KV_CACHE_METADATA, KVCacheDecoder
 from edgekit.memory import float32_compute, release_memory, weights_on_disk
 from edgekit.onnx_checks import verify_onnx_runs
 from edgekit.sources.models import decode_step_inputs, load_model
@@ -589,6 +589,78 @@ def _export_causal_lm(handle: Any, out_dir: str | os.PathLike[str], graph: str, 
             config={"task": task, "format": fmt, "accuracy_level": accuracy_level, "opset": opset, "graph": graph,
                     "block_size": blocks}))
     return out_dir
+
+
+def forward_graph_without_cache(proto: Any) -> Any:
+    """The fused decoder graph (``lm_graph``) as one forward from an empty cache, in place: inputs
+    ``input_ids`` and ``attention_mask`` (batch, sequence), output ``logits``. The past keys and values
+    become empty tensors made in the graph, ``position_ids`` the places 0 .. sequence - 1, the presents
+    are no longer outputs. What the INT8 step calibrates and quantizes for a causal LM the fused graph
+    writes: the same computation as the traced float export, without the dynamo trace (minutes and
+    several GB for a 135M-parameter model)."""
+    from onnx import TensorProto, helper
+
+    g = proto.graph
+    past = [i for i in g.input if i.name.startswith("past_key_values.")]
+    nodes = [helper.make_node("Shape", ["input_ids"], ["nocache/ids_shape"], name="nocache/ids_shape"),
+             helper.make_node("Slice", ["nocache/ids_shape", "nocache/zero1", "nocache/one1"], ["nocache/batch"],
+                              name="nocache/batch"),
+             helper.make_node("Gather", ["nocache/ids_shape", "nocache/one"], ["nocache/seq"], name="nocache/seq",
+                              axis=0),
+             helper.make_node("Range", ["nocache/zero", "nocache/seq", "nocache/one"], ["nocache/places"],
+                              name="nocache/places"),
+             helper.make_node("Unsqueeze", ["nocache/places", "nocache/zero1"], ["nocache/places2"],
+                              name="nocache/places2"),
+             helper.make_node("Expand", ["nocache/places2", "nocache/ids_shape"], ["position_ids"],
+                              name="nocache/position_ids")]
+    inits = [helper.make_tensor("nocache/zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("nocache/one", TensorProto.INT64, [], [1]),
+             helper.make_tensor("nocache/zero1", TensorProto.INT64, [1], [0]),
+             helper.make_tensor("nocache/one1", TensorProto.INT64, [1], [1])]
+    for i in past:  # (batch, kv_heads, 0, head_dim): an empty past of the batch's size
+        dims = i.type.tensor_type.shape.dim
+        rest = helper.make_tensor(f"nocache/{i.name}/dims", TensorProto.INT64, [3], [dims[1].dim_value, 0,
+                                                                                     dims[3].dim_value])
+        inits.append(rest)
+        nodes += [helper.make_node("Concat", ["nocache/batch", rest.name], [f"nocache/{i.name}/shape"],
+                                   name=f"nocache/{i.name}/shape", axis=0),
+                  helper.make_node("ConstantOfShape", [f"nocache/{i.name}/shape"], [i.name], name=f"nocache/{i.name}",
+                                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))]
+    keep = [i for i in g.input if i.name in ("input_ids", "attention_mask")]
+    del g.input[:]
+    g.input.extend(keep)
+    logits = [o for o in g.output if o.name == "logits"]
+    del g.output[:]
+    g.output.extend(logits)
+    old = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + old)  # the made inputs first: the graph stays in topological order
+    g.initializer.extend(inits)
+    props = [p for p in proto.metadata_props if p.key != KV_CACHE_METADATA]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(props)
+    return proto
+
+
+def export_forward_graph(handle: Any, out_dir: str | os.PathLike[str]) -> Path | None:
+    """A float causal LM's fused decoder graph as one forward without a cache
+    (``forward_graph_without_cache``) in ``out_dir/model.onnx``, its weights written a tensor at a time;
+    None where the model has no fused graph (the caller traces it instead). No parity check here: the
+    INT8 step compares what it makes of the graph with the PyTorch model."""
+    hf = _hf_model(handle.module)
+    ok, _ = supports_fused_graph(hf)
+    if not ok or any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in handle.module.modules()):
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="edgekit-lm-weights-") as spill:
+        proto, tensors = fused_decoder_parts(hf, FusedGraphConfig(), spill=os.path.join(spill, "weights.bin"))
+        proto = forward_graph_without_cache(proto)
+        large = proto.ByteSize() + sum(a.nbytes for _, a in tensors) > 2**31 - 2**20
+        (save_parts_external if large else save_parts)(proto, tensors, out / "model.onnx")
+    del proto, tensors
+    release_memory()
+    return out
 
 
 def _traced_graph(handle: Any, task: str, with_past: bool, opset: int) -> Any:
