@@ -39,6 +39,7 @@ engine agreement and KL on validation, per seed, then mean and spread (min..max)
 
     python benchmarks/bench_int8_avx2_recovery.py --candidates [--seeds 0,1,2] [--jobs 3] [--also]
         [--out benchmarks/results/int8_avx2_candidates.json]
+    python benchmarks/bench_int8_avx2_recovery.py --table benchmarks/results/int8_avx2_candidates.json
 """
 from __future__ import annotations
 
@@ -279,8 +280,33 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.mean(values):.{3 if max(values) < 1 else 1}f} ({min(values):g}..{max(values):g})"
+def spread(values: list[float], digits: int = 1) -> str:
+    """mean (min..max)"""
+    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f})"
+
+
+def summarize(rows: list[dict[str, Any]], labels: list[str], seeds: int) -> list[dict[str, Any]]:
+    """Per candidate: mean and range over seeds, and the paired difference to the default on the same
+    calibration set (what decides: the seeds move every variant together). Prints the table."""
+    keys = ("engine_top1_agreement", "engine_mean_kl", "fake_quant_top1_agreement", "fake_quant_mean_kl", "rounding_cpu_s")
+    base = {r["seed"]: r for r in rows if r["candidate"] == labels[0]}
+    summary = []
+    print(f"\n| candidate | engine agreement, mean (min..max) over {seeds} seeds, % | paired change vs default, points | "
+          "engine KL | paired KL change | fake-quant agreement, % | fake-quant KL | rounding CPU s |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for label in labels:
+        mine = [r for r in rows if r["candidate"] == label]
+        pick = {k: [r[k] for r in mine] for k in keys}
+        pct = {k: [round(100 * x, 1) for x in pick[k]] for k in ("engine_top1_agreement", "fake_quant_top1_agreement")}
+        d_agree = [round(100 * (r["engine_top1_agreement"] - base[r["seed"]]["engine_top1_agreement"]), 1) for r in mine]
+        d_kl = [round(r["engine_mean_kl"] - base[r["seed"]]["engine_mean_kl"], 5) for r in mine]
+        summary.append({"candidate": label, **{f"{k}_mean": round(statistics.mean(v), 5) for k, v in pick.items()},
+                        **{f"{k}_min": min(v) for k, v in pick.items()}, **{f"{k}_max": max(v) for k, v in pick.items()},
+                        "paired_engine_agreement_points": d_agree, "paired_engine_kl": d_kl})
+        print(f"| {label} | {spread(pct['engine_top1_agreement'])} | {spread(d_agree)} | {spread(pick['engine_mean_kl'], 4)} | "
+              f"{spread(d_kl, 4)} | {spread(pct['fake_quant_top1_agreement'])} | {spread(pick['fake_quant_mean_kl'], 4)} | "
+              f"{spread(pick['rounding_cpu_s'])} |")
+    return summary
 
 
 def candidates(seeds: list[int], jobs: int, out: str, also: bool) -> None:
@@ -295,19 +321,7 @@ def candidates(seeds: list[int], jobs: int, out: str, also: bool) -> None:
     else:
         runs = [candidate_seed(s, variants) for s in seeds]
     rows = [r for run in runs for r in run["rows"]]
-    summary = []
-    print(f"\n| candidate | engine agreement, mean (min..max) over {len(seeds)} seeds, % | engine KL | "
-          "fake-quant agreement, % | fake-quant KL | rounding CPU s |\n|---|---|---|---|---|---|")
-    for label in variants:
-        mine = [r for r in rows if r["candidate"] == label]
-        pick = {k: [r[k] for r in mine] for k in ("engine_top1_agreement", "engine_mean_kl", "fake_quant_top1_agreement",
-                                                  "fake_quant_mean_kl", "rounding_cpu_s")}
-        pct = {k: [round(100 * x, 1) for x in pick[k]] for k in ("engine_top1_agreement", "fake_quant_top1_agreement")}
-        summary.append({"candidate": label, **{f"{k}_mean": round(statistics.mean(v), 5) for k, v in pick.items()},
-                        **{f"{k}_min": min(v) for k, v in pick.items()}, **{f"{k}_max": max(v) for k, v in pick.items()}})
-        print(f"| {label} | {spread(pct['engine_top1_agreement'])} | {spread(pick['engine_mean_kl'])} | "
-              f"{spread(pct['fake_quant_top1_agreement'])} | {spread(pick['fake_quant_mean_kl'])} | "
-              f"{spread(pick['rounding_cpu_s'])} |")
+    summary = summarize(rows, list(variants), len(seeds))
     atomic_write_json(Path(out), {
         "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_start": load_start,
                                        "loadavg_end": os.getloadavg()},
@@ -331,7 +345,16 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="calibration sets for --candidates (0-3)")
     ap.add_argument("--jobs", type=int, default=1, help="--candidates: seeds run in this many processes")
     ap.add_argument("--also", action="store_true", help="--candidates: also GPTAQ's float-model reference")
+    ap.add_argument("--table", metavar="JSON", help="print a --candidates result's table again (and store its summary)")
     args = ap.parse_args()
+    if args.table:
+        import json
+
+        result = json.loads(Path(args.table).read_text())
+        labels = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+        result["summary"] = summarize(result["rows"], labels, len(result["settings"]["seeds"]))
+        atomic_write_json(Path(args.table), result)
+        return
     if args.candidates:
         seeds = [int(k) for k in args.seeds.split(",")]
         if any(k not in CALIB_SETS for k in seeds):
