@@ -24,6 +24,22 @@ engine against FP32 on the eval split), then ``build_engine(..., "cpu")`` of it 
 their 1-thread CPU ms, interleaved as above.
 
     python benchmarks/bench_int8_avx2_recovery.py --test-report [LAYERS] [--out ...int8_avx2_test.json]
+
+``--candidates`` compares, on the **validation** images, integer-cost changes aimed at the activation error
+(the stem's ReLU6 output, block 0's linear-bottleneck output ``conv2d_2``), each over ``--seeds``
+calibration sets (seed 0: calib split 0..127, the default's; seed 1: train split 256..383; seed 2: train
+384..511; none overlaps validation): the default recipe; asymmetric rounding (``round_model(alpha=,
+reference=)``: from its quantized input each layer matches its output on the float model's input, GPTAQ's
+reference, or on its own input before that input's quantizer); the activation-aware rescaling of
+``conv2d_2`` across block 0's projection -> block 1's expand conv (``equalize_activation``, block 1's
+expand conv on exact 8-bit weights); with ``--also``, GPTAQ's float-model reference too (and with the
+rescaling). Every variant's fake-quant and ONNX Runtime
+engine agreement and KL on validation, per seed, then mean and spread (min..max) over seeds. Seeds run in
+``--jobs`` processes (1 torch thread each; CPU seconds per process).
+
+    python benchmarks/bench_int8_avx2_recovery.py --candidates [--seeds 0,1,2] [--jobs 3] [--also]
+        [--out benchmarks/results/int8_avx2_candidates.json]
+    python benchmarks/bench_int8_avx2_recovery.py --table benchmarks/results/int8_avx2_candidates.json
 """
 from __future__ import annotations
 
@@ -154,6 +170,169 @@ def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
     print(f"\nwrote {out}")
 
 
+# Calibration sets, one per seed: disjoint from validation (calib 128-255, train 0-255) and from each other.
+CALIB_SETS = {0: ("calib", 0, 128), 1: ("train", 256, 384), 2: ("train", 384, 512), 3: ("train", 512, 640)}
+BOTTLENECK_CONSUMER = "_blocks.1._expand_conv"  # reads conv2d_2, block 0's projection output (no activation)
+# name -> (alpha of the asymmetric rounding, its reference (rounding.REFERENCES), rescale conv2d_2 with
+# block 1's expand conv on exact 8-bit weights)
+CANDIDATES: dict[str, tuple[float, str, bool]] = {
+    "default (GPTQ, symmetric)": (0.0, "model", False),
+    "asymmetric alpha 0.25 (own-input reference)": (0.25, "input", False),
+    "asymmetric alpha 0.5 (own-input reference)": (0.5, "input", False),
+    "rescale conv2d_2 + block 1 expand u8u8": (0.0, "model", True),
+}
+# Also measured, on seed 0 only (benchmarks/RESULTS.md, issue 26): GPTAQ's float-model reference at alpha
+# 0.25 and 1.0 (84.4% -> 61.7% and 16.2% engine agreement) and with the rescaling (63.3%); select with --also.
+MORE_CANDIDATES: dict[str, tuple[float, str, bool]] = {
+    "GPTAQ alpha 0.25 (float-model reference)": (0.25, "model", False),
+    "GPTAQ alpha 1.0 (float-model reference)": (1.0, "model", False),
+    "rescale + GPTAQ alpha 0.25": (0.25, "model", True),
+}
+
+
+def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> dict[str, Any]:
+    """Every candidate on one calibration set, scored on validation (fake-quant and engine)."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from edgekit.compress import config_to_dict, step_rewrite
+    from edgekit.compress.int8 import qdq
+    from edgekit.compress.int8.calibration import run_module, score
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.equalize import correct_bias, equalize, equalize_activation
+    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.step import calibrate
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.sources.data import Samples, load_samples
+    from edgekit.sources.handle import StepRecord
+    from edgekit.sources.models import load_model
+
+    torch.set_num_threads(1)
+    c0, t0 = time.process_time(), time.perf_counter()
+    h = load_model("efficientnet-lite0")
+    names = [s.name for s in h.inputs]
+    every = load_samples(None, h, split="calib", limit=256)
+    split, lo, hi = CALIB_SETS[seed]
+    calib = (every if split == "calib" else load_samples(None, h, split="train", limit=hi)).subset(slice(lo, hi))
+    train = load_samples(None, h, split="train", limit=256)
+    val = Samples("validation", "calib 128-255 + train 0-255",
+                  {n: np.concatenate([every.inputs[n][128:], train.inputs[n]]) for n in names})
+    module = h.module.eval()
+    ref = run_module(module, val, names)
+    config = Int8Config()
+    tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-candidates-"))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+
+    calibrated: dict[bool, tuple[Any, Any, bool, dict[str, Any]]] = {}
+    for rescale in sorted({r for _, _, r in variants.values()}):
+        c1 = time.process_time()
+        gm, plan = qdq.prepare_qdq(copy.deepcopy(module), "u8s7")
+        meta: dict[str, Any] = {"u8u8_layers": qdq.promote_u8u8(gm, plan, [BOTTLENECK_CONSUMER] if rescale else [])}
+        meta["equalized"] = equalize(gm, plan)
+        nhwc = qdq.channels_last_ok(gm, calib, names)
+        if rescale:
+            meta["activation_range_spread"] = equalize_activation(gm, [BOTTLENECK_CONSUMER], calib, names,
+                                                                  channels_last=nhwc)
+        qdq.update_weight_scales(gm, plan)
+        calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
+        meta["calibrate_cpu_s"] = round(time.process_time() - c1, 1)
+        calibrated[rescale] = (gm, plan, nhwc, meta)
+
+    rows = []
+    for label, (alpha, reference, rescale) in variants.items():
+        gm0, plan, nhwc, meta = calibrated[rescale]
+        c1 = time.process_time()
+        v = copy.deepcopy(gm0)
+        with qdq.fast_fake_quant(v):
+            round_model(v, plan, calib, names, channels_last=nhwc, alpha=alpha, reference=reference)
+        rounding_cpu_s = time.process_time() - c1
+        with qdq.fast_fake_quant(v):
+            correct_bias(v, plan, module, calib, names, channels_last=nhwc)
+            qdq.fit_bias_range(v)
+        qdq.clip_weights_to_grid(v, plan)
+        finish_cpu_s = time.process_time() - c1
+        with qdq.fast_fake_quant(v):
+            fake = score(run_module(v, val, names, channels_last=nhwc), ref, None, None)
+        record = {"scheme": "u8s7", "u8u8_layers": meta["u8u8_layers"], "float_layers": [], "float_activations": [],
+                  "equalized": meta["equalized"], "kernels": "int16-pairs"}
+        handle = copy.copy(h)
+        handle.module = v.eval()
+        handle.steps = [*h.steps, StepRecord("int8", config_to_dict(config), record)]
+        handle.step_rewrites = step_rewrite
+        path = Path(export_onnx(handle, tmp / f"s{seed}-{len(rows)}", ExportConfig(skip_parity=True))) / "model.onnx"
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        outs = np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
+                               for b in val.batches(16)])
+        engine = score(outs, ref, None, None)
+        row = {"candidate": label, "seed": seed, "calibration": f"{split} {lo}-{hi - 1}", "alpha": alpha,
+               "reference": reference if alpha > 0 else None, "rescale": rescale, "u8u8_layers": meta["u8u8_layers"],
+               "activation_range_spread": meta.get("activation_range_spread"),
+               "fake_quant_top1_agreement": round(fake["top1_agreement"], 4), "fake_quant_mean_kl": round(fake["mean_kl"], 5),
+               "engine_top1_agreement": round(engine["top1_agreement"], 4), "engine_mean_kl": round(engine["mean_kl"], 5),
+               "rounding_cpu_s": round(rounding_cpu_s, 1), "finish_cpu_s": round(finish_cpu_s, 1),
+               "calibrate_cpu_s": meta["calibrate_cpu_s"], "ops": integer_convs(path), "loadavg": os.getloadavg()}
+        print(row, flush=True)
+        rows.append(row)
+    return {"seed": seed, "rows": rows, "cpu_s": round(time.process_time() - c0, 1),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """mean (min..max)"""
+    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f})"
+
+
+def summarize(rows: list[dict[str, Any]], labels: list[str], seeds: int) -> list[dict[str, Any]]:
+    """Per candidate: mean and range over seeds, and the paired difference to the default on the same
+    calibration set (what decides: the seeds move every variant together). Prints the table."""
+    keys = ("engine_top1_agreement", "engine_mean_kl", "fake_quant_top1_agreement", "fake_quant_mean_kl", "rounding_cpu_s")
+    base = {r["seed"]: r for r in rows if r["candidate"] == labels[0]}
+    summary = []
+    print(f"\n| candidate | engine agreement, mean (min..max) over {seeds} seeds, % | paired change vs default, points | "
+          "engine KL | paired KL change | fake-quant agreement, % | fake-quant KL | rounding CPU s |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for label in labels:
+        mine = [r for r in rows if r["candidate"] == label]
+        pick = {k: [r[k] for r in mine] for k in keys}
+        pct = {k: [round(100 * x, 1) for x in pick[k]] for k in ("engine_top1_agreement", "fake_quant_top1_agreement")}
+        d_agree = [round(100 * (r["engine_top1_agreement"] - base[r["seed"]]["engine_top1_agreement"]), 1) for r in mine]
+        d_kl = [round(r["engine_mean_kl"] - base[r["seed"]]["engine_mean_kl"], 5) for r in mine]
+        summary.append({"candidate": label, **{f"{k}_mean": round(statistics.mean(v), 5) for k, v in pick.items()},
+                        **{f"{k}_min": min(v) for k, v in pick.items()}, **{f"{k}_max": max(v) for k, v in pick.items()},
+                        "paired_engine_agreement_points": d_agree, "paired_engine_kl": d_kl})
+        print(f"| {label} | {spread(pct['engine_top1_agreement'])} | {spread(d_agree)} | {spread(pick['engine_mean_kl'], 4)} | "
+              f"{spread(d_kl, 4)} | {spread(pct['fake_quant_top1_agreement'])} | {spread(pick['fake_quant_mean_kl'], 4)} | "
+              f"{spread(pick['rounding_cpu_s'])} |")
+    return summary
+
+
+def candidates(seeds: list[int], jobs: int, out: str, also: bool) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()
+    variants = {**CANDIDATES, **(MORE_CANDIDATES if also else {})}
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            runs = list(pool.map(candidate_seed, seeds, [variants] * len(seeds)))
+    else:
+        runs = [candidate_seed(s, variants) for s in seeds]
+    rows = [r for run in runs for r in run["rows"]]
+    summary = summarize(rows, list(variants), len(seeds))
+    atomic_write_json(Path(out), {
+        "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_start": load_start,
+                                       "loadavg_end": os.getloadavg()},
+        "versions": package_versions(),
+        "settings": {"threads": 1, "jobs": jobs, "seeds": {s: CALIB_SETS[s] for s in seeds},
+                     "validation": "calib 128-255 + train 0-255 (384 images)", "scheme": "u8s7"},
+        "per_seed_cpu_s": {run["seed"]: run["cpu_s"] for run in runs}, "total_wall_s": round(time.perf_counter() - t0, 1),
+        "summary": summary, "rows": rows})
+    print(f"\nwrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -161,7 +340,28 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "int8_avx2_recovery.json"))
     ap.add_argument("--test-report", nargs="?", const="", default=None, metavar="LAYERS",
                     help="report on the test images instead: compress + build with these u8u8_layers (default: none)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="compare the activation-error candidates over calibration seeds on validation")
+    ap.add_argument("--seeds", default="0,1,2", help="calibration sets for --candidates (0-3)")
+    ap.add_argument("--jobs", type=int, default=1, help="--candidates: seeds run in this many processes")
+    ap.add_argument("--also", action="store_true", help="--candidates: also GPTAQ's float-model reference")
+    ap.add_argument("--table", metavar="JSON", help="print a --candidates result's table again (and store its summary)")
     args = ap.parse_args()
+    if args.table:
+        import json
+
+        result = json.loads(Path(args.table).read_text())
+        labels = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+        result["summary"] = summarize(result["rows"], labels, len(result["settings"]["seeds"]))
+        atomic_write_json(Path(args.table), result)
+        return
+    if args.candidates:
+        seeds = [int(k) for k in args.seeds.split(",")]
+        if any(k not in CALIB_SETS for k in seeds):
+            ap.error(f"--seeds: {args.seeds!r}; valid seeds are {sorted(CALIB_SETS)}")
+        out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_candidates.json")
+        candidates(seeds, args.jobs, out, args.also)
+        return
     if args.test_report is not None:
         out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_test.json")
         test_report(args.test_report or None, args.rounds, args.images, out)

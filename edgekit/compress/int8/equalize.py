@@ -106,6 +106,58 @@ def equalize(gm: fx.GraphModule, plan: qdq.QuantPlan, iterations: int = 3) -> li
     return done
 
 
+def equalize_activation(gm: fx.GraphModule, consumers: list[str] | tuple[str, ...], samples: Samples,
+                        names: list[str], limit: int = 32, batch_size: int = 16,
+                        channels_last: bool = False) -> dict[str, float]:
+    """Activation-aware rescaling of the tensor between a pair ``a -> [ReLU] -> b`` of
+    ``equalize_pairs`` (b named in ``consumers``), exact in float as equalization is: output channel
+    ``c`` of ``a`` divided by ``s_c``, input channel ``c`` of ``b`` multiplied by it, with
+    ``s_c = r_c / max(r)`` (``r_c``: the channel's largest |value| in the float model over ``limit``
+    calibration samples), so every channel of the tensor spans the range of the widest one and uses
+    the whole per-tensor activation grid; ``b``'s weights take the narrow channels' shrink (give ``b``
+    exact 8-bit weights, ``qdq.promote_u8u8``). Where equalization already ran, this overrides it for
+    the pair. Call before weight scales and calibration. Returns, per pair "a -> b", the ratio of
+    the widest channel range to the median one before (1.0 after)."""
+    wanted = set(consumers)
+    pairs = [(a, b) for a, b in equalize_pairs(gm)
+             if qdq.layer_name(qdq.param_paths(gm, b)[0]) in wanted and qdq.conv_groups(b) == 1]
+    if not pairs:
+        return {}
+    ranges: dict[fx.Node, torch.Tensor] = {}
+
+    class _Ranges(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> object:
+            out = super().run_node(n)
+            if n in producers:
+                axis = 1 if qdq.is_conv(gm, n) else -1
+                r = out.detach().abs().movedim(axis, 0).reshape(out.shape[axis], -1).amax(1)
+                ranges[n] = r if n not in ranges else torch.maximum(ranges[n], r)
+            return out
+
+    producers = {a for a, _ in pairs}
+    sub = samples.subset(slice(0, min(limit, len(samples))))
+    gm.eval()
+    with torch.no_grad(), qdq.float_model(gm):
+        for args in tensor_batches(sub, names, batch_size, channels_last):
+            _Ranges(gm).run(*args)
+    spread = {}
+    for a, b in pairs:
+        r = ranges[a].double()
+        s = (r / r.max()).clamp_min(1e-3).float()  # a dead channel: at most 1000x (as equalize)
+        wa_path, ba_path = qdq.param_paths(gm, a)
+        wb_path, _ = qdq.param_paths(gm, b)
+        wa, wb = qdq.get_attr(gm, wa_path).detach(), qdq.get_attr(gm, wb_path).detach()
+        if wb.shape[1] != s.shape[0]:
+            continue
+        qdq.set_param(gm, wa_path, wa / s.reshape((-1,) + (1,) * (wa.dim() - 1)))
+        if ba_path:
+            qdq.set_param(gm, ba_path, qdq.get_attr(gm, ba_path).detach() / s)
+        qdq.set_param(gm, wb_path, wb * s.reshape((1, -1) + (1,) * (wb.dim() - 2)))
+        key = f"{qdq.layer_name(wa_path)} -> {qdq.layer_name(wb_path)}"
+        spread[key] = round(float(r.max() / r.median().clamp_min(1e-12)), 3)
+    return spread
+
+
 def relu6_to_relu(module: nn.Module) -> int:
     """Replace every nn.ReLU6 by nn.ReLU (makes equalization exact; changes the model)."""
     count = 0
@@ -203,7 +255,9 @@ def correct_bias(gm: fx.GraphModule, plan: qdq.QuantPlan, float_module: nn.Modul
         wq_mod = qdq.layer_weight_quant(gm, n)
         if wq_mod is None or not wq_mod.enabled:
             continue
-        w_float = wq_mod.float_weight[1] if wq_mod.float_weight is not None else w  # before GPTQ rounding
+        # before GPTQ rounding; under GPTAQ rounding what it aimed at (its shift toward the float output stays)
+        reference = wq_mod.rounding_target or wq_mod.float_weight
+        w_float = reference[1] if reference is not None else w
         dw = wq_mod(w) - w_float  # (out, in/groups, k...)
         g_ = qdq.conv_groups(n) if qdq.is_conv(gm, n) else 1
         dsum = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(-1)  # (out, in/groups)

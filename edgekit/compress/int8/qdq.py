@@ -203,6 +203,33 @@ def fast_fake_quant(gm: nn.Module) -> Iterator[None]:
             w.cache, w._cached = False, None
 
 
+@contextmanager
+def float_model(gm: fx.GraphModule) -> Iterator[None]:
+    """Inside the block, ``gm`` computes the float model: activation quantizers pass through, weight
+    quantizers are off, rounded weights swapped for their float ones (biases stay: for passes before
+    bias correction)."""
+    acts = [(m, m.mode) for m in act_quants(gm)]
+    weights = [(m, m.enabled) for m in weight_quants(gm)]
+    rounded = [m.float_weight for m in weight_quants(gm) if m.float_weight is not None]
+    swapped = []
+    try:
+        for m, _ in acts:
+            m.mode = "float"
+        for w, _ in weights:
+            w.enabled = False
+        for wpath, w_float in rounded:
+            swapped.append((wpath, get_attr(gm, wpath).detach().clone()))
+            set_param(gm, wpath, w_float)
+        yield
+    finally:
+        for m, mode in acts:
+            m.mode = mode
+        for w, enabled in weights:
+            w.enabled = enabled
+        for wpath, w_rounded in swapped:
+            set_param(gm, wpath, w_rounded)
+
+
 class WeightQuant(nn.Module):
     """Per-output-channel symmetric int8 fake quantizer of one weight (axis 0).
     The scale follows the weight (max |w| per channel); in training (QAT) it is
@@ -223,6 +250,9 @@ class WeightQuant(nn.Module):
         self.bias_shift: tuple[str, torch.Tensor] | None = None
         # (weight path, float weight) when the stored weight was rounded by rounding.py (GPTQ on the int8 grid)
         self.float_weight: tuple[str, torch.Tensor] | None = None
+        # (weight path, W̃) when that rounding aimed at the float model's output (GPTAQ, ``rounding.py``):
+        # the weight bias correction measures the rounding's mean shift against
+        self.rounding_target: tuple[str, torch.Tensor] | None = None
         # set by ``fast_fake_quant``: the quantized weight is kept between passes while neither the
         # weight nor the scale changes (every inference pass over calibration data quantized it again)
         self.cache = False
@@ -798,7 +828,7 @@ def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[s
             if wq.float_weight is not None:  # GPTQ rounded the weights in place on the 7-bit grid
                 wpath, w = wq.float_weight
                 set_param(gm, wpath, w)
-                wq.float_weight = None
+                wq.float_weight = wq.rounding_target = None
             wq.set_grid(WeightGrid())
             wq.u8u8 = True
             wq._cached = None
