@@ -215,6 +215,8 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         raise BadInputError(f"--smooth-alpha applies to causal LMs with their PyTorch weights; {handle.name!r} is "
                             f"{'an ONNX graph' if handle.module is None else 'a ' + handle.kind + ' model'} "
                             "(leave --smooth-alpha out)")
+    # the model kind's defaults (a causal LM's calibration windows and smoothing): what the step records is what ran
+    config = config.for_model(handle.kind, smoothable=handle.kind == "causal-lm" and handle.module is not None)
     if config.u8u8_layers and (handle.module is None or handle.kind == "causal-lm"):
         # layer names of the fake-quant PyTorch graph: a graph quantized from ONNX has none of them
         raise BadInputError(f"u8u8_layers applies to models quantized through their PyTorch graph; {handle.name!r} is "
@@ -397,7 +399,7 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
     if ctx.work_dir is not None:
         Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
     smoothed: dict[str, Any] | None = None
-    if config.smooth_alpha is not None and handle.kind == "causal-lm" and handle.module is not None:
+    if config.smooth_config() is not None and handle.kind == "causal-lm" and handle.module is not None:
         handle, smoothed = _smoothed(handle, config, ctx)
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder = export_onnx(handle, Path(work) / "fp32-onnx", ExportConfig(skip_parity=True))
@@ -423,7 +425,10 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
     """A copy of the causal LM with SmoothQuant's scales folded in (``smooth.py``), calibrated on the
     same calibration windows the graph's ranges come from; the float function is unchanged."""
     t0, c0 = time.perf_counter(), time.process_time()
-    samples = load_split(handle, ctx, "calib", config.calib_samples)
+    try:
+        samples = load_split(handle, ctx, "calib", config.calib_samples)
+    except BadInputError:  # a split smaller than the ask: all of it, as the graph's calibration then reads
+        samples = load_split(handle, ctx, "calib", None)
     names = [s.name for s in handle.inputs]
     if handle.module is None:
         raise ValueError("smoothing needs the model's PyTorch module")
