@@ -216,3 +216,26 @@ def test_int8_step_smooths_a_causal_lm_and_records_the_pairs(tmp_path):
     assert ctx.metrics["int8"]["smoothing"]["groups"] == meta["groups"]
     logits = next(iter(ctx.metrics["int8"]["outputs"].values()))  # the INT8 graph against the float graph
     assert logits["mean_cosine"] > 0.95
+
+
+@pytest.mark.slow  # an ONNX export and graph quantization of a tiny Llama: about 30 s on a loaded 2-core machine
+def test_default_smoothing_is_skipped_and_said_where_nothing_folds_but_an_asked_alpha_is_refused(tmp_path, monkeypatch):
+    """A family whose norms and linears take no fold: the default quantizes it unsmoothed and records why (an
+    INT8 that worked before the default changed keeps working); an explicit alpha stops with the reason."""
+    from edgekit.compress import StepContext
+    from edgekit.compress.int8 import step
+    from edgekit.loading import load_model
+
+    def no_fold(*args, **kwargs):
+        raise BadInputError("llama: no norm or linear whose output scales fold exactly")
+
+    monkeypatch.setattr(step, "smooth", no_fold)
+    handle = load_model(str(save_tiny("llama", tmp_path)))
+    ctx = StepContext(calib="lee-news", eval="wikipedia", progress=False)
+    out = step.apply(handle, Int8Config(calib_samples=8, eval_samples=2), ctx)
+    assert out.steps[-1].meta["smoothing"] == {"alpha": None, "skipped": "llama: no norm or linear whose output "
+                                                                         "scales fold exactly"}
+    assert out.steps[-1].config["smooth_alpha"] == 0.0 and ctx.metrics["int8"]["smoothing"]["alpha"] is None
+    with pytest.raises(BadInputError, match="no norm or linear"):
+        step.apply(load_model(str(save_tiny("llama", tmp_path / "again"))), Int8Config(calib_samples=8, eval_samples=2,
+                                                                                        smooth_alpha=0.5), ctx)
