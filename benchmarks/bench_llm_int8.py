@@ -190,10 +190,10 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
     """Validation perplexity of INT8 variants: smoothing alpha x layers kept in float (one export and one
     calibration per alpha; every float set written from the same ranges)."""
     from edgekit.compress import StepContext
-    from edgekit.compress.int8 import step as i8
-    from edgekit.compress.int8.config import Int8Config
     from edgekit.compress.int8 import onnx_graph as io
+    from edgekit.compress.int8 import step as i8
     from edgekit.compress.int8.calibration import HIST_SAMPLE
+    from edgekit.compress.int8.config import Int8Config
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples
@@ -247,9 +247,9 @@ def part_counts(args: argparse.Namespace) -> dict[str, Any]:
     does), each written with the float layers of ``--floats`` (default: the step's, the FFN down projections)."""
     import onnxruntime as ort
 
+    from edgekit.compress.int8 import onnx_graph as io
     from edgekit.compress.int8 import step as i8
     from edgekit.compress.int8.config import Int8Config
-    from edgekit.compress.int8 import onnx_graph as io
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples
