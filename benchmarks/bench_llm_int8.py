@@ -10,11 +10,19 @@ config is the step's default but for ``--calib`` (and ``--alpha``), so the phase
 default on the eval windows (wikipedia, what the gate measures).
 
 ``--part variants``: perplexity of INT8 variants (smoothing alpha, layers kept in float, histogram
-sample or every value) on **validation** windows: windows of the calibration split (lee-news) after
-the ones calibrated on, never the eval split.
+sample or every value) on **validation** windows, never the gate's eval split (wikipedia): by default
+windows of the calibration split (lee-news) after the ones calibrated on; ``--val-split eval``: the
+first windows of lee-news's own eval split (documents 240-299), which no causal-LM step calibrates or
+evaluates on.
+
+``--part counts``: the number of calibration windows. One float export, then one calibration per
+count on the first N lee-news calib windows, each written with the step's default float layers (and
+any others named) and scored on the same validation windows; these must come from outside the calib
+split (``--val-split eval``) for all 90 of its windows to be a fair candidate.
 
     python benchmarks/bench_llm_int8.py --part phases [--model smollm2-135m] [--calib 32]
     python benchmarks/bench_llm_int8.py --part variants [--calib 32] [--val 16] [--alphas off,0.5,0.8] [--full-hist]
+    python benchmarks/bench_llm_int8.py --part counts --counts 16,32,90 --val-split eval [--val 16]
 """
 from __future__ import annotations
 
@@ -141,6 +149,28 @@ def part_phases(args: argparse.Namespace) -> dict[str, Any]:
 FLOAT_SETS = ((), ("lm_head",), ("down_proj",), ("down_proj", "lm_head"))
 
 
+def float_sets(spec: str | None) -> tuple[tuple[str, ...], ...]:
+    """``--floats`` ("none,down_proj,down_proj+lm_head") as layer-name sets; None: every set of FLOAT_SETS."""
+    if spec is None:
+        return FLOAT_SETS
+    return tuple(() if part == "none" else tuple(part.split("+")) for part in spec.split(","))
+
+
+def validation_windows(handle: Any, args: argparse.Namespace, calib_windows: int) -> tuple[Any, str]:
+    """The windows variants are chosen on, and what they are: lee-news calib windows after the first
+    ``calib_windows`` (``--val-split calib``) or the first ``--val`` windows of lee-news's eval split
+    (documents 240-299; a causal LM's gate evaluates on wikipedia, so neither is the test data)."""
+    from edgekit.sources.data import load_samples
+
+    if args.val_split == "eval":
+        return (load_samples("lee-news", handle, split="eval", limit=args.val),
+                f"lee-news eval split (documents 240-299), windows 0-{args.val - 1}")
+    split = load_samples("lee-news", handle, split="calib", limit=calib_windows + args.val)
+    last = calib_windows + args.val - 1
+    return (split.subset(slice(calib_windows, calib_windows + args.val)),
+            f"lee-news calib split, windows {calib_windows}-{last} (never calibrated on)")
+
+
 def window_ppl(session: Any, samples: Any) -> float:
     import math
 
@@ -160,9 +190,10 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
     """Validation perplexity of INT8 variants: smoothing alpha x layers kept in float (one export and one
     calibration per alpha; every float set written from the same ranges)."""
     from edgekit.compress import StepContext
-    from edgekit.compress import int8 as i8
     from edgekit.compress.int8 import onnx_graph as io
+    from edgekit.compress.int8 import step as i8
     from edgekit.compress.int8.calibration import HIST_SAMPLE
+    from edgekit.compress.int8.config import Int8Config
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.onnx_int8_kernels import host_semantics, session_for
     from edgekit.sources.data import load_samples
@@ -170,21 +201,20 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
 
     handle = load_model(args.model)
     names = [s.name for s in handle.inputs]
-    split = load_samples("lee-news", handle, split="calib", limit=args.calib + args.val)
-    calib = split.subset(slice(0, args.calib))
-    val = split.subset(slice(args.calib, args.calib + args.val))  # calib-split windows never calibrated on
-    scheme = i8.resolve_scheme(i8.Int8Config(), None)
+    calib = load_samples("lee-news", handle, split="calib", limit=args.calib)
+    val, val_note = validation_windows(handle, args, args.calib)
+    scheme = i8.resolve_scheme(Int8Config(), None)
     rows: list[dict[str, Any]] = []
     float_ppl = None
     alphas = [None if a == "off" else float(a) for a in args.alphas.split(",")]
-    samples = [HIST_SAMPLE] + ([None] if args.full_hist else [])
+    samples: list[int | None] = [None] if args.hist_every else [HIST_SAMPLE] + ([None] if args.full_hist else [])
     with tempfile.TemporaryDirectory(prefix="bench-llm-int8-") as tmp:
         for alpha in alphas:
             c0, w0 = time.process_time(), time.perf_counter()
             h = handle
             if alpha is not None:
                 ctx = StepContext(calib=calib, progress=False)  # type: ignore[arg-type]
-                h, _ = i8._smoothed(handle, i8.Int8Config(calib_samples=args.calib, smooth_alpha=alpha), ctx)
+                h, _ = i8._smoothed(handle, Int8Config(calib_samples=args.calib, smooth_alpha=alpha), ctx)
             folder = export_onnx(h, Path(tmp) / f"fp32-{alpha}", ExportConfig(skip_parity=True))
             src = Path(folder) / "model.onnx"
             export_s = {"cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - w0, 1)}
@@ -195,7 +225,7 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
             for sample in samples if alpha is None else samples[:1]:
                 cal = io.calibrate_graph(src, calib, names, None, 99.99, scheme, placement="linear",
                                          hist_sample=sample)
-                for keep in FLOAT_SETS:
+                for keep in float_sets(args.floats):
                     dst = Path(tmp) / "int8.onnx"
                     c1 = time.process_time()
                     io.write_int8_graph(cal, dst, scheme, keep, verify=False, copy_graph=True)
@@ -207,10 +237,63 @@ def part_variants(args: argparse.Namespace) -> dict[str, Any]:
                     rows.append(row)
                     print(f"  {row}", file=sys.stderr, flush=True)
             del cal
-    last = args.calib + args.val - 1
     return {"model": args.model, "scheme": scheme, "calib_windows": f"lee-news calib split, windows 0-{args.calib - 1}",
-            "validation_windows": f"lee-news calib split, windows {args.calib}-{last} (never calibrated on)",
-            "float_val_ppl": round(float_ppl or 0.0, 3), "rows": rows}
+            "validation_windows": val_note, "float_val_ppl": round(float_ppl or 0.0, 3), "rows": rows}
+
+
+def part_counts(args: argparse.Namespace) -> dict[str, Any]:
+    """Validation perplexity against the number of calibration windows: one export of the float model, one
+    calibration per count (the first N lee-news calib windows, every value into the histograms, as the step
+    does), each written with the float layers of ``--floats`` (default: the step's, the FFN down projections)."""
+    import onnxruntime as ort
+
+    from edgekit.compress.int8 import onnx_graph as io
+    from edgekit.compress.int8 import step as i8
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.onnx_int8_kernels import host_semantics, session_for
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    counts = [int(c) for c in args.counts.split(",")]
+    handle = load_model(args.model)
+    names = [s.name for s in handle.inputs]
+    calib_split = load_samples("lee-news", handle, split="calib", limit=max(counts))
+    val, val_note = validation_windows(handle, args, max(counts))
+    scheme = i8.resolve_scheme(Int8Config(), None)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-llm-int8-") as tmp:
+        c0, w0 = time.process_time(), time.perf_counter()
+        src = Path(export_onnx(handle, Path(tmp) / "fp32", ExportConfig(skip_parity=True))) / "model.onnx"
+        export_s = {"cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - w0, 1)}
+        c0 = time.process_time()
+        float_ppl = window_ppl(ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]), val)
+        print(f"float validation perplexity {float_ppl:.3f} ({time.process_time() - c0:.1f} CPU s)",
+              file=sys.stderr, flush=True)
+        for count in counts:
+            cal = io.calibrate_graph(src, calib_split.subset(slice(0, count)), names, None, 99.99, scheme,
+                                     batch_size=int(handle.extra.get("calib_batch", 8)), placement="linear")
+            for keep in float_sets(args.floats or "ffn-down"):
+                dst = Path(tmp) / "int8.onnx"
+                c1 = time.process_time()
+                io.write_int8_graph(cal, dst, scheme, keep, verify=False, copy_graph=True)
+                ppl = window_ppl(session_for(dst, host_semantics()), val)
+                row = {"calib_windows": count, "float": "+".join(keep) or "none", "val_ppl": round(ppl, 3),
+                       "val_ratio": round(ppl / float_ppl, 4), "calibration": cal.calibration,
+                       "write_eval_cpu_s": round(time.process_time() - c1, 1), "load_avg": os.getloadavg()}
+                rows.append(row)
+                print(f"  {row}", file=sys.stderr, flush=True)
+            del cal
+    return {"model": args.model, "scheme": scheme, "calib_windows": "the first N of lee-news's calib split (90 windows)",
+            "validation_windows": val_note, "export": export_s, "float_val_ppl": round(float_ppl, 3), "rows": rows}
+
+
+def print_counts(result: dict[str, Any]) -> None:
+    print(f"validation: {result['validation_windows']}; float perplexity {result['float_val_ppl']}")
+    print("| calib windows | kept in float | calibration CPU s | val perplexity | x float |\n|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['calib_windows']} | {r['float']} | {r['calibration']['cpu_s']} | {r['val_ppl']} | "
+              f"{r['val_ratio']} |")
 
 
 def print_variants(result: dict[str, Any]) -> None:
@@ -230,19 +313,30 @@ def print_phases(result: dict[str, Any]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("phases", "variants"), default="phases")
+    p.add_argument("--part", choices=("phases", "variants", "counts"), default="phases")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calib", type=int, default=32)
     p.add_argument("--alpha", type=float, default=None, help="phases: the smoothing alpha (default: the step's)")
     p.add_argument("--alphas", default="off,0.5,0.8", help="variants: smoothing alphas to compare")
     p.add_argument("--val", type=int, default=16, help="variants: validation windows after the calibration ones")
     p.add_argument("--full-hist", action="store_true", help="variants: also calibrate on every value (alpha off)")
+    p.add_argument("--hist-every", action="store_true", help="variants: every value only, as the step calibrates")
+    p.add_argument("--val-split", choices=("calib", "eval"), default="calib",
+                   help="variants, counts: validation windows from lee-news's calib split after the calibration "
+                        "ones, or from its eval split")
+    p.add_argument("--floats", default=None,
+                   help="variants, counts: float sets to score, e.g. none,down_proj,down_proj+lm_head,ffn-down "
+                        "(default: variants every set of FLOAT_SETS, counts the step's ffn-down)")
+    p.add_argument("--counts", default="16,32,90", help="counts: calibration window counts")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     info = machine_row()
     if args.part == "phases":
         result = part_phases(args)
         print_phases(result)
+    elif args.part == "counts":
+        result = part_counts(args)
+        print_counts(result)
     else:
         result = part_variants(args)
         print_variants(result)

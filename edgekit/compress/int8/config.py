@@ -10,7 +10,7 @@ eval_samples) stay here and ``step.py`` reads them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgekit.compress.int8.technique_configs import (
     CalibrationConfig,
@@ -31,6 +31,14 @@ QAT_METHODS = ("ptq", "qat")
 # held-out calibration KL 3x at the same engine speed; on the Fashion-MNIST CNN all are within 0.1 pt
 TORCH_CALIB_METHOD = "mse"
 SCHEMES = ("u8s8", "u8s7", "s8s8", "trt")  # the Q/DQ forms (qdq.py)
+# A causal LM's own defaults, chosen on validation windows (SmolLM2-135M; benchmarks/RESULTS.md, issue 31): 32
+# calibration windows, not all 90 of the split (each 512-token window is a forward pass of the float graph, 4-6 CPU
+# s; 16 and 32 scored alike, 1.076x and 1.073x the float perplexity; 90 was not measured), and SmoothQuant at alpha
+# 0.5 (with the FFN down projections in float, 1.073x fell to 1.037x, 1.049x at 0.8; with them in INT8 1.145x, so they
+# stay float). Other models: 128 samples, no smoothing.
+DEFAULT_CALIB_SAMPLES = 128
+LM_CALIB_WINDOWS = 32
+LM_SMOOTH_ALPHA = 0.5
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,9 @@ class Int8Config:
         is quantized with the "linear" placement: a transformer's outlier channels need their
         full range, percentile/entropy clip them) | "minmax" | "percentile" | "entropy" | "mse";
         percentile: for "percentile".
-    calib_samples: how many calibration samples to read.
+    calib_samples: how many calibration samples to read; None: the model kind's default, resolved when the
+        step runs and recorded as the number used (``for_model``): 128 (DEFAULT_CALIB_SAMPLES), for a
+        causal LM 32 token windows (LM_CALIB_WINDOWS).
     scheme: None (from the target) | "u8s8" | "s8s8" | "trt".
     per_channel: per-output-channel weight scales (per-tensor when False).
     max_accuracy_drop: None, or the largest allowed drop of the model's metric in
@@ -79,14 +89,17 @@ class Int8Config:
         agreement: benchmarks/RESULTS.md, issue 26). The fallback (``max_accuracy_drop``) promotes
         sensitive layers so before it floats any. Ignored under the other schemes (their weights have 8 bits).
     smooth_alpha: SmoothQuant activation smoothing for causal LMs (``smooth.py``), folded into the
-        float model before its graph is quantized: in [0, 1], or None (off). Ignored for other models.
+        float model before its graph is quantized: in (0, 1]; 0 turns it off (alpha 0 would move every
+        weight range into the activations, the opposite of its aim); None: the model kind's default,
+        resolved when the step runs (``for_model``): 0.5 (LM_SMOOTH_ALPHA) for a causal LM with its
+        PyTorch weights, off for every other model. Given for any other model, it is refused.
     """
 
     method: str = field(default="ptq", metadata=option("--method"))
     calib_method: str | None = field(
         default=None, metadata=option("--calib-method", help="INT8: minmax | percentile | entropy | mse."))
     percentile: float = 99.99
-    calib_samples: int = field(default=128, metadata=option(
+    calib_samples: int | None = field(default=None, metadata=option(
         "--calib-samples", help="Calibration samples (INT8) or token windows (weight-only)."))
     scheme: str | None = None
     per_channel: bool = True
@@ -114,7 +127,7 @@ class Int8Config:
     u8u8_layers: tuple[str, ...] = ()
     smooth_alpha: float | None = field(default=None, metadata=option(
         "--smooth-alpha", help="INT8 of a causal LM: SmoothQuant activation smoothing, its strength in [0, 1] "
-        "(0.5: outlier range split evenly between activations and weights); off unless given."))
+        "(default 0.5: outlier range split evenly between activations and weights; 0: off)."))
 
     def __post_init__(self) -> None:
         check_fields(self)  # types from the annotations, before the range checks below
@@ -143,7 +156,26 @@ class Int8Config:
         >>> Int8Config(calib_method="minmax", calib_samples=16).calibration_config()
         CalibrationConfig(method='minmax', percentile=99.99, samples=16)
         """
-        return CalibrationConfig(method=self.calib_method, percentile=self.percentile, samples=self.calib_samples)
+        samples = DEFAULT_CALIB_SAMPLES if self.calib_samples is None else self.calib_samples
+        return CalibrationConfig(method=self.calib_method, percentile=self.percentile, samples=samples)
+
+    def for_model(self, model_kind: str, smoothable: bool) -> Int8Config:
+        """This config with the defaults of a model of ``model_kind`` where a field was not given: the number of
+        calibration samples, and smoothing for a causal LM whose PyTorch weights it can fold into (``smoothable``).
+
+        >>> lm = Int8Config().for_model("causal-lm", smoothable=True)
+        >>> lm.calib_samples, lm.smooth_alpha, Int8Config().for_model("image", smoothable=False).calib_samples
+        (32, 0.5, 128)
+        >>> Int8Config(calib_samples=90, smooth_alpha=0).for_model("causal-lm", smoothable=True).smooth_config() is None
+        True
+        """
+        calib = self.calib_samples
+        if calib is None:
+            calib = LM_CALIB_WINDOWS if model_kind == "causal-lm" else DEFAULT_CALIB_SAMPLES
+        alpha = self.smooth_alpha
+        if alpha is None and model_kind == "causal-lm" and smoothable:
+            alpha = LM_SMOOTH_ALPHA
+        return replace(self, calib_samples=calib, smooth_alpha=alpha)
 
     def rounding_config(self) -> RoundingConfig:
         """What the weight rounding and bias correction read."""
@@ -167,5 +199,5 @@ class Int8Config:
                                keep_float=self.keep_float, eval_samples=self.eval_samples)
 
     def smooth_config(self) -> SmoothConfig | None:
-        """What SmoothQuant reads; None when ``smooth_alpha`` is not given (off)."""
-        return None if self.smooth_alpha is None else SmoothConfig(self.smooth_alpha)
+        """What SmoothQuant reads; None when smoothing is off (``smooth_alpha`` 0, or None before ``for_model``)."""
+        return None if not self.smooth_alpha else SmoothConfig(self.smooth_alpha)

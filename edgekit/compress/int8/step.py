@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import tempfile
 import time
 from collections.abc import Iterator
@@ -215,6 +216,9 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         raise BadInputError(f"--smooth-alpha applies to causal LMs with their PyTorch weights; {handle.name!r} is "
                             f"{'an ONNX graph' if handle.module is None else 'a ' + handle.kind + ' model'} "
                             "(leave --smooth-alpha out)")
+    # the model kind's defaults (a causal LM's calibration windows and smoothing): what the step records is what ran
+    smoothing_asked = config.smooth_alpha is not None
+    config = config.for_model(handle.kind, smoothable=handle.kind == "causal-lm" and handle.module is not None)
     if config.u8u8_layers and (handle.module is None or handle.kind == "causal-lm"):
         # layer names of the fake-quant PyTorch graph: a graph quantized from ONNX has none of them
         raise BadInputError(f"u8u8_layers applies to models quantized through their PyTorch graph; {handle.name!r} is "
@@ -249,7 +253,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop, "
                                 "no u8u8_layers)") from None
-        return _quantize_via_onnx(handle, config, ctx, scheme, kernels)
+        return _quantize_via_onnx(handle, config, ctx, scheme, kernels, smoothing_asked)
     kept_float = resolve_keep_float(config.keep_float, plan)
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
@@ -391,14 +395,22 @@ def _evaluate_graph(handle: ModelHandle, ev: Samples, ref_out: Any, evaluator: s
 
 
 def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str,
-                       kernels: str) -> ModelHandle:
-    """Export the float model, then quantize the graph (``onnx_graph``); the result is ONNX-only."""
+                       kernels: str, smoothing_asked: bool = True) -> ModelHandle:
+    """Export the float model, then quantize the graph (``onnx_graph``); the result is ONNX-only.
+    ``smoothing_asked`` False: the smoothing is a causal LM's default, skipped (and said so in the metrics)
+    on a model with no norm or linear its scales fold into, where an explicit alpha is refused."""
     # The float graph is needed only while quantizing: the result lives in its own folder.
     if ctx.work_dir is not None:
         Path(ctx.work_dir).mkdir(parents=True, exist_ok=True)
     smoothed: dict[str, Any] | None = None
-    if config.smooth_alpha is not None and handle.kind == "causal-lm" and handle.module is not None:
-        handle, smoothed = _smoothed(handle, config, ctx)
+    if config.smooth_config() is not None and handle.kind == "causal-lm" and handle.module is not None:
+        try:
+            handle, smoothed = _smoothed(handle, config, ctx)
+        except BadInputError as e:
+            if smoothing_asked:
+                raise
+            smoothed = {"alpha": None, "skipped": str(e)}
+            config = dataclasses.replace(config, smooth_alpha=0.0)  # recorded as what ran: no smoothing
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder, source = None, "exported-onnx (torch.fx could not trace the model)"
         if handle.kind == "causal-lm" and handle.module is not None:
@@ -433,7 +445,10 @@ def _smoothed(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> tupl
     """A copy of the causal LM with SmoothQuant's scales folded in (``smooth.py``), calibrated on the
     same calibration windows the graph's ranges come from; the float function is unchanged."""
     t0, c0 = time.perf_counter(), time.process_time()
-    samples = load_split(handle, ctx, "calib", config.calib_samples)
+    try:
+        samples = load_split(handle, ctx, "calib", config.calib_samples)
+    except BadInputError:  # a split smaller than the ask: all of it, as the graph's calibration then reads
+        samples = load_split(handle, ctx, "calib", None)
     names = [s.name for s in handle.inputs]
     if handle.module is None:
         raise ValueError("smoothing needs the model's PyTorch module")

@@ -560,3 +560,21 @@ def test_a_calib_split_smaller_than_asked_is_used_whole_and_said(tmp_path):
     metrics = json.loads((out / "manifest.json").read_text())["metrics"]["int8"]
     assert metrics["calib_samples"] == held >= 2
     assert metrics["calib_note"] == f"the calib split holds {held} samples, fewer than the {held + 1} asked: all used"
+
+
+def test_a_causal_lm_calibrates_on_32_windows_unless_told_and_records_the_number(tmp_path):
+    """Not given, ``calib_samples`` is the model kind's: 32 token windows for a causal LM (chosen on validation
+    windows, benchmarks/RESULTS.md issue 31), 128 for other models; the step records the number it used."""
+    import json
+
+    from edgekit.compress import StepContext, compress, make_config
+    from edgekit.compress.int8.config import DEFAULT_CALIB_SAMPLES, LM_CALIB_WINDOWS, Int8Config
+
+    assert (LM_CALIB_WINDOWS, DEFAULT_CALIB_SAMPLES) == (32, 128)
+    assert Int8Config().calibration_config().samples == 128  # outside the step: the general default
+    handle = _bigram_handle(tmp_path, seqlen=32)  # thousands of 32-token windows in the calib split
+    out = compress(handle, [("int8", make_config("int8", {"eval_samples": 1}))], tmp_path / "int8",
+                   StepContext(calib="lee-news", eval="wikipedia", progress=False))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["metrics"]["int8"]["calib_samples"] == 32 and "calib_note" not in manifest["metrics"]["int8"]
+    assert manifest["steps"][-1]["config"]["calib_samples"] == 32

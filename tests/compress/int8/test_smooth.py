@@ -161,6 +161,16 @@ def test_alpha_bounds_are_accepted():
     assert Int8Config().smooth_alpha is None
 
 
+def test_a_causal_lm_is_smoothed_at_alpha_half_by_default_and_0_turns_it_off():
+    """Not given, the alpha is the model kind's: 0.5 for a causal LM with PyTorch weights (chosen on validation
+    windows, benchmarks/RESULTS.md issue 31), off for other models and ONNX-only LMs; 0 is off."""
+    assert Int8Config().for_model("causal-lm", smoothable=True).smooth_config() == SmoothConfig(0.5)
+    assert Int8Config().for_model("causal-lm", smoothable=False).smooth_config() is None
+    assert Int8Config().for_model("image", smoothable=False).smooth_config() is None
+    assert Int8Config(smooth_alpha=0).for_model("causal-lm", smoothable=True).smooth_config() is None
+    assert Int8Config(smooth_alpha=0.8).for_model("causal-lm", smoothable=True).smooth_config() == SmoothConfig(0.8)
+
+
 @pytest.mark.parametrize("value", ["1.5", "-0.2"])
 def test_cli_refuses_alpha_outside_0_1(value, tmp_path):
     from click.testing import CliRunner
@@ -197,12 +207,35 @@ def test_int8_step_smooths_a_causal_lm_and_records_the_pairs(tmp_path):
 
     handle = load_model(str(save_tiny("llama", tmp_path)))
     ctx = StepContext(calib="lee-news", eval="wikipedia", progress=False)
-    out = apply(handle, Int8Config(calib_samples=8, eval_samples=2, smooth_alpha=0.5), ctx)
+    out = apply(handle, Int8Config(calib_samples=8, eval_samples=2), ctx)  # smoothing: on by default, alpha 0.5
     meta = out.steps[-1].meta["smoothing"]
-    assert meta["alpha"] == 0.5 and meta["calib_samples"] == 8
+    assert meta["alpha"] == 0.5 and meta["calib_samples"] == 8 and out.steps[-1].config["smooth_alpha"] == 0.5
     assert meta["groups"] == 3 * hf_model(handle.module).config.num_hidden_layers  # v -> o: grouped heads, no fold
     assert "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj" in meta["pairs"]
     assert "mlp.up_proj -> mlp.down_proj" in meta["pairs"]
     assert ctx.metrics["int8"]["smoothing"]["groups"] == meta["groups"]
     logits = next(iter(ctx.metrics["int8"]["outputs"].values()))  # the INT8 graph against the float graph
     assert logits["mean_cosine"] > 0.95
+
+
+@pytest.mark.slow  # an ONNX export and graph quantization of a tiny Llama: about 30 s on a loaded 2-core machine
+def test_default_smoothing_is_skipped_and_said_where_nothing_folds_but_an_asked_alpha_is_refused(tmp_path, monkeypatch):
+    """A family whose norms and linears take no fold: the default quantizes it unsmoothed and records why (an
+    INT8 that worked before the default changed keeps working); an explicit alpha stops with the reason."""
+    from edgekit.compress import StepContext
+    from edgekit.compress.int8 import step
+    from edgekit.loading import load_model
+
+    def no_fold(*args, **kwargs):
+        raise BadInputError("llama: no norm or linear whose output scales fold exactly")
+
+    monkeypatch.setattr(step, "smooth", no_fold)
+    handle = load_model(str(save_tiny("llama", tmp_path)))
+    ctx = StepContext(calib="lee-news", eval="wikipedia", progress=False)
+    out = step.apply(handle, Int8Config(calib_samples=8, eval_samples=2), ctx)
+    assert out.steps[-1].meta["smoothing"] == {"alpha": None, "skipped": "llama: no norm or linear whose output "
+                                                                         "scales fold exactly"}
+    assert out.steps[-1].config["smooth_alpha"] == 0.0 and ctx.metrics["int8"]["smoothing"]["alpha"] is None
+    with pytest.raises(BadInputError, match="no norm or linear"):
+        step.apply(load_model(str(save_tiny("llama", tmp_path / "again"))), Int8Config(calib_samples=8, eval_samples=2,
+                                                                                        smooth_alpha=0.5), ctx)
