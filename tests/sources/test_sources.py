@@ -205,6 +205,23 @@ def test_borrow_io_loads_the_zoo_model_without_weights(tiny_llama, monkeypatch):
     assert cached.sample_inputs(1)["attention_mask"].shape == (1, 129)  # 128 cached tokens + 1 new one
 
 
+def test_decode_step_inputs_stay_within_the_declared_context():
+    """A model with a 128-position table has no row for position 128: its decode step is timed after
+    127 cached tokens, not the default 128 (a tiny GPT-2's engine build failed on it)."""
+    from edgekit.sources.handle import InputSpec
+    from edgekit.sources.models import DEFAULT_PAST, decode_step_inputs
+
+    kv = [InputSpec("input_ids", ("batch", "sequence"), "int64"),
+          InputSpec("attention_mask", ("batch", "total"), "int64"),
+          InputSpec("position_ids", ("batch", "sequence"), "int64"),
+          InputSpec("past_key_values.0.key", ("batch", 2, "past_sequence_length", 8), "float32")]
+    step = decode_step_inputs(kv, context=128)(1)
+    assert step["past_key_values.0.key"].shape == (1, 2, 127, 8) and step["attention_mask"].shape == (1, 128)
+    assert int(step["position_ids"].max()) == 127
+    assert decode_step_inputs(kv, context=4096)(1)["position_ids"].tolist() == [[DEFAULT_PAST]]
+    assert decode_step_inputs(kv, context=128)(1, past_sequence_length=5)["attention_mask"].shape == (1, 6)
+
+
 # --- Fashion-MNIST CNN -------------------------------------------------------------------------
 
 
