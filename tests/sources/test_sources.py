@@ -324,3 +324,24 @@ def test_zoo_text_models_load_without_weights(name):
     light = load_zoo_model(name, weights=False)
     assert light.module is None and light.name == light.source == name
     _same_io(light, load_zoo_model(name))
+
+
+@pytest.mark.slow  # tens of seconds on a loaded 2-core machine (transformers' Fuyu classes)
+def test_a_causal_lm_with_a_composite_config_loads_its_sizes_from_the_text_config(tmp_path):
+    """Fuyu's config keeps ``vocab_size`` and the layer count in its ``text_config``; loading its folder
+    ended in an AttributeError before (the decoder matrix's fuyu row)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import byte_tokenizer, tiny_causal_lm
+
+    from edgekit.sources.hf import load_hf
+
+    model = tiny_causal_lm("fuyu")
+    assert not hasattr(model.config, "vocab_size")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(tmp_path)
+    h = load_hf(tmp_path)
+    assert (h.kind, h.extra["vocab_size"], h.extra["num_layers"]) == ("causal-lm", 260, 2)
+    assert h.extra["max_positions"] == model.config.text_config.max_position_embeddings
