@@ -281,6 +281,9 @@ def main() -> None:
                 # the limit is on wall time; the CPU time tells a slow cell from a loaded machine
                 cells[step]["cpu_s"] = round(time.process_time() - p0, 2)
             rows[mt] = {"cells": cells, "seconds": round(time.perf_counter() - t0, 2)}
+            partial = Path(args.json).with_suffix(".partial.json")  # a stopped run keeps the rows it finished
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"steps": steps, "rows": rows}, indent=1))
             line = "  ".join(f"{s}={c['status']}" + (f"({c['rel']})" if "rel" in c else "") for s, c in cells.items())
             print(f"{mt:28s} {line}", flush=True)
     import transformers
@@ -290,6 +293,7 @@ def main() -> None:
            "cpu_s": round(time.process_time() - c_all, 1)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
+    Path(args.json).with_suffix(".partial.json").unlink(missing_ok=True)
     counts: dict[str, dict[str, int]] = {s: {} for s in steps}
     for r in rows.values():
         for s, c in r.get("cells", {}).items():
