@@ -42,6 +42,9 @@ KNOWN: dict[tuple[str, str], str] = {
     ("flex_olmo", "rtn-4"): _REROUTED, ("flex_olmo", "gptq-4"): _REROUTED,
     ("hunyuan_v1_moe", "rtn-4"): _REROUTED, ("hunyuan_v1_moe", "gptq-4"): _REROUTED,
     ("phimoe", "rtn-4"): _REROUTED, ("phimoe", "gptq-4"): _REROUTED,
+    # found by the 8-column run (benchmarks/RESULTS.md, 2026-11-28); passed on 2026-11-27 (0.169)
+    ("glm4_moe", "gptq-4"): "GPTAQ's routed-expert pairs differ in rows (137 quantized-model rows against 141 "
+                            "float-model rows): a traceback in gptq.AsymmetricAccumulator.add_pair, not fixed",
 }
 
 
