@@ -45,6 +45,8 @@ KNOWN: dict[tuple[str, str], str] = {
     # found by the 8-column run (benchmarks/RESULTS.md, 2026-11-28); passed on 2026-11-27 (0.169)
     ("glm4_moe", "gptq-4"): "GPTAQ's routed-expert pairs differ in rows (137 quantized-model rows against 141 "
                             "float-model rows): a traceback in gptq.AsymmetricAccumulator.add_pair, not fixed",
+    ("olmoe", "int8"): "INT8 logit error 0.108 over 0.10 on this mixture of experts (not diagnosed; rerouting likely)",
+    ("jetmoe", "int8"): "INT8 logit error 0.209 over 0.10 on this mixture of experts (not diagnosed; rerouting likely)",
 }
 
 
