@@ -1,13 +1,14 @@
 """The decoder conformance matrix generated from the installed transformers (issue 31): every model
-type mapped to a ``*ForCausalLM`` class whose config can be made tiny, through 4-bit RTN and GPTQ
-and the KV-cache export. A cell passes its bound or is refused with one line (an edgekit error
-naming what is missing); never a traceback, never past its time limit.
+type mapped to a ``*ForCausalLM`` class whose config can be made tiny, through 8-bit and 4-bit RTN,
+GPTQ and AWQ, the graph INT8 step, the KV-cache export, and its engine built and profiled. A cell
+passes its bound or is refused with one line (an edgekit error naming what is missing); never a
+traceback, never past its time limit.
 
-The cell logic is the benchmark's (``benchmarks/bench_decoder_matrix.py``, whose table is in
-benchmarks/RESULTS.md). The default suite runs a fixed, generated sample of the types (every
-``SAMPLE_STEP``-th of the sorted list) through float and RTN; the rest of the matrix is marked
-``matrix`` (about 300 cells, tens of minutes on 2 cores: ``pytest -m matrix``), outside both suites
-that CI runs.
+The cell logic and bounds are the benchmark's (``benchmarks/bench_decoder_matrix.py``, whose table
+is in benchmarks/RESULTS.md). The default suite runs a fixed, generated sample of the types (every
+``SAMPLE_STEP``-th of the sorted list) through the cells that take well under a second (float, RTN
+at 8 and 4 bits: ``DEFAULT_STEPS``); the rest of the matrix is marked ``matrix`` (about 650 cells,
+tens of minutes on 2 cores: ``pytest -m matrix``), outside both suites that CI runs.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ for p in (ROOT / "tests", ROOT / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from bench_decoder_matrix import _logits, _OverTime, _windows, routing_diagnosis, run_cell  # noqa: E402
+from bench_decoder_matrix import STEPS, W4_REL, _logits, _OverTime, _windows, routing_diagnosis, run_cell  # noqa: E402
 from tiny_models import causal_lm_types, tiny_causal_lm  # noqa: E402
 
 TYPES = causal_lm_types()
 SAMPLE_STEP = 12
 FAST = TYPES[::SAMPLE_STEP]
+DEFAULT_STEPS = ("float", "rtn-8", "rtn-4")  # each cell well under a second; GPTQ, AWQ, INT8 and export take more
 CELL_SECONDS = 60
 OK = ("pass", "refused")
 # Cells over their bound today (benchmarks/RESULTS.md), each strict xfail: when it passes, the mark goes.
@@ -40,12 +42,17 @@ KNOWN: dict[tuple[str, str], str] = {
     ("flex_olmo", "rtn-4"): _REROUTED, ("flex_olmo", "gptq-4"): _REROUTED,
     ("hunyuan_v1_moe", "rtn-4"): _REROUTED, ("hunyuan_v1_moe", "gptq-4"): _REROUTED,
     ("phimoe", "rtn-4"): _REROUTED, ("phimoe", "gptq-4"): _REROUTED,
+    # found by the 8-column run (benchmarks/RESULTS.md, 2026-11-28); passed on 2026-11-27 (0.169)
+    ("glm4_moe", "gptq-4"): "GPTAQ's routed-expert pairs differ in rows (137 quantized-model rows against 141 "
+                            "float-model rows): a traceback in gptq.AsymmetricAccumulator.add_pair, not fixed",
+    ("olmoe", "int8"): "INT8 logit error 0.108 over 0.10 on this mixture of experts (not diagnosed; rerouting likely)",
+    ("jetmoe", "int8"): "INT8 logit error 0.209 over 0.10 on this mixture of experts (not diagnosed; rerouting likely)",
 }
 
 
 def _params(steps: tuple[str, ...]) -> list:
     def marks(t: str, s: str) -> list:
-        speed = [] if t in FAST and s in ("float", "rtn-4") else [pytest.mark.slow, pytest.mark.matrix]
+        speed = [] if t in FAST and s in DEFAULT_STEPS else [pytest.mark.slow, pytest.mark.matrix]
         known = [pytest.mark.xfail(strict=True, reason=KNOWN[(t, s)])] if (t, s) in KNOWN else []
         return speed + known
 
@@ -63,17 +70,25 @@ def test_the_matrix_is_generated_from_transformers():
     assert len(FAST) >= 5
 
 
+# model type -> why it is not in the matrix, found by its first cell: the others skip without building it
+# again (an excluded config can take seconds to build: LongCat-Flash is 282M parameters at the tiny sizes)
+_EXCLUDED: dict[str, str] = {}
+
+
 def _raise_over_time(_signum, _frame):
     raise _OverTime
 
 
-@pytest.mark.parametrize("model_type,step", _params(("float", "rtn-4", "gptq-4", "export-kv")))
+@pytest.mark.parametrize("model_type,step", _params(STEPS))
 def test_cell_passes_or_is_refused_in_one_line(model_type, step, tmp_path):
     previous = signal.signal(signal.SIGALRM, _raise_over_time)
     signal.alarm(CELL_SECONDS)
+    if model_type in _EXCLUDED:
+        pytest.skip(f"not in the matrix: {_EXCLUDED[model_type]}")
     try:
         model = tiny_causal_lm(model_type)
         if isinstance(model, str):
+            _EXCLUDED[model_type] = model
             pytest.skip(f"not in the matrix: {model}")
         want = _logits(model, _windows())
         cell = run_cell(model_type, step, model, want, tmp_path)
@@ -83,8 +98,8 @@ def test_cell_passes_or_is_refused_in_one_line(model_type, step, tmp_path):
     assert cell["status"] in OK, cell
     if cell["status"] == "refused":
         assert "\n" not in cell["detail"] and len(cell["detail"]) < 600
-    if "rel" in cell:
-        assert 0 < cell["rel"] < 0.30
+    if "rel" in cell:  # each step's own bound is the benchmark's (W8_REL, INT8_REL, W4_REL): the loosest here
+        assert 0 < cell["rel"] < W4_REL
 
 
 @pytest.mark.parametrize("model_type", [pytest.param("phimoe"),

@@ -540,7 +540,9 @@ def _causal_lm_handle(model: Any | None, params: int, config: Any, tokenizer: An
         ids = token_windows(tokenizer, joined, int(seqlen or window_len), prefix=prefix)
         return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
-    max_positions = getattr(config, "max_position_embeddings", None)
+    # a composite config (Fuyu: a language model inside an image one) keeps these in its text config
+    text_config = config if hasattr(config, "vocab_size") else config.get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None)
     max_positions = int(max_positions) if isinstance(max_positions, int) and max_positions > 1 else None
     window_len = min(DEFAULT_WINDOW, max_positions or DEFAULT_WINDOW)
     seq_axes = {0: "batch", 1: "sequence"}
@@ -553,7 +555,7 @@ def _causal_lm_handle(model: Any | None, params: int, config: Any, tokenizer: An
         tokenizer=tokenizer,
         dynamic_axes={"input_ids": dict(seq_axes), "attention_mask": dict(seq_axes), "logits": dict(seq_axes)},
         extra={"params": params, "hf_config": config.to_dict(),
-               "vocab_size": int(config.vocab_size), "num_layers": int(getattr(config, "num_hidden_layers", 0)),
+               "vocab_size": int(text_config.vocab_size), "num_layers": int(getattr(text_config, "num_hidden_layers", 0)),
                "seqlen": window_len, "max_positions": max_positions, "window_prefix": prefix, "eval_batch": 1},
     )
 

@@ -205,14 +205,17 @@ def graph_sample_inputs(specs: list[InputSpec], bounds: dict[str, int]) -> Any:
 DEFAULT_PAST = 128  # tokens already in the KV cache when a decode step is timed
 
 
-def decode_step_inputs(specs: list[InputSpec]) -> Any:
+def decode_step_inputs(specs: list[InputSpec], context: int | None = None) -> Any:
     """``make_inputs`` for a KV-cache graph: consistent feeds for ``sequence`` new tokens
-    (default 1: one decode step) after ``past_sequence_length`` cached tokens (default 128):
-    attention mask over past + new, positions continuing the past, a past of that length."""
+    (default 1: one decode step) after ``past_sequence_length`` cached tokens (default 128, or
+    fewer so that past + new fit in the ``context`` the model declares: a position table of 128
+    has no row for position 128): attention mask over past + new, positions continuing the past,
+    a past of that length."""
 
     def make_inputs(batch: int = 1, sequence: int | None = None, **dims: int) -> dict[str, np.ndarray]:
         seq = int(sequence or 1)
-        past = int(dims.get("past_sequence_length", DEFAULT_PAST))
+        default_past = DEFAULT_PAST if context is None else max(0, min(DEFAULT_PAST, context - seq))
+        past = int(dims.get("past_sequence_length", default_past))
         rng = np.random.default_rng(0)
         feeds: dict[str, np.ndarray] = {}
         for spec in specs:
@@ -369,6 +372,11 @@ def _load_artifact(folder: Path, loaders: Mapping[str, ArtifactLoader]) -> Model
         handle.kind = base.get("kind", handle.kind)
         handle.source = manifest.source or handle.source
         handle.extra["artifact"] = str(folder)
+        context = base.get("context") or {}
+        tokens = context.get("tokens") if isinstance(context, dict) else None
+        if handle.kind == "causal-lm" and isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 \
+                and any(i.name.startswith("past_key_values.") for i in handle.inputs):
+            handle.make_inputs = decode_step_inputs(handle.inputs, context=tokens)  # its decode step within it
         borrow_io(handle, manifest.source)
         release_memory()  # the validated graph's bytes and proto, freed: back to the system before the next phase
         return handle

@@ -205,6 +205,23 @@ def test_borrow_io_loads_the_zoo_model_without_weights(tiny_llama, monkeypatch):
     assert cached.sample_inputs(1)["attention_mask"].shape == (1, 129)  # 128 cached tokens + 1 new one
 
 
+def test_decode_step_inputs_stay_within_the_declared_context():
+    """A model with a 128-position table has no row for position 128: its decode step is timed after
+    127 cached tokens, not the default 128 (a tiny GPT-2's engine build failed on it)."""
+    from edgekit.sources.handle import InputSpec
+    from edgekit.sources.models import DEFAULT_PAST, decode_step_inputs
+
+    kv = [InputSpec("input_ids", ("batch", "sequence"), "int64"),
+          InputSpec("attention_mask", ("batch", "total"), "int64"),
+          InputSpec("position_ids", ("batch", "sequence"), "int64"),
+          InputSpec("past_key_values.0.key", ("batch", 2, "past_sequence_length", 8), "float32")]
+    step = decode_step_inputs(kv, context=128)(1)
+    assert step["past_key_values.0.key"].shape == (1, 2, 127, 8) and step["attention_mask"].shape == (1, 128)
+    assert int(step["position_ids"].max()) == 127
+    assert decode_step_inputs(kv, context=4096)(1)["position_ids"].tolist() == [[DEFAULT_PAST]]
+    assert decode_step_inputs(kv, context=128)(1, past_sequence_length=5)["attention_mask"].shape == (1, 6)
+
+
 # --- Fashion-MNIST CNN -------------------------------------------------------------------------
 
 
@@ -307,3 +324,24 @@ def test_zoo_text_models_load_without_weights(name):
     light = load_zoo_model(name, weights=False)
     assert light.module is None and light.name == light.source == name
     _same_io(light, load_zoo_model(name))
+
+
+@pytest.mark.slow  # tens of seconds on a loaded 2-core machine (transformers' Fuyu classes)
+def test_a_causal_lm_with_a_composite_config_loads_its_sizes_from_the_text_config(tmp_path):
+    """Fuyu's config keeps ``vocab_size`` and the layer count in its ``text_config``; loading its folder
+    ended in an AttributeError before (the decoder matrix's fuyu row)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import byte_tokenizer, tiny_causal_lm
+
+    from edgekit.sources.hf import load_hf
+
+    model = tiny_causal_lm("fuyu")
+    assert not hasattr(model.config, "vocab_size")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(tmp_path)
+    h = load_hf(tmp_path)
+    assert (h.kind, h.extra["vocab_size"], h.extra["num_layers"]) == ("causal-lm", 260, 2)
+    assert h.extra["max_positions"] == model.config.text_config.max_position_embeddings
