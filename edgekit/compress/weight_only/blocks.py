@@ -411,12 +411,13 @@ class BlockWalker:
             if name in firsts:
                 input_elements[firsts[name]] = x.numel() // per
         # groups that see a subset of the tokens (mixture-of-experts experts): linears of the blocks
-        # of a ModuleList beside a router, or whose probe input is not one row per token
+        # of a ModuleList beside a router, or whose probe input is not one row per token (so too where
+        # the router is no nn.Linear: GLM-4 MoE's gate is a bare weight)
         routers = {self.names.get(id(m)) for m in block.modules()} & set(self._routers)
         lists = {n for n, m in block.named_modules() if isinstance(m, nn.ModuleList)}
-        routed = {i for i, g in enumerate(groups) if routers and (
-            g[0].rpartition(".")[0].rpartition(".")[0] in lists
-            or g[0] not in reached or reached[g[0]][:-1].numel() != tokens)}
+        routed = {i for i, g in enumerate(groups)
+                  if (g[0] in reached and reached[g[0]][:-1].numel() != tokens)
+                  or (routers and (g[0].rpartition(".")[0].rpartition(".")[0] in lists or g[0] not in reached))}
         linears = [n for n, m in block.named_modules() if n and isinstance(m, nn.Linear)]
         return BlockPlan(groups, group_of, modules, inside, enter, leave, calls, tails, output_elements,
                          input_elements, routed, linears)
