@@ -414,7 +414,7 @@ def _quantize_via_onnx(handle: ModelHandle, config: Int8Config, ctx: StepContext
     with tempfile.TemporaryDirectory(prefix="edgekit-int8-", dir=ctx.work_dir) as work:
         folder, source = None, "exported-onnx (torch.fx could not trace the model)"
         if handle.kind == "causal-lm" and handle.module is not None:
-            from edgekit.export.lm import export_forward_graph
+            from edgekit.export.lm import export_forward_graph  # the causal-LM exporter: only for a causal LM
 
             # a decoder the fused graph writes: that graph, without its cache, in seconds and about the
             # model's size in memory (the dynamo trace of SmolLM2-135M: 130-180 CPU s, 3.9 GB)
