@@ -647,7 +647,10 @@ def export_forward_graph(handle: Any, out_dir: str | os.PathLike[str]) -> Path |
     (``forward_graph_without_cache``) in ``out_dir/model.onnx``, its weights written a tensor at a time;
     None where the model has no fused graph (the caller traces it instead). No parity check here: the
     INT8 step compares what it makes of the graph with the PyTorch model."""
-    hf = _hf_model(handle.module)
+    try:
+        hf = _hf_model(handle.module)
+    except BadInputError:  # a decoder without transformers' generate (MEGA, Open-Llama): the caller traces it
+        return None
     ok, _ = supports_fused_graph(hf)
     if not ok or any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in handle.module.modules()):
         return None

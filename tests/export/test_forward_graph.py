@@ -65,3 +65,10 @@ def test_int8_of_a_fused_family_quantizes_that_graph_and_keeps_its_down_projecti
     assert meta["float_layers"] == ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]
     quality = manifest["metrics"]["quality"]
     assert quality["passed"] and 0.9 < quality["perplexity_ratio"] < 1.1  # measured 0.995
+
+
+def test_a_decoder_without_transformers_generate_gets_none():
+    """MEGA and Open-Llama's wrappers have no ``generate``: no fused graph to write, the INT8 step traces them."""
+    from types import SimpleNamespace
+
+    assert export_forward_graph(SimpleNamespace(module=torch.nn.Linear(4, 4)), "unused") is None
