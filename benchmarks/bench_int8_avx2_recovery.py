@@ -109,6 +109,28 @@ def integer_convs(path: Path) -> dict[str, int]:
                                          "DequantizeLinear", "QuantizeLinear")}
 
 
+def engine_outputs(h: Any, module: Any, config: Any, record: dict[str, Any], out_dir: Path, val: Any,
+                   names: list[str], so: Any) -> tuple[Path, Any, Any]:
+    """A fake-quant model as the int8 step leaves it, exported (the step's graph rewrites applied) and run by
+    ONNX Runtime on ``val``: (the graph's path, its session, its outputs)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgekit.compress import config_to_dict, step_rewrite
+    from edgekit.export.onnx import ExportConfig, export_onnx
+    from edgekit.sources.handle import StepRecord
+
+    handle = copy.copy(h)
+    handle.module = module.eval()
+    handle.steps = [*h.steps, StepRecord("int8", config_to_dict(config), record)]
+    handle.step_rewrites = step_rewrite
+    path = Path(export_onnx(handle, out_dir, ExportConfig(skip_parity=True))) / "model.onnx"
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    outs = np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
+                           for b in val.batches(16)])
+    return path, sess, outs
+
+
 def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
     import numpy as np
     import onnxruntime as ort
@@ -196,16 +218,13 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
     import onnxruntime as ort
     import torch
 
-    from edgekit.compress import config_to_dict, step_rewrite
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
     from edgekit.compress.int8.equalize import correct_bias, equalize, equalize_activation
     from edgekit.compress.int8.rounding import round_model
     from edgekit.compress.int8.step import calibrate
-    from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.sources.data import Samples, load_samples
-    from edgekit.sources.handle import StepRecord
     from edgekit.sources.models import load_model
 
     torch.set_num_threads(1)
@@ -258,14 +277,7 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
             fake = score(run_module(v, val, names, channels_last=nhwc), ref, None, None)
         record = {"scheme": "u8s7", "u8u8_layers": meta["u8u8_layers"], "float_layers": [], "float_activations": [],
                   "equalized": meta["equalized"], "kernels": "int16-pairs"}
-        handle = copy.copy(h)
-        handle.module = v.eval()
-        handle.steps = [*h.steps, StepRecord("int8", config_to_dict(config), record)]
-        handle.step_rewrites = step_rewrite
-        path = Path(export_onnx(handle, tmp / f"s{seed}-{len(rows)}", ExportConfig(skip_parity=True))) / "model.onnx"
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        outs = np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
-                               for b in val.batches(16)])
+        path, _, outs = engine_outputs(h, v, config, record, tmp / f"s{seed}-{len(rows)}", val, names, so)
         engine = score(outs, ref, None, None)
         row = {"candidate": label, "seed": seed, "calibration": f"{split} {lo}-{hi - 1}", "alpha": alpha,
                "reference": reference if alpha > 0 else None, "rescale": rescale, "u8u8_layers": meta["u8u8_layers"],
@@ -370,7 +382,6 @@ def main() -> None:
     import onnxruntime as ort
     import torch
 
-    from edgekit.compress import config_to_dict, step_rewrite
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
@@ -379,7 +390,6 @@ def main() -> None:
     from edgekit.compress.int8.step import calibrate
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.sources.data import Samples, load_samples
-    from edgekit.sources.handle import StepRecord
     from edgekit.sources.models import load_model
 
     torch.set_num_threads(1)
@@ -435,14 +445,8 @@ def main() -> None:
             continue
         meta = {"scheme": "u8s7", "u8u8_layers": row["u8u8_layers"], "float_layers": [], "float_activations": [],
                 "equalized": equalized, "kernels": "int16-pairs"}
-        handle = copy.copy(h)
-        handle.module = models[row["variant"]].eval()
-        handle.steps = [*h.steps, StepRecord("int8", config_to_dict(config), meta)]
-        handle.step_rewrites = step_rewrite
-        path = Path(export_onnx(handle, tmp / f"v{rows.index(row)}", ExportConfig(skip_parity=True))) / "model.onnx"
-        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        outs = np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
-                               for b in val.batches(16)])
+        path, sess, outs = engine_outputs(h, models[row["variant"]], config, meta, tmp / f"v{rows.index(row)}", val, names,
+                                    so)
         engine = score(outs, ref, None, None)
         cpu_f, cpu_q, wall_f, wall_q = [], [], [], []
         for r in range(args.rounds):  # interleaved, the order alternating

@@ -325,16 +325,19 @@ class _Writer:
             return self._concat([self.linear(x, [m], f"{name}_{i}") for i, m in enumerate(layers)], name)
         raise BadInputError(f"{name}: {type(layers[0]).__name__} is neither nn.Linear nor a packed QuantLinear")
 
-    def rms_norm(self, x: str, gamma: str, eps: float, out: str) -> str:
+    def rms_norm(self, x: str, gamma: str | None, eps: float, out: str) -> str:
         """RMSNorm in standard ops (a norm without a residual to fuse with: the first layer's, Gemma's
         post-attention, post-MLP and q/k norms), as Pow, ReduceMean, Add, Sqrt, Div, Mul: the pattern
         ONNX Runtime's optimizer fuses into SimplifiedLayerNormalization (Mul(x, x) or Reciprocal
-        and Mul it leaves unfused), in ops the ONNX checker knows."""
+        and Mul it leaves unfused), in ops the ONNX checker knows. ``gamma`` None: no weight (Llama 4's
+        L2 norm of q and k), the Div is the output."""
         sq = self.node("Pow", [x, self.init(f"{out}/two", np.array(2.0, np.float32))], [f"{out}/sq"], f"{out}/sq")[0]
         ms = self.node("ReduceMean", [sq, self.init(f"{out}/axes", np.array([-1], np.int64))], [f"{out}/ms"],
                        f"{out}/mean", keepdims=1)[0]
         var = self.node("Add", [ms, self.init(f"{out}/eps", np.array(eps, np.float32))], [f"{out}/var"], f"{out}/eps")[0]
         std = self.node("Sqrt", [var], [f"{out}/std"], f"{out}/sqrt")[0]
+        if gamma is None:
+            return self.node("Div", [x, std], [out], f"{out}/normed")[0]
         normed = self.node("Div", [x, std], [f"{out}/normed"], f"{out}/normed")[0]
         return self.node("Mul", [normed, gamma], [out], f"{out}/gamma")[0]
 

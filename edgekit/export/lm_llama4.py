@@ -95,12 +95,7 @@ def _l2_norm(w: GraphWriter, x: str, n_heads: int, head_dim: int, eps: float, na
     """Llama4TextL2Norm per head: ``x / sqrt(mean(x^2) + eps)`` (RMSNorm without a weight)."""
     split = w.node("Reshape", [x, w.init(f"{name}/heads", np.array([0, 0, n_heads, head_dim], np.int64))],
                    [f"{name}/split"], f"{name}/split")[0]
-    sq = w.node("Pow", [split, w.init(f"{name}/two", np.array(2.0, np.float32))], [f"{name}/sq"], f"{name}/sq")[0]
-    ms = w.node("ReduceMean", [sq, w.init(f"{name}/axes", np.array([-1], np.int64))], [f"{name}/ms"],
-                f"{name}/mean", keepdims=1)[0]
-    var = w.node("Add", [ms, w.init(f"{name}/eps", np.array(eps, np.float32))], [f"{name}/var"], f"{name}/eps")[0]
-    std = w.node("Sqrt", [var], [f"{name}/std"], f"{name}/sqrt")[0]
-    normed = w.node("Div", [split, std], [f"{name}/normed"], f"{name}/normed")[0]
+    normed = w.rms_norm(split, None, eps, f"{name}/normed")
     return w.node("Reshape", [normed, w.init(f"{name}/flat", np.array([0, 0, n_heads * head_dim], np.int64))],
                   [f"{name}/out"], f"{name}/merge")[0]
 

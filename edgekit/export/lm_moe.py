@@ -64,6 +64,8 @@ class GraphWriter(Protocol):
 
     def linear(self, x: str, layers: list[Any], name: str) -> str: ...
 
+    def rms_norm(self, x: str, gamma: str | None, eps: float, out: str) -> str: ...
+
 
 @dataclass(frozen=True)
 class MoEBlock:
