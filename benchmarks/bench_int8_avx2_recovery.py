@@ -40,6 +40,18 @@ engine agreement and KL on validation, per seed, then mean and spread (min..max)
     python benchmarks/bench_int8_avx2_recovery.py --candidates [--seeds 0,1,2] [--jobs 3] [--also]
         [--out benchmarks/results/int8_avx2_candidates.json]
     python benchmarks/bench_int8_avx2_recovery.py --table benchmarks/results/int8_avx2_candidates.json
+
+``--schemes`` compares the weight grids for these CPUs, each on the whole default recipe, over ``--seeds``
+calibration draws made as ``compress`` makes them (128 of the calib split's 256 images, photos and
+Fashion-MNIST mixed, ``load_samples(..., seed=)``; seed 0 is the command's own draw): "u8s7" (7-bit
+weights) and "u8s8p" (8-bit weights on the pair-safe grid, ``compress/int8/pairs.py``). **Validation** =
+the train split's first 256 images (its 101 photos and 155 Fashion-MNIST images; no calib-split image, so
+disjoint from every draw); the eval split is not read. Per scheme and seed: fake-quant, engine on the
+int16-pair kernels (this machine's where they are its own, else their numerical model) and int32-model
+agreement and KL against FP32, and the weight grid's mean bits over the 7-bit grid.
+
+    python benchmarks/bench_int8_avx2_recovery.py --schemes [--seeds 0,1,2] [--jobs 2]
+        [--out benchmarks/results/int8_avx2_schemes.json]
 """
 from __future__ import annotations
 
@@ -292,6 +304,113 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+SCHEME_CANDIDATES = ("u8s7", "u8s8p")
+
+
+def scheme_seed(seed: int) -> dict[str, Any]:
+    """Both weight grids on one calibration draw, scored on validation (see ``--schemes``)."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from edgekit.compress.int8 import qdq
+    from edgekit.compress.int8.calibration import run_module, score
+    from edgekit.compress.int8.config import Int8Config
+    from edgekit.compress.int8.equalize import correct_bias, equalize
+    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.step import calibrate
+    from edgekit.onnx_int8_kernels import session_for
+    from edgekit.sources.data import load_samples
+    from edgekit.sources.models import load_model
+
+    torch.set_num_threads(1)
+    c0, t0 = time.process_time(), time.perf_counter()
+    h = load_model("efficientnet-lite0")
+    names = [s.name for s in h.inputs]
+    calib = load_samples(None, h, split="calib", limit=128, seed=seed)
+    val = load_samples(None, h, split="train", limit=None).subset(slice(0, 256))
+    module = h.module.eval()
+    ref = run_module(module, val, names)
+    config = Int8Config()
+    tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-schemes-"))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+
+    def outputs(sess: Any) -> Any:
+        return np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
+                               for b in val.batches(16)])
+
+    rows = []
+    for scheme in SCHEME_CANDIDATES:
+        c1 = time.process_time()
+        gm, plan = qdq.prepare_qdq(copy.deepcopy(module), scheme)
+        equalized = equalize(gm, plan)
+        nhwc = qdq.channels_last_ok(gm, calib, names)
+        qdq.update_weight_scales(gm, plan)
+        bits = []
+        for name, qname in plan.layers.items():
+            wq = qdq.weight_quant(gm, qname)
+            if wq.reduced:  # the grid's step against the 7-bit grid's on the same weights
+                w = qdq.get_attr(gm, name + ".weight").detach().reshape(wq.scale.shape[0], -1)
+                bits.append(float(torch.log2(w.abs().amax(1) / 64 / wq.scale).mean()))
+        calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
+        with qdq.fast_fake_quant(gm):
+            round_model(gm, plan, calib, names, channels_last=nhwc)
+            correct_bias(gm, plan, module, calib, names, channels_last=nhwc)
+            qdq.fit_bias_range(gm)
+        qdq.clip_weights_to_grid(gm, plan)
+        quantize_cpu_s = time.process_time() - c1
+        with qdq.fast_fake_quant(gm):
+            fake = score(run_module(gm, val, names, channels_last=nhwc), ref, None, None)
+        record = {"scheme": scheme, "u8u8_layers": [], "float_layers": [], "float_activations": [],
+                  "equalized": equalized, "kernels": "int16-pairs"}
+        path, _, _ = engine_outputs(h, gm, config, record, tmp / f"s{seed}-{scheme}", val, names, so)
+        engine = score(outputs(session_for(path, "int16-pairs")), ref, None, None)
+        exact = score(outputs(session_for(path, "int32")), ref, None, None)
+        row = {"scheme": scheme, "seed": seed, "calibration": f"calib split, 128 of 256 drawn with seed {seed}",
+               "grid_bits_over_7bit": round(statistics.mean(bits), 3) if bits else None,
+               "fake_quant_top1_agreement": round(fake["top1_agreement"], 4), "fake_quant_mean_kl": round(fake["mean_kl"], 5),
+               "engine_top1_agreement": round(engine["top1_agreement"], 4), "engine_mean_kl": round(engine["mean_kl"], 5),
+               "int32_top1_agreement": round(exact["top1_agreement"], 4), "int32_mean_kl": round(exact["mean_kl"], 5),
+               "quantize_cpu_s": round(quantize_cpu_s, 1), "ops": integer_convs(path), "loadavg": os.getloadavg()}
+        print(row, flush=True)
+        rows.append(row)
+    return {"seed": seed, "rows": rows, "cpu_s": round(time.process_time() - c0, 1),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def schemes(seeds: list[int], jobs: int, out: str) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        runs = list(pool.map(scheme_seed, seeds))
+    rows = [r for run in runs for r in run["rows"]]
+    print("\n| scheme | seed | grid bits over 7-bit | fake-quant agreement | fake-quant KL | engine agreement (int16 pairs) | "
+          "engine KL | int32-model agreement | quantize CPU s |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['scheme']} | {r['seed']} | {r['grid_bits_over_7bit']} | {100 * r['fake_quant_top1_agreement']:.1f}% | "
+              f"{r['fake_quant_mean_kl']:.4f} | {100 * r['engine_top1_agreement']:.1f}% | {r['engine_mean_kl']:.4f} | "
+              f"{100 * r['int32_top1_agreement']:.1f}% | {r['quantize_cpu_s']} |")
+    base = {r["seed"]: r for r in rows if r["scheme"] == SCHEME_CANDIDATES[0]}
+    paired = [{"seed": r["seed"], "agreement_points": round(100 * (r["engine_top1_agreement"] -
+                                                                   base[r["seed"]]["engine_top1_agreement"]), 1),
+               "kl_ratio": round(r["engine_mean_kl"] / base[r["seed"]]["engine_mean_kl"], 3)}
+              for r in rows if r["scheme"] != SCHEME_CANDIDATES[0]]
+    print("\npaired, u8s8p against u8s7 on the same draw:", paired)
+    atomic_write_json(Path(out), {
+        "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_start": load_start,
+                                       "loadavg_end": os.getloadavg()},
+        "versions": package_versions(),
+        "settings": {"threads": 1, "jobs": jobs, "seeds": seeds, "calibration": "calib split, 128 of 256 per seed",
+                     "validation": "train split images 0-255 (101 photos, 155 Fashion-MNIST)"},
+        "per_seed_cpu_s": {run["seed"]: run["cpu_s"] for run in runs}, "total_wall_s": round(time.perf_counter() - t0, 1),
+        "paired": paired, "rows": rows})
+    print(f"\nwrote {out}")
+
+
 def spread(values: list[float], digits: int = 1) -> str:
     """mean (min..max)"""
     return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}..{max(values):.{digits}f})"
@@ -357,6 +476,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="calibration sets for --candidates (0-3)")
     ap.add_argument("--jobs", type=int, default=1, help="--candidates: seeds run in this many processes")
     ap.add_argument("--also", action="store_true", help="--candidates: also GPTAQ's float-model reference")
+    ap.add_argument("--schemes", action="store_true",
+                    help="compare the weight grids u8s7 and u8s8p over calibration draws on validation")
     ap.add_argument("--table", metavar="JSON", help="print a --candidates result's table again (and store its summary)")
     args = ap.parse_args()
     if args.table:
@@ -366,6 +487,10 @@ def main() -> None:
         labels = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
         result["summary"] = summarize(result["rows"], labels, len(result["settings"]["seeds"]))
         atomic_write_json(Path(args.table), result)
+        return
+    if args.schemes:
+        out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_schemes.json")
+        schemes([int(k) for k in args.seeds.split(",")], args.jobs, out)
         return
     if args.candidates:
         seeds = [int(k) for k in args.seeds.split(",")]

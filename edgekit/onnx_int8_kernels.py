@@ -18,8 +18,8 @@ exact for these integer ranges, and runs it here:
   Runtime on an AVX2 CPU by ``tests/test_onnx_int8_kernels.py``), for a matmul the K axis.
 * ``"int32"``: the same without the clip (what VNNI, AMX and arm64 kernels compute).
 
-Nodes with uint8 weights (any zero point; edgekit stores a layer's exact 8-bit weights so under scheme
-"u8s7", ``qdq.promote_u8u8``) run MLAS's u8 x u8 kernels, which widen both operands to int16 before
+Nodes with uint8 weights (any zero point; edgekit stores a layer's exact 8-bit weights so under schemes
+"u8s8p" and "u8s7", ``qdq.promote_u8u8``) run MLAS's u8 x u8 kernels, which widen both operands to int16 before
 ``vpmaddwd`` (int32 pair sums, exact on every CPU): under both semantics they are left as they are and
 run on this machine's kernels, exact here too. So are depthwise convolutions (32-bit sums everywhere).
 

@@ -12,7 +12,7 @@ intra-op thread), so the kernels timed are the ones real graphs run:
 * INT8 as the int8 step emits it: Q/DQ around a ``MatMul`` with a float output (ORT fuses it
   into ``MatMulIntegerToFloat``, u8 x s8) and around a ``Conv`` with a quantized output
   (``QLinearConv``, NHWC; depthwise too). Weights are 7-bit where this CPU's int8 kernels
-  sum u8 x s8 pairs in saturating int16 (the u8s7 scheme the int8 step picks there), full
+  sum u8 x s8 pairs in saturating int16 (the int8 step's pair-safe 8-bit codes there run the same kernel), full
   int8 elsewhere; the kernel and its speed are the same, the values are what will run.
 
 A rate is the chain's operations over the median process CPU time of its runs (CPU time, so

@@ -149,11 +149,11 @@ def parity_semantics(config: ExportConfig, handle: ModelHandle) -> str | None:
 
 def _scheme_hint(handle: ModelHandle, semantics: str) -> str:
     """Why an INT8 graph with 8-bit weights fails where the integer kernels sum in int16 pairs."""
-    # the INT8 step records its Q/DQ scheme (u8s8, s8s8, u8s7) in its meta
+    # the INT8 step records its Q/DQ scheme (u8s8, u8s8p, u8s7, s8s8, trt) in its meta
     scheme = next((str(r.meta["scheme"]) for r in reversed(handle.steps) if "scheme" in (r.meta or {})), None)
     if scheme in ("u8s8", "s8s8") and semantics == "int16-pairs":
         return (" (its 8-bit weights overflow the int16 pair sums of x86 integer kernels without VNNI: compress "
-                "for this target, whose INT8 scheme u8s7 keeps such weights on 7 bits)")
+                "for this target, whose INT8 scheme u8s8p keeps every pair of such weights within the int16 range)")
     return ""
 
 

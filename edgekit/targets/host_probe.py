@@ -53,7 +53,9 @@ class HostProbe:
     runtime: str  # "onnxruntime 1.31.1": the runtime whose kernels were timed
     threads: int
     int8_kernel: str  # cpu_isa.int8_kernel's family name ("avx2", "avx512-vnni", ...)
-    int8_weights: str  # "7-bit" where the int8 kernels saturate (the int8 step's u8s7 scheme), else "8-bit"
+    # "7-bit" where the int8 kernels saturate (timed with weights that cannot overflow them; the int8 step's
+    # pair-safe 8-bit codes run the same kernel at the same speed), else "8-bit"
+    int8_weights: str
     kernel_rates: dict[str, float]  # RATE_KEYS -> TOPS at ``threads``
     kernels: dict[str, str]  # RATE_KEYS -> the operator and shape timed for it
     memory_bandwidth_gbs: float  # one thread reading a buffer far larger than the caches

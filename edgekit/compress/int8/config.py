@@ -30,7 +30,7 @@ QAT_METHODS = ("ptq", "qat")
 # ranges beat percentile 99.99 (84.6% vs 82.4% top-1 agreement), and GPTQ rounding cut the
 # held-out calibration KL 3x at the same engine speed; on the Fashion-MNIST CNN all are within 0.1 pt
 TORCH_CALIB_METHOD = "mse"
-SCHEMES = ("u8s8", "u8s7", "s8s8", "trt")  # the Q/DQ forms (qdq.py)
+SCHEMES = ("u8s8", "u8s8p", "u8s7", "s8s8", "trt")  # the Q/DQ forms (qdq.py)
 # A causal LM's own defaults, chosen on validation windows (SmolLM2-135M; benchmarks/RESULTS.md, issue 31): 32
 # calibration windows, not all 90 of the split (each 512-token window is a forward pass of the float graph, 4-6 CPU
 # s; 16 and 32 scored alike, 1.076x and 1.073x the float perplexity; 90 was not measured), and SmoothQuant at alpha
@@ -53,7 +53,7 @@ class Int8Config:
     calib_samples: how many calibration samples to read; None: the model kind's default, resolved when the
         step runs and recorded as the number used (``for_model``): 128 (DEFAULT_CALIB_SAMPLES), for a
         causal LM 32 token windows (LM_CALIB_WINDOWS).
-    scheme: None (from the target) | "u8s8" | "s8s8" | "trt".
+    scheme: None (from the target) | "u8s8" | "u8s8p" | "u8s7" | "s8s8" | "trt" (docs/int8.md).
     per_channel: per-output-channel weight scales (per-tensor when False).
     max_accuracy_drop: None, or the largest allowed drop of the model's metric in
         percentage points (0.5 = half a point): accuracy for classifiers with labels, else
@@ -82,9 +82,9 @@ class Int8Config:
         models, and models torch.fx cannot trace, e.g. Hugging Face BERT): "auto" ("all" if
         the graph has a Conv, else "linear") | "linear" (only the inputs of MatMul/Gemm
         with a weight: transformers) | "all" (every op ONNX Runtime can quantize).
-    u8u8_layers: scheme "u8s7" only (x86 without VNNI): layers whose weights keep all 8 bits, stored as
-        uint8 with zero point 128 so ONNX Runtime runs them on its exact u8 x u8 kernels instead of 7-bit
-        weights on the u8 x s8 ones (``qdq.promote_u8u8``): layer names or "first"; none by default (on
+    u8u8_layers: schemes "u8s8p" and "u8s7" only (x86 without VNNI): layers whose weights keep all 8 bits,
+        stored as uint8 with zero point 128 so ONNX Runtime runs them on its exact u8 x u8 kernels instead of
+        pair-safe or 7-bit weights on the u8 x s8 ones (``qdq.promote_u8u8``): layer names or "first"; none by default (on
         EfficientNet-Lite0 the scan's most sensitive layers lowered the validation KL but not the
         agreement: benchmarks/RESULTS.md, issue 26). The fallback (``max_accuracy_drop``) promotes
         sensitive layers so before it floats any. Ignored under the other schemes (their weights have 8 bits).

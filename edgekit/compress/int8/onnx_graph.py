@@ -73,7 +73,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekit.compress import StepContext, step_rewrite
-from edgekit.compress.int8 import qdq
+from edgekit.compress.int8 import pairs, qdq
 from edgekit.compress.int8.calibration import (
     HistogramObserver,
     choose_range,
@@ -648,6 +648,10 @@ def write_int8_graph(cal: CalibratedGraph, dst: Path, scheme: str, keep_float: t
     only) leaves those layers, and the inputs only they read, in float. Loaded and run once by ONNX
     Runtime (``verify``)."""
     model = copy.deepcopy(cal.model) if copy_graph else cal.model
+    grid = qdq.weight_grid(scheme, depthwise=False)
+    # the float weights, for re-rounding onto the pair-safe grid from them rather than from 8-bit codes
+    floats = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+              if grid.pairs and cal.placement != "linear" and len(i.dims) >= 2 and i.data_type == TensorProto.FLOAT}
     _check_float_layers(model, cal.src, cal.placement, cal.quantizable, keep_float, cal.layers)
     float_nodes = resolve_float_layers(model, _same_nodes(model, cal.quantizable), keep_float, cal.src, cal.layers)
     names = {**layer_names(cal.quantizable), **cal.layers}
@@ -657,9 +661,9 @@ def write_int8_graph(cal: CalibratedGraph, dst: Path, scheme: str, keep_float: t
     else:
         _quantize_all(model, cal.ranges, scheme, dst, sorted(find_quantized(model).region))
     fitted: dict[str, int] = {}
-    if not qdq.weight_grid(scheme, depthwise=False).full:
+    if not grid.full:
         written = onnx.load(str(dst))
-        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, cal.stored).items() if v}
+        fitted = {k: v for k, v in fit_weights_to_kernels(written, scheme, cal.stored, floats).items() if v}
         if fitted:
             onnx.save(written, str(dst))
     run = verify_onnx_runs(dst, cal.first, label=f"the INT8 graph of {cal.src.name}") if verify else None
@@ -810,32 +814,35 @@ def _quantize_all(model: onnx.ModelProto, ranges: dict[str, tuple[Any, Any]], sc
     fmt = qdq.act_format(scheme)
     act = QuantType.QUInt8 if fmt.qmin == 0 else QuantType.QInt8
     extra = {"ActivationSymmetric": fmt.symmetric, "WeightSymmetric": True}
-    reduce_range = not qdq.weight_grid(scheme, depthwise=False).full  # "u8s7": ONNX Runtime's 7-bit weights
+    reduce_range = qdq.weight_grid(scheme, depthwise=False).qmax < qdq.WEIGHT_QMAX  # "u8s7": ORT's 7-bit weights
     quantizer = QDQQuantizer(model, True, reduce_range, QuantType.QInt8, act, tensors_range, [], exclude, OP_TYPES,
                              extra)
     quantizer.quantize_model()
     quantizer.model.save_model_to_file(str(dst), False)
 
 
-def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]) -> dict[str, int]:
+def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str],
+                           floats: dict[str, np.ndarray] | None = None) -> dict[str, int]:
     """Put every int8 weight that runs the u8 x s8 GEMM kernels of x86 CPUs without VNNI (MatMul, Gemm,
-    non-depthwise Conv) on the 7-bit grid of scheme "u8s7" (``qdq.weight_grid``), so no pair of
-    products overflows their int16 sums:
+    non-depthwise Conv) on the grid of ``scheme`` (``qdq.weight_grid``: the pair-safe grid of "u8s8p",
+    the 7-bit grid of "u8s7"), so no pair of products overflows their int16 sums:
 
-    * weights this quantization wrote beyond it (ONNX Runtime's quantizer leaves some): re-rounded from
-      their float values onto the 7-bit grid;
+    * weights this quantization wrote beyond it (ONNX Runtime's quantizer writes 8-bit weights):
+      re-rounded onto it per output channel, from ``floats`` (the float graph's initializers, by name;
+      ONNX Runtime names the quantized one ``<name>_quantized``) where given, else from the values the
+      codes stand for;
     * weights the file already stored (``stored``: a weight-only INT8 file): kept as the same integers
       (nothing re-rounded), as uint8 with the zero point moved by 128, which runs the u8 x u8 kernels,
       exact on every CPU.
 
-    Returns counts: {"to_7bit", "stored_as_uint8"}."""
+    Returns counts: {"to_grid", "stored_as_uint8"}."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    counts = {"to_7bit": 0, "stored_as_uint8": 0}
+    counts = {"to_grid": 0, "stored_as_uint8": 0}
     for dq in graph.node:
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
             continue
@@ -850,30 +857,57 @@ def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]
         zp = numpy_helper.to_array(inits[dq.input[2]]) if len(dq.input) > 2 and dq.input[2] in inits else None
         if grid.full or (zp is not None and np.any(zp != 0)):
             continue
-        if grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax:
+        out_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+        rows_first = np.moveaxis(q, out_axis, 0)  # (out, reduction...): a matmul's B (K, N) transposed
+        if pairs.violations(rows_first) == 0 if grid.pairs else grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax:
             continue
         if dq.input[0] in stored:
             _as_uint8(graph, inits, consumers, dq, q)
             counts["stored_as_uint8"] += 1
             continue
-        # onto the 7-bit grid from the values the codes stand for, per output channel
         scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
-        out_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        shape = [1] * q.ndim
-        if scale.size > 1:
-            shape[out_axis] = -1
-        values = q.astype(np.float64) * scale.reshape(shape)
-        if scale.size > 1:
-            absmax = np.abs(values).max(axis=tuple(i for i in range(q.ndim) if i != out_axis), keepdims=True)
+        source = (floats or {}).get(dq.input[0].removesuffix("_quantized"))
+        if source is not None and source.shape == q.shape:
+            values = np.moveaxis(source.astype(np.float64), out_axis, 0)
+        else:  # from the values the codes stand for, per output channel
+            values = rows_first.astype(np.float64) * (scale.reshape(-1, *[1] * (q.ndim - 1)) if scale.size > 1 else scale)
+        if grid.pairs:
+            new_scale = pairs.safe_scale(values)
         else:
-            absmax = np.abs(values).max(keepdims=True)
-        new_scale = np.maximum(absmax / grid.qmax, 1e-12)
-        q7 = np.clip(np.round(values / new_scale), grid.qmin, grid.qmax).astype(np.int8)
-        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new_scale.reshape(scale.shape).astype(np.float32),
-                                                            dq.input[1]))
-        inits[dq.input[0]].CopyFrom(numpy_helper.from_array(q7, dq.input[0]))
-        counts["to_7bit"] += 1
+            new_scale = np.maximum(np.abs(values).reshape(values.shape[0], -1).max(1) / grid.qmax, 1e-12)
+        if scale.size == 1:  # one scale for the tensor: the coarsest channel's
+            new_scale = np.full(1, new_scale.max())
+        codes = np.clip(np.round(values / new_scale.reshape(-1, *[1] * (q.ndim - 1))), grid.qmin, grid.qmax)
+        if grid.pairs:
+            codes = pairs.trim(codes, values / new_scale.reshape(-1, *[1] * (q.ndim - 1)))
+        new_scale = new_scale.reshape(scale.shape).astype(np.float32)
+        _rescale_int32_bias(users[0], inits, consumers, new_scale / scale.astype(np.float32))
+        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new_scale, dq.input[1]))
+        inits[dq.input[0]].CopyFrom(numpy_helper.from_array(np.moveaxis(codes, 0, out_axis).astype(np.int8),
+                                                            dq.input[0]))
+        counts["to_grid"] += 1
     return counts
+
+
+def _rescale_int32_bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+                        consumers: dict[str, list[onnx.NodeProto]], ratio: np.ndarray) -> None:
+    """A Conv's or Gemm's int32 bias (behind a DequantizeLinear, on the ``input_scale * weight_scale`` grid
+    engines require to fuse the node) moved to its weight's new scale: ``ratio`` = new / old, per channel."""
+    producers = {o: n for ns in consumers.values() for n in ns for o in n.output}
+    bias = node.input[2] if len(node.input) > 2 else ""
+    dq = producers.get(bias)
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
+        return
+    b = numpy_helper.to_array(inits[dq.input[0]])
+    if b.dtype != np.int32 or len(consumers.get(dq.input[1], [])) != 1:
+        return
+    old = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float32)
+    new = (old * ratio).astype(np.float32)
+    values = b.astype(np.float64) * old.astype(np.float64)
+    info = np.iinfo(np.int32)
+    inits[dq.input[0]].CopyFrom(numpy_helper.from_array(
+        np.clip(np.round(values / new.astype(np.float64)), info.min, info.max).astype(np.int32), dq.input[0]))
+    inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new.reshape(old.shape), dq.input[1]))
 
 
 def _gemm_weight(node: onnx.NodeProto, weight: str, inits: dict[str, onnx.TensorProto]) -> bool | None:
@@ -921,10 +955,16 @@ def _depthwise(conv: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool
     return group > 1 and conv.input[1] in inits and list(inits[conv.input[1]].dims)[1:2] == [1]
 
 
-def quantize_weight_per_channel(w: np.ndarray, axis: int, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-channel int8 (grid -qmax..qmax: 127, or 63 for the 7-bit grid of "u8s7") of a
-    2-d weight along ``axis`` (the output channels): ``(q int8, scale float32)`` with
-    ``w ~= q * scale`` broadcast on ``axis``."""
+def quantize_weight_per_channel(w: np.ndarray, axis: int, qmax: int = 127,
+                                pair_safe: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-channel int8 (grid -qmax..qmax: 127, or 64 for the 7-bit grid of "u8s7"; with
+    ``pair_safe``, the pair-safe grid of "u8s8p", ``pairs``) of a 2-d weight along ``axis`` (the output
+    channels): ``(q int8, scale float32)`` with ``w ~= q * scale`` broadcast on ``axis``."""
+    if pair_safe:
+        rows = w.T if axis == 1 else w  # (out, K): pairs run along K
+        scale = pairs.safe_scale(rows).astype(np.float32)
+        q_rows = np.clip(np.round(rows / scale[:, None]), -127, 127)
+        return (q_rows.T if axis == 1 else q_rows).astype(np.int8), scale
     absmax = np.abs(w).max(axis=1 - axis)
     scale = np.maximum(absmax / float(qmax), 1e-12).astype(np.float32)
     shape = [1, 1]
@@ -945,7 +985,7 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
     fmt = qdq.act_format(scheme)
     symmetric, qmin, qmax = fmt.symmetric, fmt.qmin, fmt.qmax
     zp_type = TensorProto.UINT8 if qmin == 0 else TensorProto.INT8
-    w_qmax = qdq.weight_grid(scheme, depthwise=False).qmax
+    w_grid = qdq.weight_grid(scheme, depthwise=False)
     new_inits: list[onnx.TensorProto] = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}  # consumer node name -> Q/DQ nodes to insert before it
     done: dict[str, str] = {}  # float tensor -> its dequantized name
@@ -982,7 +1022,7 @@ def insert_linear_qdq(model: onnx.ModelProto, nodes: list[onnx.NodeProto], range
             w = numpy_helper.to_array(inits[w_name]).astype(np.float32)
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
             axis = 0 if trans_b else 1  # the output-channel axis: (in, out), or (out, in) for Gemm transB
-            q, w_scale = quantize_weight_per_channel(w, axis, w_qmax)
+            q, w_scale = quantize_weight_per_channel(w, axis, w_grid.qmax, pair_safe=w_grid.pairs)
             q_name, s_name, z_name = unique(f"{w_name}_quantized"), unique(f"{w_name}_scale"), unique(f"{w_name}_zero_point")
             new_inits += [numpy_helper.from_array(q, q_name), numpy_helper.from_array(w_scale, s_name),
                           numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), z_name)]

@@ -33,6 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edgekit.compress.int8 import pairs
 from edgekit.compress.int8.calibration import HistogramObserver, choose_range, qparams, run_module
 from edgekit.compress.int8.config import SCHEMES
 from edgekit.compress.int8.qdq_onnx import WEIGHT_7BIT
@@ -80,6 +81,8 @@ ACT_FORMATS = {
     # x86 without VNNI: the same activations; the weights that run the u8 x s8 GEMM kernel on a 7-bit
     # grid, so no pair of products overflows the kernel's int16 sums (``weight_grid``)
     "u8s7": ActFormat(0, 255, False),
+    # the same kernels, with 8-bit weights on the pair-safe grid instead (``pairs``): the default there
+    "u8s8p": ActFormat(0, 255, False),
     "s8s8": ActFormat(-128, 127, False),
     "trt": ActFormat(-128, 127, True),  # TensorRT explicit quantization: symmetric int8
 }
@@ -88,22 +91,29 @@ WEIGHT_QMIN, WEIGHT_QMAX = -128, 127  # scales use 127: values stay in [-127, 12
 
 @dataclass(frozen=True)
 class WeightGrid:
-    """A layer's int8 weight grid: codes in [qmin, qmax]."""
+    """A layer's int8 weight grid: codes in [qmin, qmax]; with ``pairs``, every same-sign pair of
+    adjacent codes within ``pairs.PAIR_BOUND`` as well (the pair-safe grid of scheme "u8s8p")."""
 
     qmin: int = WEIGHT_QMIN
     qmax: int = WEIGHT_QMAX
+    pairs: bool = False
 
     @property
     def full(self) -> bool:
-        return (self.qmin, self.qmax) == (WEIGHT_QMIN, WEIGHT_QMAX)
+        return (self.qmin, self.qmax) == (WEIGHT_QMIN, WEIGHT_QMAX) and not self.pairs
+
+
+# Schemes for x86 CPUs without VNNI, whose u8 x s8 kernels sum pairs of products in int16
+SATURATION_SAFE = ("u8s8p", "u8s7")
 
 
 def weight_grid(scheme: str, depthwise: bool, u8u8: bool = False) -> WeightGrid:
-    """A layer's weight grid under ``scheme``: the 7-bit grid for "u8s7", except in depthwise
-    convolutions (their kernels multiply and sum in 32 bits on every x86 CPU) and in layers given
-    exact 8-bit weights (``u8u8``: stored as uint8, see ``U8_WEIGHT_ZERO_POINT``)."""
-    if scheme == "u8s7" and not depthwise and not u8u8:
-        return WeightGrid(*WEIGHT_7BIT)
+    """A layer's weight grid under ``scheme``: the pair-safe grid for "u8s8p" (``pairs``), the 7-bit
+    grid for "u8s7", except in depthwise convolutions (their kernels multiply and sum in 32 bits on
+    every x86 CPU) and in layers given exact 8-bit weights (``u8u8``: stored as uint8, see
+    ``U8_WEIGHT_ZERO_POINT``)."""
+    if scheme in SATURATION_SAFE and not depthwise and not u8u8:
+        return WeightGrid(pairs=True) if scheme == "u8s8p" else WeightGrid(*WEIGHT_7BIT)
     return WeightGrid()
 
 
@@ -243,7 +253,7 @@ class WeightQuant(nn.Module):
         self.set_grid(grid or WeightGrid())  # set by the scheme at prepare time, not stored
         self.register_buffer("scale", torch.ones(channels))
         self.enabled = True
-        # exact 8-bit weights stored as uint8 (zero point ``qdq_onnx.U8_WEIGHT_ZERO_POINT``) under scheme "u8s7"
+        # exact 8-bit weights stored as uint8 (zero point ``qdq_onnx.U8_WEIGHT_ZERO_POINT``) under "u8s7", "u8s8p"
         self.u8u8 = u8u8
         # (bias path, shift) that bias correction subtracted for this layer's weight error;
         # fallback adds it back when the layer returns to float weights
@@ -277,17 +287,25 @@ class WeightQuant(nn.Module):
                     better = err < best_err
                     best = torch.where(better, s[:, 0], best)
                     best_err = torch.where(better, err, best_err)
+            if self.grid.pairs:  # never finer than round-to-nearest keeps within the pair bound
+                best = torch.maximum(best, torch.from_numpy(pairs.safe_scale(w.detach().float().cpu().numpy()))
+                                     .to(best))
             self.scale.copy_(best)
 
     @property
     def reduced(self) -> bool:
-        """A grid narrower than int8's (scheme "u8s7")."""
+        """A grid narrower than int8's (schemes "u8s7", "u8s8p")."""
         return not self.grid.full
 
     def codes(self, w: torch.Tensor) -> torch.Tensor:
         """The integer codes of ``w`` on this grid (float tensor of integers)."""
         s = self.scale.reshape(-1, *([1] * (w.dim() - 1)))
-        return torch.clamp(torch.round(w / s), self.qmin, self.qmax)
+        codes = torch.clamp(torch.round(w / s), self.qmin, self.qmax)
+        if self.grid.pairs:
+            found = codes.detach().cpu().numpy()
+            if pairs.violations(found):  # not after update_scale or GPTQ: weights changed since
+                codes = torch.from_numpy(pairs.trim(found, (w / s).detach().cpu().numpy())).to(codes)
+        return codes
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -581,7 +599,7 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
                 u8u8_layers: tuple[str, ...] = ()) -> tuple[fx.GraphModule, QuantPlan]:
     """Trace ``module`` and return (fake-quant GraphModule, plan). Raises BadInputError
     when the model has no convolution or linear layer to quantize. ``u8u8_layers``: layers given exact
-    8-bit weights under scheme "u8s7" (``promote_u8u8``); ignored under every other scheme."""
+    8-bit weights under schemes "u8s7" and "u8s8p" (``promote_u8u8``); ignored under every other scheme."""
     fmt = act_format(scheme)
     module = module.eval()
     gm = _trace(module)
@@ -616,7 +634,7 @@ def prepare_qdq(module: nn.Module, scheme: str, float_layers: tuple[str, ...] = 
         ensure_bias(gm, n, wpath, w.shape[0])
         qname = "wq_" + name.replace(".", "_")
         depthwise = is_conv(gm, n) and w.dim() > 2 and w.shape[1] == 1 and conv_groups(n) > 1
-        u8u8 = scheme == "u8s7" and not depthwise and name in u8u8_layers
+        u8u8 = scheme in SATURATION_SAFE and not depthwise and name in u8u8_layers
         gm.add_submodule(qname, WeightQuant(name, w.shape[0], weight_grid(scheme, depthwise, u8u8), u8u8))
         wnode = n.args[1]
         with g.inserting_after(wnode):
@@ -783,7 +801,7 @@ def fit_bias_range(gm: fx.GraphModule) -> int:
 
 
 def clip_weights_to_grid(gm: nn.Module, plan: QuantPlan) -> int:
-    """Put the weights of layers on a narrower grid than int8's (scheme "u8s7") on that grid
+    """Put the weights of layers on a narrower grid than int8's (schemes "u8s7", "u8s8p") on that grid
     exactly, so the exported QuantizeLinear (int8 range only) stores what the fake-quant model computes.
     No change to the model's outputs. Returns the number of layers changed."""
     clipped = 0
@@ -799,20 +817,20 @@ def clip_weights_to_grid(gm: nn.Module, plan: QuantPlan) -> int:
 
 
 def u8u8_candidates(gm: nn.Module, plan: QuantPlan) -> list[str]:
-    """The layers ``promote_u8u8`` can promote: quantized, on the 7-bit grid (scheme "u8s7"; depthwise
-    convolutions are on the 8-bit grid already), in graph order."""
+    """The layers ``promote_u8u8`` can promote: quantized, on the 7-bit or the pair-safe grid (schemes
+    "u8s7", "u8s8p"; depthwise convolutions are on the 8-bit grid already), in graph order."""
     wqs = {name: weight_quant(gm, q) for name, q in plan.layers.items()}
     return [name for name, wq in wqs.items() if wq.enabled and wq.reduced and not wq.u8u8]
 
 
 def promote_u8u8(gm: fx.GraphModule, plan: QuantPlan, names: list[str] | tuple[str, ...]) -> list[str]:
-    """Give ``names`` exact 8-bit weights (scheme "u8s7" only): per-channel scales on the 8-bit grid
+    """Give ``names`` exact 8-bit weights (schemes "u8s7", "u8s8p"): per-channel scales on the 8-bit grid
     (clip search). Before calibration (``int8.apply``) that is all, and GPTQ rounding and bias correction
     then work on that grid; after them (the fallback) the layer's float weights and uncorrected bias come
-    back first (both were for the 7-bit grid) and it is rounded to nearest. Exported, the weights are
+    back first (both were for the narrower grid) and it is rounded to nearest. Exported, the weights are
     stored as uint8 (``qdq_onnx.rewrite_qdq``) and run on exact u8 x u8 kernels. Returns the layers promoted (those
     in ``u8u8_candidates``); no change to any other layer, nothing under another scheme."""
-    if plan.scheme != "u8s7":
+    if plan.scheme not in SATURATION_SAFE:
         return []
     can = set(u8u8_candidates(gm, plan))
     done = []

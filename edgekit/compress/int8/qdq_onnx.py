@@ -1,6 +1,6 @@
 """The ONNX side of INT8's Q/DQ: an exported fake-quant graph (``qdq.py``'s PyTorch model, exported)
 made into the graph the engines fuse. ``rewrite_qdq`` stores weights as int8 initializers behind
-DequantizeLinear (uint8 for exact 8-bit weights under scheme "u8s7"), biases as int32 on the
+DequantizeLinear (uint8 for exact 8-bit weights under schemes "u8s7" and "u8s8p"), biases as int32 on the
 ``input_scale * weight_scale`` grid, folds weight transposes into the initializers and zero pads into
 the convolutions. NumPy and ONNX only (ONNX imported where used).
 """
@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgekit.compress.int8 import pairs
+
 if TYPE_CHECKING:  # imported where used: exporting is the only path that needs onnx
     import onnx
 
@@ -18,7 +20,8 @@ if TYPE_CHECKING:  # imported where used: exporting is the only path that needs 
 # adjacent products in a saturating int16 (vpmaddubsw): 8-bit weights reach 255 * 254 = 64,770 > 32,767.
 # The 7-bit grid (ONNX Runtime's reduce_range, symmetric) keeps every pair within it: 255 * (64 + 64) = 32,640.
 WEIGHT_7BIT = (-64, 64)
-# Under "u8s7", a layer whose 7-bit weights cost too much accuracy can keep all 8 bits: its codes are
+# The pair-safe grid (scheme "u8s8p", ``pairs``) keeps 8-bit codes but every same-sign pair within 128.
+# Under either, a layer whose weights cost too much accuracy can keep all 8 bits: its codes are
 # stored as uint8 with this zero point (code + 128), so ONNX Runtime runs it on its u8 x u8 kernels,
 # which widen both operands to int16 before the multiply-add (vpmaddwd): exact on every x86 CPU,
 # about 1.3-1.45x the u8 x s8 kernel's time for that layer, still integer.
@@ -29,10 +32,12 @@ def rewrite_qdq(model: onnx.ModelProto, u8_weights: int = 0) -> onnx.ModelProto:
     """Make an exported fake-quant graph deployable: int8 weights behind DequantizeLinear,
     int32 biases, weight transposes folded. Returns the same ModelProto, changed.
 
-    ``u8_weights``: how many layers have exact 8-bit weights under scheme "u8s7" (``promote_u8u8``).
-    Those are the only convolution / matmul weights (depthwise ones aside) whose codes leave the 7-bit
-    grid; they are stored as uint8 with zero point ``U8_WEIGHT_ZERO_POINT`` (the same values), so
-    ONNX Runtime runs them on its exact u8 x u8 kernels. A different count is an internal error."""
+    ``u8_weights``: how many layers have exact 8-bit weights under schemes "u8s7" and "u8s8p"
+    (``promote_u8u8``). Those are the only convolution / matmul weights (depthwise ones aside) with a
+    same-sign pair of codes beyond ``pairs.PAIR_BOUND``; they are stored as uint8 with zero point
+    ``U8_WEIGHT_ZERO_POINT`` (the same values), so ONNX Runtime runs them on its exact u8 x u8 kernels
+    (one whose pairs happen to stay within the bound is exact as int8 and stays so). More such weights
+    than ``u8_weights`` is an internal error."""
     import onnx
     from onnx import numpy_helper
 
@@ -82,7 +87,7 @@ def rewrite_qdq(model: onnx.ModelProto, u8_weights: int = 0) -> onnx.ModelProto:
             s, z = scale, zp.astype(np.int64)
         info = np.iinfo(zp.dtype)
         qw = np.clip(np.round(w / s) + z, info.min, info.max).astype(zp.dtype)
-        if u8_weights and _wide_int8_weight(qw, zp, consumers.get(q.output[0], []), consumers):
+        if u8_weights and _wide_int8_weight(qw, zp, axis, consumers.get(q.output[0], []), consumers):
             qw = (qw.astype(np.int16) + U8_WEIGHT_ZERO_POINT).astype(np.uint8)
             zp_u8 = add_init(np.full(zp.shape, U8_WEIGHT_ZERO_POINT, np.uint8), q.output[0] + "_zp_u8")
             for c in consumers.get(q.output[0], []):
@@ -97,8 +102,9 @@ def rewrite_qdq(model: onnx.ModelProto, u8_weights: int = 0) -> onnx.ModelProto:
         remove.append(q)
     for n in remove:
         g.node.remove(n)
-    if stored_u8 != u8_weights:  # internal invariant: the fake-quant model promoted exactly these
-        raise RuntimeError(f"{u8_weights} layers have exact 8-bit weights but {stored_u8} weights left the 7-bit grid")
+    if stored_u8 > u8_weights:  # internal invariant: only the layers the fake-quant model promoted can overflow
+        raise RuntimeError(f"{u8_weights} layers have exact 8-bit weights but {stored_u8} weights have pairs of "
+                           f"codes beyond {pairs.PAIR_BOUND}")
     producers = {o: n for n in g.node for o in n.output}
     consumers = {}
     for n in g.node:
@@ -165,11 +171,12 @@ def rewrite_qdq(model: onnx.ModelProto, u8_weights: int = 0) -> onnx.ModelProto:
     return model
 
 
-def _wide_int8_weight(qw: np.ndarray, zp: np.ndarray, dqs: list[onnx.NodeProto],
+def _wide_int8_weight(qw: np.ndarray, zp: np.ndarray, axis: int, dqs: list[onnx.NodeProto],
                       consumers: dict[str, list[onnx.NodeProto]]) -> bool:
-    """Whether int8 weight codes ``qw`` (behind the DequantizeLinear nodes ``dqs``) leave the 7-bit grid
-    in a convolution or matmul whose u8 x s8 kernel sums pairs in int16 (every one but depthwise)."""
-    if qw.dtype != np.int8 or np.any(zp != 0) or (int(qw.min()) >= WEIGHT_7BIT[0] and int(qw.max()) <= WEIGHT_7BIT[1]):
+    """Whether int8 weight codes ``qw`` (output channels on ``axis``, behind the DequantizeLinear nodes
+    ``dqs``) have a pair of codes that can overflow in a convolution or matmul whose u8 x s8 kernel sums
+    pairs in int16 (every one but depthwise)."""
+    if qw.dtype != np.int8 or np.any(zp != 0) or qw.ndim < 2 or pairs.violations(np.moveaxis(qw, axis, 0)) == 0:
         return False
     for dq in dqs:
         for c in consumers.get(dq.output[0], []):

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from edgekit.compress.int8 import qdq
+from edgekit.compress.int8 import pairs, qdq
 from edgekit.compress.int8.calibration import tensor_batches
 from edgekit.compress.weight_only.gptq import (
     HessianAccumulator,
@@ -177,17 +177,20 @@ def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, na
 
 
 def gptq_round(W: torch.Tensor, scale: torch.Tensor, H: torch.Tensor, qmin: int = qdq.WEIGHT_QMIN,
-               qmax: int = qdq.WEIGHT_QMAX, damp: float = DAMP) -> torch.Tensor:
+               qmax: int = qdq.WEIGHT_QMAX, damp: float = DAMP,
+               pair_partners: list[list[int]] | None = None) -> torch.Tensor:
     """Round ``W`` (rows, K) onto the per-row grid ``scale`` (rows,) minimising
     ``(W - Q) H (W - Q)ᵀ`` column by column (``gptq.gptq_solve``, in float64). ``H``: (K, K)
     shared, or (rows, K, K) one per row. Returns ``Q`` (rows, K), float, every value
-    ``scale * integer`` in [qmin, qmax]."""
+    ``scale * integer`` in [qmin, qmax]. ``pair_partners`` (``pairs.partners``, shared ``H`` only):
+    the pair-safe grid, every same-sign pair of codes kept within ``pairs.PAIR_BOUND``."""
     s = scale.detach().double().reshape(-1)
     if H.dim() == 2:  # one H for all rows: the in-place solve on the transposed weight, the grid inlined
         rows, cols = W.shape
         zero = torch.full((rows, cols), float(-qmin), dtype=torch.float64)
         codes = gptq_solve_fixed(W.detach().double(), H.detach().double(), s[:, None].expand(rows, cols),
-                                 zero, qmax - qmin, damp=damp)
+                                 zero, qmax - qmin, damp=damp, pair_partners=pair_partners,
+                                 pair_bound=pairs.PAIR_BOUND)
         return ((codes + qmin) * s[:, None]).float()
 
     def grid(_col: int, w: torch.Tensor, _ahead: object) -> torch.Tensor:
@@ -254,7 +257,8 @@ def _round_layer(gm: fx.GraphModule, plan: qdq.QuantPlan, name: str, H: torch.Te
     if dXXT is not None and alpha > 0 and bool(torch.isfinite(dXXT).all()):
         target = rounding_target(W2, H, dXXT, alpha)
     rtn = wq(w).reshape(W2.shape)
-    Q = gptq_round(target, wq.scale, H, wq.qmin, wq.qmax)
+    Q = gptq_round(target, wq.scale, H, wq.qmin, wq.qmax,
+                   pair_partners=pairs.partners(tuple(w.shape)) if wq.grid.pairs else None)
     e0, e1 = output_error(target, rtn, H), output_error(target, Q, H)
     if not e1 < e0:  # keep round-to-nearest where the solve did not help
         return

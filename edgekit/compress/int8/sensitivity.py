@@ -230,8 +230,8 @@ def fall_back(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: 
     ``ref``: the FP32 outputs on them) is <= ``config.max_accuracy_drop`` percentage points.
     ``config.candidates``: how many of the lowest-SQNR activations the scan measures besides every
     layer's weights (None: all of them; one pass of ``subset`` samples each).
-    ``promote`` (scheme "u8s7"): first give the sensitive layers on the 7-bit grid exact 8-bit weights
-    (``qdq.promote_u8u8``: integer u8 x u8 kernels, far cheaper than float), most sensitive first, in
+    ``promote`` (schemes "u8s8p", "u8s7"): first give the sensitive layers on the narrower grid exact
+    8-bit weights (``qdq.promote_u8u8``: integer u8 x u8 kernels, far cheaper than float), most sensitive first, in
     growing steps; float units only if that is not enough. Promotions are kept (not given back)."""
     max_drop = config.max_accuracy_drop / 100.0  # a fraction: 0.01 = 1 point
     candidates = config.candidates

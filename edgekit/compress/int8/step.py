@@ -79,8 +79,9 @@ def resolve_scheme(config: Int8Config, target: Target | None) -> str:
     """The Q/DQ flavour: explicit, else the one the target's runtimes require
     (``Runtime.int8_scheme``: the first runtime's, or on a GPU target any of its runtimes',
     e.g. TensorRT's "trt"), else the one the CPU's integer kernels compute exactly: "u8s8" where
-    they sum in int32 (VNNI, AMX, arm64), "u8s7" (7-bit weights) where they sum pairs of products
-    in a saturating int16 (x86 without VNNI) or where the target does not say its CPU. Without a
+    they sum in int32 (VNNI, AMX, arm64), "u8s8p" (8-bit weights on the pair-safe grid, ``pairs``)
+    where they sum pairs of products in a saturating int16 (x86 without VNNI), "u8s7" (7-bit weights,
+    exact however a kernel pairs its products) where the target does not say its CPU. Without a
     target, this machine's CPU."""
     return scheme_choice(config, target)[0]
 
@@ -103,7 +104,8 @@ def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
         return "u8s7", (f"target {target.name!r} does not say its CPU (arch, isa): 7-bit weights, exact on every "
                         "CPU's integer kernels")
     if kernel.saturates:
-        return "u8s7", f"target {target.name!r}: {kernel.description}; 7-bit weights keep those sums exact"
+        return "u8s8p", (f"target {target.name!r}: {kernel.description}; 8-bit weights on the pair-safe grid "
+                         "keep those sums exact")
     return "u8s8", f"target {target.name!r}: {kernel.description}"
 
 
@@ -113,8 +115,9 @@ def scheme_choice(config: Int8Config, target: Target | None) -> tuple[str, str]:
 
 def resolve_u8u8_layers(config: Int8Config, plan: qdq.QuantPlan, scheme: str) -> list[str]:
     """Layer names from ``Int8Config.u8u8_layers`` under ``scheme`` ("first": the first quantizable
-    layer); none under schemes other than "u8s7". A name the model lacks is refused, naming the layers."""
-    if scheme != "u8s7":
+    layer); none under schemes other than "u8s8p" and "u8s7". A name the model lacks is refused, naming
+    the layers."""
+    if scheme not in qdq.SATURATION_SAFE:
         return []
     order = list(plan.layers)
     out: list[str] = []
@@ -313,7 +316,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
             # measured on calibration-split samples held out of range calibration, never on eval
             held_ref = run_module(reference, held_out, names)
             report = fall_back(gm, plan, held_out, names, held_ref, score(held_ref, held_ref, held_out.labels, evaluator),
-                               fallback, evaluator, promote=scheme == "u8s7")
+                               fallback, evaluator, promote=scheme in qdq.SATURATION_SAFE)
             report["held_out_of_calibration"] = held_out is not calib
             float_layers += [n for n in report["float_layers"] if n not in float_layers]
             meta["float_activations"] = [t for t in plan.activations.values()
@@ -513,7 +516,7 @@ def rebuild(handle: ModelHandle, config: Int8Config, record: StepRecord) -> Mode
 
 
 def rewrite_onnx(model: onnx.ModelProto, handle: ModelHandle, record: StepRecord) -> onnx.ModelProto:
-    u8u8 = (record.meta.get("u8u8_layers") or []) if record.meta.get("scheme") == "u8s7" else []
+    u8u8 = (record.meta.get("u8u8_layers") or []) if record.meta.get("scheme") in qdq.SATURATION_SAFE else []
     return qdq_onnx.rewrite_qdq(model, u8_weights=len(u8u8))
 
 

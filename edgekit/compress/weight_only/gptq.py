@@ -262,20 +262,38 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, damp: float,
 
 
 @torch.no_grad()
+def _clamp_to_pairs(q: torch.Tensor, Zt: torch.Tensor, codes: torch.Tensor, c: int, earlier: list[int],
+                    bound: int) -> None:
+    """Clamp column ``c``'s codes ``q`` in place so that with each already rounded partner column the
+    positive codes sum to at most ``bound`` and the negative ones to at least ``-bound``."""
+    signed = q - Zt[c]
+    for p in earlier:
+        partner = codes[p] - Zt[p]
+        signed = torch.minimum(signed, bound - partner.clamp_min(0))
+        signed = torch.maximum(signed, (-partner).clamp_min(0) - bound)
+    torch.add(signed, Zt[c], out=q)
+
+
 def gptq_solve_fixed(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int, *,
-                     block_size: int = 128, damp: float = 0.01, act_order: bool = False) -> torch.Tensor:
+                     block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+                     pair_partners: list[list[int]] | None = None, pair_bound: int = 0) -> torch.Tensor:
     """``gptq_solve`` onto a grid fixed before the solve: column ``c`` rounds to
     ``clamp(round(w / scale[:, c]) + zero[:, c], 0, maxq)`` (``scale``, ``zero``: (rows, cols), one
     entry per column, e.g. a static group grid repeated over its columns). Returns the integer codes
     (rows, cols, float) in the original column order. The same algorithm as ``gptq_solve`` with the
     grid inlined: it works on the transposed weight, so each column is contiguous memory, in place,
     a few tensor operations per column; the sums run in another order, so the last bits can differ.
+    ``pair_partners`` (the INT8 pair-safe grid, ``int8.pairs``): column c -> earlier columns it is
+    paired with; its signed code (``code - zero``) is clamped so each pair's same-sign codes sum to at
+    most ``pair_bound`` in magnitude (column order only, not with ``act_order``).
 
     >>> W, X = torch.randn(4, 8), torch.randn(64, 8)
     >>> codes = gptq_solve_fixed(W, X.t() @ X, torch.full((4, 8), 0.25), torch.full((4, 8), 8.0), 15)
     >>> bool(((codes >= 0) & (codes <= 15) & (codes == codes.round())).all())
     True
     """
+    if pair_partners is not None and act_order:
+        raise ValueError("pair_partners follow the column order: not with act_order")
     W, Hinv, perm = _prepare(W, H, damp, act_order)
     if perm is not None:
         scale, zero = scale[:, perm], zero[:, perm]
@@ -294,6 +312,8 @@ def gptq_solve_fixed(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero
             q = codes[c]
             torch.div(W1[i], St[c], out=q)
             q.round_().add_(Zt[c]).clamp_(0, maxq)
+            if pair_partners is not None and pair_partners[c]:
+                _clamp_to_pairs(q, Zt, codes, c, pair_partners[c], pair_bound)
             torch.sub(q, Zt[c], out=deq).mul_(St[c])
             err = Err1[i]
             torch.sub(W1[i], deq, out=err).div_(Hinv1[i, i])

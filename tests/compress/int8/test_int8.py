@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from edgekit.compress import StepContext, compress, load_compressed
+from edgekit.compress.int8 import pairs
 from edgekit.compress.int8.calibration import BINS, HistogramObserver, choose_range, qparams
 from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.step import apply, resolve_scheme
@@ -192,14 +193,15 @@ def test_config_validation_messages():
         Int8Config().method = "qat"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("scheme,depthwise,grid", [
-    ("u8s8", False, (-128, 127)), ("u8s7", False, (-64, 64)), ("u8s7", True, (-128, 127)), ("trt", False, (-128, 127)),
+@pytest.mark.parametrize("scheme,depthwise,grid,pairs", [
+    ("u8s8", False, (-128, 127), False), ("u8s8p", False, (-128, 127), True), ("u8s8p", True, (-128, 127), False),
+    ("u8s7", False, (-64, 64), False), ("u8s7", True, (-128, 127), False), ("trt", False, (-128, 127), False),
 ])
-def test_weight_grid_per_scheme_and_layer(scheme, depthwise, grid):
+def test_weight_grid_per_scheme_and_layer(scheme, depthwise, grid, pairs):
     from edgekit.compress.int8.qdq import weight_grid
 
     g = weight_grid(scheme, depthwise)
-    assert (g.qmin, g.qmax) == grid
+    assert (g.qmin, g.qmax, g.pairs) == (*grid, pairs) and g.full == (grid == (-128, 127) and not pairs)
 
 
 def test_scheme_follows_the_target():
@@ -207,11 +209,12 @@ def test_scheme_follows_the_target():
     from edgekit.targets.cpu_isa import host_int8_kernel
 
     # the CPU's integer kernels decide: int32 sums (VNNI, AMX, arm64) keep 8-bit weights; the int16 pair
-    # sums of x86 without VNNI get 7-bit weights; this machine by its own kind, whatever it is
-    assert resolve_scheme(Int8Config(), load_target("cpu-avx2")) == "u8s7"
+    # sums of x86 without VNNI get pair-safe 8-bit weights; this machine by its own kind, whatever it is;
+    # a CPU nobody named gets 7-bit weights, exact however its kernels pair their products
+    assert resolve_scheme(Int8Config(), load_target("cpu-avx2")) == "u8s8p"
     for name in ("cpu-avx512-vnni", "cpu-amx", "cpu-cortex-a78ae", "cpu-neoverse-n1", "cpu-cortex-a76"):
         assert resolve_scheme(Int8Config(), load_target(name)) == "u8s8", name
-    host = "u8s7" if host_int8_kernel().saturates else "u8s8"
+    host = "u8s8p" if host_int8_kernel().saturates else "u8s8"
     assert resolve_scheme(Int8Config(), load_target("cpu")) == host
     assert resolve_scheme(Int8Config(), None) == host
     unknown = dataclasses.replace(load_target("cpu-avx512-vnni"), arch=None)  # a user's file without its CPU
@@ -252,7 +255,7 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
     ctx = _ctx((3, 32, 32), target=tgt)
     q = apply(tiny_cnn, Int8Config(calib_method="minmax"), ctx)
     meta = q.steps[-1].meta
-    scheme = {"cpu-avx2": "u8s7", "cpu-avx512-vnni": "u8s8"}[target]
+    scheme = {"cpu-avx2": "u8s8p", "cpu-avx512-vnni": "u8s8"}[target]
     assert meta["scheme"] == scheme and meta["folded_bn"] == 1 and len(meta["layers"]) == 4
     assert meta["kernels"] == {"cpu-avx2": "int16-pairs", "cpu-avx512-vnni": "int32"}[target]
     m = ctx.metrics["int8"]
@@ -273,7 +276,11 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
     gemm = [w for w in weights if not (w.ndim == 4 and w.shape[1] == 1)]
     wmax = max(int(np.abs(w.astype(np.int32)).max()) for w in gemm)
     assert len(depthwise) == 1 and int(np.abs(depthwise[0].astype(np.int32)).max()) == 127  # exact kernels: 8 bits
-    assert wmax <= 64 if scheme == "u8s7" else wmax == 127  # the 7-bit grid: no int16 pair overflows
+    overflowing = sum(pairs.violations(w) for w in gemm)  # same-sign pairs of codes beyond 128
+    if scheme == "u8s8p":  # 8-bit codes on the pair-safe grid: no int16 pair sum can overflow
+        assert wmax > 64 and overflowing == 0
+    else:
+        assert wmax == 127 and overflowing > 0
     qs = [n for n in g.node if n.op_type == "QuantizeLinear"]
     assert qs and all(inits.get(n.input[2], np.zeros((), np.uint8)).dtype == np.uint8 for n in qs if len(n.input) > 2)
     x = ctx.eval.inputs["input"][:4]
@@ -305,7 +312,7 @@ print(" ".join(sorted({k for k in kinds if "I8" in k})))
 @pytest.mark.slow
 def test_openvino_limited_to_avx2_computes_what_the_scheme_assumes(tiny_cnn, tmp_path):
     """OpenVINO's CPU plugin limited to AVX2 (oneDNN's ONEDNN_MAX_CPU_ISA), whatever CPU runs the test:
-    the AVX2 target's 7-bit graph stays at its fake-quant model; the VNNI target's 8-bit graph, run on
+    the AVX2 target's pair-safe graph (and its 7-bit one) stays at its fake-quant model; the VNNI target's 8-bit graph, run on
     the same int8 kernels without VNNI, moves far from it (int16 pair sums overflow)."""
     import os
     import subprocess
@@ -317,8 +324,9 @@ def test_openvino_limited_to_avx2_computes_what_the_scheme_assumes(tiny_cnn, tmp
     x = _images(32, (3, 32, 32), 5).inputs["input"]
     np.save(tmp_path / "x.npy", x)
     errors = {}
-    for scheme, target in (("u8s7", "cpu-avx2"), ("u8s8", "cpu-avx512-vnni")):
-        q = apply(tiny_cnn, Int8Config(calib_method="minmax"), _ctx((3, 32, 32), target=load_target(target)))
+    for scheme, target in (("u8s8p", "cpu-avx2"), ("u8s7", "cpu-avx2"), ("u8s8", "cpu-avx512-vnni")):
+        config = Int8Config(calib_method="minmax", scheme="u8s7" if scheme == "u8s7" else None)
+        q = apply(tiny_cnn, config, _ctx((3, 32, 32), target=load_target(target)))
         path = _export(q, tmp_path / scheme)
         run = subprocess.run([sys.executable, "-c", _OV_AT_ISA, str(path), str(tmp_path / "x.npy"),
                               str(tmp_path / f"{scheme}.npy")], capture_output=True, text=True, timeout=300,
@@ -329,8 +337,8 @@ def test_openvino_limited_to_avx2_computes_what_the_scheme_assumes(tiny_cnn, tmp
             ref = q.module(torch.from_numpy(x)).numpy()
         y = np.load(tmp_path / f"{scheme}.npy")
         errors[scheme] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-    assert errors["u8s7"] < 0.02, errors  # requantization steps only
-    assert errors["u8s8"] > 5 * errors["u8s7"], errors
+    assert max(errors["u8s8p"], errors["u8s7"]) < 0.02, errors  # requantization steps only
+    assert errors["u8s8"] > 5 * errors["u8s8p"], errors
 
 
 def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
@@ -343,11 +351,12 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
     from edgekit.targets import load_target
 
     errors = {}
-    made_for = {"u8s8": load_target("cpu-avx512-vnni"), "u8s7": load_target("cpu-avx2")}
+    made_for = {"u8s8": load_target("cpu-avx512-vnni"), "u8s8p": load_target("cpu-avx2"),
+                "u8s7": load_target("cpu-avx2")}
     compressed = {}
-    for scheme in ("u8s8", "u8s7"):
-        q = compressed[scheme] = apply(tiny_cnn, Int8Config(calib_method="minmax"),
-                                       _ctx((3, 32, 32), target=made_for[scheme]))
+    for scheme in ("u8s8", "u8s8p", "u8s7"):
+        config = Int8Config(calib_method="minmax", scheme="u8s7" if scheme == "u8s7" else None)
+        q = compressed[scheme] = apply(tiny_cnn, config, _ctx((3, 32, 32), target=made_for[scheme]))
         assert q.steps[-1].meta["scheme"] == scheme
         path = _export(q, tmp_path / scheme)
         x = _images(32, (3, 32, 32), 5).inputs["input"]
@@ -356,11 +365,13 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
         pairs = session_for(path, "int16-pairs").run(None, {"input": x})[0]
         exact = session_for(path, "int32").run(None, {"input": x})[0]
         errors[scheme] = [float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) for y in (pairs, exact)]
-    # exact int32 sums: both schemes within 1e-3 of their fake-quant model (relative L2 error of the logits);
-    # int16 pair sums: the 7-bit scheme computes exactly the same, the 8-bit one is off by orders of magnitude
-    assert max(errors["u8s8"][1], errors["u8s7"][1]) < 1e-3, errors
-    assert errors["u8s7"][0] == pytest.approx(errors["u8s7"][1], rel=1e-3, abs=1e-7), errors
-    assert errors["u8s8"][0] > 100 * errors["u8s8"][1] and errors["u8s8"][0] > 5 * errors["u8s7"][0], errors
+    # exact int32 sums: every scheme within 1e-3 of its fake-quant model (relative L2 error of the logits);
+    # int16 pair sums: the pair-safe and the 7-bit schemes compute exactly the same, the 8-bit one is off by
+    # orders of magnitude
+    assert max(errors["u8s8"][1], errors["u8s8p"][1], errors["u8s7"][1]) < 1e-3, errors
+    for safe in ("u8s8p", "u8s7"):
+        assert errors[safe][0] == pytest.approx(errors[safe][1], rel=1e-3, abs=1e-7), errors
+    assert errors["u8s8"][0] > 100 * errors["u8s8"][1] and errors["u8s8"][0] > 5 * errors["u8s8p"][0], errors
     # export parity judged on those kernels (at a tolerance this small model's logits resolve) refuses the
     # 8-bit graph, naming the cause, and keeps it where it says; the 7-bit graph passes the same check
     strict = {"logits": (2e-3, 0.0)}
@@ -369,7 +380,9 @@ def test_8bit_weights_are_wrong_on_kernels_without_vnni(tiny_cnn, tmp_path):
                                                                            tolerances=strict))
     assert str(tmp_path / "refused.failed.onnx") in str(err.value)
     assert (tmp_path / "refused.failed.onnx").is_file() and not (tmp_path / "refused").exists()
-    export_onnx(compressed["u8s7"], tmp_path / "kept", ExportConfig(int8_kernels="int16-pairs", tolerances=strict))
+    for safe in ("u8s8p", "u8s7"):
+        export_onnx(compressed[safe], tmp_path / safe / "kept", ExportConfig(int8_kernels="int16-pairs",
+                                                                             tolerances=strict))
 
 
 def test_the_int8_step_stops_when_the_targets_kernels_compute_something_else(tiny_cnn):

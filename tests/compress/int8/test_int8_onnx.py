@@ -80,7 +80,7 @@ def test_stored_weights_sharing_one_zero_point_each_get_their_own_uint8_zero_poi
     before = _run(m, x)[0]
     counts = fit_weights_to_kernels(m, "u8s7", {"Wa", "Wb"})
     onnx.checker.check_model(m, full_check=True)  # names unique, types consistent
-    assert counts == {"to_7bit": 0, "stored_as_uint8": 2}
+    assert counts == {"to_grid": 0, "stored_as_uint8": 2}
     got = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
     zps = [n.input[2] for n in m.graph.node if n.op_type == "DequantizeLinear"]
     assert len(set(zps)) == 2 and all(got[z].dtype == np.uint8 and got[z].tolist() == [128] * 4 for z in zps)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgekit.compress.int8 import pairs
 from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.onnx_graph import quantize_onnx_file, resolve_placement, weight_linear_nodes
 from edgekit.compress.int8.step import resolve_scheme
@@ -132,7 +133,8 @@ def test_weights_are_per_channel_int8(quantized):
     for name, n in dqs.items():
         q, scale = inits[name], inits[n.input[1]]
         axis = next(a.i for a in n.attribute if a.name == "axis")
-        assert q.dtype == np.int8 and np.abs(q).max() == (64 if HOST_SCHEME == "u8s7" else 127)
+        assert q.dtype == np.int8 and np.abs(q).max() > 64  # 8-bit codes; where sums saturate, pair-safe ones
+        assert pairs.violations(np.moveaxis(q, axis, 0)) == 0 or HOST_SCHEME == "u8s8"
         assert scale.shape == (q.shape[axis],)
         assert axis == (0 if name.startswith("Wc") else 1)  # Gemm transB: (out, in)
 
@@ -376,7 +378,7 @@ def test_the_step_and_the_gate_share_one_run_of_the_int8_graph_with_the_numbers_
     assert got["windows"] == 8 and got["tokens"] == 8 * 32
     for k in ("top1_agreement", "top5_agreement", "perplexity", "perplexity_reference", "perplexity_ratio"):
         assert got[k] == pytest.approx(before[k], rel=1e-6), k
-    assert got["perplexity"] == pytest.approx(shared["perplexity"], abs=1e-4)
+    assert got["perplexity"] == pytest.approx(shared["perplexity"], rel=1e-6)
     # the drift figures: over the float reference's kept rows of the full logits (8 a window)
     rows = [(w, int(i)) for w, idx in enumerate(reference.row_index) for i in idx]
     full_q = [int8.run(None, ev.subset(slice(w, w + 1)).inputs)[0].reshape(-1, 260) for w in range(8)]

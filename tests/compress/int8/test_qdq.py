@@ -1,4 +1,4 @@
-"""Exact 8-bit weights for chosen layers under scheme "u8s7" (qdq.promote_u8u8): stored as uint8 with zero
+"""Exact 8-bit weights for chosen layers under schemes "u8s8p" and "u8s7" (qdq.promote_u8u8): stored as uint8 with zero
 point 128 in the exported graph, run by ONNX Runtime as integer u8 x u8 convolutions, exact where int8
 8-bit weights would overflow the int16 pair sums of x86 CPUs without VNNI; never under scheme "u8s8";
 rebuilt identically from a saved artifact."""
@@ -13,6 +13,7 @@ import torch
 from onnx import numpy_helper
 
 from edgekit.compress import StepContext, compress, load_compressed
+from edgekit.compress.int8 import pairs as pair_grid
 from edgekit.compress.int8 import qdq
 from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.step import apply
@@ -24,7 +25,7 @@ from edgekit.sources.handle import ModelHandle
 from edgekit.targets import load_target
 from tests.conftest import make_tiny_cnn
 
-AVX2 = "cpu-avx2"  # x86 without VNNI: scheme "u8s7"
+AVX2 = "cpu-avx2"  # x86 without VNNI: scheme "u8s8p"
 VNNI = "cpu-avx512-vnni"  # scheme "u8s8"
 
 
@@ -62,7 +63,7 @@ def _weights(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
 def test_promoted_layers_store_uint8_weights_at_zero_point_128_and_run_exact_integer_convs(tmp_path):
     q = apply(tiny_cnn_model(), Int8Config(calib_method="minmax", u8u8_layers=("first", "5")), _ctx(AVX2))
     meta = q.steps[-1].meta
-    assert meta["scheme"] == "u8s7" and meta["u8u8_layers"] == ["0", "5"] and "u8 x u8" in meta["u8u8_reason"]
+    assert meta["scheme"] == "u8s8p" and meta["u8u8_layers"] == ["0", "5"] and "u8 x u8" in meta["u8u8_reason"]
     export_onnx(q, tmp_path / "onnx", ExportConfig(skip_parity=True))
     path = tmp_path / "onnx" / "model.onnx"
     stored = list(_weights(path).values())
@@ -74,7 +75,8 @@ def test_promoted_layers_store_uint8_weights_at_zero_point_128_and_run_exact_int
         codes = w.astype(np.int16) - 128
         assert np.abs(codes).max() >= 127  # the full 8-bit grid, beyond the 7-bit one
     classifier = next(w for w in s8 if w.ndim == 2)
-    assert np.abs(classifier.astype(np.int16)).max() == 64  # not promoted: still the 7-bit grid
+    # not promoted: the pair-safe grid, 8-bit codes with no same-sign pair beyond 128
+    assert np.abs(classifier.astype(np.int16)).max() > 64 and pair_grid.violations(classifier) == 0
     # ONNX Runtime fuses all three convolutions into integer QLinearConv, two of them with uint8 weights
     fused = fused_graph(path).graph
     inits = {i.name: numpy_helper.to_array(i) for i in fused.initializer}
@@ -171,12 +173,13 @@ def test_u8u8_layers_are_checked():
 
 
 
-def test_u8u8_layers_resolve_only_under_u8s7():
+def test_u8u8_layers_resolve_only_under_the_schemes_without_vnni():
     from edgekit.compress.int8.step import resolve_u8u8_layers
 
     gm, plan = qdq.prepare_qdq(make_tiny_cnn().module, "u8s7")
     assert resolve_u8u8_layers(Int8Config(), plan, "u8s7") == []  # none by default
     assert resolve_u8u8_layers(Int8Config(u8u8_layers=("first", "5", "0")), plan, "u8s7") == ["0", "5"]
+    assert resolve_u8u8_layers(Int8Config(u8u8_layers=("first", "5", "0")), plan, "u8s8p") == ["0", "5"]
     assert resolve_u8u8_layers(Int8Config(u8u8_layers=("5",)), plan, "u8s8") == []
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from edgekit.compress.int8 import pairs
 from edgekit.compress.int8.qdq_onnx import U8_WEIGHT_ZERO_POINT, WEIGHT_7BIT, rewrite_qdq
 
 RNG = np.random.default_rng(0)
@@ -86,7 +86,7 @@ def test_a_zero_pad_on_the_quantized_grid_is_folded_into_the_conv():
 
 
 def test_exact_8_bit_weights_are_stored_as_uint8_only_when_promoted():
-    """Under "u8s7" a layer promoted to exact 8-bit weights leaves the 7-bit grid: stored as uint8 with zero
+    """Under "u8s7" (and "u8s8p") a layer promoted to exact 8-bit weights has pairs of codes beyond 128: stored as uint8 with zero
     point 128 (ONNX Runtime's u8 x u8 kernels), the same values. Without promotions (the VNNI scheme "u8s8")
     8-bit codes stay int8; a count that disagrees with what left the grid is an internal error, never a
     silently different graph."""
@@ -104,8 +104,14 @@ def test_exact_8_bit_weights_are_stored_as_uint8_only_when_promoted():
 
     plain = _initializers(rewrite_qdq(_fake_quant_conv(weight, bias=False)))
     assert plain["wq_int"].dtype == np.int8 and np.array_equal(plain["wq_int"].astype(np.int16), signed)
-    with pytest.raises(RuntimeError, match=r"^2 layers have exact 8-bit weights but 1 weights left the 7-bit grid$"):
-        rewrite_qdq(_fake_quant_conv(weight, bias=False), u8_weights=2)
+    # fewer than promoted is allowed (a promoted layer whose pairs stay within the bound is exact as int8),
+    # more is an internal error
+    assert _initializers(rewrite_qdq(_fake_quant_conv(weight, bias=False), u8_weights=2))["wq_int"].dtype == np.uint8
+    pair_safe = RNG.integers(-64, 65, size=weight.shape).astype(np.float32)  # every pair within 128 ...
+    pair_safe[:, 0, 0, 0], pair_safe[:, 1, 0, 0] = 127, 0  # ... with 8-bit codes (channels 0 and 1 pair up)
+    assert pairs.violations(pair_safe) == 0 and pairs.violations(signed) > 0
+    kept = _initializers(rewrite_qdq(_fake_quant_conv(pair_safe.astype(np.float32), bias=False), u8_weights=1))
+    assert kept["wq_int"].dtype == np.int8  # pair-safe 8-bit codes: int8, run on the u8 x s8 kernels
 
 
 def test_a_transposed_weight_is_stored_transposed_with_its_axis_moved():
