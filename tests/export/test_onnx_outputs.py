@@ -327,8 +327,8 @@ def test_cast_mul_weights_become_the_equal_dequantize_linear(tmp_path):
 
 
 def _as_stored(got: np.ndarray, stored: np.ndarray) -> np.ndarray:
-    """A weight as its file stored it: scheme "u8s7" keeps stored int8 weights as uint8 around 128 (the same
-    integers, run by kernels that sum them exactly on CPUs without VNNI)."""
+    """A weight as its file stored it: schemes "u8s8p" and "u8s7" keep stored int8 weights as uint8 around 128
+    (the same integers, run by kernels that sum them exactly on CPUs without VNNI)."""
     if got.dtype == np.uint8 and stored.dtype == np.int8:
         return (got.astype(np.int16) - 128).astype(np.int8)
     return got
@@ -369,8 +369,8 @@ def test_weight_only_graph_keeps_its_integer_weights_and_quantizes_activations(t
     assert info["preprocessed"] == {"cast_mul_weights_as_dequantize_linear": 2}
     stored = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(src)).graph.initializer}
     got = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(dst)).graph.initializer}
-    # "u8s7": fc1's int8 weights become uint8 around 128 (exact u8 x u8 kernels without VNNI); fc2's are uint8
-    # already and the Gather table feeds no matmul
+    # "u8s8p", "u8s7": fc1's int8 weights become uint8 around 128 (exact u8 x u8 kernels without VNNI); fc2's
+    # are uint8 already and the Gather table feeds no matmul
     assert info.get("weights_fitted_to_kernels", {}).get("stored_as_uint8", 0) == (0 if HOST_SCHEME == "u8s8" else 1)
     for name in ("Eq", "W1q", "W2q"):  # the same integers, not re-rounded
         np.testing.assert_array_equal(_as_stored(got[name], stored[name]), stored[name])

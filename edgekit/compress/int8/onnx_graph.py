@@ -842,6 +842,7 @@ def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]
     for n in graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
+    producers = {o: n for n in graph.node for o in n.output}
     counts = {"to_grid": 0, "stored_as_uint8": 0}
     for dq in graph.node:
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
@@ -881,7 +882,7 @@ def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]
         if grid.pairs:
             codes = pairs.trim(codes, values / new_scale.reshape(-1, *[1] * (q.ndim - 1)))
         new_scale = new_scale.reshape(scale.shape).astype(np.float32)
-        _rescale_int32_bias(users[0], inits, consumers, new_scale / scale.astype(np.float32))
+        _rescale_int32_bias(users[0], inits, consumers, producers, new_scale / scale.astype(np.float32))
         inits[dq.input[1]].CopyFrom(numpy_helper.from_array(new_scale, dq.input[1]))
         inits[dq.input[0]].CopyFrom(numpy_helper.from_array(np.moveaxis(codes, 0, out_axis).astype(np.int8),
                                                             dq.input[0]))
@@ -890,10 +891,10 @@ def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]
 
 
 def _rescale_int32_bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
-                        consumers: dict[str, list[onnx.NodeProto]], ratio: np.ndarray) -> None:
+                        consumers: dict[str, list[onnx.NodeProto]], producers: dict[str, onnx.NodeProto],
+                        ratio: np.ndarray) -> None:
     """A Conv's or Gemm's int32 bias (behind a DequantizeLinear, on the ``input_scale * weight_scale`` grid
     engines require to fuse the node) moved to its weight's new scale: ``ratio`` = new / old, per channel."""
-    producers = {o: n for ns in consumers.values() for n in ns for o in n.output}
     bias = node.input[2] if len(node.input) > 2 else ""
     dq = producers.get(bias)
     if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:

@@ -67,18 +67,36 @@ def same_sign_sums(values: np.ndarray) -> np.ndarray:
     return np.maximum(np.clip(values, 0, None).sum(-1), np.clip(-values, 0, None).sum(-1))
 
 
+def _max_pair_sums(flat: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """(rows,): each row's largest ``same_sign_sums``, a block of rows at a time (an LLM's embedding-sized
+    weights would otherwise take several copies of themselves in float64)."""
+    out = np.empty(flat.shape[0], np.float64)
+    step = max(1, _BLOCK // max(1, flat.shape[1]))
+    for r in range(0, flat.shape[0], step):
+        out[r:r + step] = same_sign_sums(_pair_values(flat[r:r + step], pairs)).max(1)
+    return out
+
+
+_BLOCK = 1 << 20  # values per block of rows in ``_max_pair_sums``
+
+
 def safe_scale(w: np.ndarray) -> np.ndarray:
     """(rows,): the finest per-row scale at which round-to-nearest codes of ``w`` (rows first) keep every
     code within 127 and every pair within ``PAIR_BOUND``."""
-    flat = np.abs(np.asarray(w, np.float64).reshape(w.shape[0], -1))
-    sums = same_sign_sums(_pair_values(np.asarray(w, np.float64).reshape(w.shape[0], -1), pairings(w.shape)))
-    return np.maximum(np.maximum(flat.max(1) / 127, sums.max(1) / _ROUNDED_BOUND), 1e-12)
+    flat = np.asarray(w).reshape(w.shape[0], -1)
+    amax = np.maximum(flat.max(1), -flat.min(1)).astype(np.float64)
+    sums = _max_pair_sums(flat.astype(np.float64) if flat.dtype.kind != "f" else flat, pairings(w.shape))
+    return np.maximum(np.maximum(amax / 127, sums / _ROUNDED_BOUND), 1e-12)
 
 
 def violations(codes: np.ndarray) -> int:
     """How many (row, pair) of integer ``codes`` (a weight's, rows first) exceed the bound."""
-    flat = np.asarray(codes, np.int64).reshape(codes.shape[0], -1)
-    return int((same_sign_sums(_pair_values(flat, pairings(codes.shape))) > PAIR_BOUND).sum())
+    flat = np.asarray(codes).reshape(codes.shape[0], -1)
+    pairs = pairings(codes.shape)
+    step = max(1, _BLOCK // max(1, flat.shape[1]))
+    # int8 sums would wrap: each block widened on its own
+    return sum(int((same_sign_sums(_pair_values(flat[r:r + step].astype(np.int32), pairs)) > PAIR_BOUND).sum())
+               for r in range(0, flat.shape[0], step))
 
 
 def trim(codes: np.ndarray, ratios: np.ndarray | None = None) -> np.ndarray:

@@ -167,3 +167,35 @@ def _as_qdq(path, tmp_path):
 def _qdq_exact(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return torch.nn.functional.conv2d(torch.from_numpy(x.astype(np.float64)), torch.from_numpy(w.astype(np.float64)),
                                       padding=1).numpy()
+
+
+def test_an_onnx_file_quantized_from_its_graph_gets_pair_safe_weights_and_fuses(tiny_onnx, tmp_path):
+    """Scheme "u8s8p" on an ONNX file (placement "all": ONNX Runtime's quantizer writes 8-bit weights): the
+    weights are re-rounded onto the pair-safe grid from the file's floats, the int32 bias follows the new
+    scales so ONNX Runtime still fuses an integer QLinearConv, and on the int16-pair kernels the graph
+    computes what int32 sums compute, on any machine."""
+    import onnx
+
+    from edgekit.compress.int8.onnx_graph import quantize_onnx_file
+    from edgekit.onnx_int8_kernels import fused_graph
+    from edgekit.sources.data import Samples
+
+    x = np.random.default_rng(3).standard_normal((32, 3, 16, 16)).astype(np.float32)
+    dst = tmp_path / "q.onnx"
+    info = quantize_onnx_file(tiny_onnx, dst, Samples("s", "calib", {"input": x}), ["input"], None, 99.99, "u8s8p",
+                              placement="all")
+    assert info["weights_fitted_to_kernels"] == {"to_grid": 2}
+    g = onnx.load(str(dst)).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    weights = [inits[n.input[0]] for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and inits[n.input[0]].dtype == np.int8 and inits[n.input[0]].ndim >= 2]
+    conv = next(w for w in weights if w.ndim == 4)  # (4, 3, 3, 3): RGB input, both pairings kept
+    assert pairs.violations(conv) == 0 and np.abs(conv).max() > 64
+    assert "QLinearConv" in [n.op_type for n in fused_graph(dst).graph.node]
+    feed = {"input": x[:8]}
+    exact = session_for(dst, "int32").run(None, feed)[0]
+    np.testing.assert_array_equal(session_for(dst, "int16-pairs").run(None, feed)[0], exact)
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    assert np.linalg.norm(exact - ref) / np.linalg.norm(ref) < 0.05
