@@ -13,7 +13,7 @@ round-to-nearest meets it for the pairs the kernels actually form:
     scale = max(max|w| / 127, max over same-sign pairs of (|w0| + |w1|) / 127.5)
 
 (|round(a)| + |round(b)| <= a + b + 1 <= 128.5, so a rounded pair stays within 128). It is never coarser
-than the 7-bit grid, and on EfficientNet-Lite0 0.6-0.9 bits finer (benchmarks/RESULTS.md, issue 26).
+than the 7-bit grid, and on EfficientNet-Lite0 0.70 bits finer on average (benchmarks/RESULTS.md, issue 26).
 GPTQ keeps it while it spreads errors (``partners``: a column's codes are clamped by those of its
 partner, rounded before it); ``trim`` puts any other codes back within it.
 
