@@ -96,6 +96,16 @@ def lscpu_flags() -> str:
     return ""
 
 
+def one_thread_options() -> Any:
+    """ONNX Runtime session options: one intra-op thread, warnings off (every engine here is timed so)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
 def cpu_ms(sess: Any, feeds: list[dict[str, Any]]) -> tuple[float, float]:
     """(CPU ms, wall ms) per image over ``feeds``, batch 1."""
     c, w = time.process_time(), time.perf_counter()
@@ -168,9 +178,7 @@ def test_report(layers: str | None, rounds: int, images: int, out: str) -> None:
     for name, src in (("fp32", "efficientnet-lite0"), ("int8", folder)):
         eng = build_engine(src, "cpu", tmp / f"engine-{name}", BuildOptions(threads=1))
         engines[name] = read_manifest(eng).path_of(eng, "model")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
+    so = one_thread_options()
     sess = {k: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]) for k, p in engines.items()}
     h = load_model("efficientnet-lite0")
     ev = load_samples(None, h, split="eval", limit=images)
@@ -227,7 +235,6 @@ MORE_CANDIDATES: dict[str, tuple[float, str, bool]] = {
 def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> dict[str, Any]:
     """Every candidate on one calibration set, scored on validation (fake-quant and engine)."""
     import numpy as np
-    import onnxruntime as ort
     import torch
 
     from edgekit.compress.int8 import qdq
@@ -253,9 +260,7 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
     ref = run_module(module, val, names)
     config = Int8Config()
     tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-candidates-"))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
+    so = one_thread_options()
 
     calibrated: dict[bool, tuple[Any, Any, bool, dict[str, Any]]] = {}
     for rescale in sorted({r for _, _, r in variants.values()}):
@@ -310,7 +315,6 @@ SCHEME_CANDIDATES = ("u8s7", "u8s8p")
 def scheme_seed(seed: int) -> dict[str, Any]:
     """Both weight grids on one calibration draw, scored on validation (see ``--schemes``)."""
     import numpy as np
-    import onnxruntime as ort
     import torch
 
     from edgekit.compress.int8 import qdq
@@ -333,9 +337,7 @@ def scheme_seed(seed: int) -> dict[str, Any]:
     ref = run_module(module, val, names)
     config = Int8Config()
     tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-schemes-"))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
+    so = one_thread_options()
 
     def outputs(sess: Any) -> Any:
         return np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
@@ -560,9 +562,7 @@ def main() -> None:
     best = min(rows[1:-1], key=lambda r: r["fake_quant_mean_kl"])["variant"]
     tmp = Path(tempfile.mkdtemp(prefix="edgekit-avx2-recovery-"))
     fp32_path = Path(export_onnx(h, tmp / "fp32", ExportConfig(skip_parity=True))) / "model.onnx"
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
+    so = one_thread_options()
     fp32 = ort.InferenceSession(str(fp32_path), so, providers=["CPUExecutionProvider"])
     feeds = [{n: np.ascontiguousarray(val.inputs[n][i:i + 1]) for n in names} for i in range(args.images)]
     for row in rows:
