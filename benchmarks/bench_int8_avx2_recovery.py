@@ -106,6 +106,26 @@ def one_thread_options() -> Any:
     return so
 
 
+def finish_recipe(v: Any, plan: Any, module: Any, calib: Any, names: list[str], nhwc: bool, alpha: float = 0.0,
+                  reference: str = "model") -> float:
+    """What ``int8.apply`` does after calibration, on the fake-quant model ``v`` in place: GPTQ rounding (towards
+    ``reference`` with ``alpha > 0``), bias correction against the float ``module``, bias ranges, weights on their
+    grids. Returns the rounding's CPU seconds."""
+    from edgekit.compress.int8 import qdq
+    from edgekit.compress.int8.equalize import correct_bias
+    from edgekit.compress.int8.rounding import round_model
+
+    c = time.process_time()
+    with qdq.fast_fake_quant(v):
+        round_model(v, plan, calib, names, channels_last=nhwc, alpha=alpha, reference=reference)
+    rounding_cpu_s = time.process_time() - c
+    with qdq.fast_fake_quant(v):
+        correct_bias(v, plan, module, calib, names, channels_last=nhwc)
+        qdq.fit_bias_range(v)
+    qdq.clip_weights_to_grid(v, plan)
+    return rounding_cpu_s
+
+
 def cpu_ms(sess: Any, feeds: list[dict[str, Any]]) -> tuple[float, float]:
     """(CPU ms, wall ms) per image over ``feeds``, batch 1."""
     c, w = time.process_time(), time.perf_counter()
@@ -240,8 +260,7 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
-    from edgekit.compress.int8.equalize import correct_bias, equalize, equalize_activation
-    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.equalize import equalize, equalize_activation
     from edgekit.compress.int8.step import calibrate
     from edgekit.sources.data import Samples, load_samples
     from edgekit.sources.models import load_model
@@ -282,13 +301,7 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
         gm0, plan, nhwc, meta = calibrated[rescale]
         c1 = time.process_time()
         v = copy.deepcopy(gm0)
-        with qdq.fast_fake_quant(v):
-            round_model(v, plan, calib, names, channels_last=nhwc, alpha=alpha, reference=reference)
-        rounding_cpu_s = time.process_time() - c1
-        with qdq.fast_fake_quant(v):
-            correct_bias(v, plan, module, calib, names, channels_last=nhwc)
-            qdq.fit_bias_range(v)
-        qdq.clip_weights_to_grid(v, plan)
+        rounding_cpu_s = finish_recipe(v, plan, module, calib, names, nhwc, alpha, reference)
         finish_cpu_s = time.process_time() - c1
         with qdq.fast_fake_quant(v):
             fake = score(run_module(v, val, names, channels_last=nhwc), ref, None, None)
@@ -320,8 +333,7 @@ def scheme_seed(seed: int) -> dict[str, Any]:
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
-    from edgekit.compress.int8.equalize import correct_bias, equalize
-    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.equalize import equalize
     from edgekit.compress.int8.step import calibrate
     from edgekit.onnx_int8_kernels import session_for
     from edgekit.sources.data import load_samples
@@ -357,11 +369,7 @@ def scheme_seed(seed: int) -> dict[str, Any]:
                 w = qdq.get_attr(gm, name + ".weight").detach().reshape(wq.scale.shape[0], -1)
                 bits.append(float(torch.log2(w.abs().amax(1) / 64 / wq.scale).mean()))
         calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
-        with qdq.fast_fake_quant(gm):
-            round_model(gm, plan, calib, names, channels_last=nhwc)
-            correct_bias(gm, plan, module, calib, names, channels_last=nhwc)
-            qdq.fit_bias_range(gm)
-        qdq.clip_weights_to_grid(gm, plan)
+        finish_recipe(gm, plan, module, calib, names, nhwc)
         quantize_cpu_s = time.process_time() - c1
         with qdq.fast_fake_quant(gm):
             fake = score(run_module(gm, val, names, channels_last=nhwc), ref, None, None)
@@ -512,8 +520,7 @@ def main() -> None:
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
-    from edgekit.compress.int8.equalize import correct_bias, equalize
-    from edgekit.compress.int8.rounding import round_model
+    from edgekit.compress.int8.equalize import equalize
     from edgekit.compress.int8.step import calibrate
     from edgekit.export.onnx import ExportConfig, export_onnx
     from edgekit.sources.data import Samples, load_samples
@@ -546,11 +553,7 @@ def main() -> None:
         c1 = time.process_time()
         v = copy.deepcopy(gm)
         layers = qdq.promote_u8u8(v, plan, qdq.u8u8_candidates(v, plan) if chosen is None else list(chosen))
-        with qdq.fast_fake_quant(v):
-            round_model(v, plan, calib, names, channels_last=nhwc)
-            correct_bias(v, plan, module, calib, names, channels_last=nhwc)
-            qdq.fit_bias_range(v)
-        qdq.clip_weights_to_grid(v, plan)
+        finish_recipe(v, plan, module, calib, names, nhwc)
         with qdq.fast_fake_quant(v):
             fake = score(run_module(v, val, names, channels_last=nhwc), ref, None, None)
         row = {"variant": label, "u8u8_layers": layers, "fake_quant_top1_agreement": round(fake["top1_agreement"], 4),

@@ -860,7 +860,11 @@ def fit_weights_to_kernels(model: onnx.ModelProto, scheme: str, stored: set[str]
             continue
         out_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
         rows_first = np.moveaxis(q, out_axis, 0)  # (out, reduction...): a matmul's B (K, N) transposed
-        if pairs.violations(rows_first) == 0 if grid.pairs else grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax:
+        if grid.pairs:
+            on_grid = pairs.violations(rows_first) == 0
+        else:
+            on_grid = grid.qmin <= int(q.min()) and int(q.max()) <= grid.qmax
+        if on_grid:
             continue
         if dq.input[0] in stored:
             _as_uint8(graph, inits, consumers, dq, q)
