@@ -46,12 +46,15 @@ calibration draws made as ``compress`` makes them (128 of the calib split's 256 
 Fashion-MNIST mixed, ``load_samples(..., seed=)``; seed 0 is the command's own draw): "u8s7" (7-bit
 weights) and "u8s8p" (8-bit weights on the pair-safe grid, ``compress/int8/pairs.py``). **Validation** =
 the train split's first 256 images (its 101 photos and 155 Fashion-MNIST images; no calib-split image, so
-disjoint from every draw); the eval split is not read. Per scheme and seed: fake-quant, engine on the
-int16-pair kernels (this machine's where they are its own, else their numerical model) and int32-model
-agreement and KL against FP32, and the weight grid's mean bits over the 7-bit grid.
+disjoint from every draw); the eval split is not read. A third variant, "u8s8p, float stem", keeps the RGB
+stem in float (its weights and the input image: what ``keep_float`` does). Per variant and seed: fake-quant,
+engine on the int16-pair kernels (this machine's where they are its own, else their numerical model) and
+int32-model agreement and KL against FP32, the weight grid's mean bits over the 7-bit grid, and the 1-thread
+CPU ms of this machine's ONNX Runtime engine beside FP32's (every engine in every round, 5 rounds of 16
+images); ``--variants`` runs only the named ones (';'-separated), each paired against the first.
 
     python benchmarks/bench_int8_avx2_recovery.py --schemes [--seeds 0,1,2] [--jobs 2]
-        [--out benchmarks/results/int8_avx2_schemes.json]
+        [--variants "u8s8p;u8s8p, float stem"] [--out benchmarks/results/int8_avx2_schemes.json]
 """
 from __future__ import annotations
 
@@ -322,19 +325,28 @@ def candidate_seed(seed: int, variants: dict[str, tuple[float, str, bool]]) -> d
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-SCHEME_CANDIDATES = ("u8s7", "u8s8p")
+# (label, scheme, layers kept float with their exclusive inputs): the weight grids, and the pair-safe grid
+# with the RGB stem in float (its 27-wide im2col rows run slower on the int8 kernels than on the float
+# ones here, and its odd channel count coarsens its pair-safe grid), then also the depthwise conv that
+# reads the stem (32 channels at 112x112, also slower as int8 here)
+SCHEME_CANDIDATES = (("u8s7", "u8s7", ("none",)), ("u8s8p", "u8s8p", ("none",)),
+                     ("u8s8p, float stem", "u8s8p", ("first",)),
+                     ("u8s8p, float stem + depthwise", "u8s8p", ("first", "_blocks.0._depthwise_conv")))
 
 
-def scheme_seed(seed: int) -> dict[str, Any]:
-    """Both weight grids on one calibration draw, scored on validation (see ``--schemes``)."""
+def scheme_seed(seed: int, only: tuple[str, ...] = (), rounds: int = 5, images: int = 16) -> dict[str, Any]:
+    """The weight grids (``only``: these variants) on one calibration draw, scored on validation, and their
+    engines timed interleaved, ``rounds`` rounds of ``images`` batch-1 images (see ``--schemes``)."""
     import numpy as np
+    import onnxruntime as ort
     import torch
 
     from edgekit.compress.int8 import qdq
     from edgekit.compress.int8.calibration import run_module, score
     from edgekit.compress.int8.config import Int8Config
     from edgekit.compress.int8.equalize import equalize
-    from edgekit.compress.int8.step import calibrate
+    from edgekit.compress.int8.sensitivity import exclusive_input_quants
+    from edgekit.compress.int8.step import calibrate, resolve_keep_float
     from edgekit.onnx_int8_kernels import session_for
     from edgekit.sources.data import load_samples
     from edgekit.sources.models import load_model
@@ -355,10 +367,16 @@ def scheme_seed(seed: int) -> dict[str, Any]:
         return np.concatenate([np.asarray(sess.run(None, {n: np.ascontiguousarray(b[n]) for n in names})[0])
                                for b in val.batches(16)])
 
-    rows = []
-    for scheme in SCHEME_CANDIDATES:
+    rows: list[dict[str, Any]] = []
+    sessions: dict[str, Any] = {}
+    for label, scheme, keep in SCHEME_CANDIDATES:
+        if only and label not in only:
+            continue
         c1 = time.process_time()
         gm, plan = qdq.prepare_qdq(copy.deepcopy(module), scheme)
+        kept = resolve_keep_float(keep, plan)
+        for name in kept:
+            qdq.weight_quant(gm, plan.layers[name]).enabled = False
         equalized = equalize(gm, plan)
         nhwc = qdq.channels_last_ok(gm, calib, names)
         qdq.update_weight_scales(gm, plan)
@@ -369,16 +387,21 @@ def scheme_seed(seed: int) -> dict[str, Any]:
                 w = qdq.get_attr(gm, name + ".weight").detach().reshape(wq.scale.shape[0], -1)
                 bits.append(float(torch.log2(w.abs().amax(1) / 64 / wq.scale).mean()))
         calibrate(gm, calib, names, config.calibration_config(), channels_last=nhwc)
+        float_inputs = []
+        for q in exclusive_input_quants(gm, set(kept)):  # as the int8 step floats a kept layer's inputs
+            qdq.act_quant(gm, q).mode = "float"
+            float_inputs.append(plan.activations[q])
         finish_recipe(gm, plan, module, calib, names, nhwc)
         quantize_cpu_s = time.process_time() - c1
         with qdq.fast_fake_quant(gm):
             fake = score(run_module(gm, val, names, channels_last=nhwc), ref, None, None)
-        record = {"scheme": scheme, "u8u8_layers": [], "float_layers": [], "float_activations": [],
+        record = {"scheme": scheme, "u8u8_layers": [], "float_layers": kept, "float_activations": float_inputs,
                   "equalized": equalized, "kernels": "int16-pairs"}
-        path, _, _ = engine_outputs(h, gm, config, record, tmp / f"s{seed}-{scheme}", val, names, so)
+        path, sess, _ = engine_outputs(h, gm, config, record, tmp / f"s{seed}-{len(rows)}", val, names, so)
+        sessions[label] = sess
         engine = score(outputs(session_for(path, "int16-pairs")), ref, None, None)
         exact = score(outputs(session_for(path, "int32")), ref, None, None)
-        row = {"scheme": scheme, "seed": seed, "calibration": f"calib split, 128 of 256 drawn with seed {seed}",
+        row = {"variant": label, "scheme": scheme, "float_layers": kept, "seed": seed, "calibration": f"calib split, 128 of 256 drawn with seed {seed}",
                "grid_bits_over_7bit": round(statistics.mean(bits), 3) if bits else None,
                "fake_quant_top1_agreement": round(fake["top1_agreement"], 4), "fake_quant_mean_kl": round(fake["mean_kl"], 5),
                "engine_top1_agreement": round(engine["top1_agreement"], 4), "engine_mean_kl": round(engine["mean_kl"], 5),
@@ -386,36 +409,57 @@ def scheme_seed(seed: int) -> dict[str, Any]:
                "quantize_cpu_s": round(quantize_cpu_s, 1), "ops": integer_convs(path), "loadavg": os.getloadavg()}
         print(row, flush=True)
         rows.append(row)
+    # this machine's own kernels, every engine and FP32 in every round (per-process CPU time beside wall time)
+    from edgekit.export.onnx import ExportConfig, export_onnx
+
+    fp32_path = Path(export_onnx(h, tmp / f"s{seed}-fp32", ExportConfig(skip_parity=True))) / "model.onnx"
+    sessions["fp32"] = ort.InferenceSession(str(fp32_path), so, providers=["CPUExecutionProvider"])
+    feeds = [{n: np.ascontiguousarray(val.inputs[n][i:i + 1]) for n in names} for i in range(images)]
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in sessions}
+    for _ in range(rounds):
+        for label, sess in sessions.items():
+            times[label].append(cpu_ms(sess, feeds))
+    for row in rows:
+        t = times[row["variant"]]
+        row["engine_cpu_ms"] = round(statistics.median(c for c, _ in t), 2)
+        row["engine_wall_ms"] = round(statistics.median(w for _, w in t), 2)
+        row["fp32_cpu_ms"] = round(statistics.median(c for c, _ in times["fp32"]), 2)
+        row["speed_vs_fp32"] = round(row["fp32_cpu_ms"] / row["engine_cpu_ms"], 3)
     return {"seed": seed, "rows": rows, "cpu_s": round(time.process_time() - c0, 1),
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def schemes(seeds: list[int], jobs: int, out: str) -> None:
+def schemes(seeds: list[int], jobs: int, out: str, only: tuple[str, ...]) -> None:
+    import functools
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        runs = list(pool.map(scheme_seed, seeds))
+        runs = list(pool.map(functools.partial(scheme_seed, only=only), seeds))
     rows = [r for run in runs for r in run["rows"]]
-    print("\n| scheme | seed | grid bits over 7-bit | fake-quant agreement | fake-quant KL | engine agreement (int16 pairs) | "
-          "engine KL | int32-model agreement | quantize CPU s |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | seed | grid bits over 7-bit | fake-quant agreement | fake-quant KL | engine agreement (int16 pairs) | "
+          "engine KL | int32-model agreement | engine CPU ms | quantize CPU s |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['scheme']} | {r['seed']} | {r['grid_bits_over_7bit']} | {100 * r['fake_quant_top1_agreement']:.1f}% | "
+        print(f"| {r['variant']} | {r['seed']} | {r['grid_bits_over_7bit']} | {100 * r['fake_quant_top1_agreement']:.1f}% | "
               f"{r['fake_quant_mean_kl']:.4f} | {100 * r['engine_top1_agreement']:.1f}% | {r['engine_mean_kl']:.4f} | "
-              f"{100 * r['int32_top1_agreement']:.1f}% | {r['quantize_cpu_s']} |")
-    base = {r["seed"]: r for r in rows if r["scheme"] == SCHEME_CANDIDATES[0]}
-    paired = [{"seed": r["seed"], "agreement_points": round(100 * (r["engine_top1_agreement"] -
-                                                                   base[r["seed"]]["engine_top1_agreement"]), 1),
-               "kl_ratio": round(r["engine_mean_kl"] / base[r["seed"]]["engine_mean_kl"], 3)}
-              for r in rows if r["scheme"] != SCHEME_CANDIDATES[0]]
-    print("\npaired, u8s8p against u8s7 on the same draw:", paired)
+              f"{100 * r['int32_top1_agreement']:.1f}% | {r['engine_cpu_ms']} | {r['speed_vs_fp32']:.2f}x | {r['quantize_cpu_s']} |")
+    first = rows[0]["variant"]  # every other variant paired against the first on the same draw
+    base = {r["seed"]: r for r in rows if r["variant"] == first}
+    paired = [{"variant": r["variant"], "against": first, "seed": r["seed"],
+               "agreement_points": round(100 * (r["engine_top1_agreement"] - base[r["seed"]]["engine_top1_agreement"]), 1),
+               "kl_ratio": round(r["engine_mean_kl"] / base[r["seed"]]["engine_mean_kl"], 3),
+               "cpu_ms_ratio": round(r["engine_cpu_ms"] / base[r["seed"]]["engine_cpu_ms"], 3)}
+              for r in rows if r["variant"] != first]
+    print(f"\npaired against {first!r} on the same draw:", paired)
     atomic_write_json(Path(out), {
         "date": now_iso(), "machine": {**machine_info(), "flags": lscpu_flags(), "loadavg_start": load_start,
                                        "loadavg_end": os.getloadavg()},
         "versions": package_versions(),
         "settings": {"threads": 1, "jobs": jobs, "seeds": seeds, "calibration": "calib split, 128 of 256 per seed",
-                     "validation": "train split images 0-255 (101 photos, 155 Fashion-MNIST)"},
+                     "validation": "train split images 0-255 (101 photos, 155 Fashion-MNIST)",
+                     "timing": "this machine's ONNX Runtime engines, 1 thread, 5 interleaved rounds of 16 batch-1 "
+                               "validation images, medians"},
         "per_seed_cpu_s": {run["seed"]: run["cpu_s"] for run in runs}, "total_wall_s": round(time.perf_counter() - t0, 1),
         "paired": paired, "rows": rows})
     print(f"\nwrote {out}")
@@ -487,7 +531,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="--candidates: seeds run in this many processes")
     ap.add_argument("--also", action="store_true", help="--candidates: also GPTAQ's float-model reference")
     ap.add_argument("--schemes", action="store_true",
-                    help="compare the weight grids u8s7 and u8s8p over calibration draws on validation")
+                    help="compare the weight grids u8s7 and u8s8p (and u8s8p with the stem in float) over calibration "
+                         "draws on validation")
+    ap.add_argument("--variants", default="", help="--schemes: only these variants, ';'-separated (default: all)")
     ap.add_argument("--table", metavar="JSON", help="print a --candidates result's table again (and store its summary)")
     args = ap.parse_args()
     if args.table:
@@ -500,7 +546,12 @@ def main() -> None:
         return
     if args.schemes:
         out = args.out if args.out != ap.get_default("out") else str(ROOT / "benchmarks" / "results" / "int8_avx2_schemes.json")
-        schemes([int(k) for k in args.seeds.split(",")], args.jobs, out)
+        labels = tuple(label for label, _, _ in SCHEME_CANDIDATES)
+        only = tuple(v.strip() for v in args.variants.split(";")) if args.variants else ()
+        for v in only:
+            if v not in labels:
+                ap.error(f"--variants: {v!r}; valid variants are {'; '.join(labels)}")
+        schemes([int(k) for k in args.seeds.split(",")], args.jobs, out, only)
         return
     if args.candidates:
         seeds = [int(k) for k in args.seeds.split(",")]

@@ -65,9 +65,12 @@ class Int8Config:
         "nearest" (plain round-to-nearest on the int8 grid).
     keep_float: layers whose weights stay float from the start (not quantized, no bias
         correction): layer names, or "first" (the first quantizable layer, e.g. a CNN's stem
-        conv) and "last" (the last one, e.g. the classifier). Quantized from an ONNX graph (a causal LM,
-        an ONNX file): also a layer path's last parts ("lm_head", "down_proj"), "ffn-down" (the
-        feed-forward down projections: a causal LM's default, ``onnx_graph.LM_KEEP_FLOAT``) or "none".
+        conv), "last" (the last one, e.g. the classifier) or "none" (nothing). Not given: under scheme
+        "u8s8p" an image stem (the first layer, a convolution over at most 4 channels, and the depthwise
+        convolution that alone reads it: faster on those CPUs' float kernels, and the first activations carry
+        the most INT8 error; ``step.STEM_FLOAT_SCHEMES``), else nothing. Quantized from an ONNX graph
+        (a causal LM, an ONNX file): also a layer path's last parts ("lm_head", "down_proj"), "ffn-down" (the
+        feed-forward down projections: a causal LM's default, ``onnx_graph.LM_KEEP_FLOAT``).
     fallback_samples: how many calib-split samples after the first ``calib_samples`` the
         fallback measures on (fewer if the split is smaller; the calibration samples
         themselves when none are left).
@@ -109,8 +112,9 @@ class Int8Config:
     rounding: str = field(default="gptq", metadata=option(
         "--rounding", help="INT8 weights: gptq (default: output-error-aware rounding) | nearest."))
     keep_float: tuple[str, ...] = field(default=(), metadata=option(
-        "--keep-float", help="INT8: a layer whose weights stay float: first | last | a layer name; from an ONNX "
-        "graph also a name's last parts (lm_head), ffn-down (a causal LM's default) or none (repeatable; costs speed)."))
+        "--keep-float", help="INT8: a layer whose weights stay float: first | last | none | a layer name; from an "
+        "ONNX graph also a name's last parts (lm_head) or ffn-down (a causal LM's default); without VNNI an image "
+        "stem's default (repeatable)."))
     fallback_samples: int = 128
     fallback_candidates: int | None = 12
     equalize: bool = True
@@ -135,7 +139,7 @@ class Int8Config:
             raise bad_choice("quantization method", self.method, QAT_METHODS)
         if self.scheme is not None and self.scheme not in SCHEMES:
             raise bad_choice("quantization scheme", self.scheme, SCHEMES)
-        check_layer_names("keep_float", self.keep_float, "(or 'first' / 'last')")
+        check_layer_names("keep_float", self.keep_float, "(or 'first' / 'last' / 'none')")
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
         check_layer_names("u8u8_layers", self.u8u8_layers, "(or 'first')")
         object.__setattr__(self, "u8u8_layers", tuple(self.u8u8_layers))

@@ -97,12 +97,22 @@ def exclusive_input_quants(gm: fx.GraphModule, layers: set[str]) -> list[str]:
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), qdq.ActQuant):
             calls.setdefault(str(n.target), []).append(n)
-    out = []
-    for q, nodes in calls.items():
-        users = [(c, u) for c in nodes for u in c.users]
-        if users and all(layer_of.get(u) in layers and u.args[0] is c for c, u in users):
-            out.append(q)
-    return out
+
+    def reads_only_layers(n: fx.Node, q: str) -> bool:
+        # every use is a kept layer's input, directly or through ops that only move values (a zero pad
+        # before a convolution, a flatten before a linear; the same quantizer again after a pad), which
+        # then run on the float values too
+        if not n.users:
+            return False
+        for u in n.users:
+            if layer_of.get(u) in layers and u.args[0] is n:
+                continue
+            moves = qdq.is_passthrough(gm, u) or (u.op == "call_module" and str(u.target) == q)
+            if not (moves and u.args[0] is n and reads_only_layers(u, q)):
+                return False
+        return True
+
+    return [q for q, nodes in calls.items() if all(reads_only_layers(c, q) for c in nodes)]
 
 
 class FallbackUnit:

@@ -40,6 +40,7 @@ from typing import Any
 
 import onnx
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 from edgekit import interrupts
@@ -130,15 +131,63 @@ def resolve_u8u8_layers(config: Int8Config, plan: qdq.QuantPlan, scheme: str) ->
     return out
 
 
-def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan) -> list[str]:
+# Schemes under which an image stem stays float unless ``keep_float`` says otherwise: the first layer when it
+# is a convolution over at most STEM_CHANNELS input channels, and the depthwise convolution that alone reads
+# its output (MobileNet, EfficientNet). On x86 without VNNI both run slower on the int8 kernels than on the
+# float ones (EfficientNet-Lite0 on an AVX2 AMD EPYC: the stem 0.62 ms as QLinearConv against 0.44 ms, its
+# im2col rows 27 wide, with an explicit pad and an NHWC transpose around it; the 32-channel depthwise conv at
+# 112x112 0.32 against 0.24 ms), the stem's odd channel count makes the pair-safe grid keep two pairings,
+# and the first activations carry the largest share of the INT8 error (benchmarks/RESULTS.md, issue 26:
+# "The image stem in float").
+STEM_FLOAT_SCHEMES = ("u8s8p",)
+STEM_CHANNELS = 4
+
+
+def _layer_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """Layer name -> its conv/linear node, for the layers with a weight quantizer."""
+    return {qdq.layer_name(qdq.param_paths(gm, n)[0]): n for n in gm.graph.nodes
+            if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None}
+
+
+def image_stem(gm: fx.GraphModule, plan: qdq.QuantPlan) -> list[str]:
+    """The layers an image stem is made of: the first quantizable layer when it is a (non-grouped)
+    convolution reading at most ``STEM_CHANNELS`` channels, and the depthwise convolution that alone
+    reads its output (through its activation, quantizers and padding), if there is one; else none."""
+    nodes = _layer_nodes(gm)
+    first = next(iter(plan.layers), None)
+    stem = nodes.get(first) if first is not None else None
+    if stem is None or not qdq.is_conv(gm, stem):
+        return []
+    w = qdq.get_attr(gm, qdq.param_paths(gm, stem)[0])
+    if qdq.conv_groups(stem) != 1 or w.dim() < 3 or w.shape[1] > STEM_CHANNELS:
+        return []
+    layer_of = {n: name for name, n in nodes.items()}
+    n = stem
+    for _ in range(8):  # the activation, its quantizer, a pad and the quantizer again
+        if len(n.users) != 1:
+            break
+        (n,) = n.users
+        if n in layer_of:
+            depthwise = qdq.is_conv(gm, n) and qdq.conv_groups(n) > 1 and qdq.conv_groups(n) == w.shape[0]
+            return [str(first), layer_of[n]] if depthwise else [str(first)]
+    return [str(first)]
+
+
+def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan, scheme: str = "u8s8",
+                       gm: fx.GraphModule | None = None) -> list[str]:
     """Layer names from ``Int8Config.keep_float`` ("first" / "last": the first / last
-    quantizable layer in graph order)."""
+    quantizable layer in graph order; "none": nothing). Not given: the image stem's layers under
+    ``STEM_FLOAT_SCHEMES`` (``image_stem``), else nothing."""
+    if not keep:
+        return image_stem(gm, plan) if gm is not None and scheme in STEM_FLOAT_SCHEMES else []
     order = list(plan.layers)
     out: list[str] = []
     for k in keep:
+        if k == "none":
+            continue
         name = order[0] if k == "first" else order[-1] if k == "last" else k
         if name not in plan.layers:
-            raise bad_choice("layer to keep in float", k, ["first", "last", *order])
+            raise bad_choice("layer to keep in float", k, ["first", "last", "none", *order])
         if name not in out:
             out.append(name)
     return out
@@ -257,12 +306,19 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop, "
                                 "no u8u8_layers)") from None
         return _quantize_via_onnx(handle, config, ctx, scheme, kernels, smoothing_asked)
-    kept_float = resolve_keep_float(config.keep_float, plan)
+    kept_float = resolve_keep_float(config.keep_float, plan, scheme, gm)
+    u8u8 = resolve_u8u8_layers(config, plan, scheme)
+    if not config.keep_float and set(kept_float) & set(u8u8):
+        kept_float = []  # a stem layer asked to be integer (u8u8_layers): the default float stem gives way
+    if kept_float and not config.keep_float:
+        meta["keep_float_reason"] = (f"scheme {scheme}: the image stem ({', '.join(kept_float)}) runs faster on float "
+                                     "kernels than on these CPUs' int8 ones, and keeps the image and the first "
+                                     "activations exact (--keep-float none quantizes it)")
     for name in kept_float:  # before bias correction, which skips float layers
         qdq.weight_quant(gm, plan.layers[name]).enabled = False
     # exact 8-bit weights (u8 x u8 kernels) for the layers 7-bit weights cost most, before weight scales,
     # GPTQ rounding and bias correction, which then work on their 8-bit grid
-    meta["u8u8_layers"] = qdq.promote_u8u8(gm, plan, resolve_u8u8_layers(config, plan, scheme))
+    meta["u8u8_layers"] = qdq.promote_u8u8(gm, plan, u8u8)
     if config.equalize:
         with phases("equalize"):
             meta["equalized"] = equalize(gm, plan)

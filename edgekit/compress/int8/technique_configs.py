@@ -124,7 +124,7 @@ class OnnxGraphConfig:
         check_fields(self)
         if self.placement not in PLACEMENTS:
             raise bad_choice("INT8 placement", self.placement, PLACEMENTS)
-        check_layer_names("keep_float", self.keep_float, "(or 'first' / 'last')")
+        check_layer_names("keep_float", self.keep_float, "(or 'first' / 'last' / 'none')")
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
         if self.eval_samples is not None and int(self.eval_samples) < 1:
             raise BadInputError(f"eval_samples must be at least 1, got {self.eval_samples}")

@@ -253,7 +253,8 @@ def test_ptq_tiny_cnn_exports_fused_qdq_with_parity(tiny_cnn, tmp_path, target):
 
     tgt = load_target(target)
     ctx = _ctx((3, 32, 32), target=tgt)
-    q = apply(tiny_cnn, Int8Config(calib_method="minmax"), ctx)
+    # every layer integer (--keep-float none: no float image stem under u8s8p), so every grid is checked
+    q = apply(tiny_cnn, Int8Config(calib_method="minmax", keep_float=("none",)), ctx)
     meta = q.steps[-1].meta
     scheme = {"cpu-avx2": "u8s8p", "cpu-avx512-vnni": "u8s8"}[target]
     assert meta["scheme"] == scheme and meta["folded_bn"] == 1 and len(meta["layers"]) == 4
@@ -444,7 +445,10 @@ def test_compress_load_export_build_profile_end_to_end(tmp_path):
     out = compress(h, [("int8", Int8Config(calib_method="mse"))], tmp_path / "int8", ctx)
     man = read_manifest(out)
     assert man.metrics["int8"]["scheme"] == resolve_scheme(Int8Config(), None) and man.steps[-1]["name"] == "int8"
-    assert man.steps[-1]["meta"]["float_layers"] == []
+    if man.metrics["int8"]["scheme"] == "u8s8p":  # without VNNI: the image stem stays float
+        assert man.steps[-1]["meta"]["float_layers"] and "keep_float_reason" in man.steps[-1]["meta"]
+    else:
+        assert man.steps[-1]["meta"]["float_layers"] == []
     back = load_compressed(out)  # base model + rebuilt fake-quant graph + saved weights and scales
     x = torch.from_numpy(ctx.eval.inputs["input"][:4])
     h2 = apply(residual_model(), Int8Config(calib_method="mse"), _ctx((3, 16, 16)))
@@ -455,8 +459,10 @@ def test_compress_load_export_build_profile_end_to_end(tmp_path):
                        BuildOptions(threads=1, extra={"export": {"atol": tol[0], "rtol": tol[1]}}))
     prof = profile_engine(eng, ProfileConfig(warmup_ms=0, duration_s=0, iterations=3, node_iterations=2, threads=1))
     conv_nodes = [n for n in prof.nodes if n.op_type in ("QLinearConv", "Conv")]
-    assert conv_nodes and all(n.quantized and n.precision == "int8" for n in conv_nodes)
-    assert prof.quantized_nodes >= 3 and prof.float_share is not None and prof.float_share < 1.0
+    float_convs = [n for n in conv_nodes if not n.quantized]  # a float image stem's, none else
+    assert len(float_convs) == len(man.steps[-1]["meta"]["float_layers"]) and all(n.precision == "fp32" for n in float_convs)
+    assert len(conv_nodes) > len(float_convs) and all(n.precision == "int8" for n in conv_nodes if n.quantized)
+    assert prof.quantized_nodes >= 2 and prof.float_share is not None and prof.float_share < 1.0
 
 
 def test_no_quantizable_layers_and_bad_calibration_data():
@@ -496,7 +502,8 @@ def test_non_finite_calibration_activation_is_reported(tiny_mlp):
 def test_fallback_keeps_sensitive_layers_float_until_within_budget(tiny_cnn):
     ctx = _ctx((3, 32, 32))
     # budget 0 on top-1 agreement: some layers must go back to float (or all, in the worst case)
-    q = apply(tiny_cnn, Int8Config(max_accuracy_drop=0.0, equalize=False, bias_correction=False), ctx)
+    q = apply(tiny_cnn, Int8Config(max_accuracy_drop=0.0, equalize=False, bias_correction=False, keep_float=("none",)),
+              ctx)
     fb = ctx.metrics["int8"]["fallback"]
     assert fb["met"] and fb["final"]["top1_agreement"] == 1.0
     assert q.steps[-1].meta["float_layers"] == fb["float_layers"]
@@ -558,7 +565,8 @@ def test_tiny_transformer_ptq_exports_and_stays_close(tiny_transformer, tmp_path
 
 @pytest.mark.slow
 def test_fmnist_cnn_ptq_real_model(tmp_path):
-    """The real Fashion-MNIST CNN: PTQ keeps accuracy within 0.5 points, every conv runs int8."""
+    """The real Fashion-MNIST CNN: PTQ keeps accuracy within 0.5 points, every conv runs int8 but an image stem
+    kept float (scheme u8s8p, on CPUs without VNNI)."""
     from edgekit.loading import load_model
     from edgekit.sources.data import load_samples
 
@@ -570,7 +578,9 @@ def test_fmnist_cnn_ptq_real_model(tmp_path):
     assert m["fp32"]["accuracy"] - m["int8_fake_quant"]["accuracy"] <= 0.005
     path = _export(q, tmp_path / "onnx")
     y, ops = _ort(path, ev.inputs["input"][:256])
-    assert ops.count("QLinearConv") == 3
+    stem = q.steps[-1].meta["float_layers"]
+    assert len(stem) == (1 if m["scheme"] == "u8s8p" else 0)  # its stem: one conv over 1 channel, no depthwise
+    assert ops.count("QLinearConv") == 3 - len(stem)
     assert (y.argmax(-1) == ev.labels[:256]).mean() >= m["fp32"]["accuracy"] - 0.03
 
 

@@ -103,9 +103,90 @@ def test_keep_float_first_and_last_layers_stay_float_and_survive_reload(tmp_path
         assert torch.allclose(r.module(x), q.module(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("scheme, keep, stem_float", [
+    ("u8s8p", (), True),  # the default without VNNI: the RGB stem runs faster on float kernels there
+    ("u8s8p", ("none",), False),
+    ("u8s8", (), False),  # VNNI / AMX: every layer integer, as before
+    ("u8s7", (), False),
+    ("u8s8p", ("last",), False),  # named layers replace the default
+])
+def test_image_stem_stays_float_by_default_without_vnni_only(scheme, keep, stem_float, tmp_path):
+    ctx = StepContext(calib=_images(16, 1), eval=_images(16, 2, "eval"), progress=False)
+    q = apply(_handle(), Int8Config(calib_samples=16, scheme=scheme, keep_float=keep), ctx)
+    meta = q.steps[-1].meta
+    enabled = {m.qname: m.enabled for m in qdq.weight_quants(q.module)}
+    assert enabled["stem"] is (not stem_float) and enabled["mid"] is True
+    assert ("stem" in meta["float_layers"]) is stem_float
+    assert ("x" in meta["float_activations"]) is stem_float  # the input image is not quantized either
+    assert ("keep_float_reason" in meta) is (stem_float and not keep)
+    if stem_float:
+        assert "--keep-float none" in meta["keep_float_reason"]
+        assert _ort_ops(q, tmp_path / "onnx") == {"Conv": 1, "QLinearConv": 1, "QGemm": 1}
+
+
+class _DepthwiseNet(nn.Module):
+    """A MobileNet-like start: stem, ReLU6, an explicit zero pad, a depthwise conv, a pointwise conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.pad = nn.ZeroPad2d(1)
+        self.dw = nn.Conv2d(8, 8, 3, groups=8)
+        self.pw = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.relu6(self.dw(self.pad(nn.functional.relu6(self.stem(x)))))
+        x = torch.relu(self.pw(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _depthwise_handle() -> ModelHandle:
+    torch.manual_seed(0)
+    return ModelHandle(name="tiny-dw", source="tests", kind="image-classifier", module=_DepthwiseNet().eval(),
+                       inputs=[InputSpec("input", ("batch", 3, 16, 16), "float32")], outputs=["logits"],
+                       dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+
+
+def test_image_stem_is_a_conv_over_at_most_four_channels_and_the_depthwise_conv_reading_it():
+    from edgekit.compress.int8.step import image_stem
+
+    gm, plan = qdq.prepare_qdq(copy.deepcopy(_handle().module), "u8s8p")
+    assert image_stem(gm, plan) == ["stem"]  # followed by a full conv: the stem alone
+    gm, plan = qdq.prepare_qdq(copy.deepcopy(_depthwise_handle().module), "u8s8p")
+    assert image_stem(gm, plan) == ["stem", "dw"]
+    wide = _Net()
+    wide.stem = nn.Conv2d(5, 8, 3, padding=1)
+    gm, plan = qdq.prepare_qdq(wide, "u8s8p")
+    assert image_stem(gm, plan) == []
+
+
+def test_stem_and_depthwise_conv_float_with_their_inputs_through_the_pad(tmp_path):
+    ctx = StepContext(calib=_images(16, 1), eval=_images(16, 2, "eval"), progress=False)
+    q = apply(_depthwise_handle(), Int8Config(calib_samples=16, scheme="u8s8p"), ctx)
+    meta = q.steps[-1].meta
+    assert meta["float_layers"] == ["stem", "dw"]
+    # the image and the stem's output (quantized before and after the pad) are float too: a float conv
+    # reading a DequantizeLinear would get per-tensor int8 weights from ONNX Runtime
+    assert meta["float_activations"] == ["x", "relu6"]
+    ops = _ort_ops(q, tmp_path / "onnx")
+    assert ops.get("Conv", 0) + ops.get("FusedConv", 0) == 2 and ops["QLinearConv"] == 1 and ops["QGemm"] == 1
+
+
+def test_a_kept_float_layer_behind_a_pad_loses_its_input_quantizer(tmp_path):
+    ctx = StepContext(calib=_images(16, 1), eval=_images(16, 2, "eval"), progress=False)
+    q = apply(_depthwise_handle(), Int8Config(calib_samples=16, scheme="u8s8", keep_float=("dw",)), ctx)
+    assert q.steps[-1].meta["float_activations"] == ["relu6"]
+    # one integer conv, the pointwise one: the depthwise conv keeps its float weights (per-tensor int8 from
+    # ONNX Runtime would make it a second QLinearConv), and the stem, whose output it reads in float, runs its
+    # int8-grid weights on a float conv
+    ops = _ort_ops(q, tmp_path / "onnx")
+    assert ops.get("Conv", 0) + ops.get("FusedConv", 0) == 2 and ops["QLinearConv"] == 1 and ops["QGemm"] == 1
+
+
 def test_keep_float_rejects_unknown_layer_names():
     ctx = StepContext(calib=_images(16, 1), eval=_images(16, 2, "eval"), progress=False)
-    with pytest.raises(BadInputError, match=r"unknown layer to keep in float 'nope' \(choose from .*'first'.*'stem'"):
+    with pytest.raises(BadInputError, match=r"unknown layer to keep in float 'nope' \(choose from .*'first'.*'none'.*'stem'"):
         apply(_handle(), Int8Config(calib_samples=16, keep_float=("nope",)), ctx)
     with pytest.raises(BadInputError, match="keep_float must be a list of layer names"):
         Int8Config(keep_float="first")  # type: ignore[arg-type]
@@ -191,7 +272,7 @@ def test_gptq_round_stays_on_the_grid_and_beats_round_to_nearest():
 
 def test_gptq_rounding_in_apply_lowers_output_error_and_exports_int8(tmp_path):
     ctx = StepContext(calib=_images(16, 1), eval=_images(16, 2, "eval"), progress=False)
-    q = apply(_handle(), Int8Config(calib_samples=16, rounding="gptq"), ctx)
+    q = apply(_handle(), Int8Config(calib_samples=16, rounding="gptq", keep_float=("none",)), ctx)  # any CPU
     rep = q.steps[-1].meta["gptq"]
     assert rep["layers"] >= 2 and rep["output_error_ratio"] < 0.9
     for name, qname in [("stem", "wq_stem"), ("mid", "wq_mid")]:

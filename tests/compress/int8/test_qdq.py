@@ -64,6 +64,7 @@ def test_promoted_layers_store_uint8_weights_at_zero_point_128_and_run_exact_int
     q = apply(tiny_cnn_model(), Int8Config(calib_method="minmax", u8u8_layers=("first", "5")), _ctx(AVX2))
     meta = q.steps[-1].meta
     assert meta["scheme"] == "u8s8p" and meta["u8u8_layers"] == ["0", "5"] and "u8 x u8" in meta["u8u8_reason"]
+    assert meta["float_layers"] == []  # the stem asked for u8 x u8: the default float stem gives way
     export_onnx(q, tmp_path / "onnx", ExportConfig(skip_parity=True))
     path = tmp_path / "onnx" / "model.onnx"
     stored = list(_weights(path).values())
