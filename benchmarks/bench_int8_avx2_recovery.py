@@ -46,15 +46,17 @@ calibration draws made as ``compress`` makes them (128 of the calib split's 256 
 Fashion-MNIST mixed, ``load_samples(..., seed=)``; seed 0 is the command's own draw): "u8s7" (7-bit
 weights) and "u8s8p" (8-bit weights on the pair-safe grid, ``compress/int8/pairs.py``). **Validation** =
 the train split's first 256 images (its 101 photos and 155 Fashion-MNIST images; no calib-split image, so
-disjoint from every draw); the eval split is not read. A third variant, "u8s8p, float stem", keeps the RGB
-stem in float (its weights and the input image: what ``keep_float`` does). Per variant and seed: fake-quant,
+disjoint from every draw); the eval split is not read. Two more variants keep layers float on the pair-safe
+grid, with their inputs (what ``keep_float`` does): "u8s8p, float stem" the RGB stem, "u8s8p, float stem +
+depthwise" also the depthwise conv that reads it (the default since, ``step.image_stem``). Per variant and seed: fake-quant,
 engine on the int16-pair kernels (this machine's where they are its own, else their numerical model) and
 int32-model agreement and KL against FP32, the weight grid's mean bits over the 7-bit grid, and the 1-thread
 CPU ms of this machine's ONNX Runtime engine beside FP32's (every engine in every round, 5 rounds of 16
 images); ``--variants`` runs only the named ones (';'-separated), each paired against the first.
 
     python benchmarks/bench_int8_avx2_recovery.py --schemes [--seeds 0,1,2] [--jobs 2]
-        [--variants "u8s8p;u8s8p, float stem"] [--out benchmarks/results/int8_avx2_schemes.json]
+        [--variants "u8s8p;u8s8p, float stem;u8s8p, float stem + depthwise"]
+        [--out benchmarks/results/int8_avx2_schemes.json]
 """
 from __future__ import annotations
 
@@ -374,7 +376,7 @@ def scheme_seed(seed: int, only: tuple[str, ...] = (), rounds: int = 5, images: 
             continue
         c1 = time.process_time()
         gm, plan = qdq.prepare_qdq(copy.deepcopy(module), scheme)
-        kept = resolve_keep_float(keep, plan)
+        kept = resolve_keep_float(keep, plan, scheme, gm)
         for name in kept:
             qdq.weight_quant(gm, plan.layers[name]).enabled = False
         equalized = equalize(gm, plan)

@@ -89,10 +89,7 @@ def exclusive_input_quants(gm: fx.GraphModule, layers: set[str]) -> list[str]:
     and writes a QuantizeLinear (per-tensor, without edgekit's bias correction), so a float
     weight alone would run in int8 anyway, and worse."""
 
-    layer_of: dict[fx.Node, str] = {}
-    for n in gm.graph.nodes:
-        if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None:
-            layer_of[n] = qdq.layer_name(qdq.param_paths(gm, n)[0])
+    layer_of = qdq.quantized_layers(gm)
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), qdq.ActQuant):

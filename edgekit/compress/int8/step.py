@@ -143,25 +143,18 @@ STEM_FLOAT_SCHEMES = ("u8s8p",)
 STEM_CHANNELS = 4
 
 
-def _layer_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
-    """Layer name -> its conv/linear node, for the layers with a weight quantizer."""
-    return {qdq.layer_name(qdq.param_paths(gm, n)[0]): n for n in gm.graph.nodes
-            if (qdq.is_conv(gm, n) or qdq.is_linear(gm, n)) and qdq.weight_quant_node(n) is not None}
-
-
 def image_stem(gm: fx.GraphModule, plan: qdq.QuantPlan) -> list[str]:
     """The layers an image stem is made of: the first quantizable layer when it is a (non-grouped)
     convolution reading at most ``STEM_CHANNELS`` channels, and the depthwise convolution that alone
     reads its output (through its activation, quantizers and padding), if there is one; else none."""
-    nodes = _layer_nodes(gm)
+    layer_of = qdq.quantized_layers(gm)
     first = next(iter(plan.layers), None)
-    stem = nodes.get(first) if first is not None else None
+    stem = next((n for n, name in layer_of.items() if name == first), None)
     if stem is None or not qdq.is_conv(gm, stem):
         return []
     w = qdq.get_attr(gm, qdq.param_paths(gm, stem)[0])
     if qdq.conv_groups(stem) != 1 or w.dim() < 3 or w.shape[1] > STEM_CHANNELS:
         return []
-    layer_of = {n: name for name, n in nodes.items()}
     n = stem
     for _ in range(8):  # the activation, its quantizer, a pad and the quantizer again
         if len(n.users) != 1:
@@ -173,13 +166,12 @@ def image_stem(gm: fx.GraphModule, plan: qdq.QuantPlan) -> list[str]:
     return [str(first)]
 
 
-def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan, scheme: str = "u8s8",
-                       gm: fx.GraphModule | None = None) -> list[str]:
+def resolve_keep_float(keep: tuple[str, ...], plan: qdq.QuantPlan, scheme: str, gm: fx.GraphModule) -> list[str]:
     """Layer names from ``Int8Config.keep_float`` ("first" / "last": the first / last
     quantizable layer in graph order; "none": nothing). Not given: the image stem's layers under
     ``STEM_FLOAT_SCHEMES`` (``image_stem``), else nothing."""
     if not keep:
-        return image_stem(gm, plan) if gm is not None and scheme in STEM_FLOAT_SCHEMES else []
+        return image_stem(gm, plan) if scheme in STEM_FLOAT_SCHEMES else []
     order = list(plan.layers)
     out: list[str] = []
     for k in keep:
@@ -310,7 +302,7 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     u8u8 = resolve_u8u8_layers(config, plan, scheme)
     if not config.keep_float and set(kept_float) & set(u8u8):
         kept_float = []  # a stem layer asked to be integer (u8u8_layers): the default float stem gives way
-    if kept_float and not config.keep_float:
+    elif kept_float and not config.keep_float:
         meta["keep_float_reason"] = (f"scheme {scheme}: the image stem ({', '.join(kept_float)}) runs faster on float "
                                      "kernels than on these CPUs' int8 ones, and keeps the image and the first "
                                      "activations exact (--keep-float none quantizes it)")
