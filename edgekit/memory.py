@@ -3,6 +3,10 @@
 * ``release_memory``: tensors and ONNX protos freed by Python stay in the C allocator's heap
   (glibc keeps freed chunks for reuse), so a command's resident memory only grows; this runs the
   garbage collector and, on glibc, ``malloc_trim(0)``, which returns the free pages.
+* ``reuse_freed_memory()``: inside it, glibc keeps the memory of freed tensors for the next ones
+  instead of unmapping it and faulting fresh zeroed pages in at the next allocation; for passes that
+  allocate and free activations of the same sizes batch after batch (INT8 calibration, GPTQ's Hessians,
+  bias correction, the float reference).
 * ``own_memory(module)``: a model loaded from a memory-mapped safetensors file keeps the whole
   file resident while any of its tensors still points into it: after a compression step replaced
   the large weights, the few float tensors left (norms, biases) hold the float model's file in
@@ -62,6 +66,49 @@ def release_memory(collect: bool = True) -> None:
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+# After reuse_freed_memory: where glibc's own adjustment takes its thresholds for large blocks (mallopt(3): the
+# mmap threshold rises to a freed block's size, at most 32 MB on 64-bit, the trim threshold to twice that);
+# setting any of them turns that adjustment off for good, so the block leaves them where it would have led
+_MALLOC_AFTER = {M_TRIM_THRESHOLD: 64 << 20, M_TOP_PAD: 128 << 10, M_MMAP_THRESHOLD: 32 << 20}
+# Inside reuse_freed_memory: blocks up to 256 MB come from the heap, up to 1 GB of free memory at its top
+# stays in the process, and the heap grows 64 MB at a time
+_MALLOC_REUSE = {M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20, M_MMAP_THRESHOLD: 256 << 20}
+_reusing = 0
+
+
+@contextmanager
+def reuse_freed_memory() -> Iterator[None]:
+    """Serve large allocations from glibc's heap and keep freed memory for reuse inside the block.
+
+    PyTorch's CPU tensors are plain ``malloc`` blocks. By default glibc maps every block above a
+    threshold (128 KB, rising to at most 32 MB) with ``mmap`` and unmaps it on free, so a pass whose
+    activations are megabytes gets fresh pages from the kernel, zeroed and faulted in one by one, for
+    every tensor of every batch. On EfficientNet-Lite0's INT8 passes that was 18 of 48 CPU s spent in the
+    kernel (benchmarks/RESULTS.md, issue 26). Inside the block blocks up to 256 MB come from the heap
+    and freed memory stays there for the next batch; on exit the thresholds go where glibc's own
+    adjustment takes them for large blocks (``_MALLOC_AFTER``) and ``malloc_trim`` returns the free pages. Re-entrant; a no-op off glibc, and where the user tuned
+    glibc's allocator through its ``MALLOC_*_`` environment variables."""
+    global _reusing
+    lib = _libc()
+    if lib is None or not hasattr(lib, "mallopt") or any(k.startswith("MALLOC_") for k in os.environ):
+        yield
+        return
+    if _reusing == 0:
+        for param, value in _MALLOC_REUSE.items():
+            lib.mallopt(param, value)
+    _reusing += 1
+    try:
+        yield
+    finally:
+        _reusing -= 1
+        if _reusing == 0:
+            for param, value in _MALLOC_AFTER.items():
+                lib.mallopt(param, value)
+            lib.malloc_trim(0)
 
 
 def _file_mappings() -> list[tuple[int, int]]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgekit.memory import drop_file_pages, float32_compute, half_stored
+from edgekit import memory
+from edgekit.memory import drop_file_pages, float32_compute, half_stored, reuse_freed_memory
 
 
 def test_float32_compute_runs_half_weights_in_float32_and_puts_them_back():
@@ -112,3 +113,64 @@ def test_float32_compute_can_let_each_layers_mapped_pages_go(tmp_path):
             out = layer(x)
         assert torch.equal(out, want) and layer.weight.data_ptr() == mapped.data_ptr()
         assert _rss_file_kib() - before < 1024  # the 4 MiB read for the forward went back
+
+
+
+def _faults_of_allocations(count: int = 8, floats: int = 10 << 20) -> int:
+    """Minor page faults of ``count`` 40 MB tensors allocated, written and freed one after another (above
+    the 32 MB up to which glibc's own threshold adjustment serves large blocks from its heap)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(count):
+        torch.ones(floats)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+PAGES = (10 << 20) * 4 // os.sysconf("SC_PAGE_SIZE")  # one tensor's pages
+
+
+
+@pytest.mark.skipif(memory._libc() is None, reason="glibc's allocator only")
+def test_reuse_freed_memory_keeps_a_freed_tensor_s_pages_for_the_next_one(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    assert _faults_of_allocations() >= 6 * PAGES  # above 32 MB glibc maps and unmaps each one
+    with reuse_freed_memory():
+        _faults_of_allocations()  # the heap grows to hold them
+        assert _faults_of_allocations() < PAGES // 4
+
+
+class _Mallopt:
+    """A stand-in for glibc's mallopt / malloc_trim that records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.trims = 0
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+    def malloc_trim(self, _pad: int) -> int:
+        self.trims += 1
+        return 1
+
+
+def test_reuse_freed_memory_sets_glibc_s_thresholds_once_and_leaves_them_where_glibc_would(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    fake = _Mallopt()
+    monkeypatch.setattr(memory, "_libc", lambda: fake)
+    with reuse_freed_memory():
+        with reuse_freed_memory():  # nested: nothing more set, nothing undone at its end
+            pass
+        assert fake.calls == [(memory.M_TRIM_THRESHOLD, 1 << 30), (memory.M_TOP_PAD, 64 << 20),
+                              (memory.M_MMAP_THRESHOLD, 256 << 20)] and fake.trims == 0
+    # glibc's own adjustment for large blocks: mmap threshold 32 MB, trim threshold twice that
+    assert fake.calls[3:] == [(memory.M_TRIM_THRESHOLD, 64 << 20), (memory.M_TOP_PAD, 128 << 10),
+                              (memory.M_MMAP_THRESHOLD, 32 << 20)] and fake.trims == 1
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the user tuned glibc's allocator: left alone
+    with reuse_freed_memory():
+        pass
+    assert len(fake.calls) == 6 and fake.trims == 1

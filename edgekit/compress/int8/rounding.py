@@ -69,6 +69,23 @@ def _conv_args(n: fx.Node, env_args: list[Any]) -> tuple[Any, Any, Any, int]:
     return arg(3, "stride", 1), arg(4, "padding", 0), arg(5, "dilation", 1), int(arg(6, "groups", 1))
 
 
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv_windows(x: torch.Tensor, kernel: tuple[int, ...], stride: Any, padding: Any, dilation: Any) -> torch.Tensor:
+    """The windows a convolution reads from ``x`` (B, C, H, W), zero-padded as it pads: a view
+    (B, C, kh, kw, Ho, Wo) whose reshapes are ``F.unfold``'s im2col matrix (B, C·kh·kw, Ho·Wo) or a
+    depthwise convolution's per-channel one (C, kh·kw, B·Ho·Wo). On NCHW memory (``x`` is copied so
+    if it is channels-last) each reshape copies whole rows: 1.3-1.6x faster than ``F.unfold``."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pair(kernel), _pair(stride), _pair(padding), _pair(dilation)
+    xp = F.pad(x.contiguous(), (pw, pw, ph, ph))
+    B, C, H, W = xp.shape
+    Ho, Wo = (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+    sb, sc, sy, sx = xp.stride()
+    return xp.as_strided((B, C, kh, kw, Ho, Wo), (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw))
+
+
 def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], limit: int = 32,
                    batch_size: int = 2, channels_last: bool = False, reference: str | None = None
                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -95,15 +112,19 @@ def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, na
     def add_shift(name: str, dxxt: torch.Tensor) -> None:
         shift[name] = dxxt if name not in shift else shift[name] + dxxt
 
-    def im2col(n: fx.Node, x: torch.Tensor, args: list[Any]) -> tuple[torch.Tensor, int] | None:
-        """The conv input's im2col matrix (B, Cin*kk, L) and its groups; None for a string padding."""
-        stride, padding, dilation, groups = _conv_args(n, args)
+    def im2col(n: fx.Node, x: torch.Tensor, args: list[Any], depthwise: bool) -> torch.Tensor | None:
+        """The conv input's im2col matrix (B, Cin*kk, L), or a depthwise conv's per-channel one
+        (C, kk, B*L); None for a string padding."""
+        stride, padding, dilation, _ = _conv_args(n, args)
         k = tuple(qdq.get_attr(gm, qdq.param_paths(gm, n)[0]).shape[2:])
         if isinstance(padding, str):
             return None
-        if k == (1, 1) and stride in (1, (1, 1)) and padding in (0, (0, 0)):
-            return x.flatten(2), groups  # a pointwise conv's im2col is the input itself
-        return F.unfold(x, k, dilation=dilation, padding=padding, stride=stride), groups
+        if k == (1, 1) and stride in (1, (1, 1)) and padding in (0, (0, 0)) and not depthwise:
+            return x.flatten(2)  # a pointwise conv's im2col is the input itself
+        v = conv_windows(x, k, stride, padding, dilation)  # (B, C, kh, kw, Ho, Wo)
+        if depthwise:
+            return v.permute(1, 2, 3, 0, 4, 5).reshape(v.shape[1], -1, v.shape[0] * v.shape[4] * v.shape[5])
+        return v.reshape(v.shape[0], -1, v.shape[4] * v.shape[5])
 
     float_inputs: dict[fx.Node, torch.Tensor] = {}  # this batch's inputs of the targets in the float model
 
@@ -146,23 +167,21 @@ def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, na
                     if x_fp is not None:
                         xr = x.reshape(-1, x.shape[-1])
                         add_shift(targets[n], (x_fp.reshape(-1, x.shape[-1]) - xr).t() @ xr)
-                elif x.dim() == 4 and (found := im2col(n, x, args)) is not None:
-                    cols, groups = found  # (B, Cin*kk, L)
-                    cols_fp = None if x_fp is None else im2col(n, x_fp, args)
-                    # one sample at a time, as transposed views of its im2col matrix: no copies
-                    if groups == 1:
+                elif x.dim() == 4:
+                    groups = _conv_args(n, args)[3]
+                    depthwise = groups == x.shape[1] == w.shape[0] and w.shape[1] == 1
+                    if groups == 1 and (cols := im2col(n, x, args, False)) is not None:  # (B, Cin*kk, L)
+                        cols_fp = None if x_fp is None else im2col(n, x_fp, args, False)
+                        # one sample at a time, as transposed views of its im2col matrix: no copies
                         for i, cb in enumerate(cols):  # (Cin*kk, L)
                             hessian(targets[n], cols.shape[1]).add_batch(cb.t())
                             if cols_fp is not None:
-                                add_shift(targets[n], (cols_fp[0][i] - cb) @ cb.t())
-                    elif groups == x.shape[1] == w.shape[0] and w.shape[1] == 1:  # depthwise
-                        kk = cols.shape[1] // groups
-                        per_channel = cols.reshape(x.shape[0], groups, kk, -1)
-                        for i, cb in enumerate(per_channel):  # (C, kk, L)
-                            hessian(targets[n], kk, groups).add_batch(cb.transpose(1, 2))
-                            if cols_fp is not None:
-                                dx = cols_fp[0][i].reshape(groups, kk, -1) - cb
-                                add_shift(targets[n], torch.bmm(dx, cb.transpose(1, 2)))
+                                add_shift(targets[n], (cols_fp[i] - cb) @ cb.t())
+                    elif depthwise and (cols := im2col(n, x, args, True)) is not None:  # (C, kk, B*L)
+                        # the whole batch in one product per channel
+                        hessian(targets[n], cols.shape[1], groups).add_batch(cols.transpose(1, 2))
+                        if x_fp is not None and (cols_fp := im2col(n, x_fp, args, True)) is not None:
+                            add_shift(targets[n], torch.bmm(cols_fp - cols, cols.transpose(1, 2)))
             return super().run_node(n)
 
     sub = samples.subset(slice(0, min(limit, len(samples))))

@@ -64,7 +64,7 @@ from edgekit.compress.int8.technique_configs import MIN_CALIB_SAMPLES, Calibrati
 from edgekit.compress.quality import BOUNDS_8BIT
 from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.export.onnx import ExportConfig, export_onnx
-from edgekit.memory import release_memory
+from edgekit.memory import release_memory, reuse_freed_memory
 from edgekit.onnx_int8_kernels import describe_semantics, semantics_for_target, session_for
 from edgekit.runtimes import get_runtime
 from edgekit.sources.data import Samples
@@ -278,6 +278,17 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
         return _with_record(*quantize_onnx_handle(handle, config.onnx_graph_config(), ctx, scheme, kernels), config)
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
+    with reuse_freed_memory():  # every pass allocates and frees the same activations batch after batch
+        quantized = _quantize_module(handle, config, ctx, scheme, why, kernels)
+    # None: not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph
+    return quantized or _quantize_via_onnx(handle, config, ctx, scheme, kernels, smoothing_asked)
+
+
+def _quantize_module(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str, why: str,
+                     kernels: str) -> ModelHandle | None:
+    """The PyTorch path of ``apply``: fake-quant graph, calibration, rounding, bias correction, the gate;
+    None where torch.fx cannot trace the model."""
+    assert handle.module is not None
     torch.manual_seed(ctx.seed)
     names = [s.name for s in handle.inputs]
     t_start = time.perf_counter()
@@ -292,12 +303,11 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     try:
         gm, plan = qdq.prepare_qdq(work, scheme)
     except qdq.TraceError as e:
-        # Not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph.
         if config.method != "ptq" or config.max_accuracy_drop is not None or config.u8u8_layers:
             raise BadInputError(f"model {handle.name!r} cannot be traced by torch.fx ({e}); only plain PTQ "
                                 "through its ONNX graph is possible (no --method qat, no --max-accuracy-drop, "
                                 "no u8u8_layers)") from None
-        return _quantize_via_onnx(handle, config, ctx, scheme, kernels, smoothing_asked)
+        return None
     kept_float = resolve_keep_float(config.keep_float, plan, scheme, gm)
     u8u8 = resolve_u8u8_layers(config, plan, scheme)
     if not config.keep_float and set(kept_float) & set(u8u8):

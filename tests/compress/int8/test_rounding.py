@@ -16,7 +16,7 @@ from edgekit.compress.int8 import qdq
 from edgekit.compress.int8.calibration import run_module
 from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.equalize import equalize_activation
-from edgekit.compress.int8.rounding import gptq_round, input_hessians, round_model, rounding_target
+from edgekit.compress.int8.rounding import conv_windows, gptq_round, input_hessians, round_model, rounding_target
 from edgekit.compress.int8.step import calibrate
 from edgekit.sources.data import Samples
 
@@ -152,3 +152,65 @@ def plan_input_of(gm: torch.fx.GraphModule, plan: qdq.QuantPlan, layer: str) -> 
             assert isinstance(x, torch.fx.Node) and str(x.target).startswith("aq_")
             return str(x.target)
     raise AssertionError(layer)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation", [
+    (3, 1, 1, 1), (3, 2, 1, 1), (5, 2, 2, 1), ((3, 1), (2, 1), (1, 0), 1), (3, 1, 2, 2), (1, 2, 0, 1)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_windows_reshape_to_unfold_s_im2col(kernel, stride, padding, dilation, channels_last):
+    x = torch.randn(2, 5, 11, 9, generator=torch.Generator().manual_seed(3))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    k = kernel if isinstance(kernel, tuple) else (kernel, kernel)
+    v = conv_windows(x, k, stride, padding, dilation)
+    want = torch.nn.functional.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
+    assert torch.equal(v.reshape(2, -1, v.shape[4] * v.shape[5]), want)
+    per_channel = v.permute(1, 2, 3, 0, 4, 5).reshape(5, k[0] * k[1], -1)  # (C, kk, B*L), the depthwise form
+    assert torch.equal(per_channel, want.reshape(2, 5, k[0] * k[1], -1).permute(1, 2, 0, 3).reshape(5, k[0] * k[1], -1))
+
+
+class _Depthwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = nn.Conv2d(3, 8, 1)
+        self.dw = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dw(torch.relu(self.expand(x)))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_hessian_is_each_channel_s_own_input_second_moment(channels_last):
+    """``2/n Σ x xᵀ`` per channel over every window of every image, whatever the batch and memory order."""
+    torch.manual_seed(0)
+    gm, plan = qdq.prepare_qdq(_Depthwise().eval(), "u8s8")
+    calib = _images(6, 4)
+    qdq.update_weight_scales(gm, plan)
+    calibrate(gm, calib, ["input"], Int8Config().calibration_config())
+    got = {}
+    for batch in (1, 4):
+        with qdq.fast_fake_quant(gm):
+            got[batch] = input_hessians(gm, plan, calib, ["input"], batch_size=batch, channels_last=channels_last)
+    # the depthwise conv's quantized input, recomputed from the graph's own modules
+    inputs = []
+
+    def keep(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        inputs.append(args[0].detach())
+
+    dw_node = next(n for n in gm.graph.nodes if qdq.is_conv(gm, n) and qdq.conv_groups(n) == 8)
+    feeding = gm.get_submodule(str(dw_node.args[0].target)) if dw_node.args[0].op == "call_module" else None
+    assert feeding is not None  # the activation quantizer in front of the depthwise conv
+    handle = feeding.register_forward_hook(lambda m, a, out: inputs.append(out.detach()))
+    with torch.no_grad(), qdq.fast_fake_quant(gm):
+        gm(torch.from_numpy(calib.inputs["input"]))
+    handle.remove()
+    cols = torch.nn.functional.unfold(inputs[0], 3, padding=1, stride=2)  # (B, 8*9, L)
+    X = cols.reshape(6, 8, 9, -1).permute(1, 0, 3, 2).reshape(8, -1, 9)  # (C, B*L, 9)
+    want = 2 * X.transpose(1, 2) @ X / X.shape[1]
+    name = qdq.layer_name(qdq.param_paths(gm, dw_node)[0])
+    for batch in (1, 4):
+        H, shift = got[batch][name]
+        assert shift is None and H.shape == (8, 9, 9)
+        torch.testing.assert_close(H, want, rtol=1e-5, atol=1e-6)
