@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -86,8 +87,20 @@ def conv_windows(x: torch.Tensor, kernel: tuple[int, ...], stride: Any, padding:
     return xp.as_strided((B, C, kh, kw, Ho, Wo), (sb, sc, sy * dh, sx * dw, sy * sh, sx * sw))
 
 
+# Input values a probe batch may hold: eight 224x224 RGB images. Fewer, larger batches run fewer
+# interpreted passes (EfficientNet-Lite0: GPTQ 1.1-1.6 CPU s less at 8 than at 2 images); the bound keeps
+# a large detector's activations and im2col matrices (several GB at 800x608 and 8 images) to one image.
+PROBE_VALUES = 8 * 3 * 224 * 224
+
+
+def probe_batch_size(samples: Samples, names: list[str]) -> int:
+    """Samples per batch of the Hessian probe: as many as hold ``PROBE_VALUES`` input values, 1 to 8."""
+    per_sample = sum(int(np.prod(samples.inputs[n].shape[1:])) for n in names)
+    return max(1, min(8, PROBE_VALUES // max(per_sample, 1)))
+
+
 def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, names: list[str], limit: int = 32,
-                   batch_size: int = 2, channels_last: bool = False, reference: str | None = None
+                   batch_size: int | None = None, channels_last: bool = False, reference: str | None = None
                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """layer name -> (``2 E[x xᵀ]`` of its inputs (``gptq.HessianAccumulator``), and with a
     ``reference`` ``2 E[(x_ref - x) xᵀ]``, else None): ``x_ref`` the same layer's input in the float
@@ -185,6 +198,7 @@ def input_hessians(gm: fx.GraphModule, plan: qdq.QuantPlan, samples: Samples, na
             return super().run_node(n)
 
     sub = samples.subset(slice(0, min(limit, len(samples))))
+    batch_size = batch_size or probe_batch_size(sub, names)
     gm.eval()
     with torch.no_grad():
         for args in tensor_batches(sub, names, batch_size, channels_last):

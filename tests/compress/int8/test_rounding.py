@@ -16,7 +16,14 @@ from edgekit.compress.int8 import qdq
 from edgekit.compress.int8.calibration import run_module
 from edgekit.compress.int8.config import Int8Config
 from edgekit.compress.int8.equalize import equalize_activation
-from edgekit.compress.int8.rounding import conv_windows, gptq_round, input_hessians, round_model, rounding_target
+from edgekit.compress.int8.rounding import (
+    conv_windows,
+    gptq_round,
+    input_hessians,
+    probe_batch_size,
+    round_model,
+    rounding_target,
+)
 from edgekit.compress.int8.step import calibrate
 from edgekit.sources.data import Samples
 
@@ -214,3 +221,9 @@ def test_depthwise_hessian_is_each_channel_s_own_input_second_moment(channels_la
         H, shift = got[batch][name]
         assert shift is None and H.shape == (8, 9, 9)
         torch.testing.assert_close(H, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,want", [((3, 224, 224), 8), ((3, 352, 480), 2), ((3, 608, 800), 1), ((1, 28, 28), 8)])
+def test_the_hessian_probe_takes_as_many_images_as_eight_224_rgb_ones_hold(shape, want):
+    samples = Samples("synthetic", "calib", {"input": np.zeros((3, *shape), np.float32)})
+    assert probe_batch_size(samples, ["input"]) == want
