@@ -92,15 +92,16 @@ class Cost:
     peak_rss_mb: float
 
 
-def run_child(argv: list[str]) -> Cost:
-    """Run a quantizer in its own process: wall, CPU (user + system, all threads) and peak RSS.
-    Through /usr/bin/time where it exists: Linux starts a forked child's peak RSS at its parent's
-    (this process holds the models and data), so the child is forked from that small process instead."""
+def run_child(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Cost:
+    """Run a quantizer in its own process (``env``, ``cwd``: its environment and folder, else this one's):
+    wall, CPU (user + system, all threads) and peak RSS. Through /usr/bin/time where it exists: Linux starts a forked
+    child's peak RSS at its parent's (this process holds the models and data), so the child is forked
+    from that small process instead."""
     t0 = time.perf_counter()
     timing = Path(tempfile.mkstemp(prefix="edgekit-bench-time-")[1])
     wrapped = ["/usr/bin/time", "-q", "-f", "%U %S %M", "-o", str(timing), *argv] if Path("/usr/bin/time").exists() \
         else argv
-    proc = subprocess.Popen(wrapped)
+    proc = subprocess.Popen(wrapped, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:

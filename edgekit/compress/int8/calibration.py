@@ -16,7 +16,8 @@ them (each standing for its share of the batch); the extremes always come from e
 
 The calibration data side, shared by the INT8 files: ``load_split`` (one split's samples),
 ``tensor_batches`` (samples as torch batches), ``run_module`` (a module's first output on
-every sample) and ``score`` / ``quality`` (metrics against the FP32 reference).
+every sample), ``score`` / ``quality`` (metrics against the FP32 reference) and ``check_agreement`` (a
+classifier's floor).
 
 >>> obs = HistogramObserver("relu1")
 >>> obs.update(torch.randn(64, 16))
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +36,7 @@ import torch.nn as nn
 
 from edgekit.compress import StepContext
 from edgekit.compress.int8.technique_configs import CALIB_METHODS
-from edgekit.errors import BadInputError, bad_choice
+from edgekit.errors import BadInputError, CheckFailedError, bad_choice
 from edgekit.evaluate import accuracy_metrics, agreement_metrics, cosine_metrics
 from edgekit.sources.data import Samples, check_arrays, load_samples
 from edgekit.sources.handle import ModelHandle
@@ -288,3 +290,31 @@ def quality(metrics: dict[str, float]) -> float:
         if key in metrics:
             return float(metrics[key])
     raise KeyError("no quality metric")
+
+
+# A classifier's INT8 model that agrees with its float model on fewer images than this is broken, not lossy
+# (EfficientNet-Lite0's default engine: 92.8%; a layer kept in float whose weights ONNX Runtime then quantized
+# per tensor: 52.6%, which the engine-against-fake-quant check cannot see, both being the same graph)
+MIN_AGREEMENT = 0.8
+CLASSIFIER_EVALUATORS = ("agreement", "accuracy")
+
+
+def agreement_floor(n: int) -> float:
+    """``MIN_AGREEMENT`` less two standard errors of that proportion on ``n`` samples, so that a small
+    evaluation set does not fail a sound model by chance (363 images: 75.8%; 32: 65.9%)."""
+    return MIN_AGREEMENT - 2 * math.sqrt(MIN_AGREEMENT * (1 - MIN_AGREEMENT) / max(n, 1))
+
+
+def check_agreement(metrics: dict[str, Any], evaluator: str | None, n: int, what: str, accept: bool) -> None:
+    """A classifier's (``evaluator`` in ``CLASSIFIER_EVALUATORS``) top-1 agreement with its float model on
+    ``n`` samples below ``agreement_floor(n)``: ``CheckFailedError`` (exit 1), unless ``accept``. Records
+    the floor in ``metrics`` (``min_agreement``)."""
+    if evaluator not in CLASSIFIER_EVALUATORS or "top1_agreement" not in metrics:
+        return
+    floor = agreement_floor(n)
+    metrics["min_agreement"] = round(floor, 4)
+    if metrics["top1_agreement"] < floor and not accept:
+        raise CheckFailedError(
+            f"{what} agrees with the float model on {100 * metrics['top1_agreement']:.1f}% of {n} evaluation "
+            f"samples, below the {100 * floor:.1f}% a classifier's INT8 model keeps when nothing is broken: "
+            "nothing written (accept the loss with --accept-quality-loss)")

@@ -76,6 +76,7 @@ from edgekit.compress import StepContext, step_rewrite
 from edgekit.compress.int8 import pairs, qdq
 from edgekit.compress.int8.calibration import (
     HistogramObserver,
+    check_agreement,
     choose_range,
     load_split,
     qparams,
@@ -1125,6 +1126,8 @@ def quantize_onnx_handle(handle: ModelHandle, config: OnnxGraphConfig, ctx: Step
         ref = run_graph(_float_session(src), ev, names, fixed or COMPARE_BATCH, fixed is not None)
         metrics["outputs"] = {o: output_drift(g, r) for o, g, r in zip(output_names, got, ref, strict=True)}
         metrics["int8"] = score(got[0], ref[0], ev.labels, handle.evaluator)
+        check_agreement(metrics["int8"], handle.evaluator, len(ev),
+                        f"the INT8 graph on {metrics['compared_on']['kernels']}", ctx.accept_quality_loss)
     new = copy.copy(handle)
     new.onnx_path = dst
     new.module = None

@@ -47,6 +47,7 @@ from edgekit import interrupts
 from edgekit.compress import Step, StepContext, config_to_dict, step_rewrite
 from edgekit.compress.int8 import qdq, qdq_onnx
 from edgekit.compress.int8.calibration import (
+    check_agreement,
     load_split,
     run_module,
     score,
@@ -446,6 +447,7 @@ def _evaluate_graph(handle: ModelHandle, ev: Samples, ref_out: Any, evaluator: s
     drop = quality_of(fake) - quality_of(result)
     bound = max(ENGINE_DROP, 3.0 / max(len(ev), 1))  # three samples' worth on a small evaluation set
     result["drop_from_fake_quant"] = round(drop, 4)
+    check_agreement(result, evaluator, len(ev), f"the INT8 graph on {result['kernels']}", ctx.accept_quality_loss)
     if drop > bound and not ctx.accept_quality_loss:
         raise CheckFailedError(
             f"the INT8 graph loses {100 * drop:.1f} points against its fake-quant model on {result['kernels']} "
