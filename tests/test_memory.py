@@ -116,30 +116,43 @@ def test_float32_compute_can_let_each_layers_mapped_pages_go(tmp_path):
 
 
 
-def _faults_of_allocations(count: int = 8, floats: int = 10 << 20) -> int:
-    """Minor page faults of ``count`` 40 MB tensors allocated, written and freed one after another (above
-    the 32 MB up to which glibc's own threshold adjustment serves large blocks from its heap)."""
-    import resource
 
+# Run in a fresh process: whether glibc maps a block depends on what the process freed before (a large free
+# chunk left in its heap by an earlier test serves the next block without a fault)
+_FAULTS = """
+import os, resource, sys, torch
+from edgekit.memory import reuse_freed_memory
+
+def faults(count=8, floats=10 << 20):  # 40 MB tensors: above the 32 MB glibc's own adjustment stops at
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(count):
         torch.ones(floats)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-
-PAGES = (10 << 20) * 4 // os.sysconf("SC_PAGE_SIZE")  # one tensor's pages
-
+outside = faults()
+with reuse_freed_memory():
+    faults()  # the heap grows to hold them
+    inside = faults()
+print(outside, inside)
+"""
 
 
 @pytest.mark.skipif(memory._libc() is None, reason="glibc's allocator only")
-def test_reuse_freed_memory_keeps_a_freed_tensor_s_pages_for_the_next_one(monkeypatch):
-    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
-        monkeypatch.delenv(k)
-    assert _faults_of_allocations() >= 6 * PAGES  # above 32 MB glibc maps and unmaps each one
-    with reuse_freed_memory():
-        _faults_of_allocations()  # the heap grows to hold them
-        assert _faults_of_allocations() < PAGES // 4
+@pytest.mark.parametrize("user_setting", [None, "MALLOC_ARENA_MAX"])
+def test_reuse_freed_memory_keeps_a_freed_tensor_s_pages_for_the_next_one(user_setting):
+    import subprocess
 
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if user_setting:
+        env[user_setting] = "2"  # the user tuned glibc's allocator: left alone
+    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
+    outside, inside = (int(v) for v in out.stdout.split())
+    pages = (10 << 20) * 4 // os.sysconf("SC_PAGE_SIZE")  # one tensor's pages
+    assert outside >= 6 * pages  # glibc maps and unmaps each one
+    if user_setting:
+        assert inside >= 6 * pages
+    else:
+        assert inside < pages // 4
 
 class _Mallopt:
     """A stand-in for glibc's mallopt / malloc_trim that records the calls."""
