@@ -280,23 +280,22 @@ def apply(handle: ModelHandle, config: Int8Config, ctx: StepContext) -> ModelHan
     if any(s.name == "int8" for s in handle.steps):
         raise BadInputError(f"model {handle.name!r} is already INT8-quantized")
     with reuse_freed_memory():  # every pass allocates and frees the same activations batch after batch
-        quantized = _quantize_module(handle, config, ctx, scheme, why, kernels)
+        quantized = _quantize_module(handle, handle.module, config, ctx, scheme, why, kernels)
     # None: not traceable by torch.fx (e.g. Hugging Face control flow): quantize its exported ONNX graph
     return quantized or _quantize_via_onnx(handle, config, ctx, scheme, kernels, smoothing_asked)
 
 
-def _quantize_module(handle: ModelHandle, config: Int8Config, ctx: StepContext, scheme: str, why: str,
-                     kernels: str) -> ModelHandle | None:
+def _quantize_module(handle: ModelHandle, module: nn.Module, config: Int8Config, ctx: StepContext, scheme: str,
+                     why: str, kernels: str) -> ModelHandle | None:
     """The PyTorch path of ``apply``: fake-quant graph, calibration, rounding, bias correction, the gate;
-    None where torch.fx cannot trace the model."""
-    assert handle.module is not None
+    None where torch.fx cannot trace the model (``module``: ``handle``'s)."""
     torch.manual_seed(ctx.seed)
     names = [s.name for s in handle.inputs]
     t_start = time.perf_counter()
     phases = Phases()
     with phases("load_data"):
         calib, held_out = _calibration_samples(handle, config.calibration_config(), config.fallback_config(), ctx)
-    float_module = handle.module.eval()
+    float_module = module.eval()
     reference = copy.deepcopy(float_module)
 
     work = copy.deepcopy(float_module)
