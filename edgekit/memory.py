@@ -90,8 +90,9 @@ def reuse_freed_memory() -> Iterator[None]:
     every tensor of every batch. On EfficientNet-Lite0's INT8 passes that was 18 of 48 CPU s spent in the
     kernel (benchmarks/RESULTS.md, issue 26). Inside the block blocks up to 256 MB come from the heap
     and freed memory stays there for the next batch; on exit the thresholds go where glibc's own
-    adjustment takes them for large blocks (``_MALLOC_AFTER``) and ``malloc_trim`` returns the free pages. Re-entrant; a no-op off glibc, and where the user tuned
-    glibc's allocator through its ``MALLOC_*_`` environment variables."""
+    adjustment takes them for large blocks (``_MALLOC_AFTER``) and ``malloc_trim`` returns the free
+    pages. Re-entrant; a no-op off glibc, and where the user tuned glibc's allocator through its
+    ``MALLOC_*_`` environment variables."""
     global _reusing
     lib = _libc()
     if lib is None or not hasattr(lib, "mallopt") or any(k.startswith("MALLOC_") for k in os.environ):
